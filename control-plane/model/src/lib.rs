@@ -1,0 +1,43 @@
+//! suanli's domain types and their validation.
+//!
+//! This crate owns the vocabulary every other suanli crate speaks: identifiers, resource
+//! vectors, devices and their topology, nodes, queues with quotas, job specifications, running
+//! allocations and the scheduling [`Plan`]. It is the leaf of the dependency graph.
+//!
+//! ```text
+//!   JobSpec --validate(Limits)--> ok / ValidationError{field, limit}
+//!   Node { devices: [Device{topology, health}] }     Queue { nominal, borrowing, lending }
+//!            \                                          /
+//!             +---- scheduler::ClusterView ------------+ --> scheduler::schedule --> Plan
+//! ```
+//!
+//! It must never do I/O, read a clock, spawn threads or depend on tokio: every function here is
+//! a pure function of its arguments, so the scheduler, the state machine and the simulator can
+//! replay it exactly.
+
+pub mod alloc;
+pub mod device;
+pub mod error;
+pub mod ids;
+pub mod job;
+pub mod limits;
+pub mod node;
+pub mod plan;
+pub mod queue;
+pub mod resources;
+
+pub use alloc::Allocation;
+pub use device::{Device, DeviceKind, Health};
+pub use error::ValidationError;
+pub use ids::{AllocId, JobId, NodeId, PoolId, QueueId};
+pub use job::{
+    CheckpointPolicy, Constraints, DeviceRequest, JobKind, JobSpec, TaskGroup, TaskResources,
+};
+pub use limits::Limits;
+pub use node::Node;
+pub use plan::{DeviceShare, Placement, Plan, Preemption, PreemptionReason, Reservation, Unplaced};
+pub use queue::Queue;
+pub use resources::ResVec;
+
+/// One whole device, in milli-units: a device is shared in thousandths.
+pub const WHOLE_DEVICE_MILLI: u32 = 1000;

@@ -1,0 +1,79 @@
+//! Nodes: capacity, devices, placement attributes.
+
+use crate::error::{ValidationError, check_name, check_range};
+use crate::{Device, DeviceKind, Limits, NodeId, PoolId, ResVec, WHOLE_DEVICE_MILLI};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A machine that runs tasks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Node {
+    /// Unique name.
+    pub id: NodeId,
+    /// The pool it belongs to.
+    pub pool: PoolId,
+    /// Datacenter (availability zone).
+    #[serde(default)]
+    pub datacenter: String,
+    /// Region.
+    #[serde(default)]
+    pub region: String,
+    /// Free-form labels matched by `constraints.labels`.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Allocatable CPU in milli-cores.
+    pub cpu_milli: u64,
+    /// Allocatable memory in MiB.
+    pub memory_mib: u64,
+    /// Accelerators.
+    #[serde(default)]
+    pub devices: Vec<Device>,
+    /// False when cordoned or draining: no new placements.
+    #[serde(default = "yes")]
+    pub schedulable: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Node {
+    /// Total capacity as a resource vector (healthy and unhealthy devices alike).
+    pub fn capacity(&self) -> ResVec {
+        let mut v = ResVec { cpu_milli: self.cpu_milli, memory_mib: self.memory_mib, ..ResVec::ZERO };
+        for d in &self.devices {
+            match d.kind {
+                DeviceKind::Gpu => v.gpu_milli += u64::from(WHOLE_DEVICE_MILLI),
+                DeviceKind::Npu => v.npu_milli += u64::from(WHOLE_DEVICE_MILLI),
+            }
+        }
+        v
+    }
+
+    /// Checks names, bounds and device id uniqueness.
+    pub fn validate(&self, limits: &Limits) -> Result<(), ValidationError> {
+        check_name(|| "node.id".into(), self.id.as_str(), limits.max_name_len)?;
+        check_name(|| "node.pool".into(), self.pool.as_str(), limits.max_name_len)?;
+        check_range(|| "node.cpu_milli".into(), self.cpu_milli, 0, u64::MAX / 4)?;
+        check_range(|| "node.memory_mib".into(), self.memory_mib, 0, u64::MAX / 4)?;
+        if self.devices.len() > limits.max_devices_per_node {
+            return Err(ValidationError::OutOfRange {
+                field: "node.devices".into(),
+                value: self.devices.len().to_string(),
+                limit: format!("at most {} devices per node", limits.max_devices_per_node),
+            });
+        }
+        let mut seen = BTreeSet::new();
+        for (i, d) in self.devices.iter().enumerate() {
+            check_name(|| format!("node.devices[{i}].id"), &d.id, limits.max_name_len)?;
+            check_name(|| format!("node.devices[{i}].model"), &d.model, limits.max_name_len)?;
+            if !seen.insert(d.id.as_str()) {
+                return Err(ValidationError::Invalid {
+                    field: format!("node.devices[{i}].id"),
+                    message: format!("duplicate device id {:?}", d.id),
+                });
+            }
+        }
+        Ok(())
+    }
+}
