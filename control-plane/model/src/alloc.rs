@@ -45,6 +45,12 @@ pub struct Allocation {
     /// Runtime estimate from the spec, for backfill's view of when capacity frees up.
     #[serde(default)]
     pub runtime_estimate_s: Option<u64>,
+    /// Admitted on quota borrowed from the cohort: the lender may reclaim it.
+    #[serde(default)]
+    pub borrowed: bool,
+    /// Part of a gang: stopping one replica stops the whole job.
+    #[serde(default)]
+    pub gang: bool,
 }
 
 impl Allocation {

@@ -1,1 +1,30 @@
-//! placeholder
+//! The pure scheduling engine.
+//!
+//! It owns every scheduling decision: queue order (priority, then weighted dominant-resource
+//! fair share, then age), quota admission with borrowing inside a cohort, gang and elastic
+//! placement, the placement policies (fragmentation-aware by default), preemption with minimal
+//! lost work, and backfill that never delays a reserved head job.
+//!
+//! ```text
+//!   ClusterView (immutable snapshot) ──┐
+//!   now, seed ─────────────────────────┼──▶ schedule() ──▶ Plan {placements, preemptions,
+//!   SchedulerConfig ───────────────────┘                        unplaced(reason), reservations}
+//!        │
+//!        └─ cluster::Cluster: nodes indexed by class; policy::Policy scores (class, shape)
+//! ```
+//!
+//! It must never read a clock, do I/O, spawn threads or iterate a `HashMap` where the order
+//! could reach a decision: time and randomness are arguments, so a plan replays exactly.
+
+pub mod cluster;
+pub mod engine;
+pub mod policy;
+pub mod quota;
+pub mod rng;
+pub mod workload;
+
+pub use cluster::{Choice, Cluster, ClusterError, MisfitTally, Shape, ShapeId};
+pub use engine::{ClusterView, PendingJob, SchedulerConfig, schedule};
+pub use policy::{POLICY_NAMES, Policy, UnknownPolicy, Weights};
+pub use rng::DetRng;
+pub use workload::{Profile, TypicalKey};

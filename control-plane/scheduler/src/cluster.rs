@@ -1,0 +1,923 @@
+//! The engine's view of node capacity, indexed for fast placement.
+//!
+//! Nodes whose placement-relevant state is identical (same static hardware and attributes, same
+//! free CPU and memory, same multiset of free device shares within each interchangeable device
+//! run) fall into one *class*. A policy's verdict for a task shape depends only on the class, so
+//! it is computed once per (class, shape) and cached; placing a task scans the active classes,
+//! not the nodes. A 10,000-node cluster typically has a few hundred active classes.
+//!
+//! ```text
+//!  Node ──(static attrs)──▶ StaticGroup ──┐
+//!  Node ──(free cpu/mem/devices)──────────┴─▶ Class{key, members, evals[shape]} ◀── place(shape)
+//! ```
+//!
+//! Ties between equally good nodes are broken uniformly at random with the caller's
+//! [`DetRng`], so a seed replays exactly.
+
+use crate::policy::{Eval, Pick, Policy};
+use crate::rng::DetRng;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use suanli_model::{
+    Constraints, DeviceKind, DeviceShare, Health, Limits, Node, NodeId, PoolId, TaskResources,
+    WHOLE_DEVICE_MILLI,
+};
+use thiserror::Error;
+
+/// A set of device models, as a bitset over the cluster's interned model ids.
+pub type ModelSet = u128;
+/// Every model.
+pub const ALL_MODELS: ModelSet = u128::MAX;
+/// Most distinct device models one cluster view can hold.
+pub const MAX_MODELS: usize = 128;
+/// Most devices on one node the engine schedules (device choices are 64-bit masks).
+pub const MAX_NODE_DEVICES: usize = 64;
+
+/// Errors building a cluster view.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ClusterError {
+    /// Invalid node description.
+    #[error("node {node}: {source}")]
+    Node {
+        /// The node.
+        node: String,
+        /// What is wrong.
+        source: suanli_model::ValidationError,
+    },
+    /// Too many devices on one node for the engine.
+    #[error("node {node}: {count} devices; the engine schedules at most {MAX_NODE_DEVICES} per node")]
+    TooManyDevices {
+        /// The node.
+        node: String,
+        /// Its device count.
+        count: usize,
+    },
+    /// Too many distinct device models.
+    #[error("more than {MAX_MODELS} distinct device models in one cluster")]
+    TooManyModels,
+    /// The same node twice.
+    #[error("duplicate node id {0}")]
+    DuplicateNode(String),
+}
+
+/// Static description of one device slot of a [`StaticGroup`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DevStatic {
+    /// GPU or NPU.
+    pub kind: DeviceKind,
+    /// Interned model id.
+    pub model: u8,
+    /// Device memory, MiB.
+    pub memory_mib: u64,
+    /// Topology block: devices in one block share NUMA node and NVLink/HCCS island.
+    pub block: u16,
+}
+
+/// Nodes that are identical in everything but their current usage.
+#[derive(Debug, Clone)]
+pub struct StaticGroup {
+    /// Pool.
+    pub pool: PoolId,
+    /// Region.
+    pub region: String,
+    /// Datacenter.
+    pub datacenter: String,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// CPU capacity.
+    pub cpu_milli: u64,
+    /// Memory capacity.
+    pub memory_mib: u64,
+    /// Accepts new work.
+    pub schedulable: bool,
+    /// Device slots, ordered by (block, kind, model, memory).
+    pub devs: Vec<DevStatic>,
+    /// Runs of interchangeable slots `[start, end)`: same block, kind, model and memory.
+    pub runs: Vec<(u16, u16)>,
+    /// Topology blocks: (numa, peer group) per block id.
+    pub blocks: Vec<(u32, Option<u32>)>,
+    /// True when the node has fast peer links (several blocks with NVLink ids).
+    pub has_topology: bool,
+}
+
+/// Current state of one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevState {
+    /// Usable at all.
+    pub healthy: bool,
+    /// Free milli-units (0..=1000).
+    pub free_milli: u16,
+    /// Free device memory, MiB.
+    pub free_mem_mib: u64,
+}
+
+impl DevState {
+    /// Free milli-units counted as available (0 when unhealthy).
+    pub fn avail(&self) -> u32 {
+        if self.healthy { u32::from(self.free_milli) } else { 0 }
+    }
+    fn pack(&self) -> u64 {
+        (u64::from(self.healthy) << 63) | (u64::from(self.free_milli) << 48) | (self.free_mem_mib & 0xFFFF_FFFF_FFFF)
+    }
+}
+
+/// The placement-relevant state of one node (or class), in canonical slot order.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeView<'a> {
+    /// Free CPU.
+    pub cpu_free: u64,
+    /// Free memory.
+    pub mem_free: u64,
+    /// Device states aligned with [`StaticGroup::devs`].
+    pub devs: &'a [DevState],
+    /// Bitmask of GPU job tags present (GpuClustering), 0 when not tracked.
+    pub tags: u16,
+}
+
+/// Device part of a task shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DevReq {
+    /// Kind.
+    pub kind: DeviceKind,
+    /// Number of devices.
+    pub count: u32,
+    /// Milli per device.
+    pub milli: u16,
+    /// Memory slice per device, MiB.
+    pub memory_mib: u64,
+}
+
+impl DevReq {
+    /// Total milli.
+    pub fn total_milli(&self) -> u64 {
+        u64::from(self.count) * u64::from(self.milli)
+    }
+    /// Fractional (sharing) request.
+    pub fn is_share(&self) -> bool {
+        u32::from(self.milli) < WHOLE_DEVICE_MILLI
+    }
+    /// GpuClustering tag: bit 0 = sharing, bit n = n whole devices (capped at 15).
+    pub fn tag_bit(&self) -> u16 {
+        if self.is_share() { 1 } else { 1 << self.count.clamp(1, 15) }
+    }
+}
+
+/// An interned task shape: what one replica needs plus where it may go.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Shape {
+    /// CPU.
+    pub cpu_milli: u64,
+    /// Memory.
+    pub memory_mib: u64,
+    /// Devices.
+    pub dev: Option<DevReq>,
+    /// Allowed device models.
+    pub models: ModelSet,
+    /// Allowed static groups (bitset), `None` = all.
+    pub groups: Option<Arc<[u64]>>,
+}
+
+impl Shape {
+    fn allows_group(&self, g: u32) -> bool {
+        match &self.groups {
+            None => true,
+            Some(bits) => bits.get((g / 64) as usize).is_some_and(|w| w & (1 << (g % 64)) != 0),
+        }
+    }
+}
+
+/// Index of an interned shape.
+pub type ShapeId = u32;
+
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    Unknown,
+    Infeasible,
+    Fit(Eval),
+}
+
+#[derive(Debug, Clone)]
+struct Class {
+    group: u32,
+    cpu_free: u64,
+    mem_free: u64,
+    tags: u16,
+    devs: Box<[DevState]>,
+    members: Vec<u32>,
+    active_pos: u32,
+    evals: Vec<Slot>,
+}
+
+#[derive(Debug, Clone)]
+struct NodeRt {
+    id: NodeId,
+    group: u32,
+    class: u32,
+    pos: u32,
+    cpu_free: u64,
+    mem_free: u64,
+    /// Actual device states, in the node's own device order.
+    devs: Vec<DevState>,
+    /// Static slot i -> index of the node's device.
+    slot_dev: Vec<u16>,
+    /// Device ids in the node's own order.
+    dev_ids: Vec<String>,
+    /// Count of running tasks per GpuClustering tag bit.
+    tag_counts: [u16; 16],
+    /// Held out of placement (reserved for a blocked head job).
+    held: bool,
+    /// Whether the node is listed in its class's members.
+    listed: bool,
+}
+
+/// Where a task goes: node index and the devices (node's own order) with shares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    /// Dense node index.
+    pub node: u32,
+    /// (device index on the node, milli, memory MiB).
+    pub devices: Vec<(u16, u16, u64)>,
+}
+
+/// Counts of why nodes did not fit, for "0/N nodes fit: ..." messages.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MisfitTally {
+    /// Nodes examined.
+    pub nodes: u64,
+    /// Nodes that fit.
+    pub fit: u64,
+    /// reason -> node count, sorted by reason.
+    pub reasons: BTreeMap<String, u64>,
+}
+
+impl MisfitTally {
+    /// "0/1213 nodes fit: 800 insufficient gpu, 300 gpu model not in [V100M32], 113 unhealthy".
+    pub fn message(&self) -> String {
+        let mut parts: Vec<(&String, &u64)> = self.reasons.iter().collect();
+        parts.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        let list: Vec<String> = parts.iter().map(|(r, n)| format!("{n} {r}")).collect();
+        format!("{}/{} nodes fit: {}", self.fit, self.nodes, list.join(", "))
+    }
+}
+
+/// The indexed cluster.
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    groups: Vec<StaticGroup>,
+    nodes: Vec<NodeRt>,
+    node_index: HashMap<NodeId, u32>,
+    classes: Vec<Class>,
+    class_index: HashMap<Box<[u64]>, u32>,
+    active: Vec<u32>,
+    shapes: Vec<Shape>,
+    shape_index: HashMap<Shape, ShapeId>,
+    models: Vec<String>,
+    model_index: HashMap<String, u8>,
+    track_tags: bool,
+    total_gpu_milli: u64,
+    scratch_key: Vec<u64>,
+    scratch_devs: Vec<DevState>,
+}
+
+fn block_of(blocks: &mut Vec<(u32, Option<u32>)>, numa: u32, peer: Option<u32>) -> u16 {
+    if let Some(i) = blocks.iter().position(|b| *b == (numa, peer)) {
+        return i as u16;
+    }
+    blocks.push((numa, peer));
+    (blocks.len() - 1) as u16
+}
+
+impl Cluster {
+    /// Builds the view from nodes. `track_tags` keeps per-node job-shape tags (needed only by
+    /// the GpuClustering baseline). Devices start free; use [`Cluster::occupy`] to add running
+    /// work.
+    pub fn new(nodes: &[Node], limits: &Limits, track_tags: bool) -> Result<Self, ClusterError> {
+        let mut c = Cluster {
+            groups: Vec::new(),
+            nodes: Vec::with_capacity(nodes.len()),
+            node_index: HashMap::with_capacity(nodes.len()),
+            classes: Vec::new(),
+            class_index: HashMap::new(),
+            active: Vec::new(),
+            shapes: Vec::new(),
+            shape_index: HashMap::new(),
+            models: Vec::new(),
+            model_index: HashMap::new(),
+            track_tags,
+            total_gpu_milli: 0,
+            scratch_key: Vec::new(),
+            scratch_devs: Vec::new(),
+        };
+        let mut group_index: HashMap<String, u32> = HashMap::new();
+        for n in nodes {
+            n.validate(limits).map_err(|source| ClusterError::Node { node: n.id.0.clone(), source })?;
+            if n.devices.len() > MAX_NODE_DEVICES {
+                return Err(ClusterError::TooManyDevices { node: n.id.0.clone(), count: n.devices.len() });
+            }
+            // Static slots sorted by (block, kind, model, memory), remembering device indices.
+            let mut blocks = Vec::new();
+            let mut slots: Vec<(DevStatic, u16)> = Vec::with_capacity(n.devices.len());
+            for (i, d) in n.devices.iter().enumerate() {
+                let model = c.intern_model(&d.model)?;
+                let block = block_of(&mut blocks, d.numa, d.peer_group);
+                slots.push((DevStatic { kind: d.kind, model, memory_mib: d.memory_mib, block }, i as u16));
+            }
+            slots.sort_by(|a, b| {
+                (a.0.block, a.0.kind, a.0.model, a.0.memory_mib).cmp(&(b.0.block, b.0.kind, b.0.model, b.0.memory_mib))
+            });
+            let devs: Vec<DevStatic> = slots.iter().map(|s| s.0.clone()).collect();
+            let mut runs = Vec::new();
+            let mut start = 0usize;
+            for i in 1..=devs.len() {
+                if i == devs.len() || devs[i] != devs[start] {
+                    runs.push((start as u16, i as u16));
+                    start = i;
+                }
+            }
+            let has_topology = blocks.len() > 1 || blocks.iter().any(|b| b.1.is_some());
+            let gkey = format!(
+                "{}\u{1}{}\u{1}{}\u{1}{:?}\u{1}{}\u{1}{}\u{1}{}\u{1}{:?}\u{1}{:?}",
+                n.pool, n.region, n.datacenter, n.labels, n.cpu_milli, n.memory_mib, n.schedulable, devs, blocks
+            );
+            let group = match group_index.get(&gkey) {
+                Some(&g) => g,
+                None => {
+                    let g = c.groups.len() as u32;
+                    c.groups.push(StaticGroup {
+                        pool: n.pool.clone(),
+                        region: n.region.clone(),
+                        datacenter: n.datacenter.clone(),
+                        labels: n.labels.clone(),
+                        cpu_milli: n.cpu_milli,
+                        memory_mib: n.memory_mib,
+                        schedulable: n.schedulable,
+                        devs,
+                        runs,
+                        blocks,
+                        has_topology,
+                    });
+                    group_index.insert(gkey, g);
+                    g
+                }
+            };
+            let idx = c.nodes.len() as u32;
+            if c.node_index.insert(n.id.clone(), idx).is_some() {
+                return Err(ClusterError::DuplicateNode(n.id.0.clone()));
+            }
+            let dev_states = n
+                .devices
+                .iter()
+                .map(|d| DevState {
+                    healthy: d.health == Health::Healthy,
+                    free_milli: WHOLE_DEVICE_MILLI as u16,
+                    free_mem_mib: d.memory_mib,
+                })
+                .collect();
+            c.total_gpu_milli +=
+                n.devices.iter().filter(|d| d.kind == DeviceKind::Gpu).count() as u64 * u64::from(WHOLE_DEVICE_MILLI);
+            c.nodes.push(NodeRt {
+                id: n.id.clone(),
+                group,
+                class: u32::MAX,
+                pos: 0,
+                cpu_free: n.cpu_milli,
+                mem_free: n.memory_mib,
+                devs: dev_states,
+                slot_dev: slots.iter().map(|s| s.1).collect(),
+                dev_ids: n.devices.iter().map(|d| d.id.clone()).collect(),
+                tag_counts: [0; 16],
+                held: false,
+                listed: false,
+            });
+            c.reclass(idx);
+        }
+        Ok(c)
+    }
+
+    fn intern_model(&mut self, m: &str) -> Result<u8, ClusterError> {
+        if let Some(&id) = self.model_index.get(m) {
+            return Ok(id);
+        }
+        if self.models.len() >= MAX_MODELS {
+            return Err(ClusterError::TooManyModels);
+        }
+        let id = self.models.len() as u8;
+        self.models.push(m.to_owned());
+        self.model_index.insert(m.to_owned(), id);
+        Ok(id)
+    }
+
+    /// The model set for a list of names; unknown names match nothing. Empty list = all.
+    pub fn model_set(&self, names: &[String]) -> ModelSet {
+        if names.is_empty() {
+            return ALL_MODELS;
+        }
+        names
+            .iter()
+            .filter_map(|n| self.model_index.get(n))
+            .fold(0, |acc, &id| acc | (1u128 << id))
+    }
+
+    /// Interns the shape of one replica with `resources` under `constraints`.
+    pub fn shape(&mut self, resources: &TaskResources, constraints: &Constraints) -> ShapeId {
+        let models = self.model_set(&constraints.device_models);
+        let groups = if constraints.pools.is_empty() && constraints.regions.is_empty() && constraints.labels.is_empty() {
+            None
+        } else {
+            let mut bits = vec![0u64; self.groups.len().div_ceil(64).max(1)];
+            for (i, g) in self.groups.iter().enumerate() {
+                let ok = (constraints.pools.is_empty() || constraints.pools.contains(&g.pool))
+                    && (constraints.regions.is_empty() || constraints.regions.contains(&g.region))
+                    && constraints.labels.iter().all(|(k, v)| g.labels.get(k) == Some(v));
+                if ok {
+                    bits[i / 64] |= 1 << (i % 64);
+                }
+            }
+            Some(Arc::from(bits))
+        };
+        let dev = resources.devices.as_ref().map(|d| DevReq {
+            kind: d.kind,
+            count: d.count,
+            milli: d.milli.min(WHOLE_DEVICE_MILLI) as u16,
+            memory_mib: d.memory_mib,
+        });
+        self.intern(Shape { cpu_milli: resources.cpu_milli, memory_mib: resources.memory_mib, dev, models, groups })
+    }
+
+    /// Interns a prepared shape.
+    pub fn intern(&mut self, s: Shape) -> ShapeId {
+        if let Some(&id) = self.shape_index.get(&s) {
+            return id;
+        }
+        let id = self.shapes.len() as ShapeId;
+        self.shapes.push(s.clone());
+        self.shape_index.insert(s, id);
+        id
+    }
+
+    /// The shape behind an id.
+    pub fn shape_of(&self, id: ShapeId) -> &Shape {
+        &self.shapes[id as usize]
+    }
+
+    /// Number of nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+    /// True without nodes.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+    /// Number of active (non-empty) classes.
+    pub fn active_classes(&self) -> usize {
+        self.active.len()
+    }
+    /// Static groups.
+    pub fn groups(&self) -> &[StaticGroup] {
+        &self.groups
+    }
+    /// Interned model names.
+    pub fn models(&self) -> &[String] {
+        &self.models
+    }
+    /// Dense index of a node.
+    pub fn node_index(&self, id: &NodeId) -> Option<u32> {
+        self.node_index.get(id).copied()
+    }
+    /// Id of a dense node index.
+    pub fn node_id(&self, idx: u32) -> &NodeId {
+        &self.nodes[idx as usize].id
+    }
+    /// Total GPU milli in the cluster.
+    pub fn total_gpu_milli(&self) -> u64 {
+        self.total_gpu_milli
+    }
+
+    /// Free GPU milli summed over healthy GPUs.
+    pub fn free_gpu_milli(&self) -> u64 {
+        self.nodes
+            .iter()
+            .map(|n| {
+                let g = &self.groups[n.group as usize];
+                n.slot_dev
+                    .iter()
+                    .enumerate()
+                    .filter(|(s, _)| g.devs[*s].kind == DeviceKind::Gpu)
+                    .map(|(_, &d)| u64::from(n.devs[d as usize].free_milli))
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+
+    /// Calls `f(group, view)` for every node, in canonical slot order.
+    pub fn for_each_node(&self, mut f: impl FnMut(&StaticGroup, NodeView<'_>)) {
+        for n in &self.nodes {
+            let c = &self.classes[n.class as usize];
+            f(&self.groups[n.group as usize], NodeView { cpu_free: c.cpu_free, mem_free: c.mem_free, devs: &c.devs, tags: c.tags });
+        }
+    }
+
+    /// The canonical view of one node.
+    pub fn view(&self, node: u32) -> (&StaticGroup, NodeView<'_>) {
+        let n = &self.nodes[node as usize];
+        let c = &self.classes[n.class as usize];
+        (&self.groups[n.group as usize], NodeView { cpu_free: c.cpu_free, mem_free: c.mem_free, devs: &c.devs, tags: c.tags })
+    }
+
+    /// Marks a node's device (by id) healthy or not.
+    pub fn set_device_health(&mut self, node: u32, device: &str, health: Health) -> bool {
+        let n = &mut self.nodes[node as usize];
+        let Some(i) = n.dev_ids.iter().position(|d| d == device) else { return false };
+        n.devs[i].healthy = health == Health::Healthy;
+        self.reclass(node);
+        true
+    }
+
+    /// Canonical device states of a node: for each run, the states sorted descending; and the
+    /// permutation canonical slot -> device index.
+    fn canonical(&self, node: u32, out: &mut Vec<DevState>, perm: Option<&mut Vec<u16>>) {
+        let n = &self.nodes[node as usize];
+        let g = &self.groups[n.group as usize];
+        out.clear();
+        let mut p = Vec::new();
+        for &(s, e) in &g.runs {
+            let mut idx: Vec<u16> = n.slot_dev[s as usize..e as usize].to_vec();
+            idx.sort_by(|&a, &b| n.devs[b as usize].cmp(&n.devs[a as usize]).then(a.cmp(&b)));
+            for &i in &idx {
+                out.push(n.devs[i as usize]);
+            }
+            p.extend_from_slice(&idx);
+        }
+        if let Some(perm) = perm {
+            *perm = p;
+        }
+    }
+
+    fn node_tags(&self, node: u32) -> u16 {
+        if !self.track_tags {
+            return 0;
+        }
+        let n = &self.nodes[node as usize];
+        (0..16).filter(|&b| n.tag_counts[b] > 0).fold(0u16, |acc, b| acc | (1 << b))
+    }
+
+    /// Moves a node into the class matching its current state.
+    fn reclass(&mut self, node: u32) {
+        let mut devs = std::mem::take(&mut self.scratch_devs);
+        self.canonical(node, &mut devs, None);
+        let tags = self.node_tags(node);
+        let (group, cpu_free, mem_free) = {
+            let n = &self.nodes[node as usize];
+            (n.group, n.cpu_free, n.mem_free)
+        };
+        let mut key = std::mem::take(&mut self.scratch_key);
+        key.clear();
+        key.extend_from_slice(&[u64::from(group), cpu_free, mem_free, u64::from(tags)]);
+        key.extend(devs.iter().map(DevState::pack));
+        let class = match self.class_index.get(key.as_slice()) {
+            Some(&c) => c,
+            None => {
+                let c = self.classes.len() as u32;
+                self.classes.push(Class {
+                    group,
+                    cpu_free,
+                    mem_free,
+                    tags,
+                    devs: devs.clone().into_boxed_slice(),
+                    members: Vec::new(),
+                    active_pos: u32::MAX,
+                    evals: Vec::new(),
+                });
+                self.class_index.insert(key.clone().into_boxed_slice(), c);
+                c
+            }
+        };
+        self.scratch_key = key;
+        self.scratch_devs = devs;
+        self.relist(node, class);
+    }
+
+    fn unlist(&mut self, node: u32) {
+        let (old, pos, listed) = {
+            let n = &self.nodes[node as usize];
+            (n.class, n.pos as usize, n.listed)
+        };
+        if !listed || old == u32::MAX {
+            return;
+        }
+        let oc = &mut self.classes[old as usize];
+        oc.members.swap_remove(pos);
+        if let Some(&moved) = oc.members.get(pos) {
+            self.nodes[moved as usize].pos = pos as u32;
+        }
+        if oc.members.is_empty() {
+            let ap = oc.active_pos as usize;
+            oc.active_pos = u32::MAX;
+            self.active.swap_remove(ap);
+            if let Some(&m) = self.active.get(ap) {
+                self.classes[m as usize].active_pos = ap as u32;
+            }
+        }
+        self.nodes[node as usize].listed = false;
+    }
+
+    fn relist(&mut self, node: u32, class: u32) {
+        let n = &self.nodes[node as usize];
+        if n.class == class && n.listed == !n.held {
+            return;
+        }
+        self.unlist(node);
+        self.nodes[node as usize].class = class;
+        if self.nodes[node as usize].held {
+            return;
+        }
+        let nc = &mut self.classes[class as usize];
+        if nc.members.is_empty() {
+            nc.active_pos = self.active.len() as u32;
+            self.active.push(class);
+        }
+        nc.members.push(node);
+        let pos = (nc.members.len() - 1) as u32;
+        let n = &mut self.nodes[node as usize];
+        n.pos = pos;
+        n.listed = true;
+    }
+
+    /// Takes a node out of placement until [`Cluster::unhold`] (backfill reservations).
+    pub fn hold(&mut self, node: u32) {
+        self.unlist(node);
+        self.nodes[node as usize].held = true;
+    }
+
+    /// Returns a held node to placement.
+    pub fn unhold(&mut self, node: u32) {
+        self.nodes[node as usize].held = false;
+        let class = self.nodes[node as usize].class;
+        self.relist(node, class);
+    }
+
+    /// Drops cached classes that hold no node (bounds memory in long simulations).
+    pub fn compact(&mut self) {
+        if self.classes.len() < 4 * self.nodes.len().max(64) {
+            return;
+        }
+        self.classes.clear();
+        self.class_index.clear();
+        self.active.clear();
+        for n in &mut self.nodes {
+            n.class = u32::MAX;
+            n.listed = false;
+        }
+        for i in 0..self.nodes.len() as u32 {
+            self.reclass(i);
+        }
+    }
+
+    fn eval_class(&mut self, class: u32, shape: ShapeId, policy: &dyn Policy) -> Slot {
+        let c = &mut self.classes[class as usize];
+        if let Some(Slot::Unknown) | None = c.evals.get(shape as usize) {
+            let g = &self.groups[c.group as usize];
+            let s = &self.shapes[shape as usize];
+            let view = NodeView { cpu_free: c.cpu_free, mem_free: c.mem_free, devs: &c.devs, tags: c.tags };
+            let slot = match policy.eval(g, &view, s) {
+                Some(e) => Slot::Fit(e),
+                None => Slot::Infeasible,
+            };
+            if c.evals.len() <= shape as usize {
+                c.evals.resize(shape as usize + 1, Slot::Unknown);
+            }
+            c.evals[shape as usize] = slot;
+        }
+        c.evals[shape as usize]
+    }
+
+    /// Chooses the best node for one replica of `shape` under `policy`, without committing.
+    /// Equal best scores are broken uniformly at random over nodes.
+    pub fn choose(&mut self, shape: ShapeId, policy: &dyn Policy, rng: &mut DetRng) -> Option<Choice> {
+        let mut best = i64::MIN;
+        let mut ties: Vec<(u32, Eval)> = Vec::new();
+        let mut total = 0u64;
+        for i in 0..self.active.len() {
+            let class = self.active[i];
+            let group = self.classes[class as usize].group;
+            if !self.shapes[shape as usize].allows_group(group) || !self.groups[group as usize].schedulable {
+                continue;
+            }
+            if let Slot::Fit(e) = self.eval_class(class, shape, policy) {
+                if e.score > best {
+                    best = e.score;
+                    ties.clear();
+                    total = 0;
+                }
+                if e.score == best {
+                    ties.push((class, e));
+                    total += self.classes[class as usize].members.len() as u64;
+                }
+            }
+        }
+        if ties.is_empty() {
+            return None;
+        }
+        let mut r = rng.below(total);
+        for (class, e) in ties {
+            let members = &self.classes[class as usize].members;
+            let n = members.len() as u64;
+            if r < n {
+                let node = members[r as usize];
+                return Some(self.resolve(node, &e, shape, rng));
+            }
+            r -= n;
+        }
+        None
+    }
+
+    /// The naive baseline: evaluates every node afresh (no classes, no cache). Same decisions
+    /// as [`Cluster::choose`] in distribution; used to measure what the index buys.
+    pub fn choose_naive(&mut self, shape: ShapeId, policy: &dyn Policy, rng: &mut DetRng) -> Option<Choice> {
+        let mut best = i64::MIN;
+        let mut ties: Vec<(u32, Eval)> = Vec::new();
+        let mut devs = Vec::new();
+        for node in 0..self.nodes.len() as u32 {
+            let n = &self.nodes[node as usize];
+            let g = &self.groups[n.group as usize];
+            if !self.shapes[shape as usize].allows_group(n.group) || !g.schedulable {
+                continue;
+            }
+            self.canonical(node, &mut devs, None);
+            let n = &self.nodes[node as usize];
+            let view = NodeView { cpu_free: n.cpu_free, mem_free: n.mem_free, devs: &devs, tags: self.node_tags(node) };
+            if let Some(e) = policy.eval(g, &view, &self.shapes[shape as usize]) {
+                if e.score > best {
+                    best = e.score;
+                    ties.clear();
+                }
+                if e.score == best {
+                    ties.push((node, e));
+                }
+            }
+        }
+        if ties.is_empty() {
+            return None;
+        }
+        let (node, e) = ties[rng.below(ties.len() as u64) as usize];
+        Some(self.resolve(node, &e, shape, rng))
+    }
+
+    /// Turns a class-level verdict (canonical slots) into the node's actual devices.
+    fn resolve(&self, node: u32, e: &Eval, shape: ShapeId, rng: &mut DetRng) -> Choice {
+        let s = &self.shapes[shape as usize];
+        let Some(req) = s.dev else { return Choice { node, devices: Vec::new() } };
+        let mut canon = Vec::new();
+        let mut perm = Vec::new();
+        self.canonical(node, &mut canon, Some(&mut perm));
+        let mut mask = e.mask;
+        if let Pick::RandomOne = e.pick {
+            let n = u64::from(mask.count_ones());
+            let k = rng.below(n);
+            let mut m = mask;
+            for _ in 0..k {
+                m &= m - 1;
+            }
+            mask = m & m.wrapping_neg();
+        }
+        let devices = (0..64u16)
+            .filter(|b| mask & (1u64 << b) != 0)
+            .map(|slot| (perm[slot as usize], req.milli, req.memory_mib))
+            .collect();
+        Choice { node, devices }
+    }
+
+    /// Reserves what `shape` needs on the chosen node.
+    pub fn commit(&mut self, shape: ShapeId, choice: &Choice) {
+        self.apply(shape, choice.node, &choice.devices, true);
+    }
+
+    /// Returns what `shape` held on a node.
+    pub fn release(&mut self, shape: ShapeId, choice: &Choice) {
+        self.apply(shape, choice.node, &choice.devices, false);
+    }
+
+    fn apply(&mut self, shape: ShapeId, node: u32, devices: &[(u16, u16, u64)], take: bool) {
+        let s = &self.shapes[shape as usize];
+        let (cpu, mem, tag) = (s.cpu_milli, s.memory_mib, s.dev.map(|d| d.tag_bit()));
+        let n = &mut self.nodes[node as usize];
+        if take {
+            n.cpu_free = n.cpu_free.saturating_sub(cpu);
+            n.mem_free = n.mem_free.saturating_sub(mem);
+        } else {
+            n.cpu_free = n.cpu_free.saturating_add(cpu);
+            n.mem_free = n.mem_free.saturating_add(mem);
+        }
+        for &(d, milli, m) in devices {
+            let st = &mut n.devs[d as usize];
+            if take {
+                st.free_milli = st.free_milli.saturating_sub(milli);
+                st.free_mem_mib = st.free_mem_mib.saturating_sub(m);
+            } else {
+                st.free_milli = (st.free_milli + milli).min(WHOLE_DEVICE_MILLI as u16);
+                st.free_mem_mib = st.free_mem_mib.saturating_add(m);
+            }
+        }
+        if let Some(t) = tag {
+            let b = t.trailing_zeros() as usize;
+            if take {
+                n.tag_counts[b] = n.tag_counts[b].saturating_add(1);
+            } else {
+                n.tag_counts[b] = n.tag_counts[b].saturating_sub(1);
+            }
+        }
+        self.reclass(node);
+    }
+
+    /// Reserves running work on a node by device id (from the committed state). Returns false
+    /// when the node or a device is unknown or over-committed; the shares are clamped.
+    pub fn occupy(&mut self, node: &NodeId, cpu_milli: u64, memory_mib: u64, shares: &[DeviceShare], dev: Option<DevReq>) -> bool {
+        let Some(idx) = self.node_index(node) else { return false };
+        let n = &mut self.nodes[idx as usize];
+        let mut ok = n.cpu_free >= cpu_milli && n.mem_free >= memory_mib;
+        n.cpu_free = n.cpu_free.saturating_sub(cpu_milli);
+        n.mem_free = n.mem_free.saturating_sub(memory_mib);
+        for sh in shares {
+            match n.dev_ids.iter().position(|d| d == &sh.device) {
+                Some(i) => {
+                    let st = &mut n.devs[i];
+                    ok &= u32::from(st.free_milli) >= sh.milli;
+                    st.free_milli = st.free_milli.saturating_sub(sh.milli.min(1000) as u16);
+                    st.free_mem_mib = st.free_mem_mib.saturating_sub(sh.memory_mib);
+                }
+                None => ok = false,
+            }
+        }
+        if let Some(t) = dev.map(|d| d.tag_bit()) {
+            let b = t.trailing_zeros() as usize;
+            n.tag_counts[b] = n.tag_counts[b].saturating_add(1);
+        }
+        self.reclass(idx);
+        ok
+    }
+
+    /// Inverse of [`Cluster::occupy`]: returns a running allocation's resources.
+    pub fn vacate(&mut self, node: &NodeId, cpu_milli: u64, memory_mib: u64, shares: &[DeviceShare], dev: Option<DevReq>) {
+        let Some(idx) = self.node_index(node) else { return };
+        let n = &mut self.nodes[idx as usize];
+        n.cpu_free = n.cpu_free.saturating_add(cpu_milli);
+        n.mem_free = n.mem_free.saturating_add(memory_mib);
+        for sh in shares {
+            if let Some(i) = n.dev_ids.iter().position(|d| d == &sh.device) {
+                let st = &mut n.devs[i];
+                st.free_milli = (u32::from(st.free_milli) + sh.milli).min(WHOLE_DEVICE_MILLI) as u16;
+                st.free_mem_mib = st.free_mem_mib.saturating_add(sh.memory_mib);
+            }
+        }
+        if let Some(t) = dev.map(|d| d.tag_bit()) {
+            let b = t.trailing_zeros() as usize;
+            n.tag_counts[b] = n.tag_counts[b].saturating_sub(1);
+        }
+        self.reclass(idx);
+    }
+
+    /// Evaluates `shape` on one node only (used by preemption); held nodes never fit.
+    pub fn choose_on(&mut self, node: u32, shape: ShapeId, policy: &dyn Policy, rng: &mut DetRng) -> Option<Choice> {
+        let n = &self.nodes[node as usize];
+        if n.held || !self.shapes[shape as usize].allows_group(n.group) || !self.groups[n.group as usize].schedulable {
+            return None;
+        }
+        let class = n.class;
+        match self.eval_class(class, shape, policy) {
+            Slot::Fit(e) => Some(self.resolve(node, &e, shape, rng)),
+            _ => None,
+        }
+    }
+
+    /// Device shares of a choice, with device ids.
+    pub fn shares(&self, choice: &Choice) -> Vec<DeviceShare> {
+        let n = &self.nodes[choice.node as usize];
+        choice
+            .devices
+            .iter()
+            .map(|&(d, milli, m)| DeviceShare { device: n.dev_ids[d as usize].clone(), milli: u32::from(milli), memory_mib: m })
+            .collect()
+    }
+
+    /// Tallies why each node cannot host `shape` (for operator-facing reasons).
+    pub fn explain(&self, shape: ShapeId) -> MisfitTally {
+        let s = &self.shapes[shape as usize];
+        let mut t = MisfitTally { nodes: self.nodes.len() as u64, ..Default::default() };
+        for n in &self.nodes {
+            let g = &self.groups[n.group as usize];
+            let c = &self.classes[n.class as usize];
+            let reason = if !s.allows_group(n.group) {
+                Some("excluded by pool/region/label constraints".to_owned())
+            } else if !g.schedulable {
+                Some("cordoned".to_owned())
+            } else {
+                crate::policy::misfit(g, &NodeView { cpu_free: c.cpu_free, mem_free: c.mem_free, devs: &c.devs, tags: 0 }, s, &self.models)
+            };
+            match reason {
+                None => t.fit += 1,
+                Some(r) => *t.reasons.entry(r).or_default() += 1,
+            }
+        }
+        t
+    }
+}

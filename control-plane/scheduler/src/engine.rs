@@ -1,0 +1,636 @@
+//! One scheduling pass: `schedule(view, now, seed, config) -> Plan`.
+//!
+//! ```text
+//!  pending jobs ─▶ order (priority, weighted DRF share, age) ─▶ for each job:
+//!     validate ─▶ quota admission ─▶ place replicas (gang: all or none; elastic: ≥ min)
+//!        └─ no room ─▶ preempt (lower priority, or borrowed quota reclaimed) with the least
+//!                      lost work ─▶ else reserve for the blocked head job, and let later jobs
+//!                      backfill only where they cannot delay that reservation
+//! ```
+//!
+//! The pass works on a private copy of the cluster built from the view; nothing is mutated
+//! outside. Time (`now`) and randomness (`seed`) are arguments.
+
+use crate::cluster::{Choice, Cluster, ClusterError, DevReq, ShapeId};
+use crate::policy::{self, Norms, Policy, UnknownPolicy, Weights};
+use crate::quota::QuotaBook;
+use crate::rng::DetRng;
+use crate::workload::{Profile, TypicalKey};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use suanli_model::{
+    Allocation, DeviceKind, JobId, JobSpec, Limits, Node, NodeId, Placement, Plan, Preemption,
+    PreemptionReason, Queue, QueueId, ResVec, Reservation, TaskResources, Unplaced,
+};
+use thiserror::Error;
+
+/// A job waiting to be placed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingJob {
+    /// Id.
+    pub id: JobId,
+    /// Spec.
+    pub spec: JobSpec,
+    /// Submission time (seconds).
+    pub submitted_at: u64,
+}
+
+/// A recently seen task shape, for the fragmentation profile.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkloadSample {
+    /// Resources of one replica.
+    pub resources: TaskResources,
+    /// Allowed device models (empty = any).
+    pub device_models: Vec<String>,
+    /// How many replicas of this shape arrived recently.
+    pub count: u64,
+}
+
+/// The immutable snapshot one pass schedules against.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ClusterView {
+    /// Every node (cordoned and unhealthy ones too: they explain misfits).
+    pub nodes: Vec<Node>,
+    /// Every queue.
+    pub queues: Vec<Queue>,
+    /// Jobs waiting.
+    pub pending: Vec<PendingJob>,
+    /// Running allocations.
+    pub running: Vec<Allocation>,
+    /// Recent workload for fragmentation-aware placement. Empty: derived from pending and
+    /// running work.
+    pub workload: Vec<WorkloadSample>,
+}
+
+/// Knobs of the engine; every limit is explicit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SchedulerConfig {
+    /// Placement policy name (see [`policy::POLICY_NAMES`]).
+    pub policy: String,
+    /// Scorer weights of the `suanli` policy.
+    pub weights: Weights,
+    /// Validation limits.
+    pub limits: Limits,
+    /// Share of recent tasks the typical shapes must cover (FGD's 95%).
+    pub typical_coverage: f64,
+    /// Most pending jobs considered per pass (the rest wait for the next pass).
+    pub max_jobs_per_pass: usize,
+    /// Allow preemption.
+    pub preemption: bool,
+    /// Most allocations one job may preempt.
+    pub max_preemptions_per_job: usize,
+    /// Allow backfill behind a blocked head job.
+    pub backfill: bool,
+    /// Most release steps examined when computing a head job's reservation.
+    pub max_reservation_steps: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            policy: "suanli".into(),
+            weights: Weights::default(),
+            limits: Limits::default(),
+            typical_coverage: 0.95,
+            max_jobs_per_pass: 10_000,
+            preemption: true,
+            max_preemptions_per_job: 64,
+            backfill: true,
+            max_reservation_steps: 4096,
+        }
+    }
+}
+
+/// Why a pass could not run at all.
+#[derive(Debug, Error)]
+pub enum ScheduleError {
+    /// The node list is invalid.
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    /// Unknown policy name.
+    #[error(transparent)]
+    Policy(#[from] UnknownPolicy),
+}
+
+fn dev_req_of(a: &Allocation, kinds: &HashMap<(&str, &str), DeviceKind>) -> Option<DevReq> {
+    let first = a.devices.first()?;
+    let kind = kinds.get(&(a.node.as_str(), first.device.as_str())).copied().unwrap_or(DeviceKind::Gpu);
+    Some(DevReq { kind, count: a.devices.len() as u32, milli: first.milli.min(1000) as u16, memory_mib: first.memory_mib })
+}
+
+fn alloc_resvec(a: &Allocation, kinds: &HashMap<(&str, &str), DeviceKind>) -> ResVec {
+    let mut v = ResVec { cpu_milli: a.cpu_milli, memory_mib: a.memory_mib, ..ResVec::ZERO };
+    for d in &a.devices {
+        match kinds.get(&(a.node.as_str(), d.device.as_str())) {
+            Some(DeviceKind::Npu) => v.npu_milli += u64::from(d.milli),
+            _ => v.gpu_milli += u64::from(d.milli),
+        }
+    }
+    v
+}
+
+/// Builds the fragmentation profile from samples (or from the given fallback shapes).
+pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f64) -> Profile {
+    let mut counts: BTreeMap<TypicalKey, u64> = BTreeMap::new();
+    for s in samples {
+        let dev = s.resources.devices.as_ref().map(|d| DevReq {
+            kind: d.kind,
+            count: d.count,
+            milli: d.milli.min(1000) as u16,
+            memory_mib: d.memory_mib,
+        });
+        let key = TypicalKey::new(s.resources.cpu_milli, dev, cluster.model_set(&s.device_models));
+        *counts.entry(key).or_default() += s.count;
+    }
+    Profile::from_counts(&counts, coverage)
+}
+
+struct Pass<'a> {
+    cfg: &'a SchedulerConfig,
+    now: u64,
+    cluster: Cluster,
+    policy: Box<dyn Policy>,
+    quota: QuotaBook,
+    rng: DetRng,
+    kinds: HashMap<(&'a str, &'a str), DeviceKind>,
+    running: &'a [Allocation],
+    /// Indices into `running` already chosen as victims.
+    evicted: BTreeSet<usize>,
+    plan: Plan,
+    /// Blocked head job's reservation: (start time, nodes).
+    reservation: Option<(u64, Vec<u32>)>,
+}
+
+/// A replica placed tentatively in this pass.
+struct Tentative {
+    group: u32,
+    replica: u32,
+    shape: ShapeId,
+    choice: Choice,
+    charge: ResVec,
+    borrowed: bool,
+}
+
+/// Runs one scheduling pass. Deterministic: the same view, `now`, `seed` and config give the
+/// same plan.
+pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) -> Result<Plan, ScheduleError> {
+    let probe = policy::build(&cfg.policy, Norms { max_cpu_milli: 1, max_dev_milli: 1000 }, &Profile::default(), cfg.weights)?;
+    let mut cluster = Cluster::new(&view.nodes, &cfg.limits, probe.needs_tags())?;
+    let mut kinds = HashMap::new();
+    for n in &view.nodes {
+        for d in &n.devices {
+            kinds.insert((n.id.as_str(), d.id.as_str()), d.kind);
+        }
+    }
+    let mut quota = QuotaBook::new(&view.queues);
+    for a in &view.running {
+        cluster.occupy(&a.node, a.cpu_milli, a.memory_mib, &a.devices, dev_req_of(a, &kinds));
+        quota.charge(&a.queue, alloc_resvec(a, &kinds));
+    }
+    let samples: Vec<WorkloadSample> = if view.workload.is_empty() {
+        view.pending
+            .iter()
+            .flat_map(|p| {
+                p.spec.groups.iter().map(|g| WorkloadSample {
+                    resources: g.resources.clone(),
+                    device_models: p.spec.constraints.device_models.clone(),
+                    count: u64::from(g.replicas),
+                })
+            })
+            .collect()
+    } else {
+        view.workload.clone()
+    };
+    let profile = build_profile(&cluster, &samples, cfg.typical_coverage);
+    let policy = policy::build(&cfg.policy, Norms::of(cluster.groups()), &profile, cfg.weights)?;
+    let mut pass = Pass {
+        cfg,
+        now,
+        cluster,
+        policy,
+        quota,
+        rng: DetRng::new(seed),
+        kinds,
+        running: &view.running,
+        evicted: BTreeSet::new(),
+        plan: Plan::default(),
+        reservation: None,
+    };
+    let total: ResVec = view.nodes.iter().map(Node::capacity).fold(ResVec::ZERO, |a, b| a + b);
+
+    // Per-queue lists ordered by priority, then age, then id.
+    let mut lists: BTreeMap<QueueId, Vec<&PendingJob>> = BTreeMap::new();
+    for p in &view.pending {
+        if let Err(e) = p.spec.validate(&cfg.limits) {
+            pass.plan.unplaced.push(Unplaced { job: p.id, reason: format!("invalid spec: {e}") });
+        } else if !pass.quota.contains(&p.spec.queue) {
+            pass.plan.unplaced.push(Unplaced { job: p.id, reason: format!("unknown queue {}", p.spec.queue) });
+        } else {
+            lists.entry(p.spec.queue.clone()).or_default().push(p);
+        }
+    }
+    for l in lists.values_mut() {
+        l.sort_by(|a, b| {
+            b.spec.priority.cmp(&a.spec.priority).then(a.submitted_at.cmp(&b.submitted_at)).then(a.id.cmp(&b.id))
+        });
+        l.reverse(); // pop from the back
+    }
+    let mut considered = 0usize;
+    while considered < cfg.max_jobs_per_pass {
+        // Head of each queue: highest priority, then lowest weighted dominant share, then oldest.
+        let mut best: Option<(&QueueId, &PendingJob, f64)> = None;
+        for (q, l) in &lists {
+            let Some(&job) = l.last() else { continue };
+            let share = pass.quota.share(q, &total);
+            let better = match best {
+                None => true,
+                Some((_, b, bs)) => {
+                    (job.spec.priority, std::cmp::Reverse(share_key(share)), std::cmp::Reverse(job.submitted_at), std::cmp::Reverse(job.id))
+                        > (b.spec.priority, std::cmp::Reverse(share_key(bs)), std::cmp::Reverse(b.submitted_at), std::cmp::Reverse(b.id))
+                }
+            };
+            if better {
+                best = Some((q, job, share));
+            }
+        }
+        let Some((q, job, _)) = best else { break };
+        let q = q.clone();
+        if let Some(l) = lists.get_mut(&q) {
+            l.pop();
+        }
+        considered += 1;
+        pass.job(job);
+    }
+    Ok(pass.plan)
+}
+
+/// Orders f64 shares totally (shares are finite and non-negative).
+fn share_key(s: f64) -> u64 {
+    (s.clamp(0.0, 1e12) * 1e9) as u64
+}
+
+impl Pass<'_> {
+    fn job(&mut self, job: &PendingJob) {
+        let spec = &job.spec;
+        let need = spec.min_total();
+        let admission = match self.quota.check(&spec.queue, need) {
+            Ok(a) => a,
+            Err(reason) => {
+                // A queue within its nominal quota may reclaim what others borrowed.
+                if self.cfg.preemption && self.try_preempt(job, true) {
+                    return;
+                }
+                self.plan.unplaced.push(Unplaced { job: job.id, reason });
+                return;
+            }
+        };
+        // Backfill: once a head job holds a reservation, a later job that could still be
+        // running at the reserved start must stay off the reserved nodes.
+        let held = self.hold_for(job);
+        let placed = self.place_all(job, admission.borrowed);
+        self.release_hold(&held);
+        match placed {
+            Ok(list) => self.emit(job, list),
+            Err(reason) => {
+                if self.cfg.preemption && self.try_preempt(job, false) {
+                    return;
+                }
+                let mut reason = reason;
+                if self.cfg.backfill && self.reservation.is_none() {
+                    if let Some((start, nodes)) = self.reserve(job) {
+                        reason = format!("{reason}; reserved {} node(s) from t={start}", nodes.len());
+                        self.plan.reservations.push(Reservation {
+                            job: job.id,
+                            start_at: start,
+                            nodes: nodes.iter().map(|&n| self.cluster.node_id(n).clone()).collect(),
+                        });
+                        self.reservation = Some((start, nodes));
+                    }
+                }
+                self.plan.unplaced.push(Unplaced { job: job.id, reason });
+            }
+        }
+    }
+
+    fn hold_for(&mut self, job: &PendingJob) -> Vec<u32> {
+        let Some((start, nodes)) = &self.reservation else { return Vec::new() };
+        let ends_before = job.spec.runtime_estimate_s.is_some_and(|e| self.now.saturating_add(e) <= *start);
+        if ends_before {
+            return Vec::new();
+        }
+        let nodes = nodes.clone();
+        for &n in &nodes {
+            self.cluster.hold(n);
+        }
+        nodes
+    }
+
+    fn release_hold(&mut self, held: &[u32]) {
+        for &n in held {
+            self.cluster.unhold(n);
+        }
+    }
+
+    /// Places the job's replicas; on failure nothing stays committed and the reason names the
+    /// first group that did not fit.
+    fn place_all(&mut self, job: &PendingJob, borrowed: bool) -> Result<Vec<Tentative>, String> {
+        let spec = &job.spec;
+        let mut placed: Vec<Tentative> = Vec::new();
+        for (gi, g) in spec.groups.iter().enumerate() {
+            let shape = self.cluster.shape(&g.resources, &spec.constraints);
+            let min = if spec.gang { g.replicas } else { g.min() };
+            let per = g.resources.as_resvec();
+            let mut n = 0;
+            for r in 0..g.replicas {
+                // Replicas beyond the minimum were not admitted up front: check quota for each.
+                let mut extra_borrowed = borrowed;
+                if r >= min {
+                    match self.quota.check(&spec.queue, per) {
+                        Ok(a) => extra_borrowed = a.borrowed,
+                        Err(_) => break,
+                    }
+                }
+                let Some(choice) = self.cluster.choose(shape, self.policy.as_ref(), &mut self.rng) else { break };
+                self.cluster.commit(shape, &choice);
+                if r >= min {
+                    self.quota.charge(&spec.queue, per);
+                }
+                placed.push(Tentative { group: gi as u32, replica: r, shape, choice, charge: if r >= min { per } else { ResVec::ZERO }, borrowed: extra_borrowed });
+                n += 1;
+            }
+            if n < min {
+                let why = self.cluster.explain(shape).message();
+                self.rollback(&spec.queue, &placed);
+                return Err(format!("group {} ({n}/{min} replicas placeable): {why}", g.name));
+            }
+        }
+        self.quota.charge(&spec.queue, spec.min_total());
+        Ok(placed)
+    }
+
+    fn rollback(&mut self, queue: &QueueId, placed: &[Tentative]) {
+        for t in placed.iter().rev() {
+            self.cluster.release(t.shape, &t.choice);
+            self.quota.refund(queue, t.charge);
+        }
+    }
+
+    fn emit(&mut self, job: &PendingJob, list: Vec<Tentative>) {
+        for t in list {
+            let s = self.cluster.shape_of(t.shape);
+            let (cpu, mem) = (s.cpu_milli, s.memory_mib);
+            self.plan.placements.push(Placement {
+                job: job.id,
+                group: t.group,
+                replica: t.replica,
+                node: self.cluster.node_id(t.choice.node).clone(),
+                cpu_milli: cpu,
+                memory_mib: mem,
+                devices: self.cluster.shares(&t.choice),
+                borrowed: t.borrowed,
+            });
+        }
+    }
+
+    fn vacate(&mut self, i: usize) {
+        let a = &self.running[i];
+        let d = dev_req_of(a, &self.kinds);
+        self.cluster.vacate(&a.node, a.cpu_milli, a.memory_mib, &a.devices, d);
+    }
+
+    fn reoccupy(&mut self, i: usize) {
+        let a = &self.running[i];
+        let d = dev_req_of(a, &self.kinds);
+        self.cluster.occupy(&a.node, a.cpu_milli, a.memory_mib, &a.devices, d);
+    }
+
+    /// Victims for `job`: lower priority, or (when `reclaim` or the job is within its nominal
+    /// quota) allocations of other queues running on borrowed quota.
+    fn victim_ok(&self, job: &PendingJob, a: &Allocation, reclaim_allowed: bool) -> Option<PreemptionReason> {
+        if !a.preemptible {
+            return None;
+        }
+        if a.priority < job.spec.priority {
+            return Some(PreemptionReason::HigherPriority);
+        }
+        if reclaim_allowed && a.borrowed && a.queue != job.spec.queue {
+            return Some(PreemptionReason::ReclaimBorrowed);
+        }
+        None
+    }
+
+    /// All allocations of the same job when `a` is part of a gang, else just `a`.
+    fn victim_unit(&self, i: usize) -> Vec<usize> {
+        let a = &self.running[i];
+        if !a.gang {
+            return vec![i];
+        }
+        (0..self.running.len()).filter(|&j| self.running[j].job == a.job && !self.evicted.contains(&j)).collect()
+    }
+
+    /// Tries to make room for the whole job by preempting. On success the victims are in the
+    /// plan, the job's capacity is held for the rest of this pass, and the job waits (its
+    /// placements follow once the victims have stopped). Returns false and changes nothing
+    /// when no acceptable victim set exists.
+    fn try_preempt(&mut self, job: &PendingJob, quota_blocked: bool) -> bool {
+        let spec = &job.spec;
+        let need = spec.min_total();
+        let reclaim_allowed = self.quota.within_nominal(&spec.queue, need);
+        if quota_blocked && !reclaim_allowed {
+            return false;
+        }
+        // Candidates per node, cheapest lost work first.
+        let mut by_node: BTreeMap<u32, Vec<(u128, usize)>> = BTreeMap::new();
+        for (i, a) in self.running.iter().enumerate() {
+            if self.evicted.contains(&i) {
+                continue;
+            }
+            if quota_blocked && !(a.borrowed && a.queue != spec.queue && a.preemptible) {
+                continue;
+            }
+            if self.victim_ok(job, a, reclaim_allowed).is_none() {
+                continue;
+            }
+            let Some(n) = self.cluster.node_index(&a.node) else { continue };
+            let unit = self.victim_unit(i);
+            let cost: u128 = unit.iter().map(|&j| self.running[j].lost_work(self.now)).sum();
+            by_node.entry(n).or_default().push((cost, i));
+        }
+        for v in by_node.values_mut() {
+            v.sort_unstable();
+        }
+        let mut evicted_now: Vec<usize> = Vec::new();
+        let mut held: Vec<Tentative> = Vec::new();
+        let mut ok = true;
+        'groups: for (gi, g) in spec.groups.iter().enumerate() {
+            let shape = self.cluster.shape(&g.resources, &spec.constraints);
+            let min = if spec.gang { g.replicas } else { g.min() };
+            for r in 0..min {
+                if let Some(c) = self.cluster.choose(shape, self.policy.as_ref(), &mut self.rng) {
+                    self.cluster.commit(shape, &c);
+                    held.push(Tentative { group: gi as u32, replica: r, shape, choice: c, charge: ResVec::ZERO, borrowed: false });
+                    continue;
+                }
+                // Cheapest node: release its candidates in order until the shape fits.
+                let mut best: Option<(u128, usize, u32, Vec<usize>)> = None;
+                for (&node, cands) in &by_node {
+                    let mut freed = Vec::new();
+                    let mut cost = 0u128;
+                    let mut fits = false;
+                    for &(c, i) in cands {
+                        if self.evicted.contains(&i) || evicted_now.contains(&i) {
+                            continue;
+                        }
+                        if best.as_ref().is_some_and(|b| cost + c > b.0) {
+                            break;
+                        }
+                        freed.push(i);
+                        cost += c;
+                        self.vacate(i);
+                        if self.cluster.choose_on(node, shape, self.policy.as_ref(), &mut self.rng).is_some() {
+                            fits = true;
+                            break;
+                        }
+                    }
+                    for &i in freed.iter().rev() {
+                        self.reoccupy(i);
+                    }
+                    if fits {
+                        let cand = (cost, freed.len(), node, freed);
+                        if best.as_ref().is_none_or(|b| (cand.0, cand.1, cand.2) < (b.0, b.1, b.2)) {
+                            best = Some(cand);
+                        }
+                    }
+                }
+                let Some((_, _, node, victims)) = best else {
+                    ok = false;
+                    break 'groups;
+                };
+                for v in victims {
+                    for u in self.victim_unit(v) {
+                        if !evicted_now.contains(&u) {
+                            self.evicted.insert(u);
+                            evicted_now.push(u);
+                            self.vacate(u);
+                        }
+                    }
+                }
+                match self.cluster.choose_on(node, shape, self.policy.as_ref(), &mut self.rng) {
+                    Some(c) => {
+                        self.cluster.commit(shape, &c);
+                        held.push(Tentative { group: gi as u32, replica: r, shape, choice: c, charge: ResVec::ZERO, borrowed: false });
+                    }
+                    None => {
+                        ok = false;
+                        break 'groups;
+                    }
+                }
+                if evicted_now.len() > self.cfg.max_preemptions_per_job {
+                    ok = false;
+                    break 'groups;
+                }
+            }
+        }
+        if !ok || evicted_now.is_empty() {
+            for t in held.iter().rev() {
+                self.cluster.release(t.shape, &t.choice);
+            }
+            for &u in evicted_now.iter().rev() {
+                self.evicted.remove(&u);
+                self.reoccupy(u);
+            }
+            if ok && evicted_now.is_empty() {
+                // Everything fit after all (capacity freed by earlier victims): place it.
+                if let Ok(a) = self.quota.check(&spec.queue, need) {
+                    if let Ok(list) = self.place_all(job, a.borrowed) {
+                        self.emit(job, list);
+                        return true;
+                    }
+                }
+            }
+            return false;
+        }
+        // Commit: victims leave their queues; the job's capacity stays held this pass.
+        for &u in &evicted_now {
+            let a = &self.running[u];
+            let charge = alloc_resvec(a, &self.kinds);
+            self.quota.refund(&a.queue, charge);
+            let reason = self.victim_ok(job, a, reclaim_allowed).unwrap_or(PreemptionReason::HigherPriority);
+            self.plan.preemptions.push(Preemption {
+                alloc: a.id,
+                job: a.job,
+                node: a.node.clone(),
+                for_job: job.id,
+                reason,
+                checkpoint_first: a.checkpoint_grace_s.is_some(),
+                grace_s: a.checkpoint_grace_s.unwrap_or(0),
+            });
+        }
+        self.quota.charge(&spec.queue, need);
+        self.plan.unplaced.push(Unplaced {
+            job: job.id,
+            reason: format!("preempting {} allocation(s); placement follows when they stop", evicted_now.len()),
+        });
+        true
+    }
+
+    /// The earliest time the job fits if running work ends at its estimate, and the nodes it
+    /// would use then. `None` when no running work has an estimate that frees enough.
+    fn reserve(&mut self, job: &PendingJob) -> Option<(u64, Vec<u32>)> {
+        let mut ends: Vec<(u64, usize)> = self
+            .running
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !self.evicted.contains(i))
+            .filter_map(|(i, a)| a.runtime_estimate_s.map(|e| (a.started_at.saturating_add(e).max(self.now), i)))
+            .collect();
+        ends.sort_unstable();
+        let mut sim = self.cluster.clone();
+        let spec = &job.spec;
+        let mut rng = self.rng.clone();
+        let mut k = 0;
+        let mut steps = 0;
+        while k < ends.len() && steps < self.cfg.max_reservation_steps {
+            let t = ends[k].0;
+            while k < ends.len() && ends[k].0 == t {
+                let a = &self.running[ends[k].1];
+                sim.vacate(&a.node, a.cpu_milli, a.memory_mib, &a.devices, dev_req_of(a, &self.kinds));
+                k += 1;
+            }
+            steps += 1;
+            let mut placed: Vec<(ShapeId, Choice)> = Vec::new();
+            let mut all = true;
+            for g in &spec.groups {
+                let shape = sim.shape(&g.resources, &spec.constraints);
+                let min = if spec.gang { g.replicas } else { g.min() };
+                for _ in 0..min {
+                    match sim.choose(shape, self.policy.as_ref(), &mut rng) {
+                        Some(c) => {
+                            sim.commit(shape, &c);
+                            placed.push((shape, c));
+                        }
+                        None => {
+                            all = false;
+                            break;
+                        }
+                    }
+                }
+                if !all {
+                    break;
+                }
+            }
+            if all {
+                let nodes: BTreeSet<u32> = placed.iter().map(|(_, c)| c.node).collect();
+                return Some((t, nodes.into_iter().collect()));
+            }
+            for (s, c) in placed.iter().rev() {
+                sim.release(*s, c);
+            }
+        }
+        None
+    }
+}
+
+/// Re-exported for callers that build views by hand.
+pub type NodeList = Vec<NodeId>;

@@ -1,0 +1,565 @@
+//! Placement policies: feasibility and node scoring.
+//!
+//! A policy looks at one node (through its class, see [`crate::cluster`]) and a task shape
+//! and answers "no" or a score plus the devices it would use. Higher scores win; equal scores
+//! are broken at random by the caller. Everything here is a pure function of its arguments.
+//!
+//! Shipped policies:
+//! - `suanli` (default): weighted scorers — fragmentation (exact FGD delta against the typical
+//!   workload), bin-pack, spread and topology (keep a multi-device task inside one NVLink/HCCS
+//!   island or NUMA node).
+//! - Faithful re-implementations of the baselines compared in "Beware of Fragmentation"
+//!   (USENIX ATC'23): `random`, `bestfit`, `dotprod`, `gpupacking`, `gpuclustering` and `fgd`,
+//!   with the published simulator's 0-100 integer scores and GPU selection rules, so that
+//!   `suanli sim fill` results compare with the paper's.
+
+use crate::cluster::{ALL_MODELS, DevReq, ModelSet, NodeView, Shape, StaticGroup};
+use crate::workload::Profile;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use suanli_model::DeviceKind;
+use thiserror::Error;
+
+/// How the caller resolves the device mask of an [`Eval`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// Use exactly the devices in the mask.
+    Exact,
+    /// Use one device chosen uniformly at random from the mask.
+    RandomOne,
+}
+
+/// A policy's verdict for one (node class, shape).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eval {
+    /// Higher is better.
+    pub score: i64,
+    /// Canonical device slots to use.
+    pub mask: u64,
+    /// How to read the mask.
+    pub pick: Pick,
+}
+
+/// A placement policy. Implementations must be deterministic functions of their arguments.
+pub trait Policy: Send + Sync + fmt::Debug {
+    /// Policy name as selected on the command line.
+    fn name(&self) -> &'static str;
+    /// `None` when the shape cannot be placed on the node, else the score and devices.
+    fn eval(&self, g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<Eval>;
+    /// Whether the policy reads [`NodeView::tags`].
+    fn needs_tags(&self) -> bool {
+        false
+    }
+}
+
+/// Error for an unknown policy name.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("unknown policy {name:?}; valid policies: {}", POLICY_NAMES.join(", "))]
+pub struct UnknownPolicy {
+    /// What was asked for.
+    pub name: String,
+}
+
+/// Every selectable policy name.
+pub const POLICY_NAMES: [&str; 7] = ["suanli", "fgd", "bestfit", "dotprod", "gpupacking", "gpuclustering", "random"];
+
+/// Weights of the `suanli` policy's scorers. Scores are in comparable units: fragmentation in
+/// whole devices of expected fragmentation avoided, the others in [0, 1].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Weights {
+    /// Fragmentation-aware (FGD delta). 0 turns it off.
+    pub fragmentation: f64,
+    /// Bin-pack: prefer the node left fullest.
+    pub binpack: f64,
+    /// Spread: prefer the emptiest node (use for inference replicas; conflicts with bin-pack).
+    pub spread: f64,
+    /// Topology: keep a multi-device task inside one peer-link island / NUMA node.
+    pub topology: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Self { fragmentation: 1.0, binpack: 0.05, spread: 0.0, topology: 1.0 }
+    }
+}
+
+/// Cluster-wide constants some scorers normalize by.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Norms {
+    /// Largest node CPU, milli-cores.
+    pub max_cpu_milli: u64,
+    /// Largest node accelerator count x 1000.
+    pub max_dev_milli: u64,
+}
+
+impl Norms {
+    /// From the cluster's static groups.
+    pub fn of(groups: &[StaticGroup]) -> Self {
+        Self {
+            max_cpu_milli: groups.iter().map(|g| g.cpu_milli).max().unwrap_or(1).max(1),
+            max_dev_milli: groups.iter().map(|g| g.devs.len() as u64 * 1000).max().unwrap_or(1000).max(1000),
+        }
+    }
+}
+
+/// Builds a policy by name.
+pub fn build(name: &str, norms: Norms, profile: &Profile, weights: Weights) -> Result<Box<dyn Policy>, UnknownPolicy> {
+    Ok(match name {
+        "suanli" => Box::new(Suanli { norms, profile: profile.clone(), weights }),
+        "fgd" => Box::new(Fgd { profile: profile.clone() }),
+        "bestfit" => Box::new(BestFit { norms }),
+        "dotprod" => Box::new(DotProd { norms }),
+        "gpupacking" => Box::new(GpuPacking),
+        "gpuclustering" => Box::new(GpuClustering { norms }),
+        "random" => Box::new(RandomPolicy),
+        other => return Err(UnknownPolicy { name: other.to_owned() }),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Feasibility
+
+/// Devices that can take one unit of `req` (canonical slot mask).
+#[inline]
+pub fn eligible(g: &StaticGroup, n: &NodeView<'_>, req: &DevReq, models: ModelSet) -> u64 {
+    let mut m = 0u64;
+    for (i, (d, st)) in g.devs.iter().zip(n.devs).enumerate() {
+        if d.kind == req.kind
+            && models & (1u128 << d.model) != 0
+            && st.healthy
+            && st.free_milli >= req.milli
+            && st.free_mem_mib >= req.memory_mib
+        {
+            m |= 1 << i;
+        }
+    }
+    m
+}
+
+/// CPU, memory and device feasibility; the eligible device mask when feasible.
+#[inline]
+pub fn feasible(g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<u64> {
+    if n.cpu_free < s.cpu_milli || n.mem_free < s.memory_mib {
+        return None;
+    }
+    match &s.dev {
+        None => Some(0),
+        Some(req) => {
+            let m = eligible(g, n, req, s.models);
+            (m.count_ones() >= req.count).then_some(m)
+        }
+    }
+}
+
+/// Why a node cannot host `s`, or `None` when it can.
+pub fn misfit(g: &StaticGroup, n: &NodeView<'_>, s: &Shape, models: &[String]) -> Option<String> {
+    if n.cpu_free < s.cpu_milli {
+        return Some("insufficient cpu".into());
+    }
+    if n.mem_free < s.memory_mib {
+        return Some("insufficient memory".into());
+    }
+    let req = s.dev?;
+    let kind = req.kind;
+    if !g.devs.iter().any(|d| d.kind == kind) {
+        return Some(format!("no {kind}"));
+    }
+    if !g.devs.iter().any(|d| d.kind == kind && s.models & (1u128 << d.model) != 0) {
+        let allowed: Vec<&str> = models
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| s.models & (1u128 << i) != 0)
+            .map(|(_, m)| m.as_str())
+            .collect();
+        return Some(format!("{kind} model not in [{}]", allowed.join(",")));
+    }
+    let m = eligible(g, n, &req, s.models);
+    if m.count_ones() >= req.count {
+        return None;
+    }
+    let mut healthy = *n;
+    let all_ok: Vec<_> = n.devs.iter().map(|d| crate::cluster::DevState { healthy: true, ..*d }).collect();
+    healthy.devs = &all_ok;
+    if eligible(g, &healthy, &req, s.models).count_ones() >= req.count {
+        return Some(format!("unhealthy {kind}"));
+    }
+    if req.memory_mib > 0 {
+        let no_mem = DevReq { memory_mib: 0, ..req };
+        if eligible(g, n, &no_mem, s.models).count_ones() >= req.count {
+            return Some(format!("insufficient {kind} memory"));
+        }
+    }
+    Some(format!("insufficient {kind}"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers
+
+fn lowest_n(mask: u64, n: u32) -> u64 {
+    let mut m = mask;
+    let mut out = 0;
+    for _ in 0..n {
+        let b = m & m.wrapping_neg();
+        out |= b;
+        m &= m - 1;
+    }
+    out
+}
+
+/// Sum of available milli of devices of `kind` (all accelerators when `None`).
+#[inline]
+fn free_total(g: &StaticGroup, n: &NodeView<'_>, kind: Option<DeviceKind>) -> u64 {
+    g.devs
+        .iter()
+        .zip(n.devs)
+        .filter(|(d, _)| kind.is_none_or(|k| d.kind == k))
+        .map(|(_, st)| u64::from(st.avail()))
+        .sum()
+}
+
+/// "best" GPU selection of the published simulator: a sharing task takes the eligible device
+/// with the least left; whole devices are the lowest-index fully free ones.
+fn best_choice(g: &StaticGroup, n: &NodeView<'_>, req: &DevReq, elig: u64) -> u64 {
+    if req.is_share() {
+        let mut best: Option<(u16, usize)> = None;
+        for i in 0..g.devs.len() {
+            if elig & (1 << i) != 0 {
+                let f = n.devs[i].free_milli;
+                if best.is_none_or(|(bf, _)| f < bf) {
+                    best = Some((f, i));
+                }
+            }
+        }
+        best.map_or(0, |(_, i)| 1 << i)
+    } else {
+        lowest_n(elig, req.count)
+    }
+}
+
+fn dev_total(s: &Shape) -> u64 {
+    s.dev.map_or(0, |d| d.total_milli())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Baselines (faithful to the ATC'23 simulator)
+
+/// Uniformly random feasible node; random device for sharing tasks.
+#[derive(Debug)]
+pub struct RandomPolicy;
+
+impl Policy for RandomPolicy {
+    fn name(&self) -> &'static str {
+        "random"
+    }
+    fn eval(&self, _g: &StaticGroup, _n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
+        let elig = feasible(_g, _n, s)?;
+        Some(match s.dev {
+            None => Eval { score: 0, mask: 0, pick: Pick::Exact },
+            Some(r) if r.is_share() => Eval { score: 0, mask: elig, pick: Pick::RandomOne },
+            Some(r) => Eval { score: 0, mask: lowest_n(elig, r.count), pick: Pick::Exact },
+        })
+    }
+}
+
+/// Leaves the node fullest: score = 100 x (1 - (cpu left / max cpu + dev left / max dev) / 2).
+#[derive(Debug)]
+pub struct BestFit {
+    norms: Norms,
+}
+
+impl Policy for BestFit {
+    fn name(&self) -> &'static str {
+        "bestfit"
+    }
+    fn eval(&self, g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
+        let elig = feasible(g, n, s)?;
+        let cpu_left = (n.cpu_free - s.cpu_milli) as f64 / self.norms.max_cpu_milli as f64;
+        let dev_left = free_total(g, n, s.dev.map(|d| d.kind).or(Some(DeviceKind::Gpu))).saturating_sub(dev_total(s)) as f64
+            / self.norms.max_dev_milli as f64;
+        let score = (100.0 * (1.0 - (0.5 * cpu_left + 0.5 * dev_left))) as i64;
+        let mask = s.dev.map_or(0, |r| best_choice(g, n, &r, elig));
+        Some(Eval { score, mask, pick: Pick::Exact })
+    }
+}
+
+/// Smallest dot product of free resources and request (Tetris-style alignment).
+#[derive(Debug)]
+pub struct DotProd {
+    norms: Norms,
+}
+
+impl Policy for DotProd {
+    fn name(&self) -> &'static str {
+        "dotprod"
+    }
+    fn eval(&self, g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
+        let elig = feasible(g, n, s)?;
+        let (mc, md) = (self.norms.max_cpu_milli as f64, self.norms.max_dev_milli as f64);
+        let free_dev = free_total(g, n, s.dev.map(|d| d.kind).or(Some(DeviceKind::Gpu))) as f64;
+        let dot = (n.cpu_free as f64 / mc) * (s.cpu_milli as f64 / mc) + (free_dev / md) * (dev_total(s) as f64 / md);
+        let score = (100.0 * (1.0 - dot / 2.0)) as i64;
+        let mask = s.dev.map_or(0, |r| best_choice(g, n, &r, elig));
+        Some(Eval { score, mask, pick: Pick::Exact })
+    }
+}
+
+/// Packs sharing tasks onto used devices and whole-device tasks onto used nodes.
+#[derive(Debug)]
+pub struct GpuPacking;
+
+impl Policy for GpuPacking {
+    fn name(&self) -> &'static str {
+        "gpupacking"
+    }
+    fn eval(&self, g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
+        let elig = feasible(g, n, s)?;
+        let Some(r) = s.dev else { return Some(Eval { score: 0, mask: 0, pick: Pick::Exact }) };
+        let of_kind: Vec<usize> = (0..g.devs.len()).filter(|&i| g.devs[i].kind == r.kind).collect();
+        let all_free = of_kind.iter().all(|&i| n.devs[i].avail() == 1000);
+        let count = i64::from(r.count);
+        let score = if all_free {
+            (33 - count).max(count)
+        } else {
+            // Walk devices ascending by free (stable), take the first `count` that fit.
+            let mut order = of_kind.clone();
+            order.sort_by_key(|&i| n.devs[i].avail());
+            let taken: Vec<usize> = order.into_iter().filter(|&i| elig & (1 << i) != 0).take(r.count as usize).collect();
+            let k = taken.iter().filter(|&&i| n.devs[i].avail() == 1000).count() as i64;
+            if k > 0 {
+                (50 - k).max(33)
+            } else {
+                let sum: i64 = taken.iter().map(|&i| i64::from(n.devs[i].avail()) * 100 / 1000).sum();
+                (100 - sum / 10).max(50)
+            }
+        };
+        Some(Eval { score, mask: best_choice(g, n, &r, elig), pick: Pick::Exact })
+    }
+}
+
+/// Clusters tasks of the same device-shape on the same nodes.
+#[derive(Debug)]
+pub struct GpuClustering {
+    norms: Norms,
+}
+
+impl Policy for GpuClustering {
+    fn name(&self) -> &'static str {
+        "gpuclustering"
+    }
+    fn needs_tags(&self) -> bool {
+        true
+    }
+    fn eval(&self, g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
+        let elig = feasible(g, n, s)?;
+        let Some(r) = s.dev else { return Some(Eval { score: 0, mask: 0, pick: Pick::Exact }) };
+        let md = self.norms.max_dev_milli as i64;
+        let used = md - free_total(g, n, Some(r.kind)) as i64;
+        let t = (25 * used) / md;
+        let tag = r.tag_bit();
+        let score = if n.tags & tag != 0 && n.tags.count_ones() == 1 {
+            75 + t
+        } else if n.tags & tag != 0 {
+            50 + t
+        } else if n.tags == 0 {
+            25 + t
+        } else {
+            t
+        };
+        Some(Eval { score, mask: best_choice(g, n, &r, elig), pick: Pick::Exact })
+    }
+}
+
+/// Fragmentation Gradient Descent as published: integer score
+/// `int(100 * sigmoid((F(before) - F(after)) / 1000))`.
+#[derive(Debug)]
+pub struct Fgd {
+    profile: Profile,
+}
+
+fn sigmoid_score(delta_milli: f64) -> i64 {
+    (100.0 / (1.0 + (-delta_milli / 1000.0).exp())) as i64
+}
+
+impl Policy for Fgd {
+    fn name(&self) -> &'static str {
+        "fgd"
+    }
+    fn eval(&self, g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
+        let elig = feasible(g, n, s)?;
+        let before = self.profile.fragmentation(g, n);
+        let mut after_devs = n.devs.to_vec();
+        let after_cpu = n.cpu_free - s.cpu_milli;
+        match s.dev {
+            Some(r) if r.is_share() => {
+                // Each candidate device; the integer score's ties go to any of them (the
+                // simulator's lowest index is arbitrary with respect to state).
+                let mut best = i64::MIN;
+                let mut mask = 0u64;
+                for i in 0..g.devs.len() {
+                    if elig & (1 << i) == 0 {
+                        continue;
+                    }
+                    after_devs[i].free_milli -= r.milli;
+                    let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: &after_devs, ..*n });
+                    after_devs[i].free_milli += r.milli;
+                    let sc = sigmoid_score(before - after);
+                    if sc > best {
+                        best = sc;
+                        mask = 0;
+                    }
+                    if sc == best {
+                        mask |= 1 << i;
+                    }
+                }
+                Some(Eval { score: best, mask, pick: Pick::RandomOne })
+            }
+            Some(r) => {
+                let mask = lowest_n(elig, r.count);
+                for i in 0..g.devs.len() {
+                    if mask & (1 << i) != 0 {
+                        after_devs[i].free_milli -= r.milli;
+                    }
+                }
+                let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: &after_devs, ..*n });
+                Some(Eval { score: sigmoid_score(before - after), mask, pick: Pick::Exact })
+            }
+            None => {
+                let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, ..*n });
+                Some(Eval { score: sigmoid_score(before - after), mask: 0, pick: Pick::Exact })
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// suanli's default
+
+/// suanli's default policy: a weighted sum of fragmentation (exact, unquantized FGD delta),
+/// bin-pack, spread and topology. Device choice inside a node minimizes fragmentation, then
+/// keeps multi-device tasks inside one topology block, then best-fits.
+#[derive(Debug)]
+pub struct Suanli {
+    norms: Norms,
+    profile: Profile,
+    weights: Weights,
+}
+
+const SCALE: f64 = 1e6;
+
+impl Suanli {
+    /// Chooses whole devices: the fullest topology block that holds all of them, else the
+    /// fewest blocks. Returns (mask, topology score in [0,1]).
+    fn whole_devices(&self, g: &StaticGroup, elig: u64, count: u32) -> (u64, f64) {
+        if !g.has_topology || count <= 1 {
+            return (lowest_n(elig, count), 1.0);
+        }
+        let nb = g.blocks.len();
+        let mut per_block: Vec<u64> = vec![0; nb];
+        for i in 0..g.devs.len() {
+            if elig & (1 << i) != 0 {
+                per_block[g.devs[i].block as usize] |= 1 << i;
+            }
+        }
+        // Best fit: the block with the fewest eligible devices that still holds `count`.
+        if let Some(b) = (0..nb).filter(|&b| per_block[b].count_ones() >= count).min_by_key(|&b| (per_block[b].count_ones(), b)) {
+            return (lowest_n(per_block[b], count), 1.0);
+        }
+        let mut order: Vec<usize> = (0..nb).collect();
+        order.sort_by_key(|&b| (std::cmp::Reverse(per_block[b].count_ones()), b));
+        let (mut mask, mut left, mut used) = (0u64, count, 0u32);
+        for b in order {
+            if left == 0 {
+                break;
+            }
+            let take = per_block[b].count_ones().min(left);
+            if take > 0 {
+                mask |= lowest_n(per_block[b], take);
+                left -= take;
+                used += 1;
+            }
+        }
+        (mask, 1.0 / f64::from(used.max(1)))
+    }
+}
+
+impl Policy for Suanli {
+    fn name(&self) -> &'static str {
+        "suanli"
+    }
+    fn eval(&self, g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
+        let elig = feasible(g, n, s)?;
+        let w = &self.weights;
+        let kind = s.dev.map(|d| d.kind).or(Some(DeviceKind::Gpu));
+        let cpu_left = (n.cpu_free - s.cpu_milli) as f64 / self.norms.max_cpu_milli as f64;
+        let dev_left = free_total(g, n, kind).saturating_sub(dev_total(s)) as f64 / self.norms.max_dev_milli as f64;
+        let fill = 1.0 - 0.5 * (cpu_left + dev_left);
+        let base = w.binpack * fill + w.spread * (1.0 - fill);
+        let use_frag = w.fragmentation != 0.0 && !self.profile.is_empty();
+        let before = if use_frag { self.profile.fragmentation(g, n) } else { 0.0 };
+        let after_cpu = n.cpu_free - s.cpu_milli;
+        let mut after_devs = n.devs.to_vec();
+        let (score, mask) = match s.dev {
+            Some(r) if r.is_share() => {
+                let mut best: Option<(f64, u16, usize)> = None;
+                let mut last: Option<crate::cluster::DevState> = None;
+                for i in 0..g.devs.len() {
+                    if elig & (1 << i) == 0 {
+                        continue;
+                    }
+                    // Interchangeable slots with equal state give equal results.
+                    if last == Some(n.devs[i]) && i > 0 && g.devs[i] == g.devs[i - 1] {
+                        continue;
+                    }
+                    last = Some(n.devs[i]);
+                    let frag = if use_frag {
+                        after_devs[i].free_milli -= r.milli;
+                        let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: &after_devs, ..*n });
+                        after_devs[i].free_milli += r.milli;
+                        (before - after) / 1000.0
+                    } else {
+                        0.0
+                    };
+                    let left = n.devs[i].free_milli - r.milli;
+                    let better = match best {
+                        None => true,
+                        Some((bf, bl, _)) => frag > bf + 1e-9 || ((frag - bf).abs() <= 1e-9 && left < bl),
+                    };
+                    if better {
+                        best = Some((frag, left, i));
+                    }
+                }
+                let (frag, _, i) = best?;
+                (w.fragmentation * frag + base + w.topology, 1u64 << i)
+            }
+            Some(r) => {
+                let (mask, topo) = self.whole_devices(g, elig, r.count);
+                let frag = if use_frag {
+                    for i in 0..g.devs.len() {
+                        if mask & (1 << i) != 0 {
+                            after_devs[i].free_milli -= r.milli;
+                        }
+                    }
+                    (before - self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: &after_devs, ..*n })) / 1000.0
+                } else {
+                    0.0
+                };
+                (w.fragmentation * frag + base + w.topology * topo, mask)
+            }
+            None => {
+                let frag = if use_frag {
+                    (before - self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, ..*n })) / 1000.0
+                } else {
+                    0.0
+                };
+                (w.fragmentation * frag + base + w.topology, 0)
+            }
+        };
+        Some(Eval { score: (score * SCALE).round() as i64, mask, pick: Pick::Exact })
+    }
+}
+
+/// Default model set helper for tests.
+pub fn any_model() -> ModelSet {
+    ALL_MODELS
+}

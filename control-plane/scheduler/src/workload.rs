@@ -1,0 +1,156 @@
+//! The typical workload that fragmentation is measured against.
+//!
+//! Following "Beware of Fragmentation" (Weng et al., USENIX ATC'23), a node's fragmentation is
+//! the free device capacity that the tasks which typically arrive could not use: for each
+//! typical task shape, all free device milli when the shape cannot be placed on the node at
+//! all, otherwise the free milli of the devices that have less left than the shape asks for;
+//! weighted by how often the shape arrives. The typical shapes are the most popular shapes
+//! covering a configurable share (95%) of recent tasks.
+
+use crate::cluster::{DevReq, ModelSet, NodeView, StaticGroup};
+use std::collections::BTreeMap;
+use suanli_model::DeviceKind;
+
+/// A shape as counted for the workload profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TypicalKey {
+    /// CPU.
+    pub cpu_milli: u64,
+    /// Milli per device (0 for CPU-only).
+    pub milli: u16,
+    /// Device count (0 for CPU-only).
+    pub count: u32,
+    /// Device kind (GPU for CPU-only, unused).
+    pub kind: DeviceKind,
+    /// Allowed models.
+    pub models: ModelSet,
+}
+
+impl TypicalKey {
+    /// From a shape's parts.
+    pub fn new(cpu_milli: u64, dev: Option<DevReq>, models: ModelSet) -> Self {
+        match dev {
+            None => Self { cpu_milli, milli: 0, count: 0, kind: DeviceKind::Gpu, models },
+            Some(d) => Self { cpu_milli, milli: d.milli, count: d.count, kind: d.kind, models },
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct TypGroup {
+    /// (kind, count, milli) or `None` for CPU-only shapes.
+    dev: Option<(DeviceKind, u32, u16)>,
+    models: ModelSet,
+    /// CPU requests ascending.
+    cpus: Vec<u64>,
+    /// prefix[i] = sum of freq of cpus[..i].
+    prefix: Vec<f64>,
+    total: f64,
+}
+
+/// The typical workload: shapes with frequencies summing to 1.
+#[derive(Debug, Clone, Default)]
+pub struct Profile {
+    groups: Vec<TypGroup>,
+    shapes: Vec<(TypicalKey, f64)>,
+}
+
+impl Profile {
+    /// Builds the profile from shape counts: shapes sorted by count (ties by key, descending),
+    /// the smallest prefix whose counts reach `coverage` (e.g. 0.95) of the total is kept, and
+    /// frequencies are renormalized over the kept shapes.
+    pub fn from_counts(counts: &BTreeMap<TypicalKey, u64>, coverage: f64) -> Self {
+        let total: u64 = counts.values().sum();
+        if total == 0 {
+            return Self::default();
+        }
+        let mut v: Vec<(TypicalKey, u64)> = counts.iter().map(|(k, c)| (*k, *c)).collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(b.0.cmp(&a.0)));
+        let expected = coverage.clamp(0.0, 1.0) * total as f64;
+        let mut cum = 0u64;
+        let mut kept = Vec::new();
+        for (k, c) in v {
+            if (cum as f64) >= expected && !kept.is_empty() {
+                break;
+            }
+            cum += c;
+            kept.push((k, c));
+        }
+        let shapes: Vec<(TypicalKey, f64)> = kept.iter().map(|(k, c)| (*k, *c as f64 / cum as f64)).collect();
+        let mut by_group: BTreeMap<(Option<(DeviceKind, u32, u16)>, ModelSet), Vec<(u64, f64)>> = BTreeMap::new();
+        for (k, f) in &shapes {
+            let dev = (k.count > 0 && k.milli > 0).then_some((k.kind, k.count, k.milli));
+            by_group.entry((dev, if dev.is_some() { k.models } else { 0 })).or_default().push((k.cpu_milli, *f));
+        }
+        let groups = by_group
+            .into_iter()
+            .map(|((dev, models), mut items)| {
+                items.sort_by_key(|i| i.0);
+                let mut prefix = Vec::with_capacity(items.len() + 1);
+                let mut acc = 0.0;
+                prefix.push(0.0);
+                for (_, f) in &items {
+                    acc += f;
+                    prefix.push(acc);
+                }
+                TypGroup { dev, models, cpus: items.iter().map(|i| i.0).collect(), prefix, total: acc }
+            })
+            .collect();
+        Self { groups, shapes }
+    }
+
+    /// True when there is no workload to measure against.
+    pub fn is_empty(&self) -> bool {
+        self.shapes.is_empty()
+    }
+
+    /// The kept shapes and their frequencies.
+    pub fn shapes(&self) -> &[(TypicalKey, f64)] {
+        &self.shapes
+    }
+
+    /// Expected fragmentation of a node, in device milli (0 ..= free device milli).
+    pub fn fragmentation(&self, g: &StaticGroup, n: &NodeView<'_>) -> f64 {
+        let mut f = 0.0;
+        let mut l_all: Option<u64> = None;
+        for grp in &self.groups {
+            match grp.dev {
+                None => {
+                    let l = *l_all.get_or_insert_with(|| n.devs.iter().map(|d| u64::from(d.avail())).sum());
+                    f += grp.total * l as f64;
+                }
+                Some((kind, count, milli)) => {
+                    let (mut l_kind, mut q3, mut cnt, mut any) = (0u64, 0u64, 0u32, false);
+                    for (d, st) in g.devs.iter().zip(n.devs) {
+                        if d.kind != kind {
+                            continue;
+                        }
+                        let a = st.avail();
+                        l_kind += u64::from(a);
+                        if st.healthy && grp.models & (1u128 << d.model) != 0 {
+                            any = true;
+                            if a >= u32::from(milli) {
+                                cnt += 1;
+                            } else {
+                                q3 += u64::from(a);
+                            }
+                        } else {
+                            q3 += u64::from(a);
+                        }
+                    }
+                    if l_kind == 0 {
+                        continue;
+                    }
+                    if !any || cnt < count {
+                        f += grp.total * l_kind as f64;
+                    } else {
+                        let ok = grp.cpus.partition_point(|&c| c <= n.cpu_free);
+                        let w_ok = grp.prefix[ok];
+                        f += w_ok * q3 as f64 + (grp.total - w_ok) * l_kind as f64;
+                    }
+                }
+            }
+        }
+        f
+    }
+}
