@@ -14,7 +14,8 @@
 //! Ties between equally good nodes are broken uniformly at random with the caller's
 //! [`DetRng`], so a seed replays exactly.
 
-use crate::policy::{Eval, Pick, Policy};
+use crate::policy::{Eval, Pick, Policy, TieBreak};
+use std::collections::BTreeSet;
 use crate::rng::DetRng;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -204,6 +205,8 @@ struct Class {
     tags: u16,
     devs: Box<[DevState]>,
     members: Vec<u32>,
+    /// (rank, node) of the members, kept only for fixed-order tie-breaking.
+    ordered: BTreeSet<(u32, u32)>,
     active_pos: u32,
     evals: Vec<Slot>,
 }
@@ -274,6 +277,9 @@ pub struct Cluster {
     models: Vec<String>,
     model_index: HashMap<String, u8>,
     track_tags: bool,
+    ties: TieBreak,
+    /// Position of each node in the fixed tie-break order.
+    rank: Vec<u32>,
     total_gpu_milli: u64,
     scratch_key: Vec<u64>,
     scratch_devs: Vec<DevState>,
@@ -289,9 +295,10 @@ fn block_of(blocks: &mut Vec<(u32, Option<u32>)>, numa: u32, peer: Option<u32>) 
 
 impl Cluster {
     /// Builds the view from nodes. `track_tags` keeps per-node job-shape tags (needed only by
-    /// the GpuClustering baseline). Devices start free; use [`Cluster::occupy`] to add running
+    /// the GpuClustering baseline); `ties` says how equal scores are broken (node order is
+    /// the input order until [`Cluster::set_order`]). Devices start free; use [`Cluster::occupy`] to add running
     /// work.
-    pub fn new(nodes: &[Node], limits: &Limits, track_tags: bool) -> Result<Self, ClusterError> {
+    pub fn new(nodes: &[Node], limits: &Limits, track_tags: bool, ties: TieBreak) -> Result<Self, ClusterError> {
         let mut c = Cluster {
             groups: Vec::new(),
             nodes: Vec::with_capacity(nodes.len()),
@@ -304,6 +311,8 @@ impl Cluster {
             models: Vec::new(),
             model_index: HashMap::new(),
             track_tags,
+            ties,
+            rank: (0..nodes.len() as u32).collect(),
             total_gpu_milli: 0,
             scratch_key: Vec::new(),
             scratch_devs: Vec::new(),
@@ -585,6 +594,7 @@ impl Cluster {
                     tags,
                     devs: devs.clone().into_boxed_slice(),
                     members: Vec::new(),
+                    ordered: BTreeSet::new(),
                     active_pos: u32::MAX,
                     evals: Vec::new(),
                 });
@@ -607,6 +617,9 @@ impl Cluster {
         }
         let oc = &mut self.classes[old as usize];
         oc.members.swap_remove(pos);
+        if self.ties == TieBreak::FixedOrder {
+            oc.ordered.remove(&(self.rank[node as usize], node));
+        }
         if let Some(&moved) = oc.members.get(pos) {
             self.nodes[moved as usize].pos = pos as u32;
         }
@@ -637,10 +650,29 @@ impl Cluster {
             self.active.push(class);
         }
         nc.members.push(node);
+        if self.ties == TieBreak::FixedOrder {
+            nc.ordered.insert((self.rank[node as usize], node));
+        }
         let pos = (nc.members.len() - 1) as u32;
         let n = &mut self.nodes[node as usize];
         n.pos = pos;
         n.listed = true;
+    }
+
+    /// Sets the fixed tie-break order: `order[k]` is the node placed k-th (a permutation of
+    /// `0..len`). Ignored unless the index is missing a node.
+    pub fn set_order(&mut self, order: &[u32]) {
+        if order.len() != self.nodes.len() {
+            return;
+        }
+        for (k, &n) in order.iter().enumerate() {
+            if let Some(r) = self.rank.get_mut(n as usize) {
+                *r = k as u32;
+            }
+        }
+        for c in &mut self.classes {
+            c.ordered = c.members.iter().map(|&m| (self.rank[m as usize], m)).collect();
+        }
     }
 
     /// Takes a node out of placement until [`Cluster::unhold`] (backfill reservations).
@@ -718,6 +750,13 @@ impl Cluster {
         if ties.is_empty() {
             return None;
         }
+        if self.ties == TieBreak::FixedOrder {
+            let (rank_node, e) = ties
+                .iter()
+                .filter_map(|(c, e)| self.classes[*c as usize].ordered.first().map(|f| (*f, *e)))
+                .min_by_key(|(f, _)| *f)?;
+            return Some(self.resolve(rank_node.1, &e, shape, rng));
+        }
         let mut r = rng.below(total);
         for (class, e) in ties {
             let members = &self.classes[class as usize].members;
@@ -759,7 +798,11 @@ impl Cluster {
         if ties.is_empty() {
             return None;
         }
-        let (node, e) = ties[rng.below(ties.len() as u64) as usize];
+        let (node, e) = if self.ties == TieBreak::FixedOrder {
+            ties.iter().copied().min_by_key(|(n, _)| self.rank[*n as usize])?
+        } else {
+            ties[rng.below(ties.len() as u64) as usize]
+        };
         Some(self.resolve(node, &e, shape, rng))
     }
 
@@ -771,14 +814,21 @@ impl Cluster {
         let mut perm = Vec::new();
         self.canonical(node, &mut canon, Some(&mut perm));
         let mut mask = e.mask;
-        if let Pick::RandomOne = e.pick {
-            let n = u64::from(mask.count_ones());
-            let k = rng.below(n);
-            let mut m = mask;
-            for _ in 0..k {
-                m &= m - 1;
+        let mut slots: Vec<u16> = (0..64u16).filter(|b| mask & (1u64 << b) != 0).collect();
+        match e.pick {
+            Pick::Exact => {}
+            Pick::RandomOne => {
+                let k = rng.below(slots.len() as u64) as usize;
+                slots = slots.get(k).map(|&s| vec![s]).unwrap_or_default();
             }
-            mask = m & m.wrapping_neg();
+            Pick::Lowest(n) => {
+                slots.sort_by_key(|&s| perm[s as usize]);
+                slots.truncate(usize::from(n));
+            }
+        }
+        mask = 0;
+        for s in &slots {
+            mask |= 1 << s;
         }
         let devices = (0..64u16)
             .filter(|b| mask & (1u64 << b) != 0)

@@ -130,8 +130,10 @@ fn alloc_resvec(a: &Allocation, kinds: &HashMap<(&str, &str), DeviceKind>) -> Re
     v
 }
 
-/// Builds the fragmentation profile from samples (or from the given fallback shapes).
-pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f64) -> Profile {
+/// Builds the fragmentation profile from samples. With `memory_aware`, a typical shape also
+/// counts as unplaceable on a node that lacks its memory (suanli's default; the published FGD
+/// ignores memory).
+pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f64, memory_aware: bool) -> Profile {
     let mut counts: BTreeMap<TypicalKey, u64> = BTreeMap::new();
     for s in samples {
         let dev = s.resources.devices.as_ref().map(|d| DevReq {
@@ -140,7 +142,8 @@ pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f6
             milli: d.milli.min(1000) as u16,
             memory_mib: d.memory_mib,
         });
-        let key = TypicalKey::new(s.resources.cpu_milli, dev, cluster.model_set(&s.device_models));
+        let mem = if memory_aware { s.resources.memory_mib } else { 0 };
+        let key = TypicalKey::new(s.resources.cpu_milli, mem, dev, cluster.model_set(&s.device_models));
         *counts.entry(key).or_default() += s.count;
     }
     Profile::from_counts(&counts, coverage)
@@ -176,7 +179,7 @@ struct Tentative {
 /// same plan.
 pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) -> Result<Plan, ScheduleError> {
     let probe = policy::build(&cfg.policy, Norms { max_cpu_milli: 1, max_dev_milli: 1000 }, &Profile::default(), cfg.weights)?;
-    let mut cluster = Cluster::new(&view.nodes, &cfg.limits, probe.needs_tags())?;
+    let mut cluster = Cluster::new(&view.nodes, &cfg.limits, probe.needs_tags(), probe.tie_break())?;
     let mut kinds = HashMap::new();
     for n in &view.nodes {
         for d in &n.devices {
@@ -202,7 +205,7 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
     } else {
         view.workload.clone()
     };
-    let profile = build_profile(&cluster, &samples, cfg.typical_coverage);
+    let profile = build_profile(&cluster, &samples, cfg.typical_coverage, cfg.policy == "suanli");
     let policy = policy::build(&cfg.policy, Norms::of(cluster.groups()), &profile, cfg.weights)?;
     let mut pass = Pass {
         cfg,

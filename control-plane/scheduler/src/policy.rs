@@ -27,6 +27,19 @@ pub enum Pick {
     Exact,
     /// Use one device chosen uniformly at random from the mask.
     RandomOne,
+    /// Use the `n` devices of the mask with the lowest device index on the node (the
+    /// published simulator's rule; interchangeable devices make this a pure tie-break).
+    Lowest(u8),
+}
+
+/// How equally scored nodes are chosen between.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TieBreak {
+    /// Uniformly at random (seeded).
+    Random,
+    /// The node earliest in a fixed order (a seeded permutation of the nodes): the published
+    /// simulator's "smallest name" rule, which packs ties first-fit.
+    FixedOrder,
 }
 
 /// A policy's verdict for one (node class, shape).
@@ -49,6 +62,10 @@ pub trait Policy: Send + Sync + fmt::Debug {
     /// Whether the policy reads [`NodeView::tags`].
     fn needs_tags(&self) -> bool {
         false
+    }
+    /// How ties between nodes are broken.
+    fn tie_break(&self) -> TieBreak {
+        TieBreak::FixedOrder
     }
 }
 
@@ -220,20 +237,25 @@ fn free_total(g: &StaticGroup, n: &NodeView<'_>, kind: Option<DeviceKind>) -> u6
 
 /// "best" GPU selection of the published simulator: a sharing task takes the eligible device
 /// with the least left; whole devices are the lowest-index fully free ones.
-fn best_choice(g: &StaticGroup, n: &NodeView<'_>, req: &DevReq, elig: u64) -> u64 {
+fn best_choice(g: &StaticGroup, n: &NodeView<'_>, req: &DevReq, elig: u64) -> (u64, Pick) {
     if req.is_share() {
-        let mut best: Option<(u16, usize)> = None;
-        for i in 0..g.devs.len() {
-            if elig & (1 << i) != 0 {
-                let f = n.devs[i].free_milli;
-                if best.is_none_or(|(bf, _)| f < bf) {
-                    best = Some((f, i));
-                }
-            }
-        }
-        best.map_or(0, |(_, i)| 1 << i)
+        let min = (0..g.devs.len()).filter(|&i| elig & (1 << i) != 0).map(|i| n.devs[i].free_milli).min();
+        let mask = (0..g.devs.len())
+            .filter(|&i| elig & (1 << i) != 0 && Some(n.devs[i].free_milli) == min)
+            .fold(0u64, |m, i| m | (1 << i));
+        (mask, Pick::Lowest(1))
     } else {
-        lowest_n(elig, req.count)
+        (elig, Pick::Lowest(req.count.min(64) as u8))
+    }
+}
+
+fn eval_best(g: &StaticGroup, n: &NodeView<'_>, s: &Shape, elig: u64, score: i64) -> Eval {
+    match s.dev {
+        None => Eval { score, mask: 0, pick: Pick::Exact },
+        Some(r) => {
+            let (mask, pick) = best_choice(g, n, &r, elig);
+            Eval { score, mask, pick }
+        }
     }
 }
 
@@ -252,12 +274,15 @@ impl Policy for RandomPolicy {
     fn name(&self) -> &'static str {
         "random"
     }
-    fn eval(&self, _g: &StaticGroup, _n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
-        let elig = feasible(_g, _n, s)?;
+    fn tie_break(&self) -> TieBreak {
+        TieBreak::Random
+    }
+    fn eval(&self, g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
+        let elig = feasible(g, n, s)?;
         Some(match s.dev {
             None => Eval { score: 0, mask: 0, pick: Pick::Exact },
             Some(r) if r.is_share() => Eval { score: 0, mask: elig, pick: Pick::RandomOne },
-            Some(r) => Eval { score: 0, mask: lowest_n(elig, r.count), pick: Pick::Exact },
+            Some(r) => Eval { score: 0, mask: elig, pick: Pick::Lowest(r.count.min(64) as u8) },
         })
     }
 }
@@ -278,8 +303,7 @@ impl Policy for BestFit {
         let dev_left = free_total(g, n, s.dev.map(|d| d.kind).or(Some(DeviceKind::Gpu))).saturating_sub(dev_total(s)) as f64
             / self.norms.max_dev_milli as f64;
         let score = (100.0 * (1.0 - (0.5 * cpu_left + 0.5 * dev_left))) as i64;
-        let mask = s.dev.map_or(0, |r| best_choice(g, n, &r, elig));
-        Some(Eval { score, mask, pick: Pick::Exact })
+        Some(eval_best(g, n, s, elig, score))
     }
 }
 
@@ -299,8 +323,7 @@ impl Policy for DotProd {
         let free_dev = free_total(g, n, s.dev.map(|d| d.kind).or(Some(DeviceKind::Gpu))) as f64;
         let dot = (n.cpu_free as f64 / mc) * (s.cpu_milli as f64 / mc) + (free_dev / md) * (dev_total(s) as f64 / md);
         let score = (100.0 * (1.0 - dot / 2.0)) as i64;
-        let mask = s.dev.map_or(0, |r| best_choice(g, n, &r, elig));
-        Some(Eval { score, mask, pick: Pick::Exact })
+        Some(eval_best(g, n, s, elig, score))
     }
 }
 
@@ -317,9 +340,10 @@ impl Policy for GpuPacking {
         let Some(r) = s.dev else { return Some(Eval { score: 0, mask: 0, pick: Pick::Exact }) };
         let of_kind: Vec<usize> = (0..g.devs.len()).filter(|&i| g.devs[i].kind == r.kind).collect();
         let all_free = of_kind.iter().all(|&i| n.devs[i].avail() == 1000);
-        let count = i64::from(r.count);
         let score = if all_free {
-            (33 - count).max(count)
+            // A completely free node: the more devices it has, the less we want to open it.
+            let free = of_kind.len() as i64;
+            (33 - free).max(free)
         } else {
             // Walk devices ascending by free (stable), take the first `count` that fit.
             let mut order = of_kind.clone();
@@ -333,7 +357,7 @@ impl Policy for GpuPacking {
                 (100 - sum / 10).max(50)
             }
         };
-        Some(Eval { score, mask: best_choice(g, n, &r, elig), pick: Pick::Exact })
+        Some(eval_best(g, n, s, elig, score))
     }
 }
 
@@ -366,7 +390,7 @@ impl Policy for GpuClustering {
         } else {
             t
         };
-        Some(Eval { score, mask: best_choice(g, n, &r, elig), pick: Pick::Exact })
+        Some(eval_best(g, n, s, elig, score))
     }
 }
 
@@ -392,8 +416,8 @@ impl Policy for Fgd {
         let after_cpu = n.cpu_free - s.cpu_milli;
         match s.dev {
             Some(r) if r.is_share() => {
-                // Each candidate device; the integer score's ties go to any of them (the
-                // simulator's lowest index is arbitrary with respect to state).
+                // Each candidate device; the integer score's ties go to the lowest device
+                // index, as in the published simulator.
                 let mut best = i64::MIN;
                 let mut mask = 0u64;
                 for i in 0..g.devs.len() {
@@ -412,17 +436,19 @@ impl Policy for Fgd {
                         mask |= 1 << i;
                     }
                 }
-                Some(Eval { score: best, mask, pick: Pick::RandomOne })
+                Some(Eval { score: best, mask, pick: Pick::Lowest(1) })
             }
             Some(r) => {
                 let mask = lowest_n(elig, r.count);
+                let pick_from = elig;
                 for i in 0..g.devs.len() {
                     if mask & (1 << i) != 0 {
                         after_devs[i].free_milli -= r.milli;
                     }
                 }
                 let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: &after_devs, ..*n });
-                Some(Eval { score: sigmoid_score(before - after), mask, pick: Pick::Exact })
+                // Whole devices: any fully free ones give the same state; take the lowest ids.
+                Some(Eval { score: sigmoid_score(before - after), mask: pick_from, pick: Pick::Lowest(r.count.min(64) as u8) })
             }
             None => {
                 let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, ..*n });

@@ -1,0 +1,179 @@
+//! `suanli sim ...`
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use suanli_scheduler::POLICY_NAMES;
+use suanli_scheduler::policy::Weights;
+use suanli_sim::fill::{FillOptions, FillRun, fill};
+use suanli_sim::report::{self, PolicySummary};
+use suanli_sim::trace;
+
+#[derive(Subcommand, Debug)]
+pub enum SimCmd {
+    /// The published fill procedure of "Beware of Fragmentation" (ATC'23): time ignored, pods
+    /// arrive in a seeded order until the GPU request passes --inflate x the cluster; reports
+    /// the GPU allocation ratio at every 1% of arrived request, per policy, mean over seeds.
+    Fill(FillArgs),
+}
+
+/// Output formats.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Format {
+    /// Human-readable table.
+    Table,
+    /// JSON (summaries with mean curves).
+    Json,
+    /// CSV of mean curves (policy, arrived_pct, alloc_pct).
+    Csv,
+}
+
+#[derive(Args, Debug)]
+pub struct FillArgs {
+    /// Node list (Alibaba `openb_node_list_*.csv`).
+    #[arg(long)]
+    pub nodes: PathBuf,
+    /// Pod list (Alibaba `openb_pod_list_*.csv` or suanli's native format).
+    #[arg(long)]
+    pub pods: PathBuf,
+    /// Comma-separated policies, or `all`.
+    #[arg(long, default_value = "suanli,fgd,bestfit")]
+    pub policy: String,
+    /// Seeds: `42`, `42,43` or a range `42-51`.
+    #[arg(long, default_value = "42")]
+    pub seeds: String,
+    /// Target GPU request as a multiple of the cluster's GPUs.
+    #[arg(long, default_value_t = 1.3)]
+    pub inflate: f64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Also write an SVG chart of the mean allocation curves here.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Weight of the fragmentation scorer (`suanli` policy).
+    #[arg(long, default_value_t = Weights::default().fragmentation)]
+    pub w_frag: f64,
+    /// Weight of the bin-pack scorer (`suanli` policy).
+    #[arg(long, default_value_t = Weights::default().binpack)]
+    pub w_binpack: f64,
+}
+
+/// Parses `42`, `1,2,3` or `42-51` (at most 10,000 seeds).
+pub fn parse_seeds(s: &str) -> Result<Vec<u64>> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        if let Some((a, b)) = part.split_once('-') {
+            let a: u64 = a.trim().parse().with_context(|| format!("--seeds: {a:?} is not a number"))?;
+            let b: u64 = b.trim().parse().with_context(|| format!("--seeds: {b:?} is not a number"))?;
+            if b < a || b - a >= 10_000 {
+                bail!("--seeds: range {a}-{b} must be ascending and hold at most 10000 seeds");
+            }
+            out.extend(a..=b);
+        } else {
+            out.push(part.parse().with_context(|| format!("--seeds: {part:?} is not a number"))?);
+        }
+    }
+    if out.is_empty() || out.len() > 10_000 {
+        bail!("--seeds: give between 1 and 10000 seeds");
+    }
+    Ok(out)
+}
+
+/// Parses a policy list (`all` = every policy), rejecting unknown names.
+pub fn parse_policies(s: &str) -> Result<Vec<String>> {
+    if s.trim() == "all" {
+        return Ok(POLICY_NAMES.iter().map(|p| (*p).to_owned()).collect());
+    }
+    let v: Vec<String> = s.split(',').map(|p| p.trim().to_owned()).filter(|p| !p.is_empty()).collect();
+    for p in &v {
+        if !POLICY_NAMES.contains(&p.as_str()) {
+            bail!("--policy: unknown policy {p:?}; valid policies: {}, or all", POLICY_NAMES.join(", "));
+        }
+    }
+    if v.is_empty() {
+        bail!("--policy: give at least one policy");
+    }
+    Ok(v)
+}
+
+pub fn run(cmd: SimCmd) -> Result<()> {
+    match cmd {
+        SimCmd::Fill(a) => run_fill(a),
+    }
+}
+
+fn run_fill(a: FillArgs) -> Result<()> {
+    let policies = parse_policies(&a.policy)?;
+    let seeds = parse_seeds(&a.seeds)?;
+    let nodes = trace::read_alibaba_nodes(&a.nodes)?;
+    let pods = trace::read_pods(&a.pods)?;
+    let weights = Weights { fragmentation: a.w_frag, binpack: a.w_binpack, ..Weights::default() };
+    let jobs: Vec<(usize, u64)> = (0..policies.len()).flat_map(|p| seeds.iter().map(move |&s| (p, s))).collect();
+    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).clamp(1, 256);
+    let bar = ProgressBar::new(jobs.len() as u64);
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} runs {elapsed_precise} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    let results: Mutex<Vec<Option<FillRun>>> = Mutex::new(vec![None; jobs.len()]);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let first_err: Mutex<Option<anyhow::Error>> = Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..threads.min(jobs.len()) {
+            scope.spawn(|| {
+                loop {
+                    let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&(p, seed)) = jobs.get(k) else { break };
+                    let opts = FillOptions { policy: policies[p].clone(), seed, inflate: a.inflate, weights, ..FillOptions::default() };
+                    match fill(&nodes, &pods, &opts) {
+                        Ok(r) => {
+                            if let Ok(mut v) = results.lock() {
+                                v[k] = Some(r);
+                            }
+                        }
+                        Err(e) => {
+                            if let Ok(mut f) = first_err.lock() {
+                                f.get_or_insert(e.into());
+                            }
+                        }
+                    }
+                    bar.inc(1);
+                }
+            });
+        }
+    });
+    bar.finish_and_clear();
+    if let Some(e) = first_err.into_inner().ok().flatten() {
+        return Err(e);
+    }
+    let results = results.into_inner().map_err(|_| anyhow::anyhow!("a worker thread panicked"))?;
+    let sums: Vec<PolicySummary> = policies
+        .iter()
+        .enumerate()
+        .map(|(p, name)| {
+            let runs: Vec<FillRun> = jobs
+                .iter()
+                .zip(&results)
+                .filter(|((pp, _), _)| *pp == p)
+                .filter_map(|(_, r)| r.clone())
+                .collect();
+            report::summarize(name, &runs)
+        })
+        .collect();
+    let title = format!("{} on {}", a.pods.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()), a.nodes.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()));
+    if let Some(svg) = &a.svg {
+        std::fs::write(svg, report::curves_svg(&title, &sums)).with_context(|| format!("--svg: writing {}", svg.display()))?;
+    }
+    match a.format {
+        Format::Table => {
+            println!("{title}: {} node(s), {} pod(s), inflate {}, seeds {}", nodes.len(), pods.len(), a.inflate, a.seeds);
+            print!("{}", report::table(&sums));
+        }
+        Format::Json => println!("{}", serde_json::to_string_pretty(&sums)?),
+        Format::Csv => print!("{}", report::curves_csv(&sums)),
+    }
+    Ok(())
+}
