@@ -1,0 +1,513 @@
+//! Replicated commands, their wire envelope, and the responses apply returns.
+//!
+//! Every command travels as an envelope `{"v": 1, "kind": "submit_job", "ignorable": false,
+//! "body": {...}}`. A server that meets a `kind` it does not know decodes it as
+//! [`Command::Unknown`] instead of failing: if the writer marked it `ignorable`, apply skips it
+//! (Nomad's `IgnoreUnknownTypeFlag`); otherwise apply answers [`Response::Unsupported`], which the
+//! raft layer treats as fatal, because skipping it would let replicas diverge. The body of an
+//! unknown command is kept verbatim, so re-encoding it (e.g. when an old follower replicates its
+//! log) loses nothing. The envelope needs a self-describing format (JSON).
+
+use crate::config::{ConfigError, RetryPolicy, StateConfig};
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use suanli_model::{
+    AllocId, Health, JobId, JobSpec, Node, NodeId, Plan, Queue, QueueId, ValidationError,
+};
+use thiserror::Error;
+
+/// Version of the command schema this build writes. Bodies evolve additively (new fields have
+/// defaults); a breaking change gets a new `kind`.
+pub const COMMAND_VERSION: u32 = 1;
+
+/// Creates or replaces a queue.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpsertQueue {
+    /// The queue as it should be.
+    pub queue: Queue,
+}
+
+/// Deletes a queue that no live job and no child queue uses.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeleteQueue {
+    /// The queue.
+    pub queue: QueueId,
+}
+
+/// A node agent registered (or re-registered after a restart) with its inventory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterNode {
+    /// The node as its agent sees it. `schedulable` is ignored for a known node: cordons are
+    /// an operator decision and survive re-registration.
+    pub node: Node,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// Whether a node takes new work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeMode {
+    /// Takes new placements.
+    #[default]
+    Schedulable,
+    /// No new placements; running work stays.
+    Cordoned,
+    /// No new placements, and running work is stopped and requeued elsewhere.
+    Draining,
+}
+
+/// Cordons, drains or uncordons a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetNodeMode {
+    /// The node.
+    pub node: NodeId,
+    /// The new mode.
+    pub mode: NodeMode,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// The leader saw no heartbeat within the TTL: the node's work is lost and requeued.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeDown {
+    /// The node.
+    pub node: NodeId,
+    /// Why (for operators).
+    #[serde(default)]
+    pub reason: String,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// A device changed health.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceHealth {
+    /// The node.
+    pub node: NodeId,
+    /// Device id on the node.
+    pub device: String,
+    /// New health.
+    pub health: Health,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// A client submits a job. Retries with the same `client_request_id` return the first job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubmitJob {
+    /// Chosen by the client, unique per intended job; a retry after a timeout reuses it.
+    pub client_request_id: String,
+    /// The job.
+    pub spec: JobSpec,
+    /// Retry policy; `None` takes the configured default.
+    #[serde(default)]
+    pub retry: Option<RetryPolicy>,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// Cancels a job; its running tasks are told to stop.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelJob {
+    /// The job.
+    pub job: JobId,
+    /// Why (for operators).
+    #[serde(default)]
+    pub reason: String,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// Commits a scheduling plan. Apply re-checks every part against the state at this index and
+/// commits the parts that still hold.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApplyPlan {
+    /// The engine's plan.
+    pub plan: Plan,
+    /// The `now` the plan was computed for (seconds).
+    pub now: u64,
+}
+
+/// What an agent reports about an allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReportedStatus {
+    /// The task started.
+    Running,
+    /// The task exited successfully.
+    Succeeded,
+    /// The task exited with an error.
+    Failed,
+    /// The task was stopped (as asked, or by the agent).
+    Stopped,
+}
+
+/// An agent's report on one allocation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocStatus {
+    /// The allocation.
+    pub alloc: AllocId,
+    /// The epoch the agent runs; a report from another epoch is refused.
+    pub epoch: u64,
+    /// New status.
+    pub status: ReportedStatus,
+    /// Exit message or error, cut to the configured length.
+    #[serde(default)]
+    pub message: String,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// A completed checkpoint of a running allocation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReportCheckpoint {
+    /// The allocation that wrote it.
+    pub alloc: AllocId,
+    /// Its epoch.
+    pub epoch: u64,
+    /// Where it is stored.
+    pub uri: String,
+    /// Training step (or any monotonic progress marker).
+    pub step: u64,
+    /// Size in bytes.
+    #[serde(default)]
+    pub size_bytes: u64,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// Replaces the replicated configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateConfig {
+    /// The new configuration (validated at apply).
+    pub config: StateConfig,
+}
+
+macro_rules! commands {
+    ($( $(#[$doc:meta])* $variant:ident($body:ty) = $kind:literal, ignorable: $ign:literal; )*) => {
+        /// A change to replicated state. See the module docs for the wire envelope.
+        #[derive(Debug, Clone, PartialEq)]
+        pub enum Command {
+            $( $(#[$doc])* $variant($body), )*
+            /// A kind this build does not know (written by a newer server).
+            Unknown {
+                /// Its kind name.
+                kind: String,
+                /// Whether the writer allows older servers to skip it.
+                ignorable: bool,
+                /// Envelope version it was written with.
+                version: u32,
+                /// Its body, kept verbatim so re-encoding loses nothing.
+                body: serde_json::Value,
+            },
+        }
+
+        impl Command {
+            /// The kind name written in the envelope.
+            pub fn kind(&self) -> &str {
+                match self {
+                    $( Command::$variant(_) => $kind, )*
+                    Command::Unknown { kind, .. } => kind,
+                }
+            }
+
+            /// Whether an older server that does not know this kind may skip it.
+            pub fn ignorable(&self) -> bool {
+                match self {
+                    $( Command::$variant(_) => $ign, )*
+                    Command::Unknown { ignorable, .. } => *ignorable,
+                }
+            }
+
+            /// Every kind this build knows.
+            pub const KINDS: &'static [&'static str] = &[$($kind),*];
+        }
+
+        impl Serialize for Command {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                use serde::ser::Error as _;
+                let (version, body) = match self {
+                    $( Command::$variant(b) => (
+                        COMMAND_VERSION,
+                        serde_json::to_value(b).map_err(S::Error::custom)?,
+                    ), )*
+                    Command::Unknown { version, body, .. } => (*version, body.clone()),
+                };
+                Envelope { v: version, kind: self.kind().to_owned(), ignorable: self.ignorable(), body }
+                    .serialize(s)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for Command {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let e = Envelope::deserialize(d)?;
+                Ok(match e.kind.as_str() {
+                    $( $kind => Command::$variant(serde_json::from_value(e.body).map_err(|err| {
+                        D::Error::custom(format!("command {}: {err}", $kind))
+                    })?), )*
+                    _ => Command::Unknown { kind: e.kind, ignorable: e.ignorable, version: e.v, body: e.body },
+                })
+            }
+        }
+    };
+}
+
+commands! {
+    /// Create or replace a queue.
+    UpsertQueue(UpsertQueue) = "upsert_queue", ignorable: false;
+    /// Delete an unused queue.
+    DeleteQueue(DeleteQueue) = "delete_queue", ignorable: false;
+    /// Register or re-register a node.
+    RegisterNode(RegisterNode) = "register_node", ignorable: false;
+    /// Cordon, drain or uncordon a node.
+    SetNodeMode(SetNodeMode) = "set_node_mode", ignorable: false;
+    /// A node missed its heartbeats.
+    NodeDown(NodeDown) = "node_down", ignorable: false;
+    /// A device changed health.
+    DeviceHealth(DeviceHealth) = "device_health", ignorable: false;
+    /// Submit a job.
+    SubmitJob(SubmitJob) = "submit_job", ignorable: false;
+    /// Cancel a job.
+    CancelJob(CancelJob) = "cancel_job", ignorable: false;
+    /// Commit a scheduling plan.
+    ApplyPlan(ApplyPlan) = "apply_plan", ignorable: false;
+    /// An allocation's status changed.
+    AllocStatus(AllocStatus) = "alloc_status", ignorable: false;
+    /// A checkpoint completed (metadata only: an older server may skip it safely).
+    ReportCheckpoint(ReportCheckpoint) = "report_checkpoint", ignorable: true;
+    /// Replace the replicated configuration.
+    UpdateConfig(UpdateConfig) = "update_config", ignorable: false;
+}
+
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    v: u32,
+    kind: String,
+    #[serde(default)]
+    ignorable: bool,
+    #[serde(default)]
+    body: serde_json::Value,
+}
+
+/// Encodes a command as JSON bytes (the format the raft log stores).
+pub fn encode_command(cmd: &Command) -> Result<Vec<u8>, serde_json::Error> {
+    serde_json::to_vec(cmd)
+}
+
+/// Checks a command's encoded size against `config.max_command_bytes`. Servers call this
+/// before proposing, so one request cannot bloat the log.
+pub fn check_command_size(cmd: &Command, config: &StateConfig) -> Result<usize, CommandError> {
+    let n = encode_command(cmd)
+        .map_err(|e| CommandError::Invalid {
+            field: "command".into(),
+            message: e.to_string(),
+        })?
+        .len();
+    if n > config.max_command_bytes {
+        return Err(CommandError::TooLarge {
+            bytes: n,
+            limit: config.max_command_bytes,
+        });
+    }
+    Ok(n)
+}
+
+/// Why a command was refused. A refused command leaves the state unchanged.
+#[derive(Debug, Clone, PartialEq, Eq, Error, Serialize, Deserialize)]
+#[serde(tag = "error", rename_all = "snake_case")]
+pub enum CommandError {
+    /// A field is invalid.
+    #[error("{field}: {message}")]
+    Invalid {
+        /// Dotted path of the field.
+        field: String,
+        /// What is wrong and what would be valid.
+        message: String,
+    },
+    /// The command is larger than allowed.
+    #[error("command is {bytes} bytes; the limit is {limit} bytes")]
+    TooLarge {
+        /// Encoded size.
+        bytes: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// A bounded collection is full.
+    #[error("too many {what}: the limit is {limit}")]
+    TooMany {
+        /// What is full (e.g. `live jobs`).
+        what: String,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// The queue does not exist.
+    #[error("queue: unknown queue {queue:?}")]
+    UnknownQueue {
+        /// The name given.
+        queue: String,
+    },
+    /// The job does not exist (or was forgotten after it finished).
+    #[error("job: unknown job {job}")]
+    UnknownJob {
+        /// The id given.
+        job: u64,
+    },
+    /// The node does not exist.
+    #[error("node: unknown node {node:?}")]
+    UnknownNode {
+        /// The name given.
+        node: String,
+    },
+    /// The device does not exist on the node.
+    #[error("device: unknown device {device:?} on node {node:?}")]
+    UnknownDevice {
+        /// The node.
+        node: String,
+        /// The device id given.
+        device: String,
+    },
+    /// The allocation does not exist (or was forgotten).
+    #[error("alloc: unknown allocation {alloc}")]
+    UnknownAlloc {
+        /// The id given.
+        alloc: u64,
+    },
+    /// A report from an epoch other than the allocation's.
+    #[error("epoch: report for allocation {alloc} carries epoch {reported}, current is {current}")]
+    StaleEpoch {
+        /// The allocation.
+        alloc: u64,
+        /// Epoch in the report.
+        reported: u64,
+        /// The allocation's epoch.
+        current: u64,
+    },
+    /// The command conflicts with current state.
+    #[error("{field}: {message}")]
+    Conflict {
+        /// The field that conflicts.
+        field: String,
+        /// What conflicts.
+        message: String,
+    },
+}
+
+impl From<ValidationError> for CommandError {
+    fn from(e: ValidationError) -> Self {
+        CommandError::Invalid {
+            field: e.field().to_owned(),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<ConfigError> for CommandError {
+    fn from(e: ConfigError) -> Self {
+        CommandError::Invalid {
+            field: e.field.clone(),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// What the application of one plan committed and refused.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PlanOutcome {
+    /// Allocations created, in order.
+    pub placed: Vec<AllocId>,
+    /// Jobs whose placements were refused, with the reason (they stay pending).
+    pub refused_jobs: Vec<(JobId, String)>,
+    /// Allocations told to stop for a preemption.
+    pub preempted: Vec<AllocId>,
+    /// Preemptions refused, with the reason.
+    pub refused_preemptions: Vec<(AllocId, String)>,
+}
+
+/// The result of applying one command (or one raft-internal entry).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum Response {
+    /// A raft-internal entry (blank or membership) with nothing to apply.
+    Internal,
+    /// Applied.
+    Done,
+    /// A job submission: the job's id, and whether this command created it (false: a retry
+    /// of an earlier submission with the same client request id).
+    JobSubmitted {
+        /// The job.
+        job: JobId,
+        /// True when this command created it.
+        created: bool,
+    },
+    /// A plan was applied (possibly partly).
+    PlanApplied(PlanOutcome),
+    /// An ignorable command of an unknown kind was skipped.
+    Ignored {
+        /// Its kind.
+        kind: String,
+    },
+    /// Refused; the state is unchanged.
+    Rejected(CommandError),
+    /// A non-ignorable command of an unknown kind: this server is too old to apply the log.
+    /// The raft layer must stop applying (see [`Response::is_fatal`]).
+    Unsupported {
+        /// Its kind.
+        kind: String,
+    },
+}
+
+impl Response {
+    /// True when the replica cannot continue applying the log.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, Response::Unsupported { .. })
+    }
+
+    /// The refusal, if any.
+    pub fn rejection(&self) -> Option<&CommandError> {
+        match self {
+            Response::Rejected(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelope_round_trips_and_names_the_kind() {
+        let cmd = Command::CancelJob(CancelJob {
+            job: JobId(7),
+            reason: "x".into(),
+            now: 3,
+        });
+        let text = String::from_utf8(encode_command(&cmd).expect("encodes")).expect("utf8");
+        assert!(text.contains(r#""kind":"cancel_job""#), "{text}");
+        assert!(text.contains(r#""v":1"#), "{text}");
+        let back: Command = serde_json::from_str(&text).expect("decodes");
+        assert_eq!(back, cmd);
+    }
+
+    #[test]
+    fn unknown_kinds_decode_and_keep_their_body() {
+        let text = r#"{"v":2,"kind":"set_price","ignorable":true,"body":{"model":"H100","usd":3}}"#;
+        let cmd: Command = serde_json::from_str(text).expect("unknown kinds decode");
+        assert_eq!(cmd.kind(), "set_price");
+        assert!(cmd.ignorable());
+        let again = serde_json::to_value(&cmd).expect("encodes");
+        let orig: serde_json::Value = serde_json::from_str(text).expect("json");
+        assert_eq!(
+            again, orig,
+            "re-encoding an unknown command must lose nothing"
+        );
+    }
+
+    #[test]
+    fn a_bad_body_of_a_known_kind_is_an_error_naming_the_kind() {
+        let text = r#"{"v":1,"kind":"cancel_job","body":{"job":"seven"}}"#;
+        let e = serde_json::from_str::<Command>(text).expect_err("bad body");
+        assert!(e.to_string().contains("cancel_job"), "{e}");
+    }
+}

@@ -1,0 +1,210 @@
+//! Invariants that must hold after every applied command, on every replica. Tests check them
+//! after each step; chaos checks them on live clusters.
+
+use crate::records::{Desired, JobState, NodeStatus};
+use crate::state::State;
+use crate::usage::queue_usage;
+use std::collections::{BTreeMap, BTreeSet};
+use suanli_model::{JobId, WHOLE_DEVICE_MILLI};
+use thiserror::Error;
+
+/// A broken invariant: which rule, and the evidence.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("invariant {rule} violated: {detail}")]
+pub struct Violation {
+    /// Short rule name, e.g. `device-overcommit`.
+    pub rule: &'static str,
+    /// What was found.
+    pub detail: String,
+}
+
+fn fail(rule: &'static str, detail: String) -> Result<(), Violation> {
+    Err(Violation { rule, detail })
+}
+
+impl State {
+    /// Checks every invariant; returns the first violation found.
+    ///
+    /// - `node-overcommit`: live allocations on a node fit its CPU and memory.
+    /// - `device-overcommit`: shares on a device sum to at most 1000 milli, and memory slices
+    ///   to at most its memory (when known); every share names a device the node has.
+    /// - `alloc-node`: live allocations run on known nodes that are not down.
+    /// - `one-live-alloc-per-task`: at most one live allocation per (job, group, replica), and
+    ///   at most one allocation per (job, group, replica, epoch).
+    /// - `alloc-job`: a live allocation's job exists, and its epoch is the job's attempt.
+    /// - `job-state`: pending jobs hold no live allocation; finished jobs' live allocations are
+    ///   being stopped; the live-job index matches the jobs' states.
+    /// - `quota`: per queue, live usage not declared borrowed fits its nominal quota.
+    /// - `requests`: every remembered client request id points at the job it created.
+    pub fn invariants(&self) -> Result<(), Violation> {
+        let usage = self.usage();
+        for (id, u) in &usage.nodes {
+            let Some(rec) = self.nodes.get(id) else {
+                if u.cpu_milli > 0 || u.memory_mib > 0 {
+                    return fail(
+                        "alloc-node",
+                        format!("live allocations on unknown node {id}"),
+                    );
+                }
+                continue;
+            };
+            if u.cpu_milli > rec.node.cpu_milli || u.memory_mib > rec.node.memory_mib {
+                return fail(
+                    "node-overcommit",
+                    format!(
+                        "node {id}: cpu {}/{} memory {}/{}",
+                        u.cpu_milli, rec.node.cpu_milli, u.memory_mib, rec.node.memory_mib
+                    ),
+                );
+            }
+        }
+        for (id, devs) in &usage.devices {
+            for (dev, u) in devs {
+                if u.milli == 0 && u.memory_mib == 0 {
+                    continue;
+                }
+                let d = self
+                    .nodes
+                    .get(id)
+                    .and_then(|r| r.node.devices.iter().find(|d| &d.id == dev));
+                let Some(d) = d else {
+                    return fail(
+                        "device-overcommit",
+                        format!("share of unknown device {dev} on {id}"),
+                    );
+                };
+                if u.milli > u64::from(WHOLE_DEVICE_MILLI)
+                    || (d.memory_mib > 0 && u.memory_mib > d.memory_mib)
+                {
+                    return fail(
+                        "device-overcommit",
+                        format!(
+                            "device {dev} on {id}: {} milli, {}/{} MiB",
+                            u.milli, u.memory_mib, d.memory_mib
+                        ),
+                    );
+                }
+            }
+        }
+        let mut tasks = BTreeSet::new();
+        let mut epochs = BTreeSet::new();
+        let mut live_by_job: BTreeMap<JobId, usize> = BTreeMap::new();
+        for a in self.allocs.values() {
+            let x = &a.alloc;
+            if !epochs.insert((x.job, x.group, x.replica, x.epoch)) {
+                return fail(
+                    "one-live-alloc-per-task",
+                    format!(
+                        "two allocations of job {} task {}/{} in epoch {}",
+                        x.job, x.group, x.replica, x.epoch
+                    ),
+                );
+            }
+            if !a.is_live() {
+                continue;
+            }
+            if !tasks.insert((x.job, x.group, x.replica)) {
+                return fail(
+                    "one-live-alloc-per-task",
+                    format!(
+                        "two live allocations of job {} task {}/{}",
+                        x.job, x.group, x.replica
+                    ),
+                );
+            }
+            match self.nodes.get(&x.node) {
+                Some(r) if r.status == NodeStatus::Down => {
+                    return fail(
+                        "alloc-node",
+                        format!("allocation {} is live on down node {}", x.id, x.node),
+                    );
+                }
+                None => {
+                    return fail(
+                        "alloc-node",
+                        format!("allocation {} on unknown node {}", x.id, x.node),
+                    );
+                }
+                Some(_) => {}
+            }
+            let Some(j) = self.jobs.get(&x.job) else {
+                return fail(
+                    "alloc-job",
+                    format!("live allocation {} of unknown job {}", x.id, x.job),
+                );
+            };
+            if x.epoch != j.attempt {
+                return fail(
+                    "alloc-job",
+                    format!(
+                        "live allocation {} has epoch {}, job attempt {}",
+                        x.id, x.epoch, j.attempt
+                    ),
+                );
+            }
+            if j.state.is_terminal() && a.desired == Desired::Run {
+                return fail(
+                    "job-state",
+                    format!(
+                        "job {} is {} but allocation {} still runs",
+                        j.id,
+                        j.state.as_str(),
+                        x.id
+                    ),
+                );
+            }
+            *live_by_job.entry(x.job).or_default() += 1;
+        }
+        for j in self.jobs.values() {
+            if j.state == JobState::Pending && live_by_job.contains_key(&j.id) {
+                return fail(
+                    "job-state",
+                    format!("pending job {} holds live allocations", j.id),
+                );
+            }
+            if j.state.is_terminal() == self.live_jobs.contains(&j.id) {
+                return fail(
+                    "job-state",
+                    format!(
+                        "live-job index disagrees with job {} ({})",
+                        j.id,
+                        j.state.as_str()
+                    ),
+                );
+            }
+        }
+        if self.live_jobs.iter().any(|id| !self.jobs.contains_key(id)) {
+            return fail("job-state", "live-job index names a forgotten job".into());
+        }
+        for (q, (own, _borrowed)) in queue_usage(&self.allocs, &self.nodes) {
+            let Some(queue) = self.queues.get(&q) else {
+                return fail(
+                    "quota",
+                    format!("live allocations charged to unknown queue {q}"),
+                );
+            };
+            if let Some(dim) = own.first_exceeding(&queue.nominal) {
+                return fail(
+                    "quota",
+                    format!(
+                        "queue {q}: {dim} used without borrowing exceeds nominal ({own} > {})",
+                        queue.nominal
+                    ),
+                );
+            }
+        }
+        for (rid, id) in &self.requests {
+            if self
+                .jobs
+                .get(id)
+                .is_none_or(|j| &j.client_request_id != rid)
+            {
+                return fail(
+                    "requests",
+                    format!("request {rid:?} points at job {id}, which it did not create"),
+                );
+            }
+        }
+        Ok(())
+    }
+}

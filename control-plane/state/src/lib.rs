@@ -1,0 +1,39 @@
+//! suanli's replicated state machine.
+//!
+//! It owns the cluster's durable truth: queues, nodes (inventory, health, cordons), jobs and
+//! their life cycle, allocations with epochs, and the replicated configuration with every
+//! bound. Raft (in `suanli-raft`) orders [`Command`]s into a log; every replica applies them
+//! here, in order, and reaches the same [`State`].
+//!
+//! ```text
+//!  client / agent / leader loops ──Command──▶ raft log ──▶ State::apply(cmd) ──▶ Response
+//!                                                            │   (ApplyPlan re-checks every
+//!                                                            │    placement at this index)
+//!  leader's scheduling loop ◀── State::cluster_view(now) ◀──┘
+//!  raft snapshots ◀──▶ State::snapshot() / State::restore()      tests, chaos ──▶ invariants()
+//! ```
+//!
+//! It must never read a clock, do I/O, use randomness or iterate a `HashMap`: time travels
+//! inside each command and every collection is ordered, so replicas cannot diverge. A refused
+//! command ([`Response::Rejected`]) leaves the state exactly as it was.
+
+pub mod command;
+pub mod config;
+pub mod invariants;
+mod plan;
+pub mod records;
+mod state;
+mod usage;
+
+pub use command::{
+    AllocStatus, ApplyPlan, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue,
+    DeviceHealth, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus,
+    Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue, check_command_size,
+    encode_command,
+};
+pub use config::{ConfigError, RetryPolicy, StateConfig};
+pub use invariants::Violation;
+pub use records::{
+    Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason,
+};
+pub use state::{SNAPSHOT_FORMAT, SnapshotError, State};

@@ -1,0 +1,455 @@
+//! Applying a plan: every placement and preemption is re-checked against the state at this
+//! log index, and only the parts that still hold are committed (Nomad's plan_apply).
+//!
+//! ```text
+//!  preemptions ─▶ victim live, running as asked, preemptible, beneficiary still pending,
+//!                 and outranked (priority) or reclaimable (borrowed)  ─▶ ask the job to stop
+//!  placements by job ─▶ job pending, out of backoff, no live allocation
+//!                    ─▶ each replica: node ready and schedulable, constraints, CPU/memory
+//!                       fit, each device share exists, right kind and model, healthy, fits
+//!                    ─▶ gang: all replicas; elastic: ≥ min per group ─▶ quota admits it
+//!                    ─▶ commit allocations (epoch = attempt + 1)   else: refuse the job
+//! ```
+
+use crate::command::{ApplyPlan, CommandError, PlanOutcome, Response};
+use crate::records::{Alloc, AllocState, Desired, JobState, StopReason};
+use crate::state::{Applied, Effect, State, cut};
+use crate::usage::{Usage, alloc_resvec};
+use std::collections::{BTreeMap, BTreeSet};
+use suanli_model::{
+    AllocId, Allocation, DeviceKind, Health, JobId, Placement, Preemption, PreemptionReason,
+    ResVec, WHOLE_DEVICE_MILLI,
+};
+use suanli_scheduler::quota::QuotaBook;
+
+impl State {
+    pub(crate) fn apply_plan(&mut self, c: ApplyPlan, rev: u64) -> Applied {
+        let plan = c.plan;
+        let limit = self.config.max_plan_entries;
+        for (what, n) in [
+            ("plan.placements", plan.placements.len()),
+            ("plan.preemptions", plan.preemptions.len()),
+            ("plan.unplaced", plan.unplaced.len()),
+        ] {
+            if n > limit {
+                return Err(CommandError::TooMany {
+                    what: what.into(),
+                    limit,
+                });
+            }
+        }
+        let now = self.tick(c.now);
+        let mut out = PlanOutcome::default();
+
+        for p in &plan.preemptions {
+            match self.check_preemption(p) {
+                Ok(()) => {
+                    self.preempt(p, now, rev);
+                    out.preempted.push(p.alloc);
+                }
+                Err(why) => out.refused_preemptions.push((p.alloc, why)),
+            }
+        }
+
+        let mut by_job: BTreeMap<JobId, Vec<&Placement>> = BTreeMap::new();
+        for p in &plan.placements {
+            by_job.entry(p.job).or_default().push(p);
+        }
+        let mut usage = self.usage();
+        let mut quota = QuotaBook::new(&self.queues.values().cloned().collect::<Vec<_>>());
+        for a in self.allocs.values().filter(|a| a.is_live()) {
+            quota.charge(&a.alloc.queue, alloc_resvec(a, &self.nodes));
+        }
+        let mut live_allocs = self.allocs.values().filter(|a| a.is_live()).count();
+        for (job, ps) in by_job {
+            match self.check_job_placements(job, &ps, &mut usage, &mut quota, now, live_allocs) {
+                Ok(borrowed) => {
+                    live_allocs += ps.len();
+                    let ids = self.commit_placements(job, &ps, borrowed, now, rev);
+                    out.placed.extend(ids);
+                }
+                Err(why) => {
+                    let why = cut(&why, self.config.max_message_len);
+                    if let Some(j) = self.jobs.get_mut(&job)
+                        && j.state == JobState::Pending
+                        && j.reason != why
+                    {
+                        j.reason = why.clone();
+                        j.revision = rev;
+                    }
+                    out.refused_jobs.push((job, why));
+                }
+            }
+        }
+
+        let max = self.config.max_message_len;
+        for u in &plan.unplaced {
+            let why = cut(&u.reason, max);
+            if let Some(j) = self.jobs.get_mut(&u.job)
+                && j.state == JobState::Pending
+                && j.reason != why
+            {
+                j.reason = why;
+                j.revision = rev;
+            }
+        }
+        Ok((Response::PlanApplied(out), Effect::Changed))
+    }
+
+    fn check_preemption(&self, p: &Preemption) -> Result<(), String> {
+        let a = self
+            .allocs
+            .get(&p.alloc)
+            .ok_or_else(|| format!("allocation {} is gone", p.alloc))?;
+        if !a.is_live() {
+            return Err(format!("allocation {} already ended", p.alloc));
+        }
+        if a.desired != Desired::Run {
+            return Err(format!("allocation {} is already stopping", p.alloc));
+        }
+        if a.alloc.job != p.job || a.alloc.node != p.node {
+            return Err(format!(
+                "allocation {} belongs to job {} on {}",
+                p.alloc, a.alloc.job, a.alloc.node
+            ));
+        }
+        if !a.alloc.preemptible {
+            return Err(format!("allocation {} is not preemptible", p.alloc));
+        }
+        let f = self
+            .jobs
+            .get(&p.for_job)
+            .ok_or_else(|| format!("job {} is gone", p.for_job))?;
+        if f.state != JobState::Pending {
+            return Err(format!("job {} is no longer pending", p.for_job));
+        }
+        let outranked = a.alloc.priority < f.spec.priority;
+        let reclaimable = a.alloc.borrowed && a.alloc.queue != f.spec.queue;
+        let ok = match p.reason {
+            PreemptionReason::HigherPriority => outranked,
+            PreemptionReason::ReclaimBorrowed => reclaimable || outranked,
+        };
+        if !ok {
+            return Err(format!(
+                "allocation {} (priority {}, borrowed {}) may not be preempted for job {} (priority {})",
+                p.alloc, a.alloc.priority, a.alloc.borrowed, p.for_job, f.spec.priority
+            ));
+        }
+        Ok(())
+    }
+
+    /// The victim's whole attempt stops (with a checkpoint first when it supports one), and
+    /// the job is requeued once every allocation has ended.
+    fn preempt(&mut self, p: &Preemption, now: u64, rev: u64) {
+        let reason = StopReason::Preempted { for_job: p.for_job };
+        let Some(job) = self.jobs.get_mut(&p.job) else {
+            return;
+        };
+        let all = job.allocs.clone();
+        if matches!(job.state, JobState::Placed | JobState::Running) {
+            job.state = JobState::Preempted;
+            job.reason = format!("preempted for job {}", p.for_job);
+            job.updated_at = now;
+            job.revision = rev;
+        }
+        self.ask_stop(p.alloc, reason.clone(), now);
+        for a in all {
+            self.ask_stop(a, reason.clone(), now);
+        }
+    }
+
+    /// Re-checks one job's placements, reserving their resources in `usage` and `quota` when
+    /// they hold. Returns whether the job runs on borrowed quota.
+    fn check_job_placements(
+        &self,
+        job: JobId,
+        ps: &[&Placement],
+        usage: &mut Usage,
+        quota: &mut QuotaBook,
+        now: u64,
+        live_allocs: usize,
+    ) -> Result<bool, String> {
+        let j = self
+            .jobs
+            .get(&job)
+            .ok_or_else(|| format!("job {job} is gone"))?;
+        if j.state != JobState::Pending {
+            return Err(format!("job {job} is {}, not pending", j.state.as_str()));
+        }
+        if j.not_before > now {
+            return Err(format!(
+                "job {job} is in retry backoff until t={}",
+                j.not_before
+            ));
+        }
+        if j.allocs
+            .iter()
+            .any(|a| self.allocs.get(a).is_some_and(Alloc::is_live))
+        {
+            return Err(format!("job {job} still has live allocations"));
+        }
+        if live_allocs.saturating_add(ps.len()) > self.config.max_live_allocs {
+            return Err(format!(
+                "too many live allocations: the limit is {}",
+                self.config.max_live_allocs
+            ));
+        }
+        let spec = &j.spec;
+        let mut seen: BTreeSet<(u32, u32)> = BTreeSet::new();
+        let mut per_group: BTreeMap<u32, u32> = BTreeMap::new();
+        let mut reserved: Vec<&Placement> = Vec::new();
+        let mut total = ResVec::ZERO;
+        let result = (|| {
+            for p in ps {
+                let g = spec
+                    .groups
+                    .get(p.group as usize)
+                    .ok_or_else(|| format!("job {job} has no task group {}", p.group))?;
+                if p.replica >= g.replicas {
+                    return Err(format!(
+                        "group {} has {} replicas; replica {} is out of range",
+                        g.name, g.replicas, p.replica
+                    ));
+                }
+                if !seen.insert((p.group, p.replica)) {
+                    return Err(format!("replica {}/{} is placed twice", g.name, p.replica));
+                }
+                let v = self.check_placement(p, usage, j)?;
+                usage.add(&p.node, p.cpu_milli, p.memory_mib, &p.devices, 1);
+                reserved.push(p);
+                total += v;
+                *per_group.entry(p.group).or_default() += 1;
+            }
+            for (gi, g) in spec.groups.iter().enumerate() {
+                let n = per_group.get(&(gi as u32)).copied().unwrap_or(0);
+                let need = if spec.gang { g.replicas } else { g.min() };
+                if n < need {
+                    return Err(format!(
+                        "group {}: {n} of {need} required replicas still fit",
+                        g.name
+                    ));
+                }
+            }
+            quota.check(&spec.queue, total).map(|a| a.borrowed)
+        })();
+        match result {
+            Ok(borrowed) => {
+                quota.charge(&spec.queue, total);
+                Ok(borrowed)
+            }
+            Err(e) => {
+                for p in reserved {
+                    usage.add(&p.node, p.cpu_milli, p.memory_mib, &p.devices, -1);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Checks one replica against the node as it is now; returns its quota vector.
+    fn check_placement(
+        &self,
+        p: &Placement,
+        usage: &Usage,
+        j: &crate::records::Job,
+    ) -> Result<ResVec, String> {
+        let spec = &j.spec;
+        let g = &spec.groups[p.group as usize];
+        let rec = self
+            .nodes
+            .get(&p.node)
+            .ok_or_else(|| format!("node {} is gone", p.node))?;
+        if !rec.accepts_work() {
+            return Err(format!(
+                "node {} is {:?}/{:?}",
+                p.node, rec.status, rec.mode
+            ));
+        }
+        let node = &rec.node;
+        let c = &spec.constraints;
+        if !c.pools.is_empty() && !c.pools.contains(&node.pool) {
+            return Err(format!(
+                "node {} is in pool {}, not in the job's pools",
+                p.node, node.pool
+            ));
+        }
+        if !c.regions.is_empty() && !c.regions.contains(&node.region) {
+            return Err(format!(
+                "node {} is in region {:?}, not in the job's regions",
+                p.node, node.region
+            ));
+        }
+        if let Some((k, v)) = c
+            .labels
+            .iter()
+            .find(|(k, v)| node.labels.get(*k) != Some(*v))
+        {
+            return Err(format!("node {} lacks label {k}={v}", p.node));
+        }
+        let r = &g.resources;
+        if p.cpu_milli < r.cpu_milli || p.memory_mib < r.memory_mib {
+            return Err(format!(
+                "placement on {} reserves less cpu or memory than the task asks",
+                p.node
+            ));
+        }
+        let u = usage.node(&p.node);
+        if u.cpu_milli.saturating_add(p.cpu_milli) > node.cpu_milli {
+            return Err(format!(
+                "node {}: cpu_milli {} + {} > {}",
+                p.node, u.cpu_milli, p.cpu_milli, node.cpu_milli
+            ));
+        }
+        if u.memory_mib.saturating_add(p.memory_mib) > node.memory_mib {
+            return Err(format!(
+                "node {}: memory_mib {} + {} > {}",
+                p.node, u.memory_mib, p.memory_mib, node.memory_mib
+            ));
+        }
+        let mut v = ResVec {
+            cpu_milli: p.cpu_milli,
+            memory_mib: p.memory_mib,
+            ..ResVec::ZERO
+        };
+        match &r.devices {
+            None if !p.devices.is_empty() => {
+                return Err(format!(
+                    "group {} asks for no devices but the placement holds some",
+                    g.name
+                ));
+            }
+            None => {}
+            Some(req) => {
+                if p.devices.len() != req.count as usize {
+                    return Err(format!(
+                        "group {} asks for {} devices; the placement holds {}",
+                        g.name,
+                        req.count,
+                        p.devices.len()
+                    ));
+                }
+                let mut ids = BTreeSet::new();
+                for s in &p.devices {
+                    if !ids.insert(s.device.as_str()) {
+                        return Err(format!(
+                            "device {} is placed twice in one replica",
+                            s.device
+                        ));
+                    }
+                    let d = node
+                        .devices
+                        .iter()
+                        .find(|d| d.id == s.device)
+                        .ok_or_else(|| format!("node {} has no device {}", p.node, s.device))?;
+                    if d.kind != req.kind {
+                        return Err(format!(
+                            "device {} on {} is a {}, the task asks for {}",
+                            d.id, p.node, d.kind, req.kind
+                        ));
+                    }
+                    if d.health != Health::Healthy {
+                        return Err(format!("device {} on {} is unhealthy", d.id, p.node));
+                    }
+                    if !c.device_models.is_empty() && !c.device_models.contains(&d.model) {
+                        return Err(format!(
+                            "device {} on {} is a {}, not an allowed model",
+                            d.id, p.node, d.model
+                        ));
+                    }
+                    if s.milli != req.milli || s.milli == 0 || s.milli > WHOLE_DEVICE_MILLI {
+                        return Err(format!(
+                            "device {} share is {} milli; the task asks for {}",
+                            d.id, s.milli, req.milli
+                        ));
+                    }
+                    if s.memory_mib < req.memory_mib {
+                        return Err(format!(
+                            "device {} memory slice {} MiB < {} MiB asked",
+                            d.id, s.memory_mib, req.memory_mib
+                        ));
+                    }
+                    let du = usage.device(&p.node, &d.id);
+                    if du.milli + u64::from(s.milli) > u64::from(WHOLE_DEVICE_MILLI) {
+                        return Err(format!(
+                            "device {} on {}: {} + {} milli > 1000",
+                            d.id, p.node, du.milli, s.milli
+                        ));
+                    }
+                    if d.memory_mib > 0 && du.memory_mib.saturating_add(s.memory_mib) > d.memory_mib
+                    {
+                        return Err(format!(
+                            "device {} on {}: memory {} + {} MiB > {} MiB",
+                            d.id, p.node, du.memory_mib, s.memory_mib, d.memory_mib
+                        ));
+                    }
+                    match d.kind {
+                        DeviceKind::Gpu => v.gpu_milli += u64::from(s.milli),
+                        DeviceKind::Npu => v.npu_milli += u64::from(s.milli),
+                    }
+                }
+            }
+        }
+        Ok(v)
+    }
+
+    fn commit_placements(
+        &mut self,
+        job: JobId,
+        ps: &[&Placement],
+        borrowed: bool,
+        now: u64,
+        rev: u64,
+    ) -> Vec<AllocId> {
+        let Some(j) = self.jobs.get_mut(&job) else {
+            return Vec::new();
+        };
+        j.attempt += 1;
+        j.state = JobState::Placed;
+        j.reason.clear();
+        j.updated_at = now;
+        j.revision = rev;
+        let epoch = j.attempt;
+        let spec = j.spec.clone();
+        let mut ids = Vec::with_capacity(ps.len());
+        for p in ps {
+            let id = AllocId(self.next_alloc);
+            self.next_alloc += 1;
+            ids.push(id);
+            let alloc = Allocation {
+                id,
+                job,
+                group: p.group,
+                replica: p.replica,
+                epoch,
+                node: p.node.clone(),
+                queue: spec.queue.clone(),
+                priority: spec.priority,
+                preemptible: spec.preemptible,
+                cpu_milli: p.cpu_milli,
+                memory_mib: p.memory_mib,
+                devices: p.devices.clone(),
+                started_at: now,
+                last_checkpoint_at: None,
+                checkpoint_grace_s: spec.checkpoint.map(|c| c.grace_s),
+                restore_s: spec.checkpoint.map_or(0, |c| c.restore_s),
+                runtime_estimate_s: spec.runtime_estimate_s,
+                borrowed: borrowed || p.borrowed,
+                gang: spec.gang,
+            };
+            self.allocs.insert(
+                id,
+                Alloc {
+                    alloc,
+                    state: AllocState::Pending,
+                    desired: Desired::Run,
+                    updated_at: now,
+                    message: String::new(),
+                },
+            );
+        }
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.allocs = ids.clone();
+        }
+        ids
+    }
+}

@@ -1,0 +1,237 @@
+//! The records the state machine keeps: jobs, allocations, nodes.
+
+use crate::command::NodeMode;
+use crate::config::RetryPolicy;
+use serde::{Deserialize, Serialize};
+use suanli_model::{AllocId, Allocation, JobId, JobSpec, Node};
+
+/// Where a job is in its life cycle.
+///
+/// ```text
+///  Pending ──ApplyPlan──▶ Placed ──alloc running──▶ Running ──all succeeded──▶ Succeeded
+///     ▲                     │  \__________________________│__ alloc failed, retries left ─▶ Requeuing ─┐
+///     │                     │   preempted                 │__ node lost / drained / device ─▶ Requeuing ─┤
+///     │                     └──────────────▶ Preempted ◀──┘                                             │
+///     └───────────── every allocation ended (requeued; after backoff for failures) ◀────────────────────┘
+///  failures exhausted ─▶ Failed        CancelJob (any live state) ─▶ Cancelled
+/// ```
+///
+/// "Admitted" and "placed" are one step here: the engine admits a job against quota and places
+/// it in the same plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Waiting for a placement (possibly in backoff until `not_before`).
+    Pending,
+    /// Allocations created; none reported running yet.
+    Placed,
+    /// At least one allocation runs.
+    Running,
+    /// Preempted: allocations are stopping; requeued once all have ended.
+    Preempted,
+    /// Stopping after a failure, a lost node, a drain or an unhealthy device; requeued once all
+    /// allocations have ended.
+    Requeuing,
+    /// Finished successfully.
+    Succeeded,
+    /// Finished: failed more often than its retry policy allows.
+    Failed,
+    /// Cancelled by a user.
+    Cancelled,
+}
+
+impl JobState {
+    /// True for succeeded, failed and cancelled.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Failed | JobState::Cancelled
+        )
+    }
+
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Pending => "pending",
+            JobState::Placed => "placed",
+            JobState::Running => "running",
+            JobState::Preempted => "preempted",
+            JobState::Requeuing => "requeuing",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// The latest completed checkpoint of a job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    /// Where it is stored.
+    pub uri: String,
+    /// Progress marker.
+    pub step: u64,
+    /// Size in bytes.
+    pub size_bytes: u64,
+    /// When it completed (seconds).
+    pub at: u64,
+    /// The allocation that wrote it.
+    pub alloc: AllocId,
+    /// That allocation's epoch.
+    pub epoch: u64,
+}
+
+/// A job and its life cycle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Job {
+    /// Id, assigned in submission order.
+    pub id: JobId,
+    /// The submitter's de-duplication key.
+    pub client_request_id: String,
+    /// The spec as submitted.
+    pub spec: JobSpec,
+    /// Its retry policy.
+    pub retry: RetryPolicy,
+    /// Life-cycle state.
+    pub state: JobState,
+    /// Submission time (seconds).
+    pub submitted_at: u64,
+    /// Time of the last change (seconds).
+    pub updated_at: u64,
+    /// State revision of the last change (see [`crate::State::revision`]).
+    pub revision: u64,
+    /// The current attempt; allocations of this attempt carry it as their epoch. 0 until the
+    /// first placement.
+    pub attempt: u64,
+    /// Attempts that failed.
+    pub failures: u32,
+    /// Requeues from any cause (failures, preemptions, lost nodes, drains).
+    pub requeues: u32,
+    /// Not placeable before this time (retry backoff), seconds.
+    pub not_before: u64,
+    /// Last reason worth showing: why it waits, failed or was stopped.
+    pub reason: String,
+    /// Allocations of the current attempt.
+    pub allocs: Vec<AllocId>,
+    /// Latest completed checkpoint.
+    pub latest_checkpoint: Option<CheckpointRecord>,
+}
+
+/// Where an allocation is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AllocState {
+    /// Created; the agent has not started it yet.
+    Pending,
+    /// Running.
+    Running,
+    /// Exited successfully.
+    Succeeded,
+    /// Exited with an error.
+    Failed,
+    /// Stopped.
+    Stopped,
+    /// Its node went down or lost the resources it used.
+    Lost,
+}
+
+impl AllocState {
+    /// True while it holds resources.
+    pub fn is_live(self) -> bool {
+        matches!(self, AllocState::Pending | AllocState::Running)
+    }
+}
+
+/// Why an allocation is asked to stop.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// Preempted for another job.
+    Preempted {
+        /// The job the capacity goes to.
+        for_job: JobId,
+    },
+    /// The job was cancelled.
+    Cancelled,
+    /// Another allocation of the job failed, or the job failed.
+    JobFailed,
+    /// The job is being requeued (another allocation ended unexpectedly).
+    Requeue,
+    /// Its node is draining.
+    Drain,
+    /// A device it uses became unhealthy.
+    DeviceUnhealthy,
+}
+
+/// What the agent should do with an allocation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Desired {
+    /// Keep it running.
+    Run,
+    /// Stop it.
+    Stop {
+        /// Why.
+        reason: StopReason,
+        /// Ask the task to checkpoint first.
+        checkpoint_first: bool,
+        /// How long to wait for that checkpoint (seconds).
+        grace_s: u64,
+        /// When the stop was decided (seconds).
+        since: u64,
+    },
+}
+
+/// One task replica placed on a node for one attempt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Alloc {
+    /// The placement as the scheduler sees it (id, job, task, epoch, node, resources, ...).
+    pub alloc: Allocation,
+    /// Reported state.
+    pub state: AllocState,
+    /// What the agent should do.
+    pub desired: Desired,
+    /// Time of the last change (seconds).
+    pub updated_at: u64,
+    /// Last message from the agent or the state machine.
+    pub message: String,
+}
+
+impl Alloc {
+    /// True while it holds resources.
+    pub fn is_live(&self) -> bool {
+        self.state.is_live()
+    }
+}
+
+/// Whether a node is reachable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeStatus {
+    /// Heartbeating.
+    Ready,
+    /// Declared down by the leader.
+    Down,
+}
+
+/// A registered node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    /// Inventory as last registered (device health as last reported).
+    pub node: Node,
+    /// Reachability.
+    pub status: NodeStatus,
+    /// Operator's mode.
+    pub mode: NodeMode,
+    /// Time of the last change (seconds).
+    pub updated_at: u64,
+    /// Why it is down, if it is.
+    pub reason: String,
+}
+
+impl NodeRecord {
+    /// True when new work may be placed on it.
+    pub fn accepts_work(&self) -> bool {
+        self.status == NodeStatus::Ready && self.mode == NodeMode::Schedulable
+    }
+}

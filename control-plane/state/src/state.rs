@@ -1,0 +1,1130 @@
+//! The state machine: records, `apply`, snapshots and the scheduler's view.
+
+use crate::command::{
+    AllocStatus, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeDown, NodeMode,
+    RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob, UpdateConfig,
+    UpsertQueue,
+};
+use crate::config::StateConfig;
+use crate::records::{
+    Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason,
+};
+use crate::usage::Usage;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use suanli_model::{AllocId, Health, JobId, NodeId, Queue, QueueId};
+use suanli_scheduler::{ClusterView, PendingJob};
+use thiserror::Error;
+
+/// Whether a handled command changed the state (only changes bump the revision).
+pub(crate) enum Effect {
+    Changed,
+    Unchanged,
+}
+
+pub(crate) type Applied = Result<(Response, Effect), CommandError>;
+
+/// Version of the snapshot format this build writes and reads.
+pub const SNAPSHOT_FORMAT: u32 = 1;
+
+/// A snapshot could not be encoded or decoded.
+#[derive(Debug, Error)]
+pub enum SnapshotError {
+    /// Malformed bytes.
+    #[error("snapshot: {0}")]
+    Codec(#[from] serde_json::Error),
+    /// Written by a newer format.
+    #[error("snapshot: format {found} is not supported; this build reads format {supported}")]
+    Format {
+        /// Format in the snapshot.
+        found: u32,
+        /// Format this build reads.
+        supported: u32,
+    },
+    /// The snapshot's configuration is invalid.
+    #[error("snapshot: {0}")]
+    Config(#[from] crate::config::ConfigError),
+}
+
+/// The replicated state. Every field is ordered (BTreeMap), and apply reads no clock, so the
+/// same commands in the same order give the same state on every replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct State {
+    pub(crate) config: StateConfig,
+    /// Latest `now` seen; time never goes backwards even if leaders' clocks disagree.
+    pub(crate) clock: u64,
+    /// Bumped by every command that changed something.
+    pub(crate) revision: u64,
+    pub(crate) next_job: u64,
+    pub(crate) next_alloc: u64,
+    pub(crate) next_finish: u64,
+    pub(crate) queues: BTreeMap<QueueId, Queue>,
+    pub(crate) nodes: BTreeMap<NodeId, NodeRecord>,
+    pub(crate) jobs: BTreeMap<JobId, Job>,
+    pub(crate) allocs: BTreeMap<AllocId, Alloc>,
+    /// client_request_id -> job, for as long as the job is retained.
+    pub(crate) requests: BTreeMap<String, JobId>,
+    /// Jobs not finished.
+    pub(crate) live_jobs: BTreeSet<JobId>,
+    /// Finished jobs in finishing order (finish sequence -> job), oldest forgotten first.
+    pub(crate) finished: BTreeMap<u64, JobId>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SnapshotEnvelope<S> {
+    format: u32,
+    state: S,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self::new(StateConfig::default())
+    }
+}
+
+/// Cuts a message to `max` bytes on a character boundary.
+pub(crate) fn cut(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
+impl State {
+    /// An empty state with `config` (validate it first; every replica must start from the
+    /// same configuration, so servers should start from the default and change it with
+    /// [`Command::UpdateConfig`]).
+    pub fn new(config: StateConfig) -> Self {
+        Self {
+            config,
+            clock: 0,
+            revision: 0,
+            next_job: 1,
+            next_alloc: 1,
+            next_finish: 0,
+            queues: BTreeMap::new(),
+            nodes: BTreeMap::new(),
+            jobs: BTreeMap::new(),
+            allocs: BTreeMap::new(),
+            requests: BTreeMap::new(),
+            live_jobs: BTreeSet::new(),
+            finished: BTreeMap::new(),
+        }
+    }
+
+    /// The replicated configuration.
+    pub fn config(&self) -> &StateConfig {
+        &self.config
+    }
+    /// Latest time seen in a command (seconds).
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+    /// Number of state-changing commands applied; a watch can resume from a revision.
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+    /// Every queue.
+    pub fn queues(&self) -> &BTreeMap<QueueId, Queue> {
+        &self.queues
+    }
+    /// Every node.
+    pub fn nodes(&self) -> &BTreeMap<NodeId, NodeRecord> {
+        &self.nodes
+    }
+    /// Every retained job.
+    pub fn jobs(&self) -> &BTreeMap<JobId, Job> {
+        &self.jobs
+    }
+    /// One job.
+    pub fn job(&self, id: JobId) -> Option<&Job> {
+        self.jobs.get(&id)
+    }
+    /// The job a client request id created, while that job is retained.
+    pub fn job_by_request(&self, client_request_id: &str) -> Option<&Job> {
+        self.requests
+            .get(client_request_id)
+            .and_then(|id| self.jobs.get(id))
+    }
+    /// Every retained allocation.
+    pub fn allocs(&self) -> &BTreeMap<AllocId, Alloc> {
+        &self.allocs
+    }
+    /// Allocations on one node (live and recently ended), for the node's agent.
+    pub fn allocs_on(&self, node: &NodeId) -> impl Iterator<Item = &Alloc> {
+        self.allocs.values().filter(move |a| &a.alloc.node == node)
+    }
+    /// Jobs that are not finished.
+    pub fn live_job_count(&self) -> usize {
+        self.live_jobs.len()
+    }
+
+    /// Serializes the whole state (with its format version).
+    pub fn snapshot(&self) -> Result<Vec<u8>, SnapshotError> {
+        Ok(serde_json::to_vec(&SnapshotEnvelope {
+            format: SNAPSHOT_FORMAT,
+            state: self,
+        })?)
+    }
+
+    /// Rebuilds a state from [`State::snapshot`] bytes.
+    pub fn restore(bytes: &[u8]) -> Result<State, SnapshotError> {
+        #[derive(Deserialize)]
+        struct Header {
+            format: u32,
+        }
+        let h: Header = serde_json::from_slice(bytes)?;
+        if h.format != SNAPSHOT_FORMAT {
+            return Err(SnapshotError::Format {
+                found: h.format,
+                supported: SNAPSHOT_FORMAT,
+            });
+        }
+        let e: SnapshotEnvelope<State> = serde_json::from_slice(bytes)?;
+        e.state.config.validate()?;
+        Ok(e.state)
+    }
+
+    /// A digest of the whole state: equal states hash equal on every replica and build.
+    /// (FNV-1a over the canonical JSON encoding, in two lanes for 128 bits.)
+    pub fn state_hash(&self) -> u128 {
+        let bytes =
+            serde_json::to_vec(self).expect("a state of plain data always serializes to JSON");
+        let mut a: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut b: u64 = 0x8422_2325_cbf2_9ce4;
+        for &x in &bytes {
+            a = (a ^ u64::from(x)).wrapping_mul(0x0000_0100_0000_01b3);
+            b = (b ^ u64::from(x.rotate_left(3))).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        (u128::from(a) << 64) | u128::from(b)
+    }
+
+    /// Applies one command. Deterministic: time comes from the command, never a clock. A
+    /// rejected command leaves the state unchanged.
+    pub fn apply(&mut self, cmd: Command) -> Response {
+        let rev = self.revision + 1;
+        let result = match cmd {
+            Command::UpsertQueue(c) => self.upsert_queue(c, rev),
+            Command::DeleteQueue(c) => self.delete_queue(c),
+            Command::RegisterNode(c) => self.register_node(c, rev),
+            Command::SetNodeMode(c) => self.set_node_mode(c, rev),
+            Command::NodeDown(c) => self.node_down(c, rev),
+            Command::DeviceHealth(c) => self.device_health(c, rev),
+            Command::SubmitJob(c) => self.submit_job(c, rev),
+            Command::CancelJob(c) => self.cancel_job(c, rev),
+            Command::ApplyPlan(c) => self.apply_plan(c, rev),
+            Command::AllocStatus(c) => self.alloc_status(c, rev),
+            Command::ReportCheckpoint(c) => self.report_checkpoint(c, rev),
+            Command::UpdateConfig(c) => self.update_config(c),
+            Command::Unknown {
+                kind,
+                ignorable: true,
+                ..
+            } => return Response::Ignored { kind },
+            Command::Unknown {
+                kind,
+                ignorable: false,
+                ..
+            } => return Response::Unsupported { kind },
+        };
+        match result {
+            Ok((resp, Effect::Changed)) => {
+                self.revision = rev;
+                resp
+            }
+            Ok((resp, Effect::Unchanged)) => resp,
+            Err(e) => Response::Rejected(e),
+        }
+    }
+
+    pub(crate) fn tick(&mut self, now: u64) -> u64 {
+        self.clock = self.clock.max(now);
+        self.clock
+    }
+
+    // ---- queues --------------------------------------------------------------------------
+
+    fn upsert_queue(&mut self, c: UpsertQueue, _rev: u64) -> Applied {
+        let q = c.queue;
+        q.validate(&self.config.limits)?;
+        if !self.queues.contains_key(&q.id) && self.queues.len() >= self.config.max_queues {
+            return Err(CommandError::TooMany {
+                what: "queues".into(),
+                limit: self.config.max_queues,
+            });
+        }
+        if let Some(p) = &q.parent {
+            if !self.queues.contains_key(p) {
+                return Err(CommandError::UnknownQueue {
+                    queue: p.to_string(),
+                });
+            }
+            // Walking up from the parent must not come back to this queue.
+            let mut cur = Some(p.clone());
+            let mut steps = 0;
+            while let Some(id) = cur {
+                if id == q.id || steps > self.queues.len() {
+                    return Err(CommandError::Invalid {
+                        field: "queue.parent".into(),
+                        message: format!("parent {p} would make a cycle through {}", q.id),
+                    });
+                }
+                steps += 1;
+                cur = self.queues.get(&id).and_then(|x| x.parent.clone());
+            }
+        }
+        let id = q.id.clone();
+        self.queues.insert(id.clone(), q);
+        self.reflag_borrowed(&id);
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    /// When a queue's nominal quota shrinks below what runs on it, the newest, lowest-priority
+    /// allocations beyond the quota are re-labelled as borrowed (reclaimable), so "non-borrowed
+    /// usage fits the nominal quota" keeps holding without stopping anything.
+    fn reflag_borrowed(&mut self, q: &QueueId) {
+        let Some(nominal) = self.queues.get(q).map(|x| x.nominal) else {
+            return;
+        };
+        let mut own: Vec<(i32, std::cmp::Reverse<AllocId>)> = Vec::new();
+        let mut used = suanli_model::ResVec::ZERO;
+        for a in self.allocs.values() {
+            if a.is_live() && !a.alloc.borrowed && &a.alloc.queue == q {
+                used += crate::usage::alloc_resvec(a, &self.nodes);
+                own.push((a.alloc.priority, std::cmp::Reverse(a.alloc.id)));
+            }
+        }
+        own.sort();
+        for (_, std::cmp::Reverse(id)) in own {
+            if used.fits_within(&nominal) {
+                break;
+            }
+            let v = match self.allocs.get(&id) {
+                Some(a) => crate::usage::alloc_resvec(a, &self.nodes),
+                None => continue,
+            };
+            if let Some(a) = self.allocs.get_mut(&id) {
+                a.alloc.borrowed = true;
+            }
+            used = used.saturating_sub(&v);
+        }
+    }
+
+    fn delete_queue(&mut self, c: DeleteQueue) -> Applied {
+        if !self.queues.contains_key(&c.queue) {
+            return Err(CommandError::UnknownQueue {
+                queue: c.queue.to_string(),
+            });
+        }
+        if let Some(child) = self
+            .queues
+            .values()
+            .find(|q| q.parent.as_ref() == Some(&c.queue))
+        {
+            return Err(CommandError::Conflict {
+                field: "queue".into(),
+                message: format!("queue {} is the parent of {}", c.queue, child.id),
+            });
+        }
+        if let Some(j) = self
+            .live_jobs
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .find(|j| j.spec.queue == c.queue)
+        {
+            return Err(CommandError::Conflict {
+                field: "queue".into(),
+                message: format!("queue {} still has live job {}", c.queue, j.id),
+            });
+        }
+        if self
+            .allocs
+            .values()
+            .any(|a| a.is_live() && a.alloc.queue == c.queue)
+        {
+            return Err(CommandError::Conflict {
+                field: "queue".into(),
+                message: format!("queue {} still has live allocations", c.queue),
+            });
+        }
+        self.queues.remove(&c.queue);
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    fn update_config(&mut self, c: UpdateConfig) -> Applied {
+        c.config.validate()?;
+        self.config = c.config;
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    // ---- nodes ---------------------------------------------------------------------------
+
+    fn node_rec(&self, node: &NodeId) -> Result<&NodeRecord, CommandError> {
+        self.nodes
+            .get(node)
+            .ok_or_else(|| CommandError::UnknownNode {
+                node: node.to_string(),
+            })
+    }
+
+    fn register_node(&mut self, c: RegisterNode, rev: u64) -> Applied {
+        c.node.validate(&self.config.limits)?;
+        let known_mode = self.nodes.get(&c.node.id).map(|r| r.mode);
+        if known_mode.is_none() && self.nodes.len() >= self.config.max_nodes {
+            return Err(CommandError::TooMany {
+                what: "nodes".into(),
+                limit: self.config.max_nodes,
+            });
+        }
+        let now = self.tick(c.now);
+        let mode = known_mode.map_or(
+            if c.node.schedulable {
+                NodeMode::Schedulable
+            } else {
+                NodeMode::Cordoned
+            },
+            |m| m,
+        );
+        let id = c.node.id.clone();
+        let mut node = c.node;
+        node.schedulable = mode == NodeMode::Schedulable;
+        self.nodes.insert(
+            id.clone(),
+            NodeRecord {
+                node,
+                status: NodeStatus::Ready,
+                mode,
+                updated_at: now,
+                reason: String::new(),
+            },
+        );
+        self.reconcile_node(&id, now, rev);
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    /// After a node's inventory changed: allocations on devices it no longer has, or beyond
+    /// its CPU or memory, are lost; allocations on unhealthy devices are asked to stop.
+    fn reconcile_node(&mut self, id: &NodeId, now: u64, rev: u64) {
+        let Some(rec) = self.nodes.get(id) else {
+            return;
+        };
+        let node = rec.node.clone();
+        let live: Vec<AllocId> = self
+            .allocs
+            .values()
+            .filter(|a| a.is_live() && &a.alloc.node == id)
+            .map(|a| a.alloc.id)
+            .collect();
+        let mut lost = Vec::new();
+        let mut keep = Vec::new();
+        let mut dev_use: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+        for aid in &live {
+            let Some(a) = self.allocs.get(aid) else {
+                continue;
+            };
+            let mut ok = true;
+            for s in &a.alloc.devices {
+                match node.devices.iter().find(|d| d.id == s.device) {
+                    None => ok = false,
+                    Some(d) => {
+                        let e = dev_use.entry(d.id.as_str()).or_default();
+                        e.0 += u64::from(s.milli);
+                        e.1 += s.memory_mib;
+                        if e.0 > u64::from(suanli_model::WHOLE_DEVICE_MILLI)
+                            || (d.memory_mib > 0 && e.1 > d.memory_mib)
+                        {
+                            ok = false;
+                        }
+                    }
+                }
+            }
+            if ok { keep.push(*aid) } else { lost.push(*aid) }
+        }
+        // CPU and memory: keep the oldest allocations that fit.
+        let (mut cpu, mut mem) = (0u64, 0u64);
+        let mut fitting = Vec::new();
+        for aid in keep {
+            let Some(a) = self.allocs.get(&aid) else {
+                continue;
+            };
+            let (c2, m2) = (
+                cpu.saturating_add(a.alloc.cpu_milli),
+                mem.saturating_add(a.alloc.memory_mib),
+            );
+            if c2 <= node.cpu_milli && m2 <= node.memory_mib {
+                cpu = c2;
+                mem = m2;
+                fitting.push(aid);
+            } else {
+                lost.push(aid);
+            }
+        }
+        for aid in lost {
+            self.end_alloc(
+                aid,
+                AllocState::Lost,
+                "node re-registered without the resources it used",
+                now,
+                rev,
+            );
+        }
+        let unhealthy: BTreeSet<&str> = node
+            .devices
+            .iter()
+            .filter(|d| d.health == Health::Unhealthy)
+            .map(|d| d.id.as_str())
+            .collect();
+        for aid in fitting {
+            let uses_bad = self.allocs.get(&aid).is_some_and(|a| {
+                a.alloc
+                    .devices
+                    .iter()
+                    .any(|s| unhealthy.contains(s.device.as_str()))
+            });
+            if uses_bad {
+                self.stop_for_requeue(aid, StopReason::DeviceUnhealthy, now, rev);
+            }
+        }
+    }
+
+    fn set_node_mode(&mut self, c: SetNodeMode, rev: u64) -> Applied {
+        self.node_rec(&c.node)?;
+        let now = self.tick(c.now);
+        if let Some(r) = self.nodes.get_mut(&c.node) {
+            r.mode = c.mode;
+            r.node.schedulable = c.mode == NodeMode::Schedulable;
+            r.updated_at = now;
+        }
+        if c.mode == NodeMode::Draining {
+            let live: Vec<AllocId> = self
+                .allocs
+                .values()
+                .filter(|a| a.is_live() && a.alloc.node == c.node)
+                .map(|a| a.alloc.id)
+                .collect();
+            for aid in live {
+                self.stop_for_requeue(aid, StopReason::Drain, now, rev);
+            }
+        }
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    fn node_down(&mut self, c: NodeDown, rev: u64) -> Applied {
+        self.node_rec(&c.node)?;
+        let now = self.tick(c.now);
+        let reason = cut(&c.reason, self.config.max_message_len);
+        if let Some(r) = self.nodes.get_mut(&c.node) {
+            r.status = NodeStatus::Down;
+            r.updated_at = now;
+            r.reason = reason.clone();
+        }
+        let live: Vec<AllocId> = self
+            .allocs
+            .values()
+            .filter(|a| a.is_live() && a.alloc.node == c.node)
+            .map(|a| a.alloc.id)
+            .collect();
+        let msg = if reason.is_empty() {
+            "node down".to_owned()
+        } else {
+            format!("node down: {reason}")
+        };
+        for aid in live {
+            self.end_alloc(aid, AllocState::Lost, &msg, now, rev);
+        }
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    fn device_health(&mut self, c: DeviceHealth, rev: u64) -> Applied {
+        let rec = self.node_rec(&c.node)?;
+        if !rec.node.devices.iter().any(|d| d.id == c.device) {
+            return Err(CommandError::UnknownDevice {
+                node: c.node.to_string(),
+                device: c.device,
+            });
+        }
+        let now = self.tick(c.now);
+        if let Some(r) = self.nodes.get_mut(&c.node) {
+            for d in r.node.devices.iter_mut().filter(|d| d.id == c.device) {
+                d.health = c.health;
+            }
+            r.updated_at = now;
+        }
+        if c.health == Health::Unhealthy {
+            let hit: Vec<AllocId> = self
+                .allocs
+                .values()
+                .filter(|a| {
+                    a.is_live()
+                        && a.alloc.node == c.node
+                        && a.alloc.devices.iter().any(|s| s.device == c.device)
+                })
+                .map(|a| a.alloc.id)
+                .collect();
+            for aid in hit {
+                self.stop_for_requeue(aid, StopReason::DeviceUnhealthy, now, rev);
+            }
+        }
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    // ---- jobs ----------------------------------------------------------------------------
+
+    fn submit_job(&mut self, c: SubmitJob, rev: u64) -> Applied {
+        let rid = &c.client_request_id;
+        if rid.is_empty() {
+            return Err(CommandError::Invalid {
+                field: "client_request_id".into(),
+                message: "must not be empty".into(),
+            });
+        }
+        if rid.len() > self.config.max_request_id_len {
+            return Err(CommandError::Invalid {
+                field: "client_request_id".into(),
+                message: format!(
+                    "{} bytes; must be at most {} bytes",
+                    rid.len(),
+                    self.config.max_request_id_len
+                ),
+            });
+        }
+        if let Some(&id) = self.requests.get(rid) {
+            let same = self.jobs.get(&id).is_some_and(|j| j.spec == c.spec);
+            if !same {
+                return Err(CommandError::Conflict {
+                    field: "client_request_id".into(),
+                    message: format!("{rid:?} was already used for job {id} with a different spec"),
+                });
+            }
+            // A retry: the state is unchanged and the first job is the answer.
+            return Ok((
+                Response::JobSubmitted {
+                    job: id,
+                    created: false,
+                },
+                Effect::Unchanged,
+            ));
+        }
+        c.spec.validate(&self.config.limits)?;
+        if !self.queues.contains_key(&c.spec.queue) {
+            return Err(CommandError::UnknownQueue {
+                queue: c.spec.queue.to_string(),
+            });
+        }
+        let retry = c.retry.unwrap_or(self.config.default_retry);
+        retry.validate(&self.config)?;
+        if self.live_jobs.len() >= self.config.max_live_jobs {
+            return Err(CommandError::TooMany {
+                what: "live jobs".into(),
+                limit: self.config.max_live_jobs,
+            });
+        }
+        let now = self.tick(c.now);
+        let id = JobId(self.next_job);
+        self.next_job += 1;
+        self.jobs.insert(
+            id,
+            Job {
+                id,
+                client_request_id: rid.clone(),
+                spec: c.spec,
+                retry,
+                state: JobState::Pending,
+                submitted_at: now,
+                updated_at: now,
+                revision: rev,
+                attempt: 0,
+                failures: 0,
+                requeues: 0,
+                not_before: 0,
+                reason: String::new(),
+                allocs: Vec::new(),
+                latest_checkpoint: None,
+            },
+        );
+        self.requests.insert(c.client_request_id, id);
+        self.live_jobs.insert(id);
+        Ok((
+            Response::JobSubmitted {
+                job: id,
+                created: true,
+            },
+            Effect::Changed,
+        ))
+    }
+
+    fn cancel_job(&mut self, c: CancelJob, rev: u64) -> Applied {
+        let job = self
+            .jobs
+            .get(&c.job)
+            .ok_or(CommandError::UnknownJob { job: c.job.0 })?;
+        match job.state {
+            JobState::Cancelled => return Ok((Response::Done, Effect::Unchanged)),
+            s if s.is_terminal() => {
+                return Err(CommandError::Conflict {
+                    field: "job".into(),
+                    message: format!("job {} already {}", c.job, s.as_str()),
+                });
+            }
+            _ => {}
+        }
+        let now = self.tick(c.now);
+        let reason = if c.reason.is_empty() {
+            "cancelled".to_owned()
+        } else {
+            cut(&c.reason, self.config.max_message_len)
+        };
+        self.finish(
+            c.job,
+            JobState::Cancelled,
+            StopReason::Cancelled,
+            &reason,
+            now,
+            rev,
+        );
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    /// Marks a job finished, tells its live allocations to stop, and forgets the oldest
+    /// finished jobs beyond the retention limit.
+    fn finish(
+        &mut self,
+        id: JobId,
+        state: JobState,
+        why: StopReason,
+        reason: &str,
+        now: u64,
+        rev: u64,
+    ) {
+        let Some(job) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        job.state = state;
+        job.reason = reason.to_owned();
+        job.updated_at = now;
+        job.revision = rev;
+        let allocs = job.allocs.clone();
+        self.live_jobs.remove(&id);
+        self.finished.insert(self.next_finish, id);
+        self.next_finish += 1;
+        for aid in allocs {
+            self.ask_stop(aid, why.clone(), now);
+        }
+        self.forget_finished();
+    }
+
+    fn forget_finished(&mut self) {
+        let retained = self.jobs.len().saturating_sub(self.live_jobs.len());
+        let mut excess = retained.saturating_sub(self.config.max_retained_jobs);
+        if excess == 0 {
+            return;
+        }
+        let mut drop = Vec::new();
+        for (&seq, &id) in &self.finished {
+            if excess == 0 {
+                break;
+            }
+            let busy = self.jobs.get(&id).is_some_and(|j| {
+                j.allocs
+                    .iter()
+                    .any(|a| self.allocs.get(a).is_some_and(Alloc::is_live))
+            });
+            if !busy {
+                drop.push((seq, id));
+                excess -= 1;
+            }
+        }
+        for (seq, id) in drop {
+            self.finished.remove(&seq);
+            if let Some(job) = self.jobs.remove(&id) {
+                for a in &job.allocs {
+                    self.allocs.remove(a);
+                }
+                if self.requests.get(&job.client_request_id) == Some(&id) {
+                    self.requests.remove(&job.client_request_id);
+                }
+            }
+        }
+    }
+
+    /// Sets an allocation's desired state to stop (once; the first reason wins).
+    pub(crate) fn ask_stop(&mut self, aid: AllocId, reason: StopReason, now: u64) {
+        let Some(a) = self.allocs.get_mut(&aid) else {
+            return;
+        };
+        if !a.is_live() || a.desired != Desired::Run {
+            return;
+        }
+        let saves = matches!(
+            reason,
+            StopReason::Preempted { .. } | StopReason::Drain | StopReason::DeviceUnhealthy
+        );
+        let grace = a.alloc.checkpoint_grace_s.filter(|_| saves);
+        a.desired = Desired::Stop {
+            reason,
+            checkpoint_first: grace.is_some(),
+            grace_s: grace.unwrap_or(0),
+            since: now,
+        };
+        a.updated_at = now;
+    }
+
+    /// Stops an allocation whose job must move (drain, unhealthy device): the whole attempt
+    /// stops and the job is requeued once every allocation has ended.
+    fn stop_for_requeue(&mut self, aid: AllocId, reason: StopReason, now: u64, rev: u64) {
+        let Some(job_id) = self.allocs.get(&aid).map(|a| a.alloc.job) else {
+            return;
+        };
+        self.ask_stop(aid, reason.clone(), now);
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return;
+        };
+        if matches!(job.state, JobState::Placed | JobState::Running) {
+            job.state = JobState::Requeuing;
+            job.reason = format!("moving: {}", stop_text(&reason));
+            job.updated_at = now;
+            job.revision = rev;
+            let others = job.allocs.clone();
+            for o in others {
+                self.ask_stop(o, StopReason::Requeue, now);
+            }
+        }
+    }
+
+    /// Marks a live allocation ended and moves its job along.
+    fn end_alloc(&mut self, aid: AllocId, state: AllocState, message: &str, now: u64, rev: u64) {
+        let max = self.config.max_message_len;
+        let Some(a) = self.allocs.get_mut(&aid) else {
+            return;
+        };
+        if !a.is_live() {
+            return;
+        }
+        a.state = state;
+        a.updated_at = now;
+        a.message = cut(message, max);
+        let job_id = a.alloc.job;
+        let stop_requested = a.desired != Desired::Run;
+        self.on_alloc_ended(job_id, state, stop_requested, message, now, rev);
+    }
+
+    fn job_has_live(&self, id: JobId) -> bool {
+        self.jobs.get(&id).is_some_and(|j| {
+            j.allocs
+                .iter()
+                .any(|a| self.allocs.get(a).is_some_and(Alloc::is_live))
+        })
+    }
+
+    fn on_alloc_ended(
+        &mut self,
+        id: JobId,
+        ended: AllocState,
+        stop_requested: bool,
+        message: &str,
+        now: u64,
+        rev: u64,
+    ) {
+        let max = self.config.max_message_len;
+        let Some(job) = self.jobs.get(&id) else {
+            return;
+        };
+        match job.state {
+            JobState::Placed | JobState::Running => match ended {
+                AllocState::Succeeded => {
+                    let all_done = job.allocs.iter().all(|a| {
+                        self.allocs
+                            .get(a)
+                            .is_some_and(|x| x.state == AllocState::Succeeded)
+                    });
+                    if all_done {
+                        self.finish(
+                            id,
+                            JobState::Succeeded,
+                            StopReason::JobFailed,
+                            "succeeded",
+                            now,
+                            rev,
+                        );
+                    } else if let Some(j) = self.jobs.get_mut(&id) {
+                        j.state = JobState::Running;
+                        j.updated_at = now;
+                        j.revision = rev;
+                    }
+                }
+                AllocState::Failed => {
+                    let (failures, max_attempts, others) =
+                        (job.failures + 1, job.retry.max_attempts, job.allocs.clone());
+                    let reason = cut(&format!("attempt {} failed: {message}", job.attempt), max);
+                    if let Some(j) = self.jobs.get_mut(&id) {
+                        j.failures = failures;
+                    }
+                    if failures >= max_attempts {
+                        self.finish(
+                            id,
+                            JobState::Failed,
+                            StopReason::JobFailed,
+                            &reason,
+                            now,
+                            rev,
+                        );
+                    } else {
+                        for o in others {
+                            self.ask_stop(o, StopReason::JobFailed, now);
+                        }
+                        if let Some(j) = self.jobs.get_mut(&id) {
+                            j.state = JobState::Requeuing;
+                            j.not_before = now.saturating_add(j.retry.backoff_s(failures));
+                            j.reason = reason;
+                            j.updated_at = now;
+                            j.revision = rev;
+                        }
+                        self.requeue_when_stopped(id, now, rev);
+                    }
+                }
+                AllocState::Stopped | AllocState::Lost => {
+                    let others = job.allocs.clone();
+                    for o in others {
+                        self.ask_stop(o, StopReason::Requeue, now);
+                    }
+                    if let Some(j) = self.jobs.get_mut(&id) {
+                        j.state = JobState::Requeuing;
+                        j.reason = cut(
+                            &format!(
+                                "{} {}: {message}",
+                                if ended == AllocState::Lost {
+                                    "lost"
+                                } else {
+                                    "stopped"
+                                },
+                                if stop_requested {
+                                    "as asked"
+                                } else {
+                                    "unexpectedly"
+                                }
+                            ),
+                            max,
+                        );
+                        j.updated_at = now;
+                        j.revision = rev;
+                    }
+                    self.requeue_when_stopped(id, now, rev);
+                }
+                AllocState::Pending | AllocState::Running => {}
+            },
+            JobState::Preempted | JobState::Requeuing => self.requeue_when_stopped(id, now, rev),
+            JobState::Pending | JobState::Succeeded | JobState::Failed | JobState::Cancelled => {
+                if let Some(j) = self.jobs.get_mut(&id) {
+                    j.revision = rev;
+                }
+                self.forget_finished();
+            }
+        }
+    }
+
+    /// A stopping job whose allocations have all ended goes back to pending (or fails when it
+    /// used up its attempts).
+    fn requeue_when_stopped(&mut self, id: JobId, now: u64, rev: u64) {
+        if self.job_has_live(id) {
+            return;
+        }
+        let max_total = self.config.max_total_attempts;
+        let Some(job) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        if !matches!(job.state, JobState::Preempted | JobState::Requeuing) {
+            return;
+        }
+        job.requeues = job.requeues.saturating_add(1);
+        if job.requeues >= max_total {
+            let reason = format!(
+                "gave up after {} attempts; last: {}",
+                job.requeues, job.reason
+            );
+            self.finish(
+                id,
+                JobState::Failed,
+                StopReason::JobFailed,
+                &reason,
+                now,
+                rev,
+            );
+            return;
+        }
+        job.state = JobState::Pending;
+        job.updated_at = now;
+        job.revision = rev;
+        // The ended attempt's allocations are not needed any more: agents treat an unknown
+        // allocation as one to stop.
+        let old = std::mem::take(&mut job.allocs);
+        for a in old {
+            self.allocs.remove(&a);
+        }
+    }
+
+    // ---- agent reports -------------------------------------------------------------------
+
+    fn check_report(&self, alloc: AllocId, epoch: u64) -> Result<&Alloc, CommandError> {
+        let a = self
+            .allocs
+            .get(&alloc)
+            .ok_or(CommandError::UnknownAlloc { alloc: alloc.0 })?;
+        if a.alloc.epoch != epoch {
+            return Err(CommandError::StaleEpoch {
+                alloc: alloc.0,
+                reported: epoch,
+                current: a.alloc.epoch,
+            });
+        }
+        Ok(a)
+    }
+
+    fn alloc_status(&mut self, c: AllocStatus, rev: u64) -> Applied {
+        let a = self.check_report(c.alloc, c.epoch)?.clone();
+        let target = match c.status {
+            ReportedStatus::Running => AllocState::Running,
+            ReportedStatus::Succeeded => AllocState::Succeeded,
+            ReportedStatus::Failed => AllocState::Failed,
+            ReportedStatus::Stopped => AllocState::Stopped,
+        };
+        if a.state == target {
+            return Ok((Response::Done, Effect::Unchanged)); // a repeated report
+        }
+        if !a.is_live() {
+            return Err(CommandError::Conflict {
+                field: "status".into(),
+                message: format!(
+                    "allocation {} already ended as {:?}; cannot become {:?}",
+                    c.alloc, a.state, target
+                ),
+            });
+        }
+        let now = self.tick(c.now);
+        if target == AllocState::Running {
+            let max = self.config.max_message_len;
+            let job_id = a.alloc.job;
+            if let Some(a) = self.allocs.get_mut(&c.alloc) {
+                a.state = AllocState::Running;
+                a.updated_at = now;
+                a.message = cut(&c.message, max);
+                a.alloc.started_at = now;
+            }
+            if let Some(j) = self.jobs.get_mut(&job_id)
+                && j.state == JobState::Placed
+            {
+                j.state = JobState::Running;
+                j.updated_at = now;
+                j.revision = rev;
+            }
+        } else {
+            self.end_alloc(c.alloc, target, &c.message, now, rev);
+        }
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    fn report_checkpoint(&mut self, c: ReportCheckpoint, rev: u64) -> Applied {
+        let a = self.check_report(c.alloc, c.epoch)?;
+        if !a.is_live() {
+            return Err(CommandError::Conflict {
+                field: "alloc".into(),
+                message: format!("allocation {} already ended", c.alloc),
+            });
+        }
+        if c.uri.is_empty() || c.uri.len() > self.config.max_uri_len {
+            return Err(CommandError::Invalid {
+                field: "uri".into(),
+                message: format!(
+                    "{} bytes; must be between 1 and {} bytes",
+                    c.uri.len(),
+                    self.config.max_uri_len
+                ),
+            });
+        }
+        let job_id = a.alloc.job;
+        let now = self.tick(c.now);
+        if let Some(a) = self.allocs.get_mut(&c.alloc) {
+            a.alloc.last_checkpoint_at = Some(now);
+            a.updated_at = now;
+        }
+        if let Some(j) = self.jobs.get_mut(&job_id) {
+            j.latest_checkpoint = Some(CheckpointRecord {
+                uri: c.uri,
+                step: c.step,
+                size_bytes: c.size_bytes,
+                at: now,
+                alloc: c.alloc,
+                epoch: c.epoch,
+            });
+            j.updated_at = now;
+            j.revision = rev;
+        }
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    // ---- scheduling ----------------------------------------------------------------------
+
+    /// The immutable view the leader's scheduling loop hands to
+    /// [`suanli_scheduler::schedule`]: every node (schedulable only when ready and not
+    /// cordoned), every queue, jobs pending and out of backoff at `now`, and live allocations
+    /// (those already stopping are not offered as preemption victims again).
+    pub fn cluster_view(&self, now: u64) -> ClusterView {
+        let nodes = self
+            .nodes
+            .values()
+            .map(|r| {
+                let mut n = r.node.clone();
+                n.schedulable = r.accepts_work();
+                n
+            })
+            .collect();
+        let pending = self
+            .live_jobs
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .filter(|j| j.state == JobState::Pending && j.not_before <= now)
+            .map(|j| PendingJob {
+                id: j.id,
+                spec: j.spec.clone(),
+                submitted_at: j.submitted_at,
+            })
+            .collect();
+        let running = self
+            .allocs
+            .values()
+            .filter(|a| a.is_live())
+            .map(|a| {
+                let mut x = a.alloc.clone();
+                if a.desired != Desired::Run {
+                    x.preemptible = false;
+                }
+                x
+            })
+            .collect();
+        ClusterView {
+            nodes,
+            queues: self.queues.values().cloned().collect(),
+            pending,
+            running,
+            workload: Vec::new(),
+        }
+    }
+
+    pub(crate) fn usage(&self) -> Usage {
+        Usage::of(self.allocs.values())
+    }
+}
+
+fn stop_text(r: &StopReason) -> String {
+    match r {
+        StopReason::Preempted { for_job } => format!("preempted for job {for_job}"),
+        StopReason::Cancelled => "cancelled".into(),
+        StopReason::JobFailed => "job failed".into(),
+        StopReason::Requeue => "requeued".into(),
+        StopReason::Drain => "node draining".into(),
+        StopReason::DeviceUnhealthy => "device unhealthy".into(),
+    }
+}

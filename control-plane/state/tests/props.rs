@@ -1,0 +1,380 @@
+//! Property tests: random command sequences (real engine plans, hand-made bad plans, agent
+//! reports with stale epochs, node failures, re-registrations that shrink nodes, cancels,
+//! quota changes) keep every invariant, and snapshot -> restore and replay give the same hash.
+
+mod common;
+
+use common::*;
+use proptest::prelude::*;
+use suanli_model::{
+    AllocId, DeviceKind, DeviceRequest, DeviceShare, Health, JobId, NodeId, Placement, Plan,
+};
+use suanli_scheduler::{SchedulerConfig, schedule};
+use suanli_state::{
+    ApplyPlan, CancelJob, Command, DeviceHealth, NodeDown, NodeMode, ReportCheckpoint,
+    ReportedStatus, RetryPolicy, SetNodeMode, State, SubmitJob,
+};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Submit {
+        rid: u8,
+        queue: u8,
+        replicas: u32,
+        gpus: u32,
+        milli: u32,
+        priority: i32,
+        gang: bool,
+        attempts: u32,
+    },
+    Schedule {
+        seed: u64,
+    },
+    BadPlan {
+        job: u8,
+        node: u8,
+        dev: u8,
+        milli: u32,
+        replica: u32,
+    },
+    Report {
+        pick: usize,
+        epoch_skew: u8,
+        status: u8,
+    },
+    Checkpoint {
+        pick: usize,
+    },
+    NodeDown {
+        node: u8,
+    },
+    Register {
+        node: u8,
+        gpus: u32,
+        cpu_k: u64,
+    },
+    Health {
+        node: u8,
+        dev: u8,
+        healthy: bool,
+    },
+    Mode {
+        node: u8,
+        mode: u8,
+    },
+    Cancel {
+        job: u8,
+    },
+    Quota {
+        queue: u8,
+        gpus: u64,
+        cohort: bool,
+    },
+    Advance {
+        secs: u64,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..24, 0u8..3, 1u32..4, 0u32..3, prop_oneof![Just(250u32), Just(500), Just(1000)], -3i32..4, any::<bool>(), 1u32..3)
+            .prop_map(|(rid, queue, replicas, gpus, milli, priority, gang, attempts)| Op::Submit {
+                rid, queue, replicas, gpus, milli, priority, gang, attempts
+            }),
+        4 => any::<u64>().prop_map(|seed| Op::Schedule { seed }),
+        1 => (0u8..24, 0u8..4, 0u8..6, prop_oneof![Just(0u32), Just(500), Just(1000), Just(1500)], 0u32..4)
+            .prop_map(|(job, node, dev, milli, replica)| Op::BadPlan { job, node, dev, milli, replica }),
+        5 => (any::<usize>(), 0u8..4, 0u8..4).prop_map(|(pick, epoch_skew, status)| Op::Report { pick, epoch_skew, status }),
+        1 => any::<usize>().prop_map(|pick| Op::Checkpoint { pick }),
+        1 => (0u8..4).prop_map(|node| Op::NodeDown { node }),
+        1 => (0u8..4, 0u32..6, 1u64..64).prop_map(|(node, gpus, cpu_k)| Op::Register { node, gpus, cpu_k }),
+        1 => (0u8..4, 0u8..5, any::<bool>()).prop_map(|(node, dev, healthy)| Op::Health { node, dev, healthy }),
+        1 => (0u8..4, 0u8..3).prop_map(|(node, mode)| Op::Mode { node, mode }),
+        1 => (0u8..24).prop_map(|job| Op::Cancel { job }),
+        1 => (0u8..3, 0u64..10, any::<bool>()).prop_map(|(queue, gpus, cohort)| Op::Quota { queue, gpus, cohort }),
+        2 => (1u64..120).prop_map(|secs| Op::Advance { secs }),
+    ]
+}
+
+const QUEUES: [&str; 3] = ["q", "r", "ghost"];
+
+/// Turns an op into a command against the current state (picking live ids where it needs
+/// them). `None` when the op only moves time.
+fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
+    let nid = |n: u8| NodeId::from(format!("n{n}").as_str());
+    Some(match op {
+        Op::Submit {
+            rid,
+            queue,
+            replicas,
+            gpus,
+            milli,
+            priority,
+            gang,
+            attempts,
+        } => {
+            let mut sp = spec(QUEUES[*queue as usize], *replicas, *gpus, *priority);
+            sp.gang = *gang;
+            if let Some(d) = sp.groups[0].resources.devices.as_mut()
+                && *gpus == 1
+            {
+                d.milli = *milli;
+            }
+            if !*gang {
+                sp.groups[0].min_replicas = Some(1);
+            }
+            let retry = Some(RetryPolicy {
+                max_attempts: *attempts,
+                backoff_base_s: 5,
+                backoff_max_s: 20,
+            });
+            Command::SubmitJob(SubmitJob {
+                client_request_id: format!("rid-{rid}"),
+                spec: sp,
+                retry,
+                now: *now,
+            })
+        }
+        Op::Schedule { seed } => {
+            let view = s.cluster_view(*now);
+            let plan =
+                schedule(&view, *now, *seed, &SchedulerConfig::default()).expect("engine runs");
+            Command::ApplyPlan(ApplyPlan { plan, now: *now })
+        }
+        Op::BadPlan {
+            job,
+            node,
+            dev,
+            milli,
+            replica,
+        } => {
+            let p = Placement {
+                job: JobId(u64::from(*job)),
+                group: 0,
+                replica: *replica,
+                node: nid(*node),
+                cpu_milli: 1000,
+                memory_mib: 1024,
+                devices: vec![DeviceShare {
+                    device: format!("gpu{dev}"),
+                    milli: *milli,
+                    memory_mib: 0,
+                }],
+                borrowed: false,
+            };
+            let plan = Plan {
+                placements: vec![
+                    p.clone(),
+                    Placement {
+                        replica: p.replica + 1,
+                        ..p
+                    },
+                ],
+                ..Plan::default()
+            };
+            Command::ApplyPlan(ApplyPlan { plan, now: *now })
+        }
+        Op::Report {
+            pick,
+            epoch_skew,
+            status,
+        } => {
+            let ids: Vec<AllocId> = s.allocs().keys().copied().collect();
+            let id = if ids.is_empty() {
+                AllocId(1)
+            } else {
+                ids[pick % ids.len()]
+            };
+            let epoch =
+                s.allocs().get(&id).map_or(1, |a| a.alloc.epoch) + u64::from(*epoch_skew / 3);
+            let status = [
+                ReportedStatus::Running,
+                ReportedStatus::Succeeded,
+                ReportedStatus::Failed,
+                ReportedStatus::Stopped,
+            ][*status as usize % 4];
+            report(id, epoch, status, *now)
+        }
+        Op::Checkpoint { pick } => {
+            let ids: Vec<AllocId> = s.allocs().keys().copied().collect();
+            let id = if ids.is_empty() {
+                AllocId(1)
+            } else {
+                ids[pick % ids.len()]
+            };
+            let epoch = s.allocs().get(&id).map_or(1, |a| a.alloc.epoch);
+            Command::ReportCheckpoint(ReportCheckpoint {
+                alloc: id,
+                epoch,
+                uri: "file:///ck".into(),
+                step: 1,
+                size_bytes: 1,
+                now: *now,
+            })
+        }
+        Op::NodeDown { node } => Command::NodeDown(NodeDown {
+            node: nid(*node),
+            reason: "ttl".into(),
+            now: *now,
+        }),
+        Op::Register { node, gpus, cpu_k } => {
+            let mut n = common::node(&format!("n{node}"), *gpus);
+            n.cpu_milli = cpu_k * 1000;
+            n.memory_mib = cpu_k * 4096;
+            register(n, *now)
+        }
+        Op::Health { node, dev, healthy } => Command::DeviceHealth(DeviceHealth {
+            node: nid(*node),
+            device: format!("gpu{dev}"),
+            health: if *healthy {
+                Health::Healthy
+            } else {
+                Health::Unhealthy
+            },
+            now: *now,
+        }),
+        Op::Mode { node, mode } => Command::SetNodeMode(SetNodeMode {
+            node: nid(*node),
+            mode: [
+                NodeMode::Schedulable,
+                NodeMode::Cordoned,
+                NodeMode::Draining,
+            ][*mode as usize % 3],
+            now: *now,
+        }),
+        Op::Cancel { job } => Command::CancelJob(CancelJob {
+            job: JobId(u64::from(*job)),
+            reason: String::new(),
+            now: *now,
+        }),
+        Op::Quota {
+            queue,
+            gpus,
+            cohort,
+        } => {
+            let mut q = common::queue(QUEUES[*queue as usize % 2], *gpus);
+            q.cohort = cohort.then(|| "c".to_owned());
+            upsert_queue(q)
+        }
+        Op::Advance { secs } => {
+            *now += secs;
+            return None;
+        }
+    })
+}
+
+fn start() -> (State, Vec<Command>) {
+    let mut s = State::default();
+    let mut log = vec![upsert_queue(queue("q", 6)), upsert_queue(queue("r", 4))];
+    for i in 0..3 {
+        let mut n = node(&format!("n{i}"), 4);
+        if i == 2 {
+            n.devices.iter_mut().for_each(|d| d.kind = DeviceKind::Npu);
+        }
+        log.push(register(n, 0));
+    }
+    for c in &log {
+        s.apply(c.clone());
+    }
+    (s, log)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_command_sequences_keep_every_invariant(ops in prop::collection::vec(op(), 1..120)) {
+        let (mut s, mut log) = start();
+        let mut now = 1;
+        for (i, op) in ops.iter().enumerate() {
+            let Some(cmd) = command(&s, op, &mut now) else { continue };
+            log.push(cmd.clone());
+            let resp = s.apply(cmd);
+            prop_assert!(!resp.is_fatal());
+            if let Err(v) = s.invariants() {
+                prop_assert!(false, "step {i} {op:?} -> {resp:?}: {v}");
+            }
+        }
+        let restored = State::restore(&s.snapshot().expect("snapshot")).expect("restore");
+        prop_assert_eq!(restored.state_hash(), s.state_hash());
+        // Replaying the same log (through the wire encoding) reaches the same state.
+        let mut replay = State::default();
+        for c in &log {
+            let wire: Command = serde_json::from_slice(&serde_json::to_vec(c).expect("encodes")).expect("decodes");
+            replay.apply(wire);
+        }
+        prop_assert_eq!(replay.state_hash(), s.state_hash());
+    }
+
+    #[test]
+    fn job_ids_are_never_duplicated_by_retries(rids in prop::collection::vec(0u8..8, 1..60)) {
+        let (mut s, _) = start();
+        for (i, r) in rids.iter().enumerate() {
+            s.apply(submit(&format!("r{r}"), spec("q", 1, 1, 0), i as u64));
+        }
+        let distinct: std::collections::BTreeSet<_> = rids.iter().collect();
+        prop_assert_eq!(s.jobs().len(), distinct.len());
+    }
+}
+
+#[test]
+fn a_device_request_is_always_whole_or_a_fraction_of_one() {
+    // Guard for the generator above: fractional requests use count 1.
+    let mut sp = spec("q", 1, 1, 0);
+    if let Some(d) = sp.groups[0].resources.devices.as_mut() {
+        *d = DeviceRequest {
+            kind: DeviceKind::Gpu,
+            count: 1,
+            milli: 250,
+            memory_mib: 0,
+        };
+    }
+    assert!(sp.validate(&suanli_model::Limits::default()).is_ok());
+}
+
+#[test]
+fn the_generator_reaches_the_interesting_states() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    use std::collections::BTreeSet;
+    use suanli_state::{JobState, Response};
+    let mut runner = TestRunner::deterministic();
+    let mut seen_states = BTreeSet::new();
+    let (mut placed, mut refused, mut preempted) = (0, 0, 0);
+    for _ in 0..20 {
+        let ops = prop::collection::vec(op(), 200)
+            .new_tree(&mut runner)
+            .expect("generates")
+            .current();
+        let (mut s, _) = start();
+        let mut now = 1;
+        for op in &ops {
+            let Some(cmd) = command(&s, op, &mut now) else {
+                continue;
+            };
+            if let Response::PlanApplied(o) = s.apply(cmd) {
+                placed += o.placed.len();
+                refused += o.refused_jobs.len();
+                preempted += o.preempted.len();
+            }
+            assert_eq!(s.invariants(), Ok(()));
+            seen_states.extend(s.jobs().values().map(|j| j.state.as_str()));
+        }
+    }
+    for st in [
+        JobState::Pending,
+        JobState::Running,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+    ] {
+        assert!(
+            seen_states.contains(st.as_str()),
+            "never reached {st:?}: {seen_states:?}"
+        );
+    }
+    assert!(
+        placed > 50 && refused > 10,
+        "placed {placed}, refused {refused}, preempted {preempted}"
+    );
+}
