@@ -1,1 +1,34 @@
-fn main() {}
+//! Generates the tonic/prost code from `proto/suanli/v1/*.proto`.
+//!
+//! protoc comes from `protoc-bin-vendored` (nothing to install) unless `PROTOC` names another.
+
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto");
+    println!("cargo:rerun-if-env-changed=PROTOC");
+    let protoc = match std::env::var_os("PROTOC") {
+        Some(p) => PathBuf::from(p),
+        None => protoc_bin_vendored::protoc_bin_path()?,
+    };
+    let mut config = prost_build::Config::new();
+    config.protoc_executable(protoc);
+    config.bytes([
+        ".suanli.v1.RaftMessage.json",
+        ".suanli.v1.SnapshotChunk.data",
+    ]);
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_with_config(
+            config,
+            &[
+                "proto/suanli/v1/types.proto",
+                "proto/suanli/v1/api.proto",
+                "proto/suanli/v1/agent.proto",
+                "proto/suanli/v1/raft.proto",
+            ],
+            &["proto"],
+        )?;
+    Ok(())
+}
