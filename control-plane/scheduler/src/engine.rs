@@ -84,6 +84,9 @@ pub struct SchedulerConfig {
     pub backfill: bool,
     /// Most release steps examined when computing a head job's reservation.
     pub max_reservation_steps: usize,
+    /// Benchmark baseline only: evaluate every node for every replica instead of using the
+    /// class index. Same decisions in distribution, far slower.
+    pub naive_scan: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -98,6 +101,7 @@ impl Default for SchedulerConfig {
             max_preemptions_per_job: 64,
             backfill: true,
             max_reservation_steps: 4096,
+            naive_scan: false,
         }
     }
 }
@@ -277,43 +281,51 @@ impl Pass<'_> {
     fn job(&mut self, job: &PendingJob) {
         let spec = &job.spec;
         let need = spec.min_total();
-        let admission = match self.quota.check(&spec.queue, need) {
-            Ok(a) => a,
-            Err(reason) => {
-                // A queue within its nominal quota may reclaim what others borrowed.
-                if self.cfg.preemption && self.try_preempt(job, true) {
-                    return;
-                }
-                self.plan.unplaced.push(Unplaced { job: job.id, reason });
-                return;
-            }
-        };
         // Backfill: once a head job holds a reservation, a later job that could still be
-        // running at the reserved start must stay off the reserved nodes.
+        // running at the reserved start must stay off the reserved nodes. The hold covers
+        // preemption too: a job kept off the reserved nodes must not reach them by preempting
+        // (or by the placement that follows when no victim turns out to be needed).
         let held = self.hold_for(job);
-        let placed = self.place_all(job, admission.borrowed);
+        let outcome = match self.quota.check(&spec.queue, need) {
+            // A queue within its nominal quota may reclaim what others borrowed.
+            Err(reason) => Err((reason, self.cfg.preemption && self.try_preempt(job, true), false)),
+            Ok(admission) => match self.place_all(job, admission.borrowed) {
+                Ok(list) => {
+                    self.emit(job, list);
+                    Ok(())
+                }
+                Err(reason) => Err((reason, self.cfg.preemption && self.try_preempt(job, false), true)),
+            },
+        };
         self.release_hold(&held);
-        match placed {
-            Ok(list) => self.emit(job, list),
-            Err(reason) => {
-                if self.cfg.preemption && self.try_preempt(job, false) {
-                    return;
-                }
-                let mut reason = reason;
-                if self.cfg.backfill && self.reservation.is_none() {
-                    if let Some((start, nodes)) = self.reserve(job) {
-                        reason = format!("{reason}; reserved {} node(s) from t={start}", nodes.len());
-                        self.plan.reservations.push(Reservation {
-                            job: job.id,
-                            start_at: start,
-                            nodes: nodes.iter().map(|&n| self.cluster.node_id(n).clone()).collect(),
-                        });
-                        self.reservation = Some((start, nodes));
-                    }
-                }
-                self.plan.unplaced.push(Unplaced { job: job.id, reason });
-            }
+        let Err((mut reason, preempted, capacity)) = outcome else { return };
+        if preempted {
+            return;
         }
+        if capacity
+            && !held.is_empty()
+            && let (Some(r), Some((start, _))) = (self.plan.reservations.last(), &self.reservation)
+        {
+            reason = format!(
+                "{reason}; {} node(s) reserved for job {} from t={start} (backfill there needs a runtime estimate ending by then)",
+                held.len(),
+                r.job
+            );
+        }
+        if capacity
+            && self.cfg.backfill
+            && self.reservation.is_none()
+            && let Some((start, nodes)) = self.reserve(job)
+        {
+            reason = format!("{reason}; reserved {} node(s) from t={start}", nodes.len());
+            self.plan.reservations.push(Reservation {
+                job: job.id,
+                start_at: start,
+                nodes: nodes.iter().map(|&n| self.cluster.node_id(n).clone()).collect(),
+            });
+            self.reservation = Some((start, nodes));
+        }
+        self.plan.unplaced.push(Unplaced { job: job.id, reason });
     }
 
     fn hold_for(&mut self, job: &PendingJob) -> Vec<u32> {
@@ -335,40 +347,52 @@ impl Pass<'_> {
         }
     }
 
-    /// Places the job's replicas; on failure nothing stays committed and the reason names the
-    /// first group that did not fit.
+    /// One replica's node and devices under the configured scan.
+    fn choose(&mut self, shape: ShapeId) -> Option<Choice> {
+        if self.cfg.naive_scan {
+            self.cluster.choose_naive(shape, self.policy.as_ref(), &mut self.rng)
+        } else {
+            self.cluster.choose(shape, self.policy.as_ref(), &mut self.rng)
+        }
+    }
+
+    /// Places the job's replicas: first every group's minimum (all replicas of a gang), all or
+    /// nothing; then, for an elastic job, the replicas beyond the minimum while quota and
+    /// capacity last. On failure nothing stays committed and the reason names the first group
+    /// whose minimum did not fit. The minimum was admitted by the caller and is charged here
+    /// before any extra replica is checked against the queue's quota.
     fn place_all(&mut self, job: &PendingJob, borrowed: bool) -> Result<Vec<Tentative>, String> {
         let spec = &job.spec;
+        let need = spec.min_total();
+        let shapes: Vec<ShapeId> = spec.groups.iter().map(|g| self.cluster.shape(&g.resources, &spec.constraints)).collect();
         let mut placed: Vec<Tentative> = Vec::new();
-        for (gi, g) in spec.groups.iter().enumerate() {
-            let shape = self.cluster.shape(&g.resources, &spec.constraints);
+        self.quota.charge(&spec.queue, need);
+        for (gi, (g, &shape)) in spec.groups.iter().zip(&shapes).enumerate() {
             let min = if spec.gang { g.replicas } else { g.min() };
-            let per = g.resources.as_resvec();
-            let mut n = 0;
-            for r in 0..g.replicas {
-                // Replicas beyond the minimum were not admitted up front: check quota for each.
-                let mut extra_borrowed = borrowed;
-                if r >= min {
-                    match self.quota.check(&spec.queue, per) {
-                        Ok(a) => extra_borrowed = a.borrowed,
-                        Err(_) => break,
-                    }
-                }
-                let Some(choice) = self.cluster.choose(shape, self.policy.as_ref(), &mut self.rng) else { break };
+            for r in 0..min {
+                let Some(choice) = self.choose(shape) else {
+                    let why = self.cluster.explain(shape).message();
+                    self.rollback(&spec.queue, &placed);
+                    self.quota.refund(&spec.queue, need);
+                    return Err(format!("group {} ({r}/{min} replicas placeable): {why}", g.name));
+                };
                 self.cluster.commit(shape, &choice);
-                if r >= min {
-                    self.quota.charge(&spec.queue, per);
-                }
-                placed.push(Tentative { group: gi as u32, replica: r, shape, choice, charge: if r >= min { per } else { ResVec::ZERO }, borrowed: extra_borrowed });
-                n += 1;
-            }
-            if n < min {
-                let why = self.cluster.explain(shape).message();
-                self.rollback(&spec.queue, &placed);
-                return Err(format!("group {} ({n}/{min} replicas placeable): {why}", g.name));
+                placed.push(Tentative { group: gi as u32, replica: r, shape, choice, charge: ResVec::ZERO, borrowed });
             }
         }
-        self.quota.charge(&spec.queue, spec.min_total());
+        if !spec.gang {
+            for (gi, (g, &shape)) in spec.groups.iter().zip(&shapes).enumerate() {
+                let per = g.resources.as_resvec();
+                for r in g.min()..g.replicas {
+                    // Replicas beyond the minimum were not admitted up front: check each.
+                    let Ok(a) = self.quota.check(&spec.queue, per) else { break };
+                    let Some(choice) = self.choose(shape) else { break };
+                    self.cluster.commit(shape, &choice);
+                    self.quota.charge(&spec.queue, per);
+                    placed.push(Tentative { group: gi as u32, replica: r, shape, choice, charge: per, borrowed: a.borrowed });
+                }
+            }
+        }
         Ok(placed)
     }
 
@@ -406,6 +430,14 @@ impl Pass<'_> {
         let a = &self.running[i];
         let d = dev_req_of(a, &self.kinds);
         self.cluster.occupy(&a.node, a.cpu_milli, a.memory_mib, &a.devices, d);
+    }
+
+    /// Removes a victim's usage from its queue; returns what was refunded.
+    fn refund_victim(&mut self, u: usize) -> (QueueId, ResVec) {
+        let a = &self.running[u];
+        let r = alloc_resvec(a, &self.kinds);
+        self.quota.refund(&a.queue, r);
+        (a.queue.clone(), r)
     }
 
     /// Victims for `job`: lower priority, or (when `reclaim` or the job is within its nominal
@@ -475,22 +507,28 @@ impl Pass<'_> {
                     held.push(Tentative { group: gi as u32, replica: r, shape, choice: c, charge: ResVec::ZERO, borrowed: false });
                     continue;
                 }
-                // Cheapest node: release its candidates in order until the shape fits.
+                // Cheapest node: release its candidates in order until the shape fits. A gang
+                // candidate releases its whole gang (every member stops), so mates on the same
+                // node free their share too and the gang's cost is counted once.
                 let mut best: Option<(u128, usize, u32, Vec<usize>)> = None;
                 for (&node, cands) in &by_node {
                     let mut freed = Vec::new();
                     let mut cost = 0u128;
                     let mut fits = false;
                     for &(c, i) in cands {
-                        if self.evicted.contains(&i) || evicted_now.contains(&i) {
+                        if self.evicted.contains(&i) || evicted_now.contains(&i) || freed.contains(&i) {
                             continue;
                         }
                         if best.as_ref().is_some_and(|b| cost + c > b.0) {
                             break;
                         }
-                        freed.push(i);
+                        for u in self.victim_unit(i) {
+                            if !freed.contains(&u) && !evicted_now.contains(&u) {
+                                freed.push(u);
+                                self.vacate(u);
+                            }
+                        }
                         cost += c;
-                        self.vacate(i);
                         if self.cluster.choose_on(node, shape, self.policy.as_ref(), &mut self.rng).is_some() {
                             fits = true;
                             break;
@@ -535,7 +573,44 @@ impl Pass<'_> {
                 }
             }
         }
+        // Victims leave their queues' usage.
+        let mut refunds: Vec<(QueueId, ResVec)> = Vec::new();
+        if ok {
+            for &u in &evicted_now {
+                refunds.push(self.refund_victim(u));
+            }
+        }
+        if ok && quota_blocked {
+            // Quota, not only capacity, blocks the job: reclaim borrowed work whose usage
+            // counts against the capped ancestor, least lost work first, until the quota
+            // admits the job. Borrowed work elsewhere would be stopped for nothing.
+            let mut extra: Vec<(u128, usize)> = by_node
+                .values()
+                .flatten()
+                .copied()
+                .filter(|&(_, i)| self.quota.shares_capped_ancestor(&spec.queue, &self.running[i].queue))
+                .collect();
+            extra.sort_unstable();
+            for (_, i) in extra {
+                if self.quota.check(&spec.queue, need).is_ok() {
+                    break;
+                }
+                if self.evicted.contains(&i) {
+                    continue;
+                }
+                for u in self.victim_unit(i) {
+                    self.evicted.insert(u);
+                    evicted_now.push(u);
+                    self.vacate(u);
+                    refunds.push(self.refund_victim(u));
+                }
+            }
+            ok = self.quota.check(&spec.queue, need).is_ok() && evicted_now.len() <= self.cfg.max_preemptions_per_job;
+        }
         if !ok || evicted_now.is_empty() {
+            for (q, r) in refunds.iter().rev() {
+                self.quota.charge(q, *r);
+            }
             for t in held.iter().rev() {
                 self.cluster.release(t.shape, &t.choice);
             }
@@ -543,22 +618,20 @@ impl Pass<'_> {
                 self.evicted.remove(&u);
                 self.reoccupy(u);
             }
-            if ok && evicted_now.is_empty() {
-                // Everything fit after all (capacity freed by earlier victims): place it.
-                if let Ok(a) = self.quota.check(&spec.queue, need) {
-                    if let Ok(list) = self.place_all(job, a.borrowed) {
-                        self.emit(job, list);
-                        return true;
-                    }
-                }
+            // Everything fit after all (capacity freed by earlier victims): place it.
+            if ok
+                && evicted_now.is_empty()
+                && let Ok(a) = self.quota.check(&spec.queue, need)
+                && let Ok(list) = self.place_all(job, a.borrowed)
+            {
+                self.emit(job, list);
+                return true;
             }
             return false;
         }
-        // Commit: victims leave their queues; the job's capacity stays held this pass.
+        // Commit: the job's capacity stays held for the rest of this pass.
         for &u in &evicted_now {
             let a = &self.running[u];
-            let charge = alloc_resvec(a, &self.kinds);
-            self.quota.refund(&a.queue, charge);
             let reason = self.victim_ok(job, a, reclaim_allowed).unwrap_or(PreemptionReason::HigherPriority);
             self.plan.preemptions.push(Preemption {
                 alloc: a.id,

@@ -107,6 +107,16 @@ impl QuotaBook {
         self.queues.get(q).is_some_and(|s| (s.used + need).fits_within(&s.q.nominal))
     }
 
+    /// True when `other`'s usage counts against an ancestor of `q` that caps its subtree
+    /// (non-zero nominal): reclaiming `other`'s work can lift that cap for `q`.
+    pub fn shares_capped_ancestor(&self, q: &QueueId, other: &QueueId) -> bool {
+        let theirs = self.ancestors(other);
+        self.ancestors(q)
+            .iter()
+            .filter(|a| self.queues.get(*a).is_some_and(|s| !s.q.nominal.is_zero()))
+            .any(|a| a == other || theirs.contains(a))
+    }
+
     /// What the cohort can still lend to `q`.
     fn cohort_pool(&self, q: &QueueId, cohort: &str) -> ResVec {
         let mut lendable = ResVec::ZERO;
@@ -139,14 +149,14 @@ impl QuotaBook {
                     fmt_dim(dim_of(&s.q.nominal, dim))
                 ));
             };
-            if let Some(limit) = &s.q.borrowing_limit {
-                if let Some(d) = over.first_exceeding(limit) {
-                    return Err(format!(
-                        "queue {q} quota: {d} would borrow {} > borrowing limit {}",
-                        dim_of(&over, d),
-                        fmt_dim(dim_of(limit, d))
-                    ));
-                }
+            if let Some(limit) = &s.q.borrowing_limit
+                && let Some(d) = over.first_exceeding(limit)
+            {
+                return Err(format!(
+                    "queue {q} quota: {d} would borrow {} > borrowing limit {}",
+                    dim_of(&over, d),
+                    fmt_dim(dim_of(limit, d))
+                ));
             }
             let pool = self.cohort_pool(q, cohort);
             if let Some(d) = over.first_exceeding(&pool) {

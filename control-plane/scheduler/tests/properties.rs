@@ -1,0 +1,1669 @@
+//! Property tests of the scheduling engine (issue 2, "What it must show", item 3).
+//!
+//! Random clusters (nodes with 0-8 GPUs, some NPUs, NVLink islands, unhealthy devices, cordoned
+//! nodes), queues (nominal quotas, cohorts, borrowing and lending limits, a parent cap), valid
+//! running allocations and pending jobs (whole, fractional, multi-GPU, gang, elastic, CPU-only,
+//! priorities, constraints) go through `schedule`, and the plan is checked against the inputs:
+//!
+//! - (a) no node CPU/memory and no device share or device memory over-committed once placements
+//!   are added to running work minus preempted victims; no placement on an unhealthy device or a
+//!   cordoned node; every placement matches its request and constraints;
+//! - (b) quota exceeded only by placements flagged `borrowed`, never beyond a borrowing limit, a
+//!   queue without a cohort never over nominal, a parent cap never exceeded;
+//! - (c) gang all-or-nothing; elastic groups at least their minimum; every pending job decided
+//!   exactly once (placed or unplaced with a reason);
+//! - (d) preemption only of preemptible work of lower priority, or of work on borrowed quota of
+//!   another queue for a job within its nominal quota; whole gangs; checkpoint-first with the
+//!   victim's grace; victims only on nodes the job could use; a job preempts only when its quota
+//!   (own nominal or borrowing limit, every capped ancestor) admits it once the victims are gone;
+//!   the preempting job waits;
+//! - (e) the same (view, now, seed, config) gives the same plan, also after a JSON round trip of
+//!   the view; another seed still satisfies every property;
+//! - backfill: no lower-priority job lands on a node reserved for a blocked head job unless its
+//!   runtime estimate ends before the reservation starts.
+//!
+//! Every check recomputes what it needs from the inputs; none calls engine internals. The
+//! generator also has a coverage test, so the properties cannot pass vacuously.
+
+use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+use proptest::test_runner::TestRunner;
+use std::collections::{BTreeMap, BTreeSet};
+use suanli_model::{
+    AllocId, Allocation, CheckpointPolicy, Constraints, Device, DeviceKind, DeviceRequest,
+    DeviceShare, Health, JobId, JobKind, JobSpec, Node, NodeId, Placement, Plan, PoolId,
+    Preemption, PreemptionReason, Queue, QueueId, ResVec, TaskGroup, TaskResources,
+};
+use suanli_scheduler::{ClusterView, POLICY_NAMES, PendingJob, SchedulerConfig, schedule};
+
+/// The scheduling pass's clock in every case.
+const NOW: u64 = 100_000;
+/// Cases per property; the whole file runs in a few seconds in the dev profile.
+const CASES: u32 = 256;
+const MODELS: [&str; 3] = ["A100", "V100", "H100"];
+
+// ---------------------------------------------------------------------------------------------
+// Generators: raw material first, then made valid deterministically (so proptest can shrink).
+
+#[derive(Debug, Clone)]
+struct NodeGen {
+    gpus: u8,
+    npus: u8,
+    model: u8,
+    /// 0: no peer links, 1: one island, 2: two islands.
+    islands: u8,
+    numa_split: bool,
+    dev_mem: u8,
+    unhealthy: Option<u8>,
+    cpu: u8,
+    mem: u8,
+    schedulable: bool,
+    pool: u8,
+    region: u8,
+    label: bool,
+}
+
+#[derive(Debug, Clone)]
+enum DevGen {
+    None,
+    Frac { milli: u32, memory_mib: u64 },
+    Whole { kind: DeviceKind, count: u32 },
+}
+
+#[derive(Debug, Clone)]
+struct QueueGen {
+    cohort: bool,
+    weight: u32,
+    extra_gpus: u64,
+    extra_npus: u64,
+    cpu_unlimited: bool,
+    extra_cores: u64,
+    borrow_limit_gpus: Option<u64>,
+    lend_limit_gpus: Option<u64>,
+    parent: bool,
+}
+
+#[derive(Debug, Clone)]
+struct RunGen {
+    node: usize,
+    queue: usize,
+    priority: i32,
+    preemptible: bool,
+    gang: bool,
+    replicas: u32,
+    cpu: u8,
+    mem: u8,
+    dev: DevGen,
+    started_ago: u64,
+    ckpt_after_start: Option<u64>,
+    grace_s: Option<u64>,
+    restore_s: u64,
+    estimate_s: Option<u64>,
+    borrowed: bool,
+}
+
+#[derive(Debug, Clone)]
+struct GroupGen {
+    replicas: u32,
+    min: Option<u32>,
+    cpu: u8,
+    mem: u8,
+    dev: DevGen,
+}
+
+#[derive(Debug, Clone)]
+struct PendGen {
+    queue: usize,
+    priority: i32,
+    preemptible: bool,
+    gang: bool,
+    groups: Vec<GroupGen>,
+    constraint: u8,
+    estimate_s: Option<u64>,
+    submitted_ago: u64,
+    checkpoint: bool,
+}
+
+#[derive(Debug, Clone)]
+struct ConfGen {
+    policy: usize,
+    preemption: bool,
+    backfill: bool,
+    max_preemptions: usize,
+    /// Pending work outranks running work and quotas are roomy: preemption is likely.
+    crowded: bool,
+}
+
+/// One generated case: a valid view plus config and seed.
+#[derive(Debug, Clone)]
+struct Case {
+    view: ClusterView,
+    cfg: SchedulerConfig,
+    seed: u64,
+}
+
+const CPU_CHOICES: [u64; 5] = [0, 500, 2_000, 8_000, 16_000];
+const MEM_CHOICES: [u64; 4] = [0, 1_024, 8_192, 65_536];
+
+fn priority() -> impl Strategy<Value = i32> {
+    prop_oneof![Just(-1), Just(0), Just(0), Just(1), Just(3), Just(5)]
+}
+
+/// Running work sits a little lower on average, so pending work often outranks it.
+fn running_priority() -> impl Strategy<Value = i32> {
+    prop_oneof![
+        Just(-1),
+        Just(-1),
+        Just(0),
+        Just(0),
+        Just(1),
+        Just(3),
+        Just(5)
+    ]
+}
+
+fn dev_gen() -> impl Strategy<Value = DevGen> {
+    prop_oneof![
+        2 => Just(DevGen::None),
+        3 => ((1u32..10).prop_map(|m| m * 100), prop_oneof![Just(0u64), Just(4_096), Just(20_000)])
+            .prop_map(|(milli, memory_mib)| DevGen::Frac { milli, memory_mib }),
+        4 => prop_oneof![Just(1u32), Just(1), Just(2), Just(4), Just(8)]
+            .prop_map(|count| DevGen::Whole { kind: DeviceKind::Gpu, count }),
+        1 => (1u32..=2).prop_map(|count| DevGen::Whole { kind: DeviceKind::Npu, count }),
+    ]
+}
+
+fn node_gen() -> impl Strategy<Value = NodeGen> {
+    (
+        (
+            prop_oneof![1 => Just(0u8), 4 => 1u8..=8],
+            prop_oneof![3 => Just(0u8), 1 => 1u8..=2],
+            0u8..3,
+            0u8..3,
+        ),
+        (
+            any::<bool>(),
+            0u8..3,
+            prop::option::weighted(0.25, 0u8..8),
+            0u8..3,
+            0u8..3,
+        ),
+        (prop::bool::weighted(0.85), 0u8..2, 0u8..2, any::<bool>()),
+    )
+        .prop_map(
+            |(
+                (gpus, npus, model, islands),
+                (numa_split, dev_mem, unhealthy, cpu, mem),
+                (schedulable, pool, region, label),
+            )| {
+                NodeGen {
+                    gpus,
+                    npus,
+                    model,
+                    islands,
+                    numa_split,
+                    dev_mem,
+                    unhealthy,
+                    cpu,
+                    mem,
+                    schedulable,
+                    pool,
+                    region,
+                    label,
+                }
+            },
+        )
+}
+
+fn queue_gen() -> impl Strategy<Value = QueueGen> {
+    (
+        (
+            prop::bool::weighted(0.7),
+            1u32..=4,
+            0u64..=16,
+            0u64..=2,
+            prop::bool::weighted(0.6),
+        ),
+        (
+            4u64..=128,
+            prop::option::of(0u64..=6),
+            prop::option::weighted(0.3, 0u64..=6),
+            prop::bool::weighted(0.3),
+        ),
+    )
+        .prop_map(
+            |(
+                (cohort, weight, extra_gpus, extra_npus, cpu_unlimited),
+                (extra_cores, borrow, lend, parent),
+            )| QueueGen {
+                cohort,
+                weight,
+                extra_gpus,
+                extra_npus,
+                cpu_unlimited,
+                extra_cores,
+                borrow_limit_gpus: borrow,
+                lend_limit_gpus: lend,
+                parent,
+            },
+        )
+}
+
+fn run_gen() -> impl Strategy<Value = RunGen> {
+    (
+        (
+            0usize..16,
+            0usize..8,
+            running_priority(),
+            prop::bool::weighted(0.85),
+            any::<bool>(),
+            1u32..=3,
+        ),
+        (0u8..5, 0u8..4, dev_gen(), 0u64..50_000),
+        (
+            prop::option::of(0u64..50_000),
+            prop::option::of(0u64..600),
+            0u64..300,
+            prop::option::of(1u64..60_000),
+            prop::bool::weighted(0.4),
+        ),
+    )
+        .prop_map(
+            |(
+                (node, queue, priority, preemptible, gang, replicas),
+                (cpu, mem, dev, started_ago),
+                (ckpt_after_start, grace_s, restore_s, estimate_s, borrowed),
+            )| RunGen {
+                node,
+                queue,
+                priority,
+                preemptible,
+                gang,
+                replicas,
+                cpu,
+                mem,
+                dev,
+                started_ago,
+                ckpt_after_start,
+                grace_s,
+                restore_s,
+                estimate_s,
+                borrowed,
+            },
+        )
+}
+
+fn group_gen() -> impl Strategy<Value = GroupGen> {
+    (
+        1u32..=4,
+        prop::option::of(1u32..=4),
+        0u8..5,
+        0u8..4,
+        dev_gen(),
+    )
+        .prop_map(|(replicas, min, cpu, mem, dev)| GroupGen {
+            replicas,
+            min,
+            cpu,
+            mem,
+            dev,
+        })
+}
+
+fn pend_gen() -> impl Strategy<Value = PendGen> {
+    (
+        (
+            0usize..33,
+            priority(),
+            prop::bool::weighted(0.8),
+            any::<bool>(),
+        ),
+        (
+            prop::collection::vec(group_gen(), 1..=2),
+            0u8..16,
+            prop::option::of(1u64..20_000),
+            0u64..5_000,
+            any::<bool>(),
+        ),
+    )
+        .prop_map(
+            |(
+                (queue, priority, preemptible, gang),
+                (groups, constraint, estimate_s, submitted_ago, checkpoint),
+            )| PendGen {
+                queue,
+                priority,
+                preemptible,
+                gang,
+                groups,
+                constraint,
+                estimate_s,
+                submitted_ago,
+                checkpoint,
+            },
+        )
+}
+
+fn conf_gen(crowded: f64) -> impl Strategy<Value = ConfGen> {
+    (
+        prop_oneof![4 => Just(0usize), 3 => 0usize..POLICY_NAMES.len()],
+        prop::bool::weighted(0.8),
+        prop::bool::weighted(0.8),
+        prop_oneof![Just(1usize), Just(2), Just(64)],
+        prop::bool::weighted(crowded),
+    )
+        .prop_map(
+            |(policy, preemption, backfill, max_preemptions, crowded)| ConfGen {
+                policy,
+                preemption,
+                backfill,
+                max_preemptions,
+                crowded,
+            },
+        )
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    case_with(0.35)
+}
+
+/// Cases where a share `crowded` of them is built for preemption.
+fn case_with(crowded: f64) -> impl Strategy<Value = Case> {
+    (
+        prop::collection::vec(node_gen(), 1..=6),
+        prop::collection::vec(queue_gen(), 1..=4),
+        prop::option::weighted(0.5, 0u64..=8),
+        prop::collection::vec(run_gen(), 0..=12),
+        prop::collection::vec(pend_gen(), 1..=8),
+        conf_gen(crowded),
+        any::<u64>(),
+    )
+        .prop_map(|(nodes, queues, org_extra, runs, pends, conf, seed)| {
+            build_case(&nodes, &queues, org_extra, &runs, &pends, &conf, seed)
+        })
+}
+
+fn build_node(i: usize, g: &NodeGen) -> Node {
+    let gpus = u32::from(g.gpus);
+    let mut devices = Vec::new();
+    for k in 0..gpus {
+        let half = if gpus > 1 { k * 2 / gpus } else { 0 };
+        devices.push(Device {
+            id: format!("gpu{k}"),
+            kind: DeviceKind::Gpu,
+            model: MODELS[usize::from(g.model)].to_owned(),
+            memory_mib: [0, 16_384, 81_920][usize::from(g.dev_mem)],
+            health: if g.unhealthy == Some(k as u8) {
+                Health::Unhealthy
+            } else {
+                Health::Healthy
+            },
+            numa: if g.numa_split { half } else { 0 },
+            peer_group: match g.islands {
+                0 => None,
+                1 => Some(0),
+                _ => Some(half),
+            },
+            partition_of: None,
+        });
+    }
+    for k in 0..u32::from(g.npus) {
+        devices.push(Device {
+            id: format!("npu{k}"),
+            kind: DeviceKind::Npu,
+            model: "910B".into(),
+            memory_mib: 65_536,
+            health: Health::Healthy,
+            numa: 0,
+            peer_group: Some(9),
+            partition_of: None,
+        });
+    }
+    let mut labels = BTreeMap::new();
+    if g.label {
+        labels.insert("ib".to_owned(), "yes".to_owned());
+    }
+    Node {
+        id: NodeId(format!("n{i}")),
+        pool: PoolId::new(["p0", "p1"][usize::from(g.pool)]),
+        datacenter: "dc".into(),
+        region: ["r0", "r1"][usize::from(g.region)].into(),
+        labels,
+        cpu_milli: [8_000, 32_000, 96_000][usize::from(g.cpu)],
+        memory_mib: [16_384, 131_072, 524_288][usize::from(g.mem)],
+        devices,
+        schedulable: g.schedulable,
+    }
+}
+
+fn resources(cpu: u8, mem: u8, dev: &DevGen) -> TaskResources {
+    let mut r = TaskResources {
+        cpu_milli: CPU_CHOICES[usize::from(cpu)],
+        memory_mib: MEM_CHOICES[usize::from(mem)],
+        devices: match dev {
+            DevGen::None => None,
+            DevGen::Frac { milli, memory_mib } => Some(DeviceRequest {
+                kind: DeviceKind::Gpu,
+                count: 1,
+                milli: *milli,
+                memory_mib: *memory_mib,
+            }),
+            DevGen::Whole { kind, count } => Some(DeviceRequest {
+                kind: *kind,
+                count: *count,
+                milli: 1000,
+                memory_mib: 0,
+            }),
+        },
+    };
+    if r.devices.is_none() && r.cpu_milli == 0 {
+        r.cpu_milli = 1_000;
+    }
+    r
+}
+
+/// Free capacity while laying out running work.
+#[derive(Clone)]
+struct Free {
+    cpu: Vec<u64>,
+    mem: Vec<u64>,
+    /// Per node, per device: (free milli, free memory).
+    dev: Vec<Vec<(u32, u64)>>,
+}
+
+/// Fits one replica on `node`, returning its device shares.
+fn fit(
+    free: &mut Free,
+    nodes: &[Node],
+    node: usize,
+    r: &TaskResources,
+) -> Option<Vec<DeviceShare>> {
+    if free.cpu[node] < r.cpu_milli || free.mem[node] < r.memory_mib {
+        return None;
+    }
+    let mut shares = Vec::new();
+    if let Some(req) = &r.devices {
+        let devs = &nodes[node].devices;
+        let mut picked = Vec::new();
+        for (i, d) in devs.iter().enumerate() {
+            let (m, mm) = free.dev[node][i];
+            let ok = if req.milli >= 1000 {
+                m == 1000
+            } else {
+                m >= req.milli && mm >= req.memory_mib
+            };
+            if d.kind == req.kind && ok && picked.len() < req.count as usize {
+                picked.push(i);
+            }
+        }
+        if picked.len() < req.count as usize {
+            return None;
+        }
+        for i in picked {
+            free.dev[node][i].0 -= req.milli;
+            free.dev[node][i].1 -= req.memory_mib;
+            shares.push(DeviceShare {
+                device: devs[i].id.clone(),
+                milli: req.milli,
+                memory_mib: req.memory_mib,
+            });
+        }
+    }
+    free.cpu[node] -= r.cpu_milli;
+    free.mem[node] -= r.memory_mib;
+    Some(shares)
+}
+
+fn build_case(
+    node_gens: &[NodeGen],
+    queue_gens: &[QueueGen],
+    org_extra: Option<u64>,
+    runs: &[RunGen],
+    pends: &[PendGen],
+    conf: &ConfGen,
+    seed: u64,
+) -> Case {
+    let nodes: Vec<Node> = node_gens
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            let mut g = g.clone();
+            if conf.crowded {
+                // Roomy CPU and memory, so devices are what runs out.
+                g.cpu = g.cpu.max(1);
+                g.mem = g.mem.max(1);
+            }
+            build_node(i, &g)
+        })
+        .collect();
+    let qid = |i: usize| QueueId(format!("q{i}"));
+    let nq = queue_gens.len();
+
+    // Running work: laid out so nothing is over-committed (it may sit on devices that became
+    // unhealthy or on nodes cordoned since). A gang is placed whole or not at all.
+    let mut free = Free {
+        cpu: nodes.iter().map(|n| n.cpu_milli).collect(),
+        mem: nodes.iter().map(|n| n.memory_mib).collect(),
+        dev: nodes
+            .iter()
+            .map(|n| n.devices.iter().map(|d| (1000, d.memory_mib)).collect())
+            .collect(),
+    };
+    let mut running = Vec::new();
+    let mut next_alloc = 1u64;
+    // Crowded cases lay the running work out twice, so devices are mostly taken.
+    let repeat = if conf.crowded { 2 } else { 1 };
+    for (j, rg) in runs.iter().cycle().take(runs.len() * repeat).enumerate() {
+        let res = resources(rg.cpu, rg.mem, &rg.dev);
+        let queue = rg.queue % nq;
+        let borrowed = rg.borrowed && queue_gens[queue].cohort;
+        let before = free.clone();
+        let mut allocs = Vec::new();
+        for r in 0..rg.replicas {
+            let node = (rg.node + r as usize) % nodes.len();
+            let Some(devices) = fit(&mut free, &nodes, node, &res) else {
+                if rg.gang {
+                    free = before.clone();
+                    allocs.clear();
+                    break;
+                }
+                continue;
+            };
+            let started_at = NOW - rg.started_ago;
+            allocs.push(Allocation {
+                id: AllocId(next_alloc),
+                job: JobId(1000 + j as u64),
+                group: 0,
+                replica: r,
+                epoch: 0,
+                node: nodes[node].id.clone(),
+                queue: qid(queue),
+                priority: rg.priority,
+                preemptible: rg.preemptible,
+                cpu_milli: res.cpu_milli,
+                memory_mib: res.memory_mib,
+                devices,
+                started_at,
+                last_checkpoint_at: rg.ckpt_after_start.map(|c| (started_at + c).min(NOW)),
+                checkpoint_grace_s: rg.grace_s,
+                restore_s: rg.restore_s,
+                runtime_estimate_s: rg.estimate_s,
+                borrowed,
+                gang: rg.gang,
+            });
+            next_alloc += 1;
+        }
+        running.extend(allocs);
+    }
+
+    // Queues sized around the running work so that it is valid: non-borrowed work within
+    // nominal, borrowed work within the borrowing limit, the parent cap above its subtree.
+    let kinds = device_kinds(&nodes);
+    let mut own = vec![ResVec::ZERO; nq];
+    let mut lent = vec![ResVec::ZERO; nq];
+    for a in &running {
+        let i: usize = a.queue.0[1..].parse().expect("generated queue id");
+        let u = alloc_usage(&kinds, a);
+        if a.borrowed {
+            lent[i] = add(lent[i], u)
+        } else {
+            own[i] = add(own[i], u)
+        }
+    }
+    let has_org = org_extra.is_some() && queue_gens.iter().any(|q| q.parent);
+    let mut queues = Vec::new();
+    let mut subtree = ResVec::ZERO;
+    for (i, g) in queue_gens.iter().enumerate() {
+        let mut g = g.clone();
+        if conf.crowded {
+            g.extra_gpus += 48;
+            g.extra_npus += 8;
+            g.cpu_unlimited = true;
+        }
+        let nominal = ResVec {
+            cpu_milli: if g.cpu_unlimited {
+                u64::MAX
+            } else {
+                own[i].cpu_milli + g.extra_cores * 1000
+            },
+            memory_mib: if g.cpu_unlimited {
+                u64::MAX
+            } else {
+                own[i].memory_mib + g.extra_cores * 4096
+            },
+            gpu_milli: own[i].gpu_milli + g.extra_gpus * 1000,
+            npu_milli: own[i].npu_milli + g.extra_npus * 1000,
+        };
+        let total = add(own[i], lent[i]);
+        let over = sub(total, nominal);
+        let mut q = Queue::new(format!("q{i}"), nominal);
+        q.weight = g.weight;
+        q.cohort = g.cohort.then(|| "c".to_owned());
+        q.borrowing_limit = g.borrow_limit_gpus.map(|b| ResVec {
+            cpu_milli: over.cpu_milli + 64_000,
+            memory_mib: over.memory_mib + 262_144,
+            gpu_milli: over.gpu_milli + b * 1000,
+            npu_milli: over.npu_milli + 1000,
+        });
+        q.lending_limit = g.lend_limit_gpus.map(|l| ResVec {
+            gpu_milli: l * 1000,
+            ..ResVec::MAX
+        });
+        if has_org && g.parent {
+            q.parent = Some(QueueId::new("org"));
+            subtree = add(subtree, total);
+        }
+        queues.push(q);
+    }
+    if let Some(extra) = org_extra.filter(|_| has_org) {
+        let nominal = ResVec {
+            cpu_milli: u64::MAX,
+            memory_mib: u64::MAX,
+            gpu_milli: subtree.gpu_milli + extra * 1000,
+            npu_milli: subtree.npu_milli + 1000,
+        };
+        queues.push(Queue::new("org", nominal));
+    }
+
+    let pending = pends
+        .iter()
+        .enumerate()
+        .map(|(k, pg)| {
+            let queue = if pg.queue == 32 {
+                QueueId::new("ghost")
+            } else {
+                qid(pg.queue % nq)
+            };
+            let groups = pg
+                .groups
+                .iter()
+                .enumerate()
+                .map(|(gi, gg)| TaskGroup {
+                    name: format!("g{gi}"),
+                    replicas: gg.replicas,
+                    min_replicas: gg.min.map(|m| m.min(gg.replicas)),
+                    resources: resources(gg.cpu, gg.mem, &gg.dev),
+                })
+                .collect();
+            let mut constraints = Constraints::default();
+            match pg.constraint {
+                4 => constraints.device_models = vec!["A100".into()],
+                5 => constraints.device_models = vec!["V100".into(), "H100".into()],
+                6 => constraints.pools = vec![PoolId::new("p0")],
+                7 => {
+                    constraints.labels.insert("ib".into(), "yes".into());
+                }
+                8 => constraints.regions = vec!["r1".into()],
+                9 => constraints.device_models = vec!["B200".into()],
+                _ => {}
+            }
+            PendingJob {
+                id: JobId(1 + k as u64),
+                spec: JobSpec {
+                    name: format!("job{k}"),
+                    queue,
+                    kind: JobKind::Batch,
+                    priority: pg.priority + if conf.crowded { 3 } else { 0 },
+                    preemptible: pg.preemptible,
+                    gang: pg.gang,
+                    groups,
+                    constraints,
+                    runtime_estimate_s: pg.estimate_s,
+                    checkpoint: pg.checkpoint.then_some(CheckpointPolicy {
+                        interval_s: 600,
+                        grace_s: 60,
+                        restore_s: 30,
+                    }),
+                },
+                submitted_at: NOW - pg.submitted_ago,
+            }
+        })
+        .collect();
+
+    let cfg = SchedulerConfig {
+        policy: POLICY_NAMES[conf.policy].to_owned(),
+        preemption: conf.preemption,
+        backfill: conf.backfill,
+        max_preemptions_per_job: conf.max_preemptions,
+        ..SchedulerConfig::default()
+    };
+    Case {
+        view: ClusterView {
+            nodes,
+            queues,
+            pending,
+            running,
+            workload: Vec::new(),
+        },
+        cfg,
+        seed,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Independent recomputation from the inputs.
+
+fn add(a: ResVec, b: ResVec) -> ResVec {
+    a.saturating_add(&b)
+}
+
+fn sub(a: ResVec, b: ResVec) -> ResVec {
+    a.saturating_sub(&b)
+}
+
+type Kinds = BTreeMap<(String, String), DeviceKind>;
+
+fn device_kinds(nodes: &[Node]) -> Kinds {
+    nodes
+        .iter()
+        .flat_map(|n| {
+            n.devices
+                .iter()
+                .map(|d| ((n.id.0.clone(), d.id.clone()), d.kind))
+        })
+        .collect()
+}
+
+fn usage(kinds: &Kinds, node: &NodeId, cpu: u64, mem: u64, shares: &[DeviceShare]) -> ResVec {
+    let mut v = ResVec {
+        cpu_milli: cpu,
+        memory_mib: mem,
+        ..ResVec::ZERO
+    };
+    for s in shares {
+        match kinds.get(&(node.0.clone(), s.device.clone())) {
+            Some(DeviceKind::Npu) => v.npu_milli += u64::from(s.milli),
+            _ => v.gpu_milli += u64::from(s.milli),
+        }
+    }
+    v
+}
+
+fn alloc_usage(kinds: &Kinds, a: &Allocation) -> ResVec {
+    usage(kinds, &a.node, a.cpu_milli, a.memory_mib, &a.devices)
+}
+
+fn placement_usage(kinds: &Kinds, p: &Placement) -> ResVec {
+    usage(kinds, &p.node, p.cpu_milli, p.memory_mib, &p.devices)
+}
+
+/// Minimum resources a job needs (every replica of a gang, `min` of each elastic group).
+fn min_need(spec: &JobSpec) -> ResVec {
+    let mut v = ResVec::ZERO;
+    for g in &spec.groups {
+        let n = if spec.gang {
+            g.replicas
+        } else {
+            g.min_replicas.unwrap_or(g.replicas).min(g.replicas)
+        };
+        for _ in 0..n {
+            v = add(v, g.resources.as_resvec());
+        }
+    }
+    v
+}
+
+struct Inputs<'a> {
+    view: &'a ClusterView,
+    nodes: BTreeMap<&'a NodeId, &'a Node>,
+    pending: BTreeMap<JobId, &'a PendingJob>,
+    running: BTreeMap<AllocId, &'a Allocation>,
+    queues: BTreeMap<&'a QueueId, &'a Queue>,
+    kinds: Kinds,
+}
+
+impl<'a> Inputs<'a> {
+    fn new(view: &'a ClusterView) -> Self {
+        Self {
+            view,
+            nodes: view.nodes.iter().map(|n| (&n.id, n)).collect(),
+            pending: view.pending.iter().map(|p| (p.id, p)).collect(),
+            running: view.running.iter().map(|a| (a.id, a)).collect(),
+            queues: view.queues.iter().map(|q| (&q.id, q)).collect(),
+            kinds: device_kinds(&view.nodes),
+        }
+    }
+
+    fn victims(&self, plan: &Plan) -> BTreeSet<AllocId> {
+        plan.preemptions.iter().map(|p| p.alloc).collect()
+    }
+
+    fn surviving(&self, plan: &Plan) -> impl Iterator<Item = &'a Allocation> {
+        let victims = self.victims(plan);
+        self.view
+            .running
+            .iter()
+            .filter(move |a| !victims.contains(&a.id))
+    }
+
+    fn ancestors(&self, q: &QueueId) -> Vec<&'a Queue> {
+        let mut out: Vec<&Queue> = Vec::new();
+        let mut cur = self.queues.get(q).and_then(|x| x.parent.as_ref());
+        while let Some(p) = cur {
+            let Some(pq) = self.queues.get(p) else { break };
+            if out.iter().any(|o| o.id == pq.id) {
+                break;
+            }
+            out.push(pq);
+            cur = pq.parent.as_ref();
+        }
+        out
+    }
+}
+
+type Check = Result<(), String>;
+
+macro_rules! ensure {
+    ($cond:expr, $($arg:tt)+) => {
+        if !$cond {
+            return Err(format!($($arg)+));
+        }
+    };
+}
+
+/// (a) capacity, health, cordon, request and constraint conformance.
+fn check_capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
+    let mut cpu: BTreeMap<&NodeId, u64> = BTreeMap::new();
+    let mut mem: BTreeMap<&NodeId, u64> = BTreeMap::new();
+    let mut dev: BTreeMap<(&NodeId, &str), (u64, u64)> = BTreeMap::new();
+    for a in inp.surviving(plan) {
+        *cpu.entry(&a.node).or_default() += a.cpu_milli;
+        *mem.entry(&a.node).or_default() += a.memory_mib;
+        for s in &a.devices {
+            let e = dev.entry((&a.node, s.device.as_str())).or_default();
+            e.0 += u64::from(s.milli);
+            e.1 += s.memory_mib;
+        }
+    }
+    for p in &plan.placements {
+        let Some(node) = inp.nodes.get(&p.node) else {
+            return Err(format!("(a) placement {p:?} on unknown node"));
+        };
+        ensure!(
+            node.schedulable,
+            "(a) job {} placed on cordoned node {}",
+            p.job,
+            p.node
+        );
+        let Some(job) = inp.pending.get(&p.job) else {
+            return Err(format!(
+                "(a) placement for job {} that is not pending",
+                p.job
+            ));
+        };
+        let Some(g) = job.spec.groups.get(p.group as usize) else {
+            return Err(format!("(a) placement {p:?}: no such group"));
+        };
+        let r = &g.resources;
+        ensure!(
+            p.cpu_milli == r.cpu_milli && p.memory_mib == r.memory_mib,
+            "(a) placement {p:?} does not match request {r:?}"
+        );
+        let c = &job.spec.constraints;
+        ensure!(
+            c.pools.is_empty() || c.pools.contains(&node.pool),
+            "(a) job {} on {} outside pools {:?}",
+            p.job,
+            p.node,
+            c.pools
+        );
+        ensure!(
+            c.regions.is_empty() || c.regions.contains(&node.region),
+            "(a) job {} on {} outside regions",
+            p.job,
+            p.node
+        );
+        ensure!(
+            c.labels.iter().all(|(k, v)| node.labels.get(k) == Some(v)),
+            "(a) job {} on {} lacks labels",
+            p.job,
+            p.node
+        );
+        match &r.devices {
+            None => ensure!(
+                p.devices.is_empty(),
+                "(a) CPU-only job {} got devices {:?}",
+                p.job,
+                p.devices
+            ),
+            Some(req) => {
+                ensure!(
+                    p.devices.len() == req.count as usize,
+                    "(a) job {} wants {} devices, got {:?}",
+                    p.job,
+                    req.count,
+                    p.devices
+                );
+                let ids: BTreeSet<&str> = p.devices.iter().map(|s| s.device.as_str()).collect();
+                ensure!(
+                    ids.len() == p.devices.len(),
+                    "(a) job {} got one device twice: {:?}",
+                    p.job,
+                    p.devices
+                );
+                for s in &p.devices {
+                    let Some(d) = node.devices.iter().find(|d| d.id == s.device) else {
+                        return Err(format!(
+                            "(a) job {} on unknown device {}/{}",
+                            p.job, p.node, s.device
+                        ));
+                    };
+                    ensure!(
+                        d.health == Health::Healthy,
+                        "(a) job {} placed on unhealthy device {}/{}",
+                        p.job,
+                        p.node,
+                        d.id
+                    );
+                    ensure!(
+                        d.kind == req.kind,
+                        "(a) job {} wants {} but got {}/{} ({})",
+                        p.job,
+                        req.kind,
+                        p.node,
+                        d.id,
+                        d.kind
+                    );
+                    ensure!(
+                        c.device_models.is_empty() || c.device_models.contains(&d.model),
+                        "(a) job {} got model {} outside {:?}",
+                        p.job,
+                        d.model,
+                        c.device_models
+                    );
+                    ensure!(
+                        s.milli == req.milli && s.memory_mib == req.memory_mib,
+                        "(a) job {} share {s:?} != request {req:?}",
+                        p.job
+                    );
+                }
+            }
+        }
+        *cpu.entry(&p.node).or_default() += p.cpu_milli;
+        *mem.entry(&p.node).or_default() += p.memory_mib;
+        for s in &p.devices {
+            let e = dev.entry((&p.node, s.device.as_str())).or_default();
+            e.0 += u64::from(s.milli);
+            e.1 += s.memory_mib;
+        }
+    }
+    for (id, n) in &inp.nodes {
+        let (c, m) = (
+            cpu.get(id).copied().unwrap_or(0),
+            mem.get(id).copied().unwrap_or(0),
+        );
+        ensure!(c <= n.cpu_milli, "(a) node {id}: cpu {c} > {}", n.cpu_milli);
+        ensure!(
+            m <= n.memory_mib,
+            "(a) node {id}: memory {m} > {}",
+            n.memory_mib
+        );
+    }
+    for ((node, d), (milli, dmem)) in &dev {
+        let cap = inp
+            .nodes
+            .get(node)
+            .and_then(|n| n.devices.iter().find(|x| x.id == *d))
+            .map_or(0, |x| x.memory_mib);
+        ensure!(
+            *milli <= 1000,
+            "(a) device {node}/{d}: {milli} milli > 1000"
+        );
+        ensure!(
+            *dmem <= cap,
+            "(a) device {node}/{d}: memory slices {dmem} > {cap}"
+        );
+    }
+    Ok(())
+}
+
+/// (b) quota: over nominal only through placements flagged borrowed, within borrowing limits;
+/// no cohort, no borrowing; parent caps hold.
+fn check_quota(inp: &Inputs<'_>, plan: &Plan) -> Check {
+    let mut kept: BTreeMap<&QueueId, ResVec> = BTreeMap::new();
+    for a in inp.surviving(plan) {
+        let e = kept.entry(&a.queue).or_insert(ResVec::ZERO);
+        *e = add(*e, alloc_usage(&inp.kinds, a));
+    }
+    let mut own: BTreeMap<&QueueId, ResVec> = BTreeMap::new();
+    let mut all: BTreeMap<&QueueId, ResVec> = BTreeMap::new();
+    for p in &plan.placements {
+        let Some(job) = inp.pending.get(&p.job) else {
+            return Err(format!("(b) placement for unknown job {}", p.job));
+        };
+        let q = &job.spec.queue;
+        let Some(queue) = inp.queues.get(q) else {
+            return Err(format!("(b) job {} placed from unknown queue {q}", p.job));
+        };
+        let u = placement_usage(&inp.kinds, p);
+        let e = all.entry(q).or_insert(ResVec::ZERO);
+        *e = add(*e, u);
+        if p.borrowed {
+            let may_borrow =
+                queue.cohort.is_some() || inp.ancestors(q).iter().any(|a| !a.nominal.is_zero());
+            ensure!(
+                may_borrow,
+                "(b) job {} flagged borrowed in queue {q}, which has no cohort or parent to borrow from",
+                p.job
+            );
+        } else {
+            let e = own.entry(q).or_insert(ResVec::ZERO);
+            *e = add(*e, u);
+        }
+    }
+    for (q, placed) in &all {
+        let queue = inp.queues[q];
+        let base = kept.get(q).copied().unwrap_or(ResVec::ZERO);
+        let unflagged = add(base, own.get(q).copied().unwrap_or(ResVec::ZERO));
+        if own.contains_key(q) {
+            ensure!(
+                unflagged.fits_within(&queue.nominal),
+                "(b) queue {q}: running {base} + placements not flagged borrowed = {unflagged} exceeds nominal {}",
+                queue.nominal
+            );
+        }
+        let total = add(base, *placed);
+        match (&queue.cohort, &queue.borrowing_limit) {
+            (None, _) => ensure!(
+                total.fits_within(&queue.nominal),
+                "(b) queue {q} has no cohort but uses {total} > nominal {}",
+                queue.nominal
+            ),
+            (Some(_), Some(limit)) => ensure!(
+                sub(total, queue.nominal).fits_within(limit),
+                "(b) queue {q} borrows {} > borrowing limit {limit}",
+                sub(total, queue.nominal)
+            ),
+            (Some(_), None) => {}
+        }
+    }
+    // Parent caps: a subtree that received placements stays within nominal + borrowing limit.
+    for parent in inp.view.queues.iter().filter(|q| !q.nominal.is_zero()) {
+        let in_subtree = |q: &QueueId| inp.ancestors(q).iter().any(|a| a.id == parent.id);
+        if !all.keys().any(|q| in_subtree(q)) {
+            continue;
+        }
+        let mut used = ResVec::ZERO;
+        for a in inp.surviving(plan).filter(|a| in_subtree(&a.queue)) {
+            used = add(used, alloc_usage(&inp.kinds, a));
+        }
+        for (q, u) in &all {
+            if in_subtree(q) {
+                used = add(used, *u);
+            }
+        }
+        let cap = add(
+            parent.nominal,
+            parent.borrowing_limit.unwrap_or(ResVec::ZERO),
+        );
+        ensure!(
+            used.fits_within(&cap),
+            "(b) parent queue {}: subtree uses {used} > cap {cap}",
+            parent.id
+        );
+    }
+    Ok(())
+}
+
+/// (c) gang all-or-nothing, elastic at least min, replicas well-formed, and every pending job
+/// decided exactly once.
+fn check_gangs(inp: &Inputs<'_>, plan: &Plan) -> Check {
+    let mut placed: BTreeMap<JobId, BTreeMap<u32, BTreeSet<u32>>> = BTreeMap::new();
+    for p in &plan.placements {
+        let fresh = placed
+            .entry(p.job)
+            .or_default()
+            .entry(p.group)
+            .or_default()
+            .insert(p.replica);
+        ensure!(
+            fresh,
+            "(c) job {} group {} replica {} placed twice",
+            p.job,
+            p.group,
+            p.replica
+        );
+    }
+    for (job, groups) in &placed {
+        let Some(pj) = inp.pending.get(job) else {
+            return Err(format!("(c) job {job} placed but not pending"));
+        };
+        let spec = &pj.spec;
+        for (gi, g) in spec.groups.iter().enumerate() {
+            let reps = groups.get(&(gi as u32)).cloned().unwrap_or_default();
+            ensure!(
+                reps.iter().all(|&r| r < g.replicas),
+                "(c) job {job} group {gi}: replica index beyond {}: {reps:?}",
+                g.replicas
+            );
+            let n = reps.len() as u32;
+            if spec.gang {
+                ensure!(
+                    n == g.replicas,
+                    "(c) gang job {job} group {gi}: {n} of {} replicas placed",
+                    g.replicas
+                );
+            } else {
+                let min = g.min_replicas.unwrap_or(g.replicas).min(g.replicas);
+                ensure!(
+                    n >= min,
+                    "(c) elastic job {job} group {gi}: {n} replicas placed, min {min}"
+                );
+            }
+        }
+        ensure!(
+            groups.keys().all(|&g| (g as usize) < spec.groups.len()),
+            "(c) job {job}: placement in a missing group"
+        );
+    }
+    let mut unplaced = BTreeSet::new();
+    for u in &plan.unplaced {
+        ensure!(unplaced.insert(u.job), "(c) job {} unplaced twice", u.job);
+        ensure!(
+            !placed.contains_key(&u.job),
+            "(c) job {} both placed and unplaced",
+            u.job
+        );
+        ensure!(
+            !u.reason.is_empty(),
+            "(c) job {} unplaced without a reason",
+            u.job
+        );
+    }
+    for id in inp.pending.keys() {
+        ensure!(
+            placed.contains_key(id) || unplaced.contains(id),
+            "(c) pending job {id} neither placed nor unplaced"
+        );
+    }
+    Ok(())
+}
+
+/// (d) who may be preempted, and how.
+fn check_preemptions(inp: &Inputs<'_>, plan: &Plan, cfg: &SchedulerConfig) -> Check {
+    if !cfg.preemption {
+        ensure!(
+            plan.preemptions.is_empty(),
+            "(d) preemption disabled but the plan preempts {:?}",
+            plan.preemptions
+        );
+    }
+    let victims = inp.victims(plan);
+    ensure!(
+        victims.len() == plan.preemptions.len(),
+        "(d) an allocation preempted twice: {:?}",
+        plan.preemptions
+    );
+    let placed: BTreeSet<JobId> = plan.placements.iter().map(|p| p.job).collect();
+    let unplaced: BTreeSet<JobId> = plan.unplaced.iter().map(|u| u.job).collect();
+    let mut per_job: BTreeMap<JobId, usize> = BTreeMap::new();
+    for Preemption {
+        alloc,
+        job,
+        node,
+        for_job,
+        reason,
+        checkpoint_first,
+        grace_s,
+    } in &plan.preemptions
+    {
+        let Some(a) = inp.running.get(alloc) else {
+            return Err(format!("(d) preempted alloc {alloc} is not running"));
+        };
+        let Some(f) = inp.pending.get(for_job) else {
+            return Err(format!(
+                "(d) alloc {alloc} preempted for unknown job {for_job}"
+            ));
+        };
+        ensure!(
+            a.job == *job && a.node == *node,
+            "(d) preemption of {alloc} names job {job} on {node}, alloc is job {} on {}",
+            a.job,
+            a.node
+        );
+        ensure!(
+            a.preemptible,
+            "(d) non-preemptible alloc {alloc} preempted for job {for_job}"
+        );
+        let lower = a.priority < f.spec.priority;
+        let reclaim = a.borrowed && a.queue != f.spec.queue;
+        ensure!(
+            lower || reclaim,
+            "(d) alloc {alloc} (priority {}, queue {}, borrowed {}) preempted for job {for_job} (priority {}, queue {})",
+            a.priority,
+            a.queue,
+            a.borrowed,
+            f.spec.priority,
+            f.spec.queue
+        );
+        let want = if lower {
+            PreemptionReason::HigherPriority
+        } else {
+            PreemptionReason::ReclaimBorrowed
+        };
+        ensure!(
+            *reason == want,
+            "(d) alloc {alloc}: reason {reason:?}, expected {want:?}"
+        );
+        if !lower {
+            // Reclaiming is for a job within its own nominal quota.
+            let q = &f.spec.queue;
+            let mut used = ResVec::ZERO;
+            for x in inp.surviving(plan).filter(|x| &x.queue == q) {
+                used = add(used, alloc_usage(&inp.kinds, x));
+            }
+            let nominal = inp.queues.get(q).map_or(ResVec::ZERO, |x| x.nominal);
+            ensure!(
+                add(used, min_need(&f.spec)).fits_within(&nominal),
+                "(d) job {for_job} reclaims borrowed alloc {alloc} but needs {} on top of {used}, over nominal {nominal}",
+                min_need(&f.spec)
+            );
+        }
+        ensure!(
+            *checkpoint_first == a.checkpoint_grace_s.is_some()
+                && *grace_s == a.checkpoint_grace_s.unwrap_or(0),
+            "(d) alloc {alloc}: checkpoint_first {checkpoint_first} grace {grace_s}, victim's grace {:?}",
+            a.checkpoint_grace_s
+        );
+        if a.gang {
+            for mate in inp.view.running.iter().filter(|m| m.job == a.job) {
+                ensure!(
+                    victims.contains(&mate.id),
+                    "(d) gang job {} partly preempted: {} kept",
+                    a.job,
+                    mate.id
+                );
+            }
+        }
+        // A victim frees capacity only where the job could run. Exceptions: a gang's mates stop
+        // with it wherever they are, and borrowed work under a capped ancestor of the job's
+        // queue may be reclaimed to free quota rather than capacity.
+        let frees_quota = reclaim
+            && inp.ancestors(&f.spec.queue).iter().any(|anc| {
+                !anc.nominal.is_zero()
+                    && (anc.id == a.queue || inp.ancestors(&a.queue).iter().any(|x| x.id == anc.id))
+            });
+        if !a.gang && !frees_quota {
+            let n = inp.nodes.get(&a.node).copied();
+            ensure!(
+                n.is_some_and(|n| usable_by(n, &f.spec)),
+                "(d) alloc {alloc} on {} preempted for job {for_job}, which cannot use that node",
+                a.node
+            );
+        }
+        ensure!(
+            !placed.contains(for_job),
+            "(d) job {for_job} placed in the same pass that preempts for it"
+        );
+        ensure!(
+            unplaced.contains(for_job),
+            "(d) job {for_job} preempts but is not listed as waiting"
+        );
+        *per_job.entry(*for_job).or_default() += 1;
+    }
+    for (j, n) in per_job {
+        ensure!(
+            n <= cfg.max_preemptions_per_job,
+            "(d) job {j} preempts {n} > max {}",
+            cfg.max_preemptions_per_job
+        );
+        // Preempting is only worth it when the job's quota admits it once the victims are gone:
+        // its own nominal (no cohort) or borrowing limit, and every capped ancestor.
+        let f = inp.pending[&j];
+        let q = &f.spec.queue;
+        let need = min_need(&f.spec);
+        let usage_of = |pred: &dyn Fn(&QueueId) -> bool| {
+            inp.surviving(plan)
+                .filter(|a| pred(&a.queue))
+                .fold(need, |acc, a| add(acc, alloc_usage(&inp.kinds, a)))
+        };
+        let queue = inp.queues[q];
+        let own = usage_of(&|x| x == q);
+        match (&queue.cohort, &queue.borrowing_limit) {
+            (None, _) => ensure!(
+                own.fits_within(&queue.nominal),
+                "(d) job {j} preempts but needs {own} > nominal {} of {q}",
+                queue.nominal
+            ),
+            (Some(_), Some(l)) => ensure!(
+                sub(own, queue.nominal).fits_within(l),
+                "(d) job {j} preempts but would borrow beyond {q}'s limit"
+            ),
+            (Some(_), None) => {}
+        }
+        for anc in inp
+            .ancestors(q)
+            .into_iter()
+            .filter(|a| !a.nominal.is_zero())
+        {
+            let sub_use =
+                usage_of(&|x| x == &anc.id || inp.ancestors(x).iter().any(|y| y.id == anc.id));
+            let cap = add(anc.nominal, anc.borrowing_limit.unwrap_or(ResVec::ZERO));
+            ensure!(
+                sub_use.fits_within(&cap),
+                "(d) job {j} preempts but parent {} stays over its cap: {sub_use} > {cap}",
+                anc.id
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether a node could host some task of the job at all (ignoring what runs there).
+fn usable_by(n: &Node, spec: &JobSpec) -> bool {
+    let c = &spec.constraints;
+    let placeable = n.schedulable
+        && (c.pools.is_empty() || c.pools.contains(&n.pool))
+        && (c.regions.is_empty() || c.regions.contains(&n.region))
+        && c.labels.iter().all(|(k, v)| n.labels.get(k) == Some(v));
+    placeable
+        && spec.groups.iter().any(|g| match &g.resources.devices {
+            None => true,
+            Some(req) => {
+                let ok = n
+                    .devices
+                    .iter()
+                    .filter(|d| d.kind == req.kind && d.health == Health::Healthy)
+                    .filter(|d| c.device_models.is_empty() || c.device_models.contains(&d.model))
+                    .count();
+                ok >= req.count as usize
+            }
+        })
+}
+
+/// Backfill: a lower-priority job on a reserved node ends before the reservation starts.
+fn check_backfill(inp: &Inputs<'_>, plan: &Plan, now: u64) -> Check {
+    for r in &plan.reservations {
+        let Some(head) = inp.pending.get(&r.job) else {
+            return Err(format!("reservation for unknown job {}", r.job));
+        };
+        ensure!(
+            plan.unplaced.iter().any(|u| u.job == r.job),
+            "reserved job {} is not waiting",
+            r.job
+        );
+        ensure!(
+            r.start_at >= now,
+            "reservation for job {} starts in the past ({})",
+            r.job,
+            r.start_at
+        );
+        for p in plan.placements.iter().filter(|p| r.nodes.contains(&p.node)) {
+            let Some(j) = inp.pending.get(&p.job) else {
+                continue;
+            };
+            if j.spec.priority >= head.spec.priority {
+                continue;
+            }
+            let ends = j.spec.runtime_estimate_s.map(|e| now + e);
+            ensure!(
+                ends.is_some_and(|e| e <= r.start_at),
+                "backfill: job {} (priority {}, ends {ends:?}) placed on {} reserved for job {} from t={}",
+                p.job,
+                j.spec.priority,
+                p.node,
+                r.job,
+                r.start_at
+            );
+        }
+    }
+    Ok(())
+}
+
+fn check_all(case: &Case, plan: &Plan) -> Check {
+    let inp = Inputs::new(&case.view);
+    check_capacity(&inp, plan)?;
+    check_quota(&inp, plan)?;
+    check_gangs(&inp, plan)?;
+    check_preemptions(&inp, plan, &case.cfg)?;
+    check_backfill(&inp, plan, NOW)
+}
+
+fn run(case: &Case, seed: u64) -> Plan {
+    schedule(&case.view, NOW, seed, &case.cfg).expect("generated views are valid")
+}
+
+/// `PROPTEST_CASES=20000` runs a longer hunt; the default keeps the file well under 30 s.
+fn config() -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(CASES);
+    ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// (a) No over-commitment; no unhealthy device, cordoned node or unmet constraint.
+    #[test]
+    fn capacity_is_never_overcommitted(case in case()) {
+        let plan = run(&case, case.seed);
+        let r = check_capacity(&Inputs::new(&case.view), &plan);
+        prop_assert!(r.is_ok(), "{}\nplan: {plan:#?}", msg(&r));
+    }
+
+    /// (b) Quota exceeded only by declared borrowing, within limits.
+    #[test]
+    fn quota_is_exceeded_only_by_declared_borrowing(case in case()) {
+        let plan = run(&case, case.seed);
+        let r = check_quota(&Inputs::new(&case.view), &plan);
+        prop_assert!(r.is_ok(), "{}\nplan: {plan:#?}", msg(&r));
+    }
+
+    /// (c) Gang all-or-nothing; elastic at least min; every job decided once.
+    #[test]
+    fn gangs_are_all_or_nothing_and_elastic_jobs_get_their_minimum(case in case()) {
+        let plan = run(&case, case.seed);
+        let r = check_gangs(&Inputs::new(&case.view), &plan);
+        prop_assert!(r.is_ok(), "{}\nplan: {plan:#?}", msg(&r));
+    }
+
+    /// Backfill never puts a long lower-priority job on a reserved node.
+    #[test]
+    fn backfill_respects_the_reservation(case in case()) {
+        let plan = run(&case, case.seed);
+        let r = check_backfill(&Inputs::new(&case.view), &plan, NOW);
+        prop_assert!(r.is_ok(), "{}\nplan: {plan:#?}", msg(&r));
+    }
+
+    /// (e) Same inputs, same plan; another seed still satisfies every property.
+    #[test]
+    fn same_inputs_give_the_same_plan_and_any_seed_is_valid(case in case(), other in any::<u64>()) {
+        let plan = run(&case, case.seed);
+        prop_assert_eq!(&plan, &run(&case, case.seed));
+        let json = serde_json::to_string(&case.view).expect("views serialize");
+        let copy: ClusterView = serde_json::from_str(&json).expect("and deserialize");
+        prop_assert_eq!(&plan, &schedule(&copy, NOW, case.seed, &case.cfg).expect("valid"));
+        let plan2 = run(&case, other);
+        let r = check_all(&case, &plan2);
+        prop_assert!(r.is_ok(), "seed {other}: {}\nplan: {plan2:#?}", msg(&r));
+    }
+}
+
+proptest! {
+    // Crowded cases only, and twice as many: preemption is the rarest decision.
+    #![proptest_config(ProptestConfig { cases: 2 * config().cases, ..config() })]
+
+    /// (d) Preemption only of lower-priority or other queues' borrowed, preemptible work.
+    #[test]
+    fn preemption_spares_equal_priority_work_within_quota(case in case_with(1.0)) {
+        let plan = run(&case, case.seed);
+        let r = check_preemptions(&Inputs::new(&case.view), &plan, &case.cfg);
+        prop_assert!(r.is_ok(), "{}\nplan: {plan:#?}", msg(&r));
+    }
+}
+
+fn msg(r: &Check) -> String {
+    r.as_ref().err().cloned().unwrap_or_default()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The properties must not pass vacuously: the generator reaches every decision kind, and the
+// checkers reject plans that break them.
+
+fn sample(n: usize) -> Vec<Case> {
+    let mut runner = TestRunner::deterministic();
+    let strat = case();
+    (0..n)
+        .map(|_| strat.new_tree(&mut runner).expect("generator").current())
+        .collect()
+}
+
+#[test]
+fn generated_cases_exercise_every_decision() {
+    let cases = sample(400);
+    let (mut placed, mut preempted, mut reserved, mut unplaced, mut borrowed, mut gang, mut frac) =
+        (0, 0, 0, 0, 0, 0, 0);
+    for c in &cases {
+        let plan = run(c, c.seed);
+        if let Err(e) = check_all(c, &plan) {
+            panic!("{e}\ncase: {c:#?}\nplan: {plan:#?}");
+        }
+        placed += usize::from(!plan.placements.is_empty());
+        preempted += usize::from(!plan.preemptions.is_empty());
+        reserved += usize::from(!plan.reservations.is_empty());
+        unplaced += usize::from(!plan.unplaced.is_empty());
+        borrowed += usize::from(plan.placements.iter().any(|p| p.borrowed));
+        let ids: BTreeSet<JobId> = plan.placements.iter().map(|p| p.job).collect();
+        let jobs: Vec<&PendingJob> = c
+            .view
+            .pending
+            .iter()
+            .filter(|p| ids.contains(&p.id))
+            .collect();
+        gang += usize::from(
+            jobs.iter()
+                .any(|j| j.spec.gang && j.spec.groups.iter().any(|g| g.replicas > 1)),
+        );
+        frac += usize::from(
+            plan.placements
+                .iter()
+                .any(|p| p.devices.iter().any(|d| d.milli < 1000)),
+        );
+    }
+    let n = cases.len();
+    let stats = format!(
+        "of {n}: placed {placed}, preempted {preempted}, reserved {reserved}, unplaced {unplaced}, borrowed {borrowed}, multi-replica gangs {gang}, fractional {frac}"
+    );
+    eprintln!("{stats}");
+    assert!(placed * 2 > n, "{stats}");
+    assert!(unplaced * 4 > n, "{stats}");
+    assert!(preempted * 20 > n, "{stats}");
+    assert!(reserved * 50 > n, "{stats}");
+    assert!(borrowed * 40 > n, "{stats}");
+    assert!(gang * 20 > n, "{stats}");
+    assert!(frac * 10 > n, "{stats}");
+}
+
+/// A case whose plan has placements and preemptions, to corrupt.
+fn busy_case() -> (Case, Plan) {
+    sample(400)
+        .into_iter()
+        .map(|c| {
+            let p = run(&c, c.seed);
+            (c, p)
+        })
+        .find(|(_, p)| !p.placements.is_empty() && !p.preemptions.is_empty())
+        .expect("some generated case preempts and places")
+}
+
+#[test]
+fn checkers_reject_broken_plans() {
+    let (case, plan) = busy_case();
+    assert_eq!(check_all(&case, &plan), Ok(()));
+
+    // (a) the same replica twice on its node, and a placement on a cordoned node.
+    let mut bad = plan.clone();
+    let mut p = bad.placements[0].clone();
+    p.replica += 1000;
+    for _ in 0..200 {
+        bad.placements.push(p.clone());
+    }
+    assert!(check_capacity(&Inputs::new(&case.view), &bad).is_err());
+    let mut bad = plan.clone();
+    let mut view = case.view.clone();
+    for n in &mut view.nodes {
+        n.schedulable = false;
+    }
+    assert!(check_capacity(&Inputs::new(&view), &bad).is_err());
+
+    // (b) every placement flagged not borrowed, in a queue whose nominal quota is zero.
+    let mut view = case.view.clone();
+    for q in &mut view.queues {
+        q.nominal = ResVec::ZERO;
+        q.cohort = None;
+    }
+    assert!(check_quota(&Inputs::new(&view), &plan).is_err());
+
+    // (c) one replica of a placed job dropped from a gang, or a job left undecided.
+    let mut view = case.view.clone();
+    let first = plan.placements[0].job;
+    for p in &mut view.pending {
+        if p.id == first {
+            p.spec.gang = true;
+            p.spec.groups[0].replicas += 1;
+        }
+    }
+    assert!(check_gangs(&Inputs::new(&view), &plan).is_err());
+    bad = plan.clone();
+    bad.unplaced.clear();
+    bad.placements.clear();
+    assert!(check_gangs(&Inputs::new(&case.view), &bad).is_err());
+
+    // (d) the victim made equal priority and not borrowed, or non-preemptible.
+    let victim = plan.preemptions[0].alloc;
+    let for_job = plan.preemptions[0].for_job;
+    let prio = case
+        .view
+        .pending
+        .iter()
+        .find(|p| p.id == for_job)
+        .map(|p| p.spec.priority)
+        .expect("for_job is pending");
+    let mut view = case.view.clone();
+    for a in &mut view.running {
+        if a.id == victim {
+            a.priority = prio;
+            a.borrowed = false;
+        }
+    }
+    assert!(check_preemptions(&Inputs::new(&view), &plan, &case.cfg).is_err());
+    let mut view = case.view.clone();
+    for a in &mut view.running {
+        if a.id == victim {
+            a.preemptible = false;
+        }
+    }
+    assert!(check_preemptions(&Inputs::new(&view), &plan, &case.cfg).is_err());
+}
+
+#[test]
+fn checkers_reject_backfill_onto_reserved_nodes() {
+    let (case, plan) = sample(2_000)
+        .into_iter()
+        .map(|c| {
+            let p = run(&c, c.seed);
+            (c, p)
+        })
+        .find(|(_, p)| !p.reservations.is_empty() && !p.placements.is_empty())
+        .expect("some generated case reserves and places");
+    assert_eq!(check_all(&case, &plan), Ok(()));
+    let mut bad = plan.clone();
+    let head = bad.reservations[0].job;
+    let mut view = case.view.clone();
+    // Make every placed job a long, low-priority one, and reserve every node.
+    bad.reservations[0].nodes = view.nodes.iter().map(|n| n.id.clone()).collect();
+    bad.reservations[0].start_at = NOW;
+    for p in &mut view.pending {
+        if p.id != head {
+            p.spec.priority = -100;
+            p.spec.runtime_estimate_s = None;
+        }
+    }
+    assert!(check_backfill(&Inputs::new(&view), &bad, NOW).is_err());
+}
