@@ -3,6 +3,7 @@
 
 mod bench;
 mod sim;
+mod sim_replay;
 
 use clap::{Parser, Subcommand};
 

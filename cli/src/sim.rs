@@ -17,6 +17,9 @@ pub enum SimCmd {
     /// arrive in a seeded order until the GPU request passes --inflate x the cluster; reports
     /// the GPU allocation ratio at every 1% of arrived request, per policy, mean over seeds.
     Fill(FillArgs),
+    /// Replays a trace with time: arrivals, durations, queueing, quota, preemption and
+    /// backfill; reports waits, completion times, utilization, fragmentation and queue use.
+    Replay(crate::sim_replay::ReplayArgs),
 }
 
 /// Output formats.
@@ -105,6 +108,7 @@ pub fn parse_policies(s: &str) -> Result<Vec<String>> {
 pub fn run(cmd: SimCmd) -> Result<()> {
     match cmd {
         SimCmd::Fill(a) => run_fill(a),
+        SimCmd::Replay(a) => crate::sim_replay::run(a),
     }
 }
 

@@ -11,5 +11,6 @@
 //! decisions (wall time is only measured for reporting speed).
 
 pub mod fill;
+pub mod replay;
 pub mod report;
 pub mod trace;

@@ -1,0 +1,151 @@
+//! `suanli sim replay`: replays a trace with time (arrivals, durations, queueing, preemption,
+//! backfill) on the scheduling engine and reports waits, completion times, utilization,
+//! fragmentation and per-queue use.
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::path::PathBuf;
+use std::time::Instant;
+use suanli_model::CheckpointPolicy;
+use suanli_scheduler::POLICY_NAMES;
+use suanli_scheduler::engine::SchedulerConfig;
+use suanli_sim::replay::{self, ReplayOptions};
+use suanli_sim::trace;
+
+/// Output formats of a replay.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum ReplayFormat {
+    /// Human-readable summary and per-queue table.
+    Table,
+    /// The whole report (summary, queues, time series) as JSON.
+    Json,
+    /// The utilization/fragmentation time series as CSV.
+    Csv,
+}
+
+/// Arguments of `suanli sim replay`.
+#[derive(Args, Debug)]
+pub struct ReplayArgs {
+    /// Node list (Alibaba `openb_node_list_*.csv`).
+    #[arg(long)]
+    pub nodes: PathBuf,
+    /// Pod list (Alibaba `openb_pod_list_*.csv` or suanli's native format, see docs/sim.md).
+    #[arg(long)]
+    pub pods: PathBuf,
+    /// Queues file (`name,team,parent,cohort,weight,cpu_milli,memory_mib,gpu_milli,npu_milli,
+    /// borrow_gpu_milli`, see docs/sim.md). Default: one queue `default` without quota.
+    #[arg(long)]
+    pub queues: Option<PathBuf>,
+    /// Placement policy.
+    #[arg(long, default_value = "suanli")]
+    pub policy: String,
+    /// Seed; every scheduling pass gets a seed derived from it and the pass number.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Least simulated seconds between two scheduling passes.
+    #[arg(long, default_value_t = 10)]
+    pub interval_s: u64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = ReplayFormat::Table)]
+    pub format: ReplayFormat,
+    /// Stop with an error after this many events (arrivals, completions, wake-ups, passes).
+    #[arg(long, default_value_t = 5_000_000)]
+    pub max_events: u64,
+    /// Recent arrivals that define the typical workload for fragmentation.
+    #[arg(long, default_value_t = 2000)]
+    pub workload_window: usize,
+    /// Sample utilization and fragmentation every this many events.
+    #[arg(long, default_value_t = 100)]
+    pub sample_every: u64,
+    /// Give every job a checkpoint policy with this interval (seconds); without it, preempted
+    /// jobs lose all their work.
+    #[arg(long)]
+    pub checkpoint_interval_s: Option<u64>,
+    /// Checkpoint grace period, seconds (with --checkpoint-interval-s).
+    #[arg(long, default_value_t = 60)]
+    pub checkpoint_grace_s: u64,
+    /// Restore time after a checkpointed job restarts, seconds (with --checkpoint-interval-s).
+    #[arg(long, default_value_t = 0)]
+    pub restore_s: u64,
+    /// A job preempted this many times runs as non-preemptible from then on.
+    #[arg(long, default_value_t = 5)]
+    pub max_preemptions_per_job: u32,
+    /// Turn preemption off.
+    #[arg(long)]
+    pub no_preemption: bool,
+    /// Turn backfill off.
+    #[arg(long)]
+    pub no_backfill: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Runs `suanli sim replay`.
+pub fn run(a: ReplayArgs) -> Result<()> {
+    if !POLICY_NAMES.contains(&a.policy.as_str()) {
+        bail!("--policy: unknown policy {:?}; valid policies: {}", a.policy, POLICY_NAMES.join(", "));
+    }
+    let loading = Instant::now();
+    let nodes = trace::read_alibaba_nodes(&a.nodes).context("--nodes")?;
+    let pods = trace::read_pods(&a.pods).context("--pods")?;
+    let queues = match &a.queues {
+        Some(p) => replay::read_queues(p).context("--queues")?,
+        None => vec![replay::default_queue()],
+    };
+    let opts = ReplayOptions {
+        config: SchedulerConfig {
+            policy: a.policy.clone(),
+            preemption: !a.no_preemption,
+            backfill: !a.no_backfill,
+            ..SchedulerConfig::default()
+        },
+        seed: a.seed,
+        interval_s: a.interval_s,
+        max_events: a.max_events,
+        workload_window: a.workload_window,
+        sample_every: a.sample_every,
+        record_jobs: false,
+        max_preemptions_per_job: a.max_preemptions_per_job,
+        checkpoint: a.checkpoint_interval_s.map(|interval_s| CheckpointPolicy {
+            interval_s,
+            grace_s: a.checkpoint_grace_s,
+            restore_s: a.restore_s,
+        }),
+    };
+    let bar = if a.quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::with_draw_target(Some(pods.len() as u64), ProgressDrawTarget::stderr())
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} jobs arrived {elapsed_precise} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let started = Instant::now();
+    let report = replay::replay_with_progress(&nodes, &pods, &queues, &opts, &mut |p| {
+        bar.set_position(p.arrived);
+        bar.set_message(format!("t={} events={} pending={}", replay::format_duration(p.now_s), p.events, p.pending));
+    });
+    bar.finish_and_clear();
+    let report = report?;
+    let took = started.elapsed().as_secs_f64();
+    match a.format {
+        ReplayFormat::Table => {
+            println!("{} on {}: {} pod(s), {} queue(s)", a.pods.display(), a.nodes.display(), pods.len(), queues.len());
+            print!("{}", report.table());
+        }
+        ReplayFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        ReplayFormat::Csv => print!("{}", report.series_csv()),
+    }
+    if !a.quiet {
+        eprintln!(
+            "replayed in {took:.2}s wall ({:.2}s loading), {} passes, {:.0} events/s",
+            started.duration_since(loading).as_secs_f64(),
+            report.passes,
+            report.events as f64 / took.max(1e-9)
+        );
+    }
+    Ok(())
+}
