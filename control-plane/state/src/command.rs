@@ -11,9 +11,7 @@
 use crate::config::{ConfigError, RetryPolicy, StateConfig};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-use suanli_model::{
-    AllocId, Health, JobId, JobSpec, Node, NodeId, Plan, Queue, QueueId, ValidationError,
-};
+use suanli_model::{AllocId, Health, JobId, JobSpec, Node, NodeId, Plan, Queue, QueueId, ValidationError};
 use thiserror::Error;
 
 /// Version of the command schema this build writes. Bodies evolve additively (new fields have
@@ -299,16 +297,10 @@ pub fn encode_command(cmd: &Command) -> Result<Vec<u8>, serde_json::Error> {
 /// before proposing, so one request cannot bloat the log.
 pub fn check_command_size(cmd: &Command, config: &StateConfig) -> Result<usize, CommandError> {
     let n = encode_command(cmd)
-        .map_err(|e| CommandError::Invalid {
-            field: "command".into(),
-            message: e.to_string(),
-        })?
+        .map_err(|e| CommandError::Invalid { field: "command".into(), message: e.to_string() })?
         .len();
     if n > config.max_command_bytes {
-        return Err(CommandError::TooLarge {
-            bytes: n,
-            limit: config.max_command_bytes,
-        });
+        return Err(CommandError::TooLarge { bytes: n, limit: config.max_command_bytes });
     }
     Ok(n)
 }
@@ -395,19 +387,13 @@ pub enum CommandError {
 
 impl From<ValidationError> for CommandError {
     fn from(e: ValidationError) -> Self {
-        CommandError::Invalid {
-            field: e.field().to_owned(),
-            message: e.to_string(),
-        }
+        CommandError::Invalid { field: e.field().to_owned(), message: e.to_string() }
     }
 }
 
 impl From<ConfigError> for CommandError {
     fn from(e: ConfigError) -> Self {
-        CommandError::Invalid {
-            field: e.field.clone(),
-            message: e.to_string(),
-        }
+        CommandError::Invalid { field: e.field.clone(), message: e.to_string() }
     }
 }
 
@@ -478,11 +464,7 @@ mod tests {
 
     #[test]
     fn envelope_round_trips_and_names_the_kind() {
-        let cmd = Command::CancelJob(CancelJob {
-            job: JobId(7),
-            reason: "x".into(),
-            now: 3,
-        });
+        let cmd = Command::CancelJob(CancelJob { job: JobId(7), reason: "x".into(), now: 3 });
         let text = String::from_utf8(encode_command(&cmd).expect("encodes")).expect("utf8");
         assert!(text.contains(r#""kind":"cancel_job""#), "{text}");
         assert!(text.contains(r#""v":1"#), "{text}");
@@ -498,10 +480,7 @@ mod tests {
         assert!(cmd.ignorable());
         let again = serde_json::to_value(&cmd).expect("encodes");
         let orig: serde_json::Value = serde_json::from_str(text).expect("json");
-        assert_eq!(
-            again, orig,
-            "re-encoding an unknown command must lose nothing"
-        );
+        assert_eq!(again, orig, "re-encoding an unknown command must lose nothing");
     }
 
     #[test]

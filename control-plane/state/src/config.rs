@@ -22,11 +22,7 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        Self {
-            max_attempts: 3,
-            backoff_base_s: 10,
-            backoff_max_s: 600,
-        }
+        Self { max_attempts: 3, backoff_base_s: 10, backoff_max_s: 600 }
     }
 }
 
@@ -37,9 +33,7 @@ impl RetryPolicy {
             return 0;
         }
         let shift = (failures - 1).min(32);
-        self.backoff_base_s
-            .saturating_mul(1u64 << shift)
-            .min(self.backoff_max_s)
+        self.backoff_base_s.saturating_mul(1u64 << shift).min(self.backoff_max_s)
     }
 
     /// Checks bounds against `cfg`.
@@ -137,11 +131,7 @@ pub struct ConfigError {
 
 impl ConfigError {
     fn new(field: &str, value: impl ToString, expected: String) -> Self {
-        Self {
-            field: field.into(),
-            value: value.to_string(),
-            expected,
-        }
+        Self { field: field.into(), value: value.to_string(), expected }
     }
 }
 
@@ -162,11 +152,7 @@ impl StateConfig {
         ];
         for (field, v, max) in counts {
             if v == 0 || v > max {
-                return Err(ConfigError::new(
-                    field,
-                    v,
-                    format!("must be between 1 and {max}"),
-                ));
+                return Err(ConfigError::new(field, v, format!("must be between 1 and {max}")));
             }
         }
         if self.max_total_attempts == 0 || self.max_total_attempts > 1_000_000 {
@@ -186,11 +172,7 @@ mod tests {
 
     #[test]
     fn backoff_doubles_and_caps() {
-        let r = RetryPolicy {
-            max_attempts: 5,
-            backoff_base_s: 10,
-            backoff_max_s: 60,
-        };
+        let r = RetryPolicy { max_attempts: 5, backoff_base_s: 10, backoff_max_s: 60 };
         assert_eq!(r.backoff_s(0), 0);
         assert_eq!(r.backoff_s(1), 10);
         assert_eq!(r.backoff_s(2), 20);
@@ -202,22 +184,13 @@ mod tests {
     #[test]
     fn config_errors_name_the_field() {
         assert_eq!(StateConfig::default().validate(), Ok(()));
-        let c = StateConfig {
-            max_live_jobs: 0,
-            ..StateConfig::default()
-        };
+        let c = StateConfig { max_live_jobs: 0, ..StateConfig::default() };
         let e = c.validate().expect_err("zero jobs is unusable");
         assert_eq!(e.field, "max_live_jobs");
         let c = StateConfig {
-            default_retry: RetryPolicy {
-                max_attempts: 0,
-                ..RetryPolicy::default()
-            },
+            default_retry: RetryPolicy { max_attempts: 0, ..RetryPolicy::default() },
             ..StateConfig::default()
         };
-        assert_eq!(
-            c.validate().map_err(|e| e.field),
-            Err("retry.max_attempts".to_owned())
-        );
+        assert_eq!(c.validate().map_err(|e| e.field), Err("retry.max_attempts".to_owned()));
     }
 }

@@ -41,10 +41,7 @@ impl State {
         for (id, u) in &usage.nodes {
             let Some(rec) = self.nodes.get(id) else {
                 if u.cpu_milli > 0 || u.memory_mib > 0 {
-                    return fail(
-                        "alloc-node",
-                        format!("live allocations on unknown node {id}"),
-                    );
+                    return fail("alloc-node", format!("live allocations on unknown node {id}"));
                 }
                 continue;
             };
@@ -63,25 +60,14 @@ impl State {
                 if u.milli == 0 && u.memory_mib == 0 {
                     continue;
                 }
-                let d = self
-                    .nodes
-                    .get(id)
-                    .and_then(|r| r.node.devices.iter().find(|d| &d.id == dev));
+                let d = self.nodes.get(id).and_then(|r| r.node.devices.iter().find(|d| &d.id == dev));
                 let Some(d) = d else {
-                    return fail(
-                        "device-overcommit",
-                        format!("share of unknown device {dev} on {id}"),
-                    );
+                    return fail("device-overcommit", format!("share of unknown device {dev} on {id}"));
                 };
-                if u.milli > u64::from(WHOLE_DEVICE_MILLI)
-                    || (d.memory_mib > 0 && u.memory_mib > d.memory_mib)
-                {
+                if u.milli > u64::from(WHOLE_DEVICE_MILLI) || (d.memory_mib > 0 && u.memory_mib > d.memory_mib) {
                     return fail(
                         "device-overcommit",
-                        format!(
-                            "device {dev} on {id}: {} milli, {}/{} MiB",
-                            u.milli, u.memory_mib, d.memory_mib
-                        ),
+                        format!("device {dev} on {id}: {} milli, {}/{} MiB", u.milli, u.memory_mib, d.memory_mib),
                     );
                 }
             }
@@ -94,10 +80,7 @@ impl State {
             if !epochs.insert((x.job, x.group, x.replica, x.epoch)) {
                 return fail(
                     "one-live-alloc-per-task",
-                    format!(
-                        "two allocations of job {} task {}/{} in epoch {}",
-                        x.job, x.group, x.replica, x.epoch
-                    ),
+                    format!("two allocations of job {} task {}/{} in epoch {}", x.job, x.group, x.replica, x.epoch),
                 );
             }
             if !a.is_live() {
@@ -106,71 +89,41 @@ impl State {
             if !tasks.insert((x.job, x.group, x.replica)) {
                 return fail(
                     "one-live-alloc-per-task",
-                    format!(
-                        "two live allocations of job {} task {}/{}",
-                        x.job, x.group, x.replica
-                    ),
+                    format!("two live allocations of job {} task {}/{}", x.job, x.group, x.replica),
                 );
             }
             match self.nodes.get(&x.node) {
                 Some(r) if r.status == NodeStatus::Down => {
-                    return fail(
-                        "alloc-node",
-                        format!("allocation {} is live on down node {}", x.id, x.node),
-                    );
+                    return fail("alloc-node", format!("allocation {} is live on down node {}", x.id, x.node));
                 }
                 None => {
-                    return fail(
-                        "alloc-node",
-                        format!("allocation {} on unknown node {}", x.id, x.node),
-                    );
+                    return fail("alloc-node", format!("allocation {} on unknown node {}", x.id, x.node));
                 }
                 Some(_) => {}
             }
             let Some(j) = self.jobs.get(&x.job) else {
-                return fail(
-                    "alloc-job",
-                    format!("live allocation {} of unknown job {}", x.id, x.job),
-                );
+                return fail("alloc-job", format!("live allocation {} of unknown job {}", x.id, x.job));
             };
             if x.epoch != j.attempt {
                 return fail(
                     "alloc-job",
-                    format!(
-                        "live allocation {} has epoch {}, job attempt {}",
-                        x.id, x.epoch, j.attempt
-                    ),
+                    format!("live allocation {} has epoch {}, job attempt {}", x.id, x.epoch, j.attempt),
                 );
             }
             if j.state.is_terminal() && a.desired == Desired::Run {
                 return fail(
                     "job-state",
-                    format!(
-                        "job {} is {} but allocation {} still runs",
-                        j.id,
-                        j.state.as_str(),
-                        x.id
-                    ),
+                    format!("job {} is {} but allocation {} still runs", j.id, j.state.as_str(), x.id),
                 );
             }
             *live_by_job.entry(x.job).or_default() += 1;
         }
         for j in self.jobs.values() {
             if j.state == JobState::Pending && live_by_job.contains_key(&j.id) {
-                return fail(
-                    "job-state",
-                    format!("pending job {} holds live allocations", j.id),
-                );
+                return fail("job-state", format!("pending job {} holds live allocations", j.id));
             }
             if j.state.is_terminal() == self.live_jobs.contains(&j.id) {
-                return fail(
-                    "job-state",
-                    format!(
-                        "live-job index disagrees with job {} ({})",
-                        j.id,
-                        j.state.as_str()
-                    ),
-                );
+                return fail("job-state", format!("live-job index disagrees with job {} ({})", j.id, j.state.as_str()));
             }
         }
         if self.live_jobs.iter().any(|id| !self.jobs.contains_key(id)) {
@@ -178,31 +131,18 @@ impl State {
         }
         for (q, (own, _borrowed)) in queue_usage(&self.allocs, &self.nodes) {
             let Some(queue) = self.queues.get(&q) else {
-                return fail(
-                    "quota",
-                    format!("live allocations charged to unknown queue {q}"),
-                );
+                return fail("quota", format!("live allocations charged to unknown queue {q}"));
             };
             if let Some(dim) = own.first_exceeding(&queue.nominal) {
                 return fail(
                     "quota",
-                    format!(
-                        "queue {q}: {dim} used without borrowing exceeds nominal ({own} > {})",
-                        queue.nominal
-                    ),
+                    format!("queue {q}: {dim} used without borrowing exceeds nominal ({own} > {})", queue.nominal),
                 );
             }
         }
         for (rid, id) in &self.requests {
-            if self
-                .jobs
-                .get(id)
-                .is_none_or(|j| &j.client_request_id != rid)
-            {
-                return fail(
-                    "requests",
-                    format!("request {rid:?} points at job {id}, which it did not create"),
-                );
+            if self.jobs.get(id).is_none_or(|j| &j.client_request_id != rid) {
+                return fail("requests", format!("request {rid:?} points at job {id}, which it did not create"));
             }
         }
         Ok(())

@@ -26,14 +26,11 @@ mod state;
 mod usage;
 
 pub use command::{
-    AllocStatus, ApplyPlan, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue,
-    DeviceHealth, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus,
-    Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue, check_command_size,
-    encode_command,
+    AllocStatus, ApplyPlan, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeDown,
+    NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob,
+    UpdateConfig, UpsertQueue, check_command_size, encode_command,
 };
 pub use config::{ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;
-pub use records::{
-    Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason,
-};
+pub use records::{Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason};
 pub use state::{SNAPSHOT_FORMAT, SnapshotError, State};

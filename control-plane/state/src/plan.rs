@@ -17,8 +17,7 @@ use crate::state::{Applied, Effect, State, cut};
 use crate::usage::{Usage, alloc_resvec};
 use std::collections::{BTreeMap, BTreeSet};
 use suanli_model::{
-    AllocId, Allocation, DeviceKind, Health, JobId, Placement, Preemption, PreemptionReason,
-    ResVec, WHOLE_DEVICE_MILLI,
+    AllocId, Allocation, DeviceKind, Health, JobId, Placement, Preemption, PreemptionReason, ResVec, WHOLE_DEVICE_MILLI,
 };
 use suanli_scheduler::quota::QuotaBook;
 
@@ -32,10 +31,7 @@ impl State {
             ("plan.unplaced", plan.unplaced.len()),
         ] {
             if n > limit {
-                return Err(CommandError::TooMany {
-                    what: what.into(),
-                    limit,
-                });
+                return Err(CommandError::TooMany { what: what.into(), limit });
             }
         }
         let now = self.tick(c.now);
@@ -97,10 +93,7 @@ impl State {
     }
 
     fn check_preemption(&self, p: &Preemption) -> Result<(), String> {
-        let a = self
-            .allocs
-            .get(&p.alloc)
-            .ok_or_else(|| format!("allocation {} is gone", p.alloc))?;
+        let a = self.allocs.get(&p.alloc).ok_or_else(|| format!("allocation {} is gone", p.alloc))?;
         if !a.is_live() {
             return Err(format!("allocation {} already ended", p.alloc));
         }
@@ -108,18 +101,12 @@ impl State {
             return Err(format!("allocation {} is already stopping", p.alloc));
         }
         if a.alloc.job != p.job || a.alloc.node != p.node {
-            return Err(format!(
-                "allocation {} belongs to job {} on {}",
-                p.alloc, a.alloc.job, a.alloc.node
-            ));
+            return Err(format!("allocation {} belongs to job {} on {}", p.alloc, a.alloc.job, a.alloc.node));
         }
         if !a.alloc.preemptible {
             return Err(format!("allocation {} is not preemptible", p.alloc));
         }
-        let f = self
-            .jobs
-            .get(&p.for_job)
-            .ok_or_else(|| format!("job {} is gone", p.for_job))?;
+        let f = self.jobs.get(&p.for_job).ok_or_else(|| format!("job {} is gone", p.for_job))?;
         if f.state != JobState::Pending {
             return Err(format!("job {} is no longer pending", p.for_job));
         }
@@ -169,30 +156,18 @@ impl State {
         now: u64,
         live_allocs: usize,
     ) -> Result<bool, String> {
-        let j = self
-            .jobs
-            .get(&job)
-            .ok_or_else(|| format!("job {job} is gone"))?;
+        let j = self.jobs.get(&job).ok_or_else(|| format!("job {job} is gone"))?;
         if j.state != JobState::Pending {
             return Err(format!("job {job} is {}, not pending", j.state.as_str()));
         }
         if j.not_before > now {
-            return Err(format!(
-                "job {job} is in retry backoff until t={}",
-                j.not_before
-            ));
+            return Err(format!("job {job} is in retry backoff until t={}", j.not_before));
         }
-        if j.allocs
-            .iter()
-            .any(|a| self.allocs.get(a).is_some_and(Alloc::is_live))
-        {
+        if j.allocs.iter().any(|a| self.allocs.get(a).is_some_and(Alloc::is_live)) {
             return Err(format!("job {job} still has live allocations"));
         }
         if live_allocs.saturating_add(ps.len()) > self.config.max_live_allocs {
-            return Err(format!(
-                "too many live allocations: the limit is {}",
-                self.config.max_live_allocs
-            ));
+            return Err(format!("too many live allocations: the limit is {}", self.config.max_live_allocs));
         }
         let spec = &j.spec;
         let mut seen: BTreeSet<(u32, u32)> = BTreeSet::new();
@@ -224,10 +199,7 @@ impl State {
                 let n = per_group.get(&(gi as u32)).copied().unwrap_or(0);
                 let need = if spec.gang { g.replicas } else { g.min() };
                 if n < need {
-                    return Err(format!(
-                        "group {}: {n} of {need} required replicas still fit",
-                        g.name
-                    ));
+                    return Err(format!("group {}: {n} of {need} required replicas still fit", g.name));
                 }
             }
             quota.check(&spec.queue, total).map(|a| a.borrowed)
@@ -247,58 +219,31 @@ impl State {
     }
 
     /// Checks one replica against the node as it is now; returns its quota vector.
-    fn check_placement(
-        &self,
-        p: &Placement,
-        usage: &Usage,
-        j: &crate::records::Job,
-    ) -> Result<ResVec, String> {
+    fn check_placement(&self, p: &Placement, usage: &Usage, j: &crate::records::Job) -> Result<ResVec, String> {
         let spec = &j.spec;
         let g = &spec.groups[p.group as usize];
-        let rec = self
-            .nodes
-            .get(&p.node)
-            .ok_or_else(|| format!("node {} is gone", p.node))?;
+        let rec = self.nodes.get(&p.node).ok_or_else(|| format!("node {} is gone", p.node))?;
         if !rec.accepts_work() {
-            return Err(format!(
-                "node {} is {:?}/{:?}",
-                p.node, rec.status, rec.mode
-            ));
+            return Err(format!("node {} is {:?}/{:?}", p.node, rec.status, rec.mode));
         }
         let node = &rec.node;
         let c = &spec.constraints;
         if !c.pools.is_empty() && !c.pools.contains(&node.pool) {
-            return Err(format!(
-                "node {} is in pool {}, not in the job's pools",
-                p.node, node.pool
-            ));
+            return Err(format!("node {} is in pool {}, not in the job's pools", p.node, node.pool));
         }
         if !c.regions.is_empty() && !c.regions.contains(&node.region) {
-            return Err(format!(
-                "node {} is in region {:?}, not in the job's regions",
-                p.node, node.region
-            ));
+            return Err(format!("node {} is in region {:?}, not in the job's regions", p.node, node.region));
         }
-        if let Some((k, v)) = c
-            .labels
-            .iter()
-            .find(|(k, v)| node.labels.get(*k) != Some(*v))
-        {
+        if let Some((k, v)) = c.labels.iter().find(|(k, v)| node.labels.get(*k) != Some(*v)) {
             return Err(format!("node {} lacks label {k}={v}", p.node));
         }
         let r = &g.resources;
         if p.cpu_milli < r.cpu_milli || p.memory_mib < r.memory_mib {
-            return Err(format!(
-                "placement on {} reserves less cpu or memory than the task asks",
-                p.node
-            ));
+            return Err(format!("placement on {} reserves less cpu or memory than the task asks", p.node));
         }
         let u = usage.node(&p.node);
         if u.cpu_milli.saturating_add(p.cpu_milli) > node.cpu_milli {
-            return Err(format!(
-                "node {}: cpu_milli {} + {} > {}",
-                p.node, u.cpu_milli, p.cpu_milli, node.cpu_milli
-            ));
+            return Err(format!("node {}: cpu_milli {} + {} > {}", p.node, u.cpu_milli, p.cpu_milli, node.cpu_milli));
         }
         if u.memory_mib.saturating_add(p.memory_mib) > node.memory_mib {
             return Err(format!(
@@ -306,17 +251,10 @@ impl State {
                 p.node, u.memory_mib, p.memory_mib, node.memory_mib
             ));
         }
-        let mut v = ResVec {
-            cpu_milli: p.cpu_milli,
-            memory_mib: p.memory_mib,
-            ..ResVec::ZERO
-        };
+        let mut v = ResVec { cpu_milli: p.cpu_milli, memory_mib: p.memory_mib, ..ResVec::ZERO };
         match &r.devices {
             None if !p.devices.is_empty() => {
-                return Err(format!(
-                    "group {} asks for no devices but the placement holds some",
-                    g.name
-                ));
+                return Err(format!("group {} asks for no devices but the placement holds some", g.name));
             }
             None => {}
             Some(req) => {
@@ -331,10 +269,7 @@ impl State {
                 let mut ids = BTreeSet::new();
                 for s in &p.devices {
                     if !ids.insert(s.device.as_str()) {
-                        return Err(format!(
-                            "device {} is placed twice in one replica",
-                            s.device
-                        ));
+                        return Err(format!("device {} is placed twice in one replica", s.device));
                     }
                     let d = node
                         .devices
@@ -351,10 +286,7 @@ impl State {
                         return Err(format!("device {} on {} is unhealthy", d.id, p.node));
                     }
                     if !c.device_models.is_empty() && !c.device_models.contains(&d.model) {
-                        return Err(format!(
-                            "device {} on {} is a {}, not an allowed model",
-                            d.id, p.node, d.model
-                        ));
+                        return Err(format!("device {} on {} is a {}, not an allowed model", d.id, p.node, d.model));
                     }
                     if s.milli != req.milli || s.milli == 0 || s.milli > WHOLE_DEVICE_MILLI {
                         return Err(format!(
@@ -370,13 +302,9 @@ impl State {
                     }
                     let du = usage.device(&p.node, &d.id);
                     if du.milli + u64::from(s.milli) > u64::from(WHOLE_DEVICE_MILLI) {
-                        return Err(format!(
-                            "device {} on {}: {} + {} milli > 1000",
-                            d.id, p.node, du.milli, s.milli
-                        ));
+                        return Err(format!("device {} on {}: {} + {} milli > 1000", d.id, p.node, du.milli, s.milli));
                     }
-                    if d.memory_mib > 0 && du.memory_mib.saturating_add(s.memory_mib) > d.memory_mib
-                    {
+                    if d.memory_mib > 0 && du.memory_mib.saturating_add(s.memory_mib) > d.memory_mib {
                         return Err(format!(
                             "device {} on {}: memory {} + {} MiB > {} MiB",
                             d.id, p.node, du.memory_mib, s.memory_mib, d.memory_mib
@@ -392,14 +320,7 @@ impl State {
         Ok(v)
     }
 
-    fn commit_placements(
-        &mut self,
-        job: JobId,
-        ps: &[&Placement],
-        borrowed: bool,
-        now: u64,
-        rev: u64,
-    ) -> Vec<AllocId> {
+    fn commit_placements(&mut self, job: JobId, ps: &[&Placement], borrowed: bool, now: u64, rev: u64) -> Vec<AllocId> {
         let Some(j) = self.jobs.get_mut(&job) else {
             return Vec::new();
         };

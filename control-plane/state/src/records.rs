@@ -43,10 +43,7 @@ pub enum JobState {
 impl JobState {
     /// True for succeeded, failed and cancelled.
     pub fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            JobState::Succeeded | JobState::Failed | JobState::Cancelled
-        )
+        matches!(self, JobState::Succeeded | JobState::Failed | JobState::Cancelled)
     }
 
     /// Lowercase name.

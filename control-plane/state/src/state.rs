@@ -1,14 +1,11 @@
 //! The state machine: records, `apply`, snapshots and the scheduler's view.
 
 use crate::command::{
-    AllocStatus, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeDown, NodeMode,
-    RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob, UpdateConfig,
-    UpsertQueue,
+    AllocStatus, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeDown, NodeMode, RegisterNode,
+    ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
 };
 use crate::config::StateConfig;
-use crate::records::{
-    Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason,
-};
+use crate::records::{Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason};
 use crate::usage::Usage;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -146,9 +143,7 @@ impl State {
     }
     /// The job a client request id created, while that job is retained.
     pub fn job_by_request(&self, client_request_id: &str) -> Option<&Job> {
-        self.requests
-            .get(client_request_id)
-            .and_then(|id| self.jobs.get(id))
+        self.requests.get(client_request_id).and_then(|id| self.jobs.get(id))
     }
     /// Every retained allocation.
     pub fn allocs(&self) -> &BTreeMap<AllocId, Alloc> {
@@ -165,10 +160,7 @@ impl State {
 
     /// Serializes the whole state (with its format version).
     pub fn snapshot(&self) -> Result<Vec<u8>, SnapshotError> {
-        Ok(serde_json::to_vec(&SnapshotEnvelope {
-            format: SNAPSHOT_FORMAT,
-            state: self,
-        })?)
+        Ok(serde_json::to_vec(&SnapshotEnvelope { format: SNAPSHOT_FORMAT, state: self })?)
     }
 
     /// Rebuilds a state from [`State::snapshot`] bytes.
@@ -179,10 +171,7 @@ impl State {
         }
         let h: Header = serde_json::from_slice(bytes)?;
         if h.format != SNAPSHOT_FORMAT {
-            return Err(SnapshotError::Format {
-                found: h.format,
-                supported: SNAPSHOT_FORMAT,
-            });
+            return Err(SnapshotError::Format { found: h.format, supported: SNAPSHOT_FORMAT });
         }
         let e: SnapshotEnvelope<State> = serde_json::from_slice(bytes)?;
         e.state.config.validate()?;
@@ -192,8 +181,7 @@ impl State {
     /// A digest of the whole state: equal states hash equal on every replica and build.
     /// (FNV-1a over the canonical JSON encoding, in two lanes for 128 bits.)
     pub fn state_hash(&self) -> u128 {
-        let bytes =
-            serde_json::to_vec(self).expect("a state of plain data always serializes to JSON");
+        let bytes = serde_json::to_vec(self).expect("a state of plain data always serializes to JSON");
         let mut a: u64 = 0xcbf2_9ce4_8422_2325;
         let mut b: u64 = 0x8422_2325_cbf2_9ce4;
         for &x in &bytes {
@@ -220,16 +208,8 @@ impl State {
             Command::AllocStatus(c) => self.alloc_status(c, rev),
             Command::ReportCheckpoint(c) => self.report_checkpoint(c, rev),
             Command::UpdateConfig(c) => self.update_config(c),
-            Command::Unknown {
-                kind,
-                ignorable: true,
-                ..
-            } => return Response::Ignored { kind },
-            Command::Unknown {
-                kind,
-                ignorable: false,
-                ..
-            } => return Response::Unsupported { kind },
+            Command::Unknown { kind, ignorable: true, .. } => return Response::Ignored { kind },
+            Command::Unknown { kind, ignorable: false, .. } => return Response::Unsupported { kind },
         };
         match result {
             Ok((resp, Effect::Changed)) => {
@@ -252,16 +232,11 @@ impl State {
         let q = c.queue;
         q.validate(&self.config.limits)?;
         if !self.queues.contains_key(&q.id) && self.queues.len() >= self.config.max_queues {
-            return Err(CommandError::TooMany {
-                what: "queues".into(),
-                limit: self.config.max_queues,
-            });
+            return Err(CommandError::TooMany { what: "queues".into(), limit: self.config.max_queues });
         }
         if let Some(p) = &q.parent {
             if !self.queues.contains_key(p) {
-                return Err(CommandError::UnknownQueue {
-                    queue: p.to_string(),
-                });
+                return Err(CommandError::UnknownQueue { queue: p.to_string() });
             }
             // Walking up from the parent must not come back to this queue.
             let mut cur = Some(p.clone());
@@ -316,36 +291,21 @@ impl State {
 
     fn delete_queue(&mut self, c: DeleteQueue) -> Applied {
         if !self.queues.contains_key(&c.queue) {
-            return Err(CommandError::UnknownQueue {
-                queue: c.queue.to_string(),
-            });
+            return Err(CommandError::UnknownQueue { queue: c.queue.to_string() });
         }
-        if let Some(child) = self
-            .queues
-            .values()
-            .find(|q| q.parent.as_ref() == Some(&c.queue))
-        {
+        if let Some(child) = self.queues.values().find(|q| q.parent.as_ref() == Some(&c.queue)) {
             return Err(CommandError::Conflict {
                 field: "queue".into(),
                 message: format!("queue {} is the parent of {}", c.queue, child.id),
             });
         }
-        if let Some(j) = self
-            .live_jobs
-            .iter()
-            .filter_map(|id| self.jobs.get(id))
-            .find(|j| j.spec.queue == c.queue)
-        {
+        if let Some(j) = self.live_jobs.iter().filter_map(|id| self.jobs.get(id)).find(|j| j.spec.queue == c.queue) {
             return Err(CommandError::Conflict {
                 field: "queue".into(),
                 message: format!("queue {} still has live job {}", c.queue, j.id),
             });
         }
-        if self
-            .allocs
-            .values()
-            .any(|a| a.is_live() && a.alloc.queue == c.queue)
-        {
+        if self.allocs.values().any(|a| a.is_live() && a.alloc.queue == c.queue) {
             return Err(CommandError::Conflict {
                 field: "queue".into(),
                 message: format!("queue {} still has live allocations", c.queue),
@@ -364,61 +324,50 @@ impl State {
     // ---- nodes ---------------------------------------------------------------------------
 
     fn node_rec(&self, node: &NodeId) -> Result<&NodeRecord, CommandError> {
-        self.nodes
-            .get(node)
-            .ok_or_else(|| CommandError::UnknownNode {
-                node: node.to_string(),
-            })
+        self.nodes.get(node).ok_or_else(|| CommandError::UnknownNode { node: node.to_string() })
     }
 
     fn register_node(&mut self, c: RegisterNode, rev: u64) -> Applied {
         c.node.validate(&self.config.limits)?;
         let known_mode = self.nodes.get(&c.node.id).map(|r| r.mode);
         if known_mode.is_none() && self.nodes.len() >= self.config.max_nodes {
-            return Err(CommandError::TooMany {
-                what: "nodes".into(),
-                limit: self.config.max_nodes,
-            });
+            return Err(CommandError::TooMany { what: "nodes".into(), limit: self.config.max_nodes });
         }
         let now = self.tick(c.now);
-        let mode = known_mode.map_or(
-            if c.node.schedulable {
-                NodeMode::Schedulable
-            } else {
-                NodeMode::Cordoned
-            },
-            |m| m,
-        );
+        let mode =
+            known_mode.map_or(if c.node.schedulable { NodeMode::Schedulable } else { NodeMode::Cordoned }, |m| m);
         let id = c.node.id.clone();
+        let old_kinds: BTreeMap<String, suanli_model::DeviceKind> = self
+            .nodes
+            .get(&id)
+            .map(|r| r.node.devices.iter().map(|d| (d.id.clone(), d.kind)).collect())
+            .unwrap_or_default();
         let mut node = c.node;
         node.schedulable = mode == NodeMode::Schedulable;
         self.nodes.insert(
             id.clone(),
-            NodeRecord {
-                node,
-                status: NodeStatus::Ready,
-                mode,
-                updated_at: now,
-                reason: String::new(),
-            },
+            NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new() },
         );
-        self.reconcile_node(&id, now, rev);
+        self.reconcile_node(&id, &old_kinds, now, rev);
         Ok((Response::Done, Effect::Changed))
     }
 
-    /// After a node's inventory changed: allocations on devices it no longer has, or beyond
-    /// its CPU or memory, are lost; allocations on unhealthy devices are asked to stop.
-    fn reconcile_node(&mut self, id: &NodeId, now: u64, rev: u64) {
+    /// After a node's inventory changed: allocations on devices it no longer has (or that
+    /// changed kind), or beyond its CPU or memory, are lost; allocations on unhealthy devices
+    /// are asked to stop.
+    fn reconcile_node(
+        &mut self,
+        id: &NodeId,
+        old_kinds: &BTreeMap<String, suanli_model::DeviceKind>,
+        now: u64,
+        rev: u64,
+    ) {
         let Some(rec) = self.nodes.get(id) else {
             return;
         };
         let node = rec.node.clone();
-        let live: Vec<AllocId> = self
-            .allocs
-            .values()
-            .filter(|a| a.is_live() && &a.alloc.node == id)
-            .map(|a| a.alloc.id)
-            .collect();
+        let live: Vec<AllocId> =
+            self.allocs.values().filter(|a| a.is_live() && &a.alloc.node == id).map(|a| a.alloc.id).collect();
         let mut lost = Vec::new();
         let mut keep = Vec::new();
         let mut dev_use: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
@@ -430,12 +379,12 @@ impl State {
             for s in &a.alloc.devices {
                 match node.devices.iter().find(|d| d.id == s.device) {
                     None => ok = false,
+                    Some(d) if old_kinds.get(&d.id).is_some_and(|k| *k != d.kind) => ok = false,
                     Some(d) => {
                         let e = dev_use.entry(d.id.as_str()).or_default();
                         e.0 += u64::from(s.milli);
                         e.1 += s.memory_mib;
-                        if e.0 > u64::from(suanli_model::WHOLE_DEVICE_MILLI)
-                            || (d.memory_mib > 0 && e.1 > d.memory_mib)
+                        if e.0 > u64::from(suanli_model::WHOLE_DEVICE_MILLI) || (d.memory_mib > 0 && e.1 > d.memory_mib)
                         {
                             ok = false;
                         }
@@ -451,10 +400,7 @@ impl State {
             let Some(a) = self.allocs.get(&aid) else {
                 continue;
             };
-            let (c2, m2) = (
-                cpu.saturating_add(a.alloc.cpu_milli),
-                mem.saturating_add(a.alloc.memory_mib),
-            );
+            let (c2, m2) = (cpu.saturating_add(a.alloc.cpu_milli), mem.saturating_add(a.alloc.memory_mib));
             if c2 <= node.cpu_milli && m2 <= node.memory_mib {
                 cpu = c2;
                 mem = m2;
@@ -464,27 +410,15 @@ impl State {
             }
         }
         for aid in lost {
-            self.end_alloc(
-                aid,
-                AllocState::Lost,
-                "node re-registered without the resources it used",
-                now,
-                rev,
-            );
+            self.end_alloc(aid, AllocState::Lost, "node re-registered without the resources it used", now, rev);
         }
-        let unhealthy: BTreeSet<&str> = node
-            .devices
-            .iter()
-            .filter(|d| d.health == Health::Unhealthy)
-            .map(|d| d.id.as_str())
-            .collect();
+        let unhealthy: BTreeSet<&str> =
+            node.devices.iter().filter(|d| d.health == Health::Unhealthy).map(|d| d.id.as_str()).collect();
         for aid in fitting {
-            let uses_bad = self.allocs.get(&aid).is_some_and(|a| {
-                a.alloc
-                    .devices
-                    .iter()
-                    .any(|s| unhealthy.contains(s.device.as_str()))
-            });
+            let uses_bad = self
+                .allocs
+                .get(&aid)
+                .is_some_and(|a| a.alloc.devices.iter().any(|s| unhealthy.contains(s.device.as_str())));
             if uses_bad {
                 self.stop_for_requeue(aid, StopReason::DeviceUnhealthy, now, rev);
             }
@@ -500,12 +434,8 @@ impl State {
             r.updated_at = now;
         }
         if c.mode == NodeMode::Draining {
-            let live: Vec<AllocId> = self
-                .allocs
-                .values()
-                .filter(|a| a.is_live() && a.alloc.node == c.node)
-                .map(|a| a.alloc.id)
-                .collect();
+            let live: Vec<AllocId> =
+                self.allocs.values().filter(|a| a.is_live() && a.alloc.node == c.node).map(|a| a.alloc.id).collect();
             for aid in live {
                 self.stop_for_requeue(aid, StopReason::Drain, now, rev);
             }
@@ -522,17 +452,9 @@ impl State {
             r.updated_at = now;
             r.reason = reason.clone();
         }
-        let live: Vec<AllocId> = self
-            .allocs
-            .values()
-            .filter(|a| a.is_live() && a.alloc.node == c.node)
-            .map(|a| a.alloc.id)
-            .collect();
-        let msg = if reason.is_empty() {
-            "node down".to_owned()
-        } else {
-            format!("node down: {reason}")
-        };
+        let live: Vec<AllocId> =
+            self.allocs.values().filter(|a| a.is_live() && a.alloc.node == c.node).map(|a| a.alloc.id).collect();
+        let msg = if reason.is_empty() { "node down".to_owned() } else { format!("node down: {reason}") };
         for aid in live {
             self.end_alloc(aid, AllocState::Lost, &msg, now, rev);
         }
@@ -542,10 +464,7 @@ impl State {
     fn device_health(&mut self, c: DeviceHealth, rev: u64) -> Applied {
         let rec = self.node_rec(&c.node)?;
         if !rec.node.devices.iter().any(|d| d.id == c.device) {
-            return Err(CommandError::UnknownDevice {
-                node: c.node.to_string(),
-                device: c.device,
-            });
+            return Err(CommandError::UnknownDevice { node: c.node.to_string(), device: c.device });
         }
         let now = self.tick(c.now);
         if let Some(r) = self.nodes.get_mut(&c.node) {
@@ -559,9 +478,7 @@ impl State {
                 .allocs
                 .values()
                 .filter(|a| {
-                    a.is_live()
-                        && a.alloc.node == c.node
-                        && a.alloc.devices.iter().any(|s| s.device == c.device)
+                    a.is_live() && a.alloc.node == c.node && a.alloc.devices.iter().any(|s| s.device == c.device)
                 })
                 .map(|a| a.alloc.id)
                 .collect();
@@ -585,11 +502,7 @@ impl State {
         if rid.len() > self.config.max_request_id_len {
             return Err(CommandError::Invalid {
                 field: "client_request_id".into(),
-                message: format!(
-                    "{} bytes; must be at most {} bytes",
-                    rid.len(),
-                    self.config.max_request_id_len
-                ),
+                message: format!("{} bytes; must be at most {} bytes", rid.len(), self.config.max_request_id_len),
             });
         }
         if let Some(&id) = self.requests.get(rid) {
@@ -601,27 +514,16 @@ impl State {
                 });
             }
             // A retry: the state is unchanged and the first job is the answer.
-            return Ok((
-                Response::JobSubmitted {
-                    job: id,
-                    created: false,
-                },
-                Effect::Unchanged,
-            ));
+            return Ok((Response::JobSubmitted { job: id, created: false }, Effect::Unchanged));
         }
         c.spec.validate(&self.config.limits)?;
         if !self.queues.contains_key(&c.spec.queue) {
-            return Err(CommandError::UnknownQueue {
-                queue: c.spec.queue.to_string(),
-            });
+            return Err(CommandError::UnknownQueue { queue: c.spec.queue.to_string() });
         }
         let retry = c.retry.unwrap_or(self.config.default_retry);
         retry.validate(&self.config)?;
         if self.live_jobs.len() >= self.config.max_live_jobs {
-            return Err(CommandError::TooMany {
-                what: "live jobs".into(),
-                limit: self.config.max_live_jobs,
-            });
+            return Err(CommandError::TooMany { what: "live jobs".into(), limit: self.config.max_live_jobs });
         }
         let now = self.tick(c.now);
         let id = JobId(self.next_job);
@@ -648,20 +550,11 @@ impl State {
         );
         self.requests.insert(c.client_request_id, id);
         self.live_jobs.insert(id);
-        Ok((
-            Response::JobSubmitted {
-                job: id,
-                created: true,
-            },
-            Effect::Changed,
-        ))
+        Ok((Response::JobSubmitted { job: id, created: true }, Effect::Changed))
     }
 
     fn cancel_job(&mut self, c: CancelJob, rev: u64) -> Applied {
-        let job = self
-            .jobs
-            .get(&c.job)
-            .ok_or(CommandError::UnknownJob { job: c.job.0 })?;
+        let job = self.jobs.get(&c.job).ok_or(CommandError::UnknownJob { job: c.job.0 })?;
         match job.state {
             JobState::Cancelled => return Ok((Response::Done, Effect::Unchanged)),
             s if s.is_terminal() => {
@@ -673,33 +566,15 @@ impl State {
             _ => {}
         }
         let now = self.tick(c.now);
-        let reason = if c.reason.is_empty() {
-            "cancelled".to_owned()
-        } else {
-            cut(&c.reason, self.config.max_message_len)
-        };
-        self.finish(
-            c.job,
-            JobState::Cancelled,
-            StopReason::Cancelled,
-            &reason,
-            now,
-            rev,
-        );
+        let reason =
+            if c.reason.is_empty() { "cancelled".to_owned() } else { cut(&c.reason, self.config.max_message_len) };
+        self.finish(c.job, JobState::Cancelled, StopReason::Cancelled, &reason, now, rev);
         Ok((Response::Done, Effect::Changed))
     }
 
     /// Marks a job finished, tells its live allocations to stop, and forgets the oldest
     /// finished jobs beyond the retention limit.
-    fn finish(
-        &mut self,
-        id: JobId,
-        state: JobState,
-        why: StopReason,
-        reason: &str,
-        now: u64,
-        rev: u64,
-    ) {
+    fn finish(&mut self, id: JobId, state: JobState, why: StopReason, reason: &str, now: u64, rev: u64) {
         let Some(job) = self.jobs.get_mut(&id) else {
             return;
         };
@@ -728,11 +603,10 @@ impl State {
             if excess == 0 {
                 break;
             }
-            let busy = self.jobs.get(&id).is_some_and(|j| {
-                j.allocs
-                    .iter()
-                    .any(|a| self.allocs.get(a).is_some_and(Alloc::is_live))
-            });
+            let busy = self
+                .jobs
+                .get(&id)
+                .is_some_and(|j| j.allocs.iter().any(|a| self.allocs.get(a).is_some_and(Alloc::is_live)));
             if !busy {
                 drop.push((seq, id));
                 excess -= 1;
@@ -759,17 +633,10 @@ impl State {
         if !a.is_live() || a.desired != Desired::Run {
             return;
         }
-        let saves = matches!(
-            reason,
-            StopReason::Preempted { .. } | StopReason::Drain | StopReason::DeviceUnhealthy
-        );
+        let saves = matches!(reason, StopReason::Preempted { .. } | StopReason::Drain | StopReason::DeviceUnhealthy);
         let grace = a.alloc.checkpoint_grace_s.filter(|_| saves);
-        a.desired = Desired::Stop {
-            reason,
-            checkpoint_first: grace.is_some(),
-            grace_s: grace.unwrap_or(0),
-            since: now,
-        };
+        a.desired =
+            Desired::Stop { reason, checkpoint_first: grace.is_some(), grace_s: grace.unwrap_or(0), since: now };
         a.updated_at = now;
     }
 
@@ -813,11 +680,7 @@ impl State {
     }
 
     fn job_has_live(&self, id: JobId) -> bool {
-        self.jobs.get(&id).is_some_and(|j| {
-            j.allocs
-                .iter()
-                .any(|a| self.allocs.get(a).is_some_and(Alloc::is_live))
-        })
+        self.jobs.get(&id).is_some_and(|j| j.allocs.iter().any(|a| self.allocs.get(a).is_some_and(Alloc::is_live)))
     }
 
     fn on_alloc_ended(
@@ -836,20 +699,10 @@ impl State {
         match job.state {
             JobState::Placed | JobState::Running => match ended {
                 AllocState::Succeeded => {
-                    let all_done = job.allocs.iter().all(|a| {
-                        self.allocs
-                            .get(a)
-                            .is_some_and(|x| x.state == AllocState::Succeeded)
-                    });
+                    let all_done =
+                        job.allocs.iter().all(|a| self.allocs.get(a).is_some_and(|x| x.state == AllocState::Succeeded));
                     if all_done {
-                        self.finish(
-                            id,
-                            JobState::Succeeded,
-                            StopReason::JobFailed,
-                            "succeeded",
-                            now,
-                            rev,
-                        );
+                        self.finish(id, JobState::Succeeded, StopReason::JobFailed, "succeeded", now, rev);
                     } else if let Some(j) = self.jobs.get_mut(&id) {
                         j.state = JobState::Running;
                         j.updated_at = now;
@@ -864,14 +717,7 @@ impl State {
                         j.failures = failures;
                     }
                     if failures >= max_attempts {
-                        self.finish(
-                            id,
-                            JobState::Failed,
-                            StopReason::JobFailed,
-                            &reason,
-                            now,
-                            rev,
-                        );
+                        self.finish(id, JobState::Failed, StopReason::JobFailed, &reason, now, rev);
                     } else {
                         for o in others {
                             self.ask_stop(o, StopReason::JobFailed, now);
@@ -896,16 +742,8 @@ impl State {
                         j.reason = cut(
                             &format!(
                                 "{} {}: {message}",
-                                if ended == AllocState::Lost {
-                                    "lost"
-                                } else {
-                                    "stopped"
-                                },
-                                if stop_requested {
-                                    "as asked"
-                                } else {
-                                    "unexpectedly"
-                                }
+                                if ended == AllocState::Lost { "lost" } else { "stopped" },
+                                if stop_requested { "as asked" } else { "unexpectedly" }
                             ),
                             max,
                         );
@@ -941,18 +779,8 @@ impl State {
         }
         job.requeues = job.requeues.saturating_add(1);
         if job.requeues >= max_total {
-            let reason = format!(
-                "gave up after {} attempts; last: {}",
-                job.requeues, job.reason
-            );
-            self.finish(
-                id,
-                JobState::Failed,
-                StopReason::JobFailed,
-                &reason,
-                now,
-                rev,
-            );
+            let reason = format!("gave up after {} attempts; last: {}", job.requeues, job.reason);
+            self.finish(id, JobState::Failed, StopReason::JobFailed, &reason, now, rev);
             return;
         }
         job.state = JobState::Pending;
@@ -969,16 +797,9 @@ impl State {
     // ---- agent reports -------------------------------------------------------------------
 
     fn check_report(&self, alloc: AllocId, epoch: u64) -> Result<&Alloc, CommandError> {
-        let a = self
-            .allocs
-            .get(&alloc)
-            .ok_or(CommandError::UnknownAlloc { alloc: alloc.0 })?;
+        let a = self.allocs.get(&alloc).ok_or(CommandError::UnknownAlloc { alloc: alloc.0 })?;
         if a.alloc.epoch != epoch {
-            return Err(CommandError::StaleEpoch {
-                alloc: alloc.0,
-                reported: epoch,
-                current: a.alloc.epoch,
-            });
+            return Err(CommandError::StaleEpoch { alloc: alloc.0, reported: epoch, current: a.alloc.epoch });
         }
         Ok(a)
     }
@@ -997,10 +818,7 @@ impl State {
         if !a.is_live() {
             return Err(CommandError::Conflict {
                 field: "status".into(),
-                message: format!(
-                    "allocation {} already ended as {:?}; cannot become {:?}",
-                    c.alloc, a.state, target
-                ),
+                message: format!("allocation {} already ended as {:?}; cannot become {:?}", c.alloc, a.state, target),
             });
         }
         let now = self.tick(c.now);
@@ -1037,11 +855,7 @@ impl State {
         if c.uri.is_empty() || c.uri.len() > self.config.max_uri_len {
             return Err(CommandError::Invalid {
                 field: "uri".into(),
-                message: format!(
-                    "{} bytes; must be between 1 and {} bytes",
-                    c.uri.len(),
-                    self.config.max_uri_len
-                ),
+                message: format!("{} bytes; must be between 1 and {} bytes", c.uri.len(), self.config.max_uri_len),
             });
         }
         let job_id = a.alloc.job;
@@ -1086,11 +900,7 @@ impl State {
             .iter()
             .filter_map(|id| self.jobs.get(id))
             .filter(|j| j.state == JobState::Pending && j.not_before <= now)
-            .map(|j| PendingJob {
-                id: j.id,
-                spec: j.spec.clone(),
-                submitted_at: j.submitted_at,
-            })
+            .map(|j| PendingJob { id: j.id, spec: j.spec.clone(), submitted_at: j.submitted_at, nominated: false })
             .collect();
         let running = self
             .allocs
@@ -1104,13 +914,7 @@ impl State {
                 x
             })
             .collect();
-        ClusterView {
-            nodes,
-            queues: self.queues.values().cloned().collect(),
-            pending,
-            running,
-            workload: Vec::new(),
-        }
+        ClusterView { nodes, queues: self.queues.values().cloned().collect(), pending, running, workload: Vec::new() }
     }
 
     pub(crate) fn usage(&self) -> Usage {

@@ -29,13 +29,7 @@ impl Usage {
     pub fn of<'a>(allocs: impl Iterator<Item = &'a Alloc>) -> Self {
         let mut u = Usage::default();
         for a in allocs.filter(|a| a.is_live()) {
-            u.add(
-                &a.alloc.node,
-                a.alloc.cpu_milli,
-                a.alloc.memory_mib,
-                &a.alloc.devices,
-                1,
-            );
+            u.add(&a.alloc.node, a.alloc.cpu_milli, a.alloc.memory_mib, &a.alloc.devices, 1);
         }
         u
     }
@@ -75,27 +69,18 @@ impl Usage {
     }
 
     pub fn device(&self, node: &NodeId, device: &str) -> DevUse {
-        self.devices
-            .get(node)
-            .and_then(|d| d.get(device))
-            .copied()
-            .unwrap_or_default()
+        self.devices.get(node).and_then(|d| d.get(device)).copied().unwrap_or_default()
     }
 }
 
 /// The quota vector of an allocation: CPU, memory, and device shares by the kind the node
 /// reports for each device (an unknown device counts as a GPU share).
 pub(crate) fn alloc_resvec(a: &Alloc, nodes: &BTreeMap<NodeId, NodeRecord>) -> ResVec {
-    let mut v = ResVec {
-        cpu_milli: a.alloc.cpu_milli,
-        memory_mib: a.alloc.memory_mib,
-        ..ResVec::ZERO
-    };
+    let mut v = ResVec { cpu_milli: a.alloc.cpu_milli, memory_mib: a.alloc.memory_mib, ..ResVec::ZERO };
     let rec = nodes.get(&a.alloc.node);
     for s in &a.alloc.devices {
-        let kind = rec
-            .and_then(|r| r.node.devices.iter().find(|d| d.id == s.device))
-            .map_or(DeviceKind::Gpu, |d| d.kind);
+        let kind =
+            rec.and_then(|r| r.node.devices.iter().find(|d| d.id == s.device)).map_or(DeviceKind::Gpu, |d| d.kind);
         match kind {
             DeviceKind::Gpu => v.gpu_milli += u64::from(s.milli),
             DeviceKind::Npu => v.npu_milli += u64::from(s.milli),

@@ -3,13 +3,10 @@
 mod common;
 
 use common::*;
-use suanli_model::{
-    AllocId, DeviceShare, Health, JobId, NodeId, Placement, Plan, Preemption, PreemptionReason,
-};
+use suanli_model::{AllocId, DeviceShare, Health, JobId, NodeId, Placement, Plan, Preemption, PreemptionReason};
 use suanli_state::{
-    AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, JobState,
-    NodeDown, NodeMode, ReportedStatus, Response, RetryPolicy, SetNodeMode, State, StateConfig,
-    StopReason, SubmitJob, UpdateConfig,
+    AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, JobState, NodeDown, NodeMode,
+    ReportedStatus, Response, RetryPolicy, SetNodeMode, State, StateConfig, StopReason, SubmitJob, UpdateConfig,
 };
 
 fn job_state(s: &State, id: u64) -> JobState {
@@ -17,53 +14,26 @@ fn job_state(s: &State, id: u64) -> JobState {
 }
 
 fn allocs_of(s: &State, id: u64) -> Vec<(AllocId, u64)> {
-    s.job(JobId(id))
-        .expect("job exists")
-        .allocs
-        .iter()
-        .map(|a| (*a, s.allocs()[a].alloc.epoch))
-        .collect()
+    s.job(JobId(id)).expect("job exists").allocs.iter().map(|a| (*a, s.allocs()[a].alloc.epoch)).collect()
 }
 
 #[test]
 fn a_gang_job_runs_to_success() {
     let mut s = cluster(2);
     let r = apply_ok(&mut s, submit("r1", spec("q", 2, 4, 0), 10));
-    assert_eq!(
-        r,
-        Response::JobSubmitted {
-            job: JobId(1),
-            created: true
-        }
-    );
+    assert_eq!(r, Response::JobSubmitted { job: JobId(1), created: true });
     let out = schedule_once(&mut s, 11);
     assert_eq!(out.placed.len(), 2, "{out:?}");
     assert_eq!(job_state(&s, 1), JobState::Placed);
     let allocs = allocs_of(&s, 1);
-    assert!(
-        allocs.iter().all(|(_, e)| *e == 1),
-        "first attempt is epoch 1"
-    );
+    assert!(allocs.iter().all(|(_, e)| *e == 1), "first attempt is epoch 1");
     for (a, e) in &allocs {
-        assert_eq!(
-            apply_ok(&mut s, report(*a, *e, ReportedStatus::Running, 12)),
-            Response::Done
-        );
+        assert_eq!(apply_ok(&mut s, report(*a, *e, ReportedStatus::Running, 12)), Response::Done);
     }
     assert_eq!(job_state(&s, 1), JobState::Running);
-    apply_ok(
-        &mut s,
-        report(allocs[0].0, 1, ReportedStatus::Succeeded, 20),
-    );
-    assert_eq!(
-        job_state(&s, 1),
-        JobState::Running,
-        "one replica of two finished"
-    );
-    apply_ok(
-        &mut s,
-        report(allocs[1].0, 1, ReportedStatus::Succeeded, 21),
-    );
+    apply_ok(&mut s, report(allocs[0].0, 1, ReportedStatus::Succeeded, 20));
+    assert_eq!(job_state(&s, 1), JobState::Running, "one replica of two finished");
+    apply_ok(&mut s, report(allocs[1].0, 1, ReportedStatus::Succeeded, 21));
     assert_eq!(job_state(&s, 1), JobState::Succeeded);
     assert_eq!(s.live_job_count(), 0);
     // Everything is free again: an 8-GPU job fits.
@@ -78,26 +48,10 @@ fn a_retried_submission_never_creates_a_second_job() {
     let hash = s.state_hash();
     let rev = s.revision();
     let again = apply_ok(&mut s, submit("same", spec("q", 1, 1, 0), 2));
-    assert_eq!(
-        first,
-        Response::JobSubmitted {
-            job: JobId(1),
-            created: true
-        }
-    );
-    assert_eq!(
-        again,
-        Response::JobSubmitted {
-            job: JobId(1),
-            created: false
-        }
-    );
+    assert_eq!(first, Response::JobSubmitted { job: JobId(1), created: true });
+    assert_eq!(again, Response::JobSubmitted { job: JobId(1), created: false });
     assert_eq!(s.jobs().len(), 1);
-    assert_eq!(
-        (s.state_hash(), s.revision()),
-        (hash, rev),
-        "a retry changes nothing"
-    );
+    assert_eq!((s.state_hash(), s.revision()), (hash, rev), "a retry changes nothing");
     let other = apply_ok(&mut s, submit("same", spec("q", 1, 2, 0), 3));
     match other {
         Response::Rejected(CommandError::Conflict { field, .. }) => {
@@ -132,36 +86,19 @@ fn bad_input_is_refused_naming_the_field_and_leaves_state_unchanged() {
         r => panic!("{r:?}"),
     }
     let long = "x".repeat(StateConfig::default().max_request_id_len + 1);
+    assert!(matches!(apply_ok(&mut s, submit(&long, spec("q", 1, 1, 0), 5)), Response::Rejected(_)));
     assert!(matches!(
-        apply_ok(&mut s, submit(&long, spec("q", 1, 1, 0), 5)),
-        Response::Rejected(_)
-    ));
-    assert!(matches!(
-        apply_ok(
-            &mut s,
-            Command::CancelJob(CancelJob {
-                job: JobId(99),
-                reason: String::new(),
-                now: 5
-            })
-        ),
+        apply_ok(&mut s, Command::CancelJob(CancelJob { job: JobId(99), reason: String::new(), now: 5 })),
         Response::Rejected(CommandError::UnknownJob { job: 99 })
     ));
-    let cfg = StateConfig {
-        max_live_jobs: 0,
-        ..StateConfig::default()
-    };
+    let cfg = StateConfig { max_live_jobs: 0, ..StateConfig::default() };
     match apply_ok(&mut s, Command::UpdateConfig(UpdateConfig { config: cfg })) {
         Response::Rejected(CommandError::Invalid { field, .. }) => {
             assert_eq!(field, "max_live_jobs")
         }
         r => panic!("{r:?}"),
     }
-    assert_eq!(
-        s.state_hash(),
-        hash,
-        "refused commands change nothing (not even the clock)"
-    );
+    assert_eq!(s.state_hash(), hash, "refused commands change nothing (not even the clock)");
 }
 
 #[test]
@@ -180,32 +117,18 @@ fn apply_refuses_placements_that_no_longer_hold() {
     let pa = suanli_scheduler::schedule(&va, 2, 1, &cfg).expect("plan a");
     let pb = suanli_scheduler::schedule(&vb, 2, 1, &cfg).expect("plan b");
     assert_eq!((pa.placements.len(), pb.placements.len()), (1, 1));
-    let Response::PlanApplied(oa) =
-        apply_ok(&mut s, Command::ApplyPlan(ApplyPlan { plan: pa, now: 2 }))
-    else {
+    let Response::PlanApplied(oa) = apply_ok(&mut s, Command::ApplyPlan(ApplyPlan { plan: pa, now: 2 })) else {
         panic!("plan a")
     };
-    let Response::PlanApplied(ob) =
-        apply_ok(&mut s, Command::ApplyPlan(ApplyPlan { plan: pb, now: 2 }))
-    else {
+    let Response::PlanApplied(ob) = apply_ok(&mut s, Command::ApplyPlan(ApplyPlan { plan: pb, now: 2 })) else {
         panic!("plan b")
     };
     assert_eq!(oa.placed.len(), 1);
-    assert!(
-        ob.placed.is_empty(),
-        "the second plan would over-commit the GPUs"
-    );
+    assert!(ob.placed.is_empty(), "the second plan would over-commit the GPUs");
     assert_eq!(ob.refused_jobs.len(), 1);
-    assert!(
-        ob.refused_jobs[0].1.contains("milli > 1000"),
-        "{:?}",
-        ob.refused_jobs
-    );
+    assert!(ob.refused_jobs[0].1.contains("milli > 1000"), "{:?}", ob.refused_jobs);
     assert_eq!(job_state(&s, 2), JobState::Pending);
-    assert!(
-        s.job(JobId(2)).is_some_and(|j| !j.reason.is_empty()),
-        "the refusal is recorded"
-    );
+    assert!(s.job(JobId(2)).is_some_and(|j| !j.reason.is_empty()), "the refusal is recorded");
 }
 
 #[test]
@@ -213,93 +136,42 @@ fn a_plan_is_rechecked_against_health_cordons_and_job_state() {
     let mut s = cluster(1);
     apply_ok(&mut s, submit("a", spec("q", 1, 1, 0), 1));
     let view = s.cluster_view(2);
-    let plan =
-        suanli_scheduler::schedule(&view, 2, 1, &suanli_scheduler::SchedulerConfig::default())
-            .expect("plan");
+    let plan = suanli_scheduler::schedule(&view, 2, 1, &suanli_scheduler::SchedulerConfig::default()).expect("plan");
     let dev = plan.placements[0].devices[0].device.clone();
     let n0 = NodeId::from("n0");
 
     let mut t = s.clone();
     apply_ok(
         &mut t,
-        Command::DeviceHealth(DeviceHealth {
-            node: n0.clone(),
-            device: dev,
-            health: Health::Unhealthy,
-            now: 2,
-        }),
+        Command::DeviceHealth(DeviceHealth { node: n0.clone(), device: dev, health: Health::Unhealthy, now: 2 }),
     );
-    let Response::PlanApplied(o) = apply_ok(
-        &mut t,
-        Command::ApplyPlan(ApplyPlan {
-            plan: plan.clone(),
-            now: 2,
-        }),
-    ) else {
+    let Response::PlanApplied(o) = apply_ok(&mut t, Command::ApplyPlan(ApplyPlan { plan: plan.clone(), now: 2 }))
+    else {
         panic!()
     };
-    assert!(
-        o.placed.is_empty() && o.refused_jobs[0].1.contains("unhealthy"),
-        "{o:?}"
-    );
+    assert!(o.placed.is_empty() && o.refused_jobs[0].1.contains("unhealthy"), "{o:?}");
 
     let mut t = s.clone();
-    apply_ok(
-        &mut t,
-        Command::SetNodeMode(SetNodeMode {
-            node: n0.clone(),
-            mode: NodeMode::Cordoned,
-            now: 2,
-        }),
-    );
-    let Response::PlanApplied(o) = apply_ok(
-        &mut t,
-        Command::ApplyPlan(ApplyPlan {
-            plan: plan.clone(),
-            now: 2,
-        }),
-    ) else {
+    apply_ok(&mut t, Command::SetNodeMode(SetNodeMode { node: n0.clone(), mode: NodeMode::Cordoned, now: 2 }));
+    let Response::PlanApplied(o) = apply_ok(&mut t, Command::ApplyPlan(ApplyPlan { plan: plan.clone(), now: 2 }))
+    else {
         panic!()
     };
     assert!(o.placed.is_empty(), "{o:?}");
     assert!(t.cluster_view(3).nodes.iter().all(|n| !n.schedulable));
 
     let mut t = s.clone();
-    apply_ok(
-        &mut t,
-        Command::CancelJob(CancelJob {
-            job: JobId(1),
-            reason: String::new(),
-            now: 2,
-        }),
-    );
-    let Response::PlanApplied(o) = apply_ok(
-        &mut t,
-        Command::ApplyPlan(ApplyPlan {
-            plan: plan.clone(),
-            now: 2,
-        }),
-    ) else {
-        panic!()
-    };
-    assert!(
-        o.placed.is_empty() && o.refused_jobs[0].1.contains("not pending"),
-        "{o:?}"
-    );
-
-    // The same plan twice: the second finds the job placed already.
-    let mut t = s.clone();
-    apply_ok(
-        &mut t,
-        Command::ApplyPlan(ApplyPlan {
-            plan: plan.clone(),
-            now: 2,
-        }),
-    );
-    let Response::PlanApplied(o) = apply_ok(&mut t, Command::ApplyPlan(ApplyPlan { plan, now: 2 }))
+    apply_ok(&mut t, Command::CancelJob(CancelJob { job: JobId(1), reason: String::new(), now: 2 }));
+    let Response::PlanApplied(o) = apply_ok(&mut t, Command::ApplyPlan(ApplyPlan { plan: plan.clone(), now: 2 }))
     else {
         panic!()
     };
+    assert!(o.placed.is_empty() && o.refused_jobs[0].1.contains("not pending"), "{o:?}");
+
+    // The same plan twice: the second finds the job placed already.
+    let mut t = s.clone();
+    apply_ok(&mut t, Command::ApplyPlan(ApplyPlan { plan: plan.clone(), now: 2 }));
+    let Response::PlanApplied(o) = apply_ok(&mut t, Command::ApplyPlan(ApplyPlan { plan, now: 2 })) else { panic!() };
     assert!(o.placed.is_empty(), "{o:?}");
 }
 
@@ -314,18 +186,11 @@ fn hand_made_plans_cannot_overcommit_or_cheat() {
         node: NodeId::from("n0"),
         cpu_milli: 1000,
         memory_mib: 1024,
-        devices: vec![DeviceShare {
-            device: dev.into(),
-            milli,
-            memory_mib: 0,
-        }],
+        devices: vec![DeviceShare { device: dev.into(), milli, memory_mib: 0 }],
         borrowed: false,
     };
     let try_plan = |s: &mut State, placements: Vec<Placement>| {
-        let plan = Plan {
-            placements,
-            ..Plan::default()
-        };
+        let plan = Plan { placements, ..Plan::default() };
         match apply_ok(s, Command::ApplyPlan(ApplyPlan { plan, now: 2 })) {
             Response::PlanApplied(o) => o,
             r => panic!("{r:?}"),
@@ -335,15 +200,9 @@ fn hand_made_plans_cannot_overcommit_or_cheat() {
     let o = try_plan(&mut t, vec![p(0, "gpu0", 1000), p(1, "gpu0", 1000)]);
     assert!(o.placed.is_empty(), "same GPU twice: {o:?}");
     let o = try_plan(&mut t, vec![p(0, "gpu0", 1000)]);
-    assert!(
-        o.placed.is_empty() && o.refused_jobs[0].1.contains("required replicas"),
-        "gang needs both: {o:?}"
-    );
+    assert!(o.placed.is_empty() && o.refused_jobs[0].1.contains("required replicas"), "gang needs both: {o:?}");
     let o = try_plan(&mut t, vec![p(0, "gpu0", 500), p(1, "gpu1", 500)]);
-    assert!(
-        o.placed.is_empty(),
-        "half a GPU when a whole one is asked: {o:?}"
-    );
+    assert!(o.placed.is_empty(), "half a GPU when a whole one is asked: {o:?}");
     let o = try_plan(&mut t, vec![p(0, "gpu9", 1000), p(1, "gpu1", 1000)]);
     assert!(o.placed.is_empty(), "unknown device: {o:?}");
     let o = try_plan(&mut t, vec![p(0, "gpu0", 1000), p(0, "gpu1", 1000)]);
@@ -355,28 +214,15 @@ fn hand_made_plans_cannot_overcommit_or_cheat() {
 #[test]
 fn failures_retry_with_backoff_then_fail() {
     let mut s = cluster(1);
-    let retry = RetryPolicy {
-        max_attempts: 2,
-        backoff_base_s: 30,
-        backoff_max_s: 60,
-    };
-    let sub = SubmitJob {
-        client_request_id: "a".into(),
-        spec: spec("q", 1, 1, 0),
-        retry: Some(retry),
-        now: 1,
-    };
+    let retry = RetryPolicy { max_attempts: 2, backoff_base_s: 30, backoff_max_s: 60 };
+    let sub = SubmitJob { client_request_id: "a".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 1 };
     apply_ok(&mut s, Command::SubmitJob(sub));
     schedule_once(&mut s, 2);
     let (a, e) = allocs_of(&s, 1)[0];
     apply_ok(&mut s, report(a, e, ReportedStatus::Running, 3));
     apply_ok(&mut s, report(a, e, ReportedStatus::Failed, 10));
     let j = s.job(JobId(1)).expect("job");
-    assert_eq!(
-        (j.state, j.failures, j.not_before),
-        (JobState::Pending, 1, 40),
-        "requeued with backoff"
-    );
+    assert_eq!((j.state, j.failures, j.not_before), (JobState::Pending, 1, 40), "requeued with backoff");
     assert!(s.cluster_view(39).pending.is_empty(), "in backoff");
     assert!(schedule_once(&mut s, 39).placed.is_empty());
     assert_eq!(schedule_once(&mut s, 40).placed.len(), 1);
@@ -389,23 +235,13 @@ fn failures_retry_with_backoff_then_fail() {
     ));
     assert!(matches!(
         apply_ok(&mut s, report(a2, 1, ReportedStatus::Running, 41)),
-        Response::Rejected(CommandError::StaleEpoch {
-            reported: 1,
-            current: 2,
-            ..
-        })
+        Response::Rejected(CommandError::StaleEpoch { reported: 1, current: 2, .. })
     ));
     apply_ok(&mut s, report(a2, e2, ReportedStatus::Failed, 50));
     assert_eq!(job_state(&s, 1), JobState::Failed, "two attempts failed");
     // Repeating a terminal report is harmless; contradicting it is refused.
-    assert_eq!(
-        apply_ok(&mut s, report(a2, e2, ReportedStatus::Failed, 51)),
-        Response::Done
-    );
-    assert!(matches!(
-        apply_ok(&mut s, report(a2, e2, ReportedStatus::Succeeded, 51)),
-        Response::Rejected(_)
-    ));
+    assert_eq!(apply_ok(&mut s, report(a2, e2, ReportedStatus::Failed, 51)), Response::Done);
+    assert!(matches!(apply_ok(&mut s, report(a2, e2, ReportedStatus::Succeeded, 51)), Response::Rejected(_)));
 }
 
 #[test]
@@ -416,23 +252,12 @@ fn a_lost_node_requeues_its_jobs_without_counting_a_failure() {
     let (a, e) = allocs_of(&s, 1)[0];
     let node = s.allocs()[&a].alloc.node.clone();
     apply_ok(&mut s, report(a, e, ReportedStatus::Running, 3));
-    apply_ok(
-        &mut s,
-        Command::NodeDown(NodeDown {
-            node: node.clone(),
-            reason: "no heartbeat".into(),
-            now: 10,
-        }),
-    );
+    apply_ok(&mut s, Command::NodeDown(NodeDown { node: node.clone(), reason: "no heartbeat".into(), now: 10 }));
     let j = s.job(JobId(1)).expect("job");
     assert_eq!((j.state, j.failures, j.requeues), (JobState::Pending, 0, 1));
     assert_eq!(schedule_once(&mut s, 11).placed.len(), 1);
     let (a2, _) = allocs_of(&s, 1)[0];
-    assert_ne!(
-        s.allocs()[&a2].alloc.node,
-        node,
-        "placed on the surviving node"
-    );
+    assert_ne!(s.allocs()[&a2].alloc.node, node, "placed on the surviving node");
     // The node comes back and re-registers: it is ready again, its old work is gone.
     apply_ok(&mut s, register(node_named(&node), 12));
     assert!(s.cluster_view(12).nodes.iter().all(|n| n.schedulable));
@@ -455,55 +280,24 @@ fn drain_and_unhealthy_devices_move_work() {
     apply_ok(&mut s, report(a, e, ReportedStatus::Running, 3));
     apply_ok(
         &mut s,
-        Command::DeviceHealth(DeviceHealth {
-            node: node.clone(),
-            device: dev,
-            health: Health::Unhealthy,
-            now: 4,
-        }),
+        Command::DeviceHealth(DeviceHealth { node: node.clone(), device: dev, health: Health::Unhealthy, now: 4 }),
     );
     assert_eq!(job_state(&s, 1), JobState::Requeuing);
-    assert!(matches!(
-        &s.allocs()[&a].desired,
-        Desired::Stop {
-            reason: StopReason::DeviceUnhealthy,
-            ..
-        }
-    ));
-    assert!(
-        s.cluster_view(5).running.iter().all(|x| !x.preemptible),
-        "stopping work is not a victim"
-    );
+    assert!(matches!(&s.allocs()[&a].desired, Desired::Stop { reason: StopReason::DeviceUnhealthy, .. }));
+    assert!(s.cluster_view(5).running.iter().all(|x| !x.preemptible), "stopping work is not a victim");
     apply_ok(&mut s, report(a, e, ReportedStatus::Stopped, 5));
     assert_eq!(job_state(&s, 1), JobState::Pending);
     schedule_once(&mut s, 6);
     let (b, eb) = allocs_of(&s, 1)[0];
     let node_b = s.allocs()[&b].alloc.node.clone();
     apply_ok(&mut s, report(b, eb, ReportedStatus::Running, 7));
-    apply_ok(
-        &mut s,
-        Command::SetNodeMode(SetNodeMode {
-            node: node_b.clone(),
-            mode: NodeMode::Draining,
-            now: 8,
-        }),
-    );
-    assert!(matches!(
-        &s.allocs()[&b].desired,
-        Desired::Stop {
-            reason: StopReason::Drain,
-            ..
-        }
-    ));
+    apply_ok(&mut s, Command::SetNodeMode(SetNodeMode { node: node_b.clone(), mode: NodeMode::Draining, now: 8 }));
+    assert!(matches!(&s.allocs()[&b].desired, Desired::Stop { reason: StopReason::Drain, .. }));
     apply_ok(&mut s, report(b, eb, ReportedStatus::Stopped, 9));
     assert_eq!(job_state(&s, 1), JobState::Pending);
     let out = schedule_once(&mut s, 10);
     assert_eq!(out.placed.len(), 1);
-    assert_ne!(
-        s.allocs()[&out.placed[0]].alloc.node,
-        node_b,
-        "not back on the draining node"
-    );
+    assert_ne!(s.allocs()[&out.placed[0]].alloc.node, node_b, "not back on the draining node");
 }
 
 #[test]
@@ -521,11 +315,7 @@ fn preemption_stops_the_victim_then_places_the_urgent_job() {
     // While the victim stops, nothing else may land on its GPUs.
     assert!(schedule_once(&mut s, 6).placed.is_empty());
     apply_ok(&mut s, report(a, e, ReportedStatus::Stopped, 7));
-    assert_eq!(
-        job_state(&s, 1),
-        JobState::Pending,
-        "the victim is requeued"
-    );
+    assert_eq!(job_state(&s, 1), JobState::Pending, "the victim is requeued");
     let out = schedule_once(&mut s, 8);
     assert_eq!(out.placed.len(), 1);
     assert_eq!(s.allocs()[&out.placed[0]].alloc.job, JobId(2));
@@ -547,18 +337,9 @@ fn preemptions_are_rechecked() {
         checkpoint_first: false,
         grace_s: 0,
     };
-    let plan = Plan {
-        preemptions: vec![pre],
-        ..Plan::default()
-    };
-    let Response::PlanApplied(o) = apply_ok(&mut s, Command::ApplyPlan(ApplyPlan { plan, now: 4 }))
-    else {
-        panic!()
-    };
-    assert!(
-        o.preempted.is_empty() && o.refused_preemptions.len() == 1,
-        "a lower priority cannot preempt: {o:?}"
-    );
+    let plan = Plan { preemptions: vec![pre], ..Plan::default() };
+    let Response::PlanApplied(o) = apply_ok(&mut s, Command::ApplyPlan(ApplyPlan { plan, now: 4 })) else { panic!() };
+    assert!(o.preempted.is_empty() && o.refused_preemptions.len() == 1, "a lower priority cannot preempt: {o:?}");
     assert_eq!(job_state(&s, 1), JobState::Placed);
 }
 
@@ -568,22 +349,10 @@ fn cancel_stops_running_work_and_is_idempotent() {
     apply_ok(&mut s, submit("a", spec("q", 1, 1, 0), 1));
     schedule_once(&mut s, 2);
     let (a, e) = allocs_of(&s, 1)[0];
-    let cancel = || {
-        Command::CancelJob(CancelJob {
-            job: JobId(1),
-            reason: "user".into(),
-            now: 3,
-        })
-    };
+    let cancel = || Command::CancelJob(CancelJob { job: JobId(1), reason: "user".into(), now: 3 });
     apply_ok(&mut s, cancel());
     assert_eq!(job_state(&s, 1), JobState::Cancelled);
-    assert!(matches!(
-        &s.allocs()[&a].desired,
-        Desired::Stop {
-            reason: StopReason::Cancelled,
-            ..
-        }
-    ));
+    assert!(matches!(&s.allocs()[&a].desired, Desired::Stop { reason: StopReason::Cancelled, .. }));
     let h = s.state_hash();
     assert_eq!(apply_ok(&mut s, cancel()), Response::Done);
     assert_eq!(s.state_hash(), h);
@@ -594,11 +363,7 @@ fn cancel_stops_running_work_and_is_idempotent() {
 #[test]
 fn finished_jobs_are_forgotten_beyond_the_retention_limit() {
     let mut s = cluster(1);
-    let cfg = StateConfig {
-        max_retained_jobs: 2,
-        max_live_jobs: 3,
-        ..StateConfig::default()
-    };
+    let cfg = StateConfig { max_retained_jobs: 2, max_live_jobs: 3, ..StateConfig::default() };
     apply_ok(&mut s, Command::UpdateConfig(UpdateConfig { config: cfg }));
     for i in 0..3 {
         apply_ok(&mut s, submit(&format!("r{i}"), spec("q", 1, 1, 0), 1));
@@ -608,20 +373,10 @@ fn finished_jobs_are_forgotten_beyond_the_retention_limit() {
         Response::Rejected(CommandError::TooMany { limit: 3, .. })
     ));
     for i in 1..=3 {
-        apply_ok(
-            &mut s,
-            Command::CancelJob(CancelJob {
-                job: JobId(i),
-                reason: String::new(),
-                now: 2,
-            }),
-        );
+        apply_ok(&mut s, Command::CancelJob(CancelJob { job: JobId(i), reason: String::new(), now: 2 }));
     }
     assert_eq!(s.jobs().len(), 2);
-    assert!(
-        s.job(JobId(1)).is_none() && s.job_by_request("r0").is_none(),
-        "the oldest is forgotten"
-    );
+    assert!(s.job(JobId(1)).is_none() && s.job_by_request("r0").is_none(), "the oldest is forgotten");
     assert!(s.job(JobId(3)).is_some());
 }
 
@@ -630,17 +385,10 @@ fn unknown_commands_are_skipped_only_when_ignorable() {
     let mut s = cluster(1);
     let h = s.state_hash();
     let ign: Command =
-        serde_json::from_str(r#"{"v":2,"kind":"set_price","ignorable":true,"body":{}}"#)
-            .expect("decodes");
-    assert_eq!(
-        apply_ok(&mut s, ign),
-        Response::Ignored {
-            kind: "set_price".into()
-        }
-    );
+        serde_json::from_str(r#"{"v":2,"kind":"set_price","ignorable":true,"body":{}}"#).expect("decodes");
+    assert_eq!(apply_ok(&mut s, ign), Response::Ignored { kind: "set_price".into() });
     assert_eq!(s.state_hash(), h);
-    let hard: Command =
-        serde_json::from_str(r#"{"v":2,"kind":"split_brain","body":{}}"#).expect("decodes");
+    let hard: Command = serde_json::from_str(r#"{"v":2,"kind":"split_brain","body":{}}"#).expect("decodes");
     let r = apply_ok(&mut s, hard);
     assert!(r.is_fatal(), "{r:?}");
     assert_eq!(s.state_hash(), h);
@@ -668,15 +416,8 @@ fn shrinking_a_quota_relabels_running_work_as_borrowed() {
     apply_ok(&mut s, upsert_queue(queue("q", 2)));
     let borrowed: Vec<bool> = s.allocs().values().map(|a| a.alloc.borrowed).collect();
     assert_eq!(borrowed.iter().filter(|b| **b).count(), 1, "{borrowed:?}");
-    let low = s
-        .allocs()
-        .values()
-        .find(|a| a.alloc.borrowed)
-        .expect("one borrowed");
-    assert_eq!(
-        low.alloc.priority, 0,
-        "the lower priority one is relabelled"
-    );
+    let low = s.allocs().values().find(|a| a.alloc.borrowed).expect("one borrowed");
+    assert_eq!(low.alloc.priority, 0, "the lower priority one is relabelled");
 }
 
 #[test]
@@ -687,28 +428,12 @@ fn queues_refuse_cycles_and_deleting_used_queues() {
     apply_ok(&mut s, upsert_queue(child));
     let mut q = queue("q", 8);
     q.parent = Some("child".into());
-    assert!(matches!(
-        apply_ok(&mut s, upsert_queue(q)),
-        Response::Rejected(CommandError::Invalid { .. })
-    ));
+    assert!(matches!(apply_ok(&mut s, upsert_queue(q)), Response::Rejected(CommandError::Invalid { .. })));
     let del = |q: &str| Command::DeleteQueue(suanli_state::DeleteQueue { queue: q.into() });
-    assert!(matches!(
-        apply_ok(&mut s, del("q")),
-        Response::Rejected(CommandError::Conflict { .. })
-    ));
+    assert!(matches!(apply_ok(&mut s, del("q")), Response::Rejected(CommandError::Conflict { .. })));
     apply_ok(&mut s, submit("a", spec("child", 1, 1, 0), 1));
-    assert!(matches!(
-        apply_ok(&mut s, del("child")),
-        Response::Rejected(CommandError::Conflict { .. })
-    ));
-    apply_ok(
-        &mut s,
-        Command::CancelJob(CancelJob {
-            job: JobId(1),
-            reason: String::new(),
-            now: 2,
-        }),
-    );
+    assert!(matches!(apply_ok(&mut s, del("child")), Response::Rejected(CommandError::Conflict { .. })));
+    apply_ok(&mut s, Command::CancelJob(CancelJob { job: JobId(1), reason: String::new(), now: 2 }));
     assert_eq!(apply_ok(&mut s, del("child")), Response::Done);
 }
 
@@ -719,4 +444,33 @@ fn time_never_goes_backwards() {
     apply_ok(&mut s, submit("b", spec("q", 1, 1, 0), 50));
     assert_eq!(s.clock(), 100);
     assert_eq!(s.job(JobId(2)).map(|j| j.submitted_at), Some(100));
+}
+
+#[test]
+fn re_registering_with_less_capacity_loses_only_what_no_longer_fits() {
+    let mut s = cluster(1);
+    apply_ok(&mut s, submit("a", spec("q", 1, 2, 0), 1));
+    apply_ok(&mut s, submit("b", spec("q", 1, 1, 0), 1));
+    assert_eq!(schedule_once(&mut s, 2).placed.len(), 2);
+    let mut smaller = node("n0", 4);
+    smaller.devices.truncate(0);
+    let used: Vec<String> =
+        s.allocs().values().flat_map(|a| a.alloc.devices.iter().map(|d| d.device.clone())).collect();
+    // Keep exactly the devices of one job, and turn the others into NPUs (a kind change).
+    let keep =
+        s.allocs().values().find(|a| a.alloc.job == JobId(2)).expect("job 2 placed").alloc.devices[0].device.clone();
+    for id in 0..4 {
+        let mut d = suanli_model::Device::simple(format!("gpu{id}"), suanli_model::DeviceKind::Gpu, "A100");
+        if d.id != keep && used.contains(&d.id) {
+            d.kind = suanli_model::DeviceKind::Npu;
+        }
+        smaller.devices.push(d);
+    }
+    apply_ok(&mut s, register(smaller, 3));
+    assert_eq!(job_state(&s, 1), JobState::Pending, "its devices changed kind: lost and requeued");
+    assert_eq!(job_state(&s, 2), JobState::Placed, "its device is unchanged");
+    let mut tiny = node("n0", 4);
+    tiny.cpu_milli = 500;
+    apply_ok(&mut s, register(tiny, 4));
+    assert_eq!(job_state(&s, 2), JobState::Pending, "no longer fits the node's cpu");
 }

@@ -6,73 +6,27 @@ mod common;
 
 use common::*;
 use proptest::prelude::*;
-use suanli_model::{
-    AllocId, DeviceKind, DeviceRequest, DeviceShare, Health, JobId, NodeId, Placement, Plan,
-};
+use suanli_model::{AllocId, DeviceKind, DeviceRequest, DeviceShare, Health, JobId, NodeId, Placement, Plan};
 use suanli_scheduler::{SchedulerConfig, schedule};
 use suanli_state::{
-    ApplyPlan, CancelJob, Command, DeviceHealth, NodeDown, NodeMode, ReportCheckpoint,
-    ReportedStatus, RetryPolicy, SetNodeMode, State, SubmitJob,
+    ApplyPlan, CancelJob, Command, DeviceHealth, NodeDown, NodeMode, ReportCheckpoint, ReportedStatus, RetryPolicy,
+    SetNodeMode, State, SubmitJob,
 };
 
 #[derive(Debug, Clone)]
 enum Op {
-    Submit {
-        rid: u8,
-        queue: u8,
-        replicas: u32,
-        gpus: u32,
-        milli: u32,
-        priority: i32,
-        gang: bool,
-        attempts: u32,
-    },
-    Schedule {
-        seed: u64,
-    },
-    BadPlan {
-        job: u8,
-        node: u8,
-        dev: u8,
-        milli: u32,
-        replica: u32,
-    },
-    Report {
-        pick: usize,
-        epoch_skew: u8,
-        status: u8,
-    },
-    Checkpoint {
-        pick: usize,
-    },
-    NodeDown {
-        node: u8,
-    },
-    Register {
-        node: u8,
-        gpus: u32,
-        cpu_k: u64,
-    },
-    Health {
-        node: u8,
-        dev: u8,
-        healthy: bool,
-    },
-    Mode {
-        node: u8,
-        mode: u8,
-    },
-    Cancel {
-        job: u8,
-    },
-    Quota {
-        queue: u8,
-        gpus: u64,
-        cohort: bool,
-    },
-    Advance {
-        secs: u64,
-    },
+    Submit { rid: u8, queue: u8, replicas: u32, gpus: u32, milli: u32, priority: i32, gang: bool, attempts: u32 },
+    Schedule { seed: u64 },
+    BadPlan { job: u8, node: u8, dev: u8, milli: u32, replica: u32 },
+    Report { pick: usize, epoch_skew: u8, status: u8 },
+    Checkpoint { pick: usize },
+    NodeDown { node: u8 },
+    Register { node: u8, gpus: u32, cpu_k: u64, npu: bool },
+    Health { node: u8, dev: u8, healthy: bool },
+    Mode { node: u8, mode: u8 },
+    Cancel { job: u8 },
+    Quota { queue: u8, gpus: u64, cohort: bool },
+    Advance { secs: u64 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -87,7 +41,7 @@ fn op() -> impl Strategy<Value = Op> {
         5 => (any::<usize>(), 0u8..4, 0u8..4).prop_map(|(pick, epoch_skew, status)| Op::Report { pick, epoch_skew, status }),
         1 => any::<usize>().prop_map(|pick| Op::Checkpoint { pick }),
         1 => (0u8..4).prop_map(|node| Op::NodeDown { node }),
-        1 => (0u8..4, 0u32..6, 1u64..64).prop_map(|(node, gpus, cpu_k)| Op::Register { node, gpus, cpu_k }),
+        1 => (0u8..4, 0u32..6, 1u64..64, any::<bool>()).prop_map(|(node, gpus, cpu_k, npu)| Op::Register { node, gpus, cpu_k, npu }),
         1 => (0u8..4, 0u8..5, any::<bool>()).prop_map(|(node, dev, healthy)| Op::Health { node, dev, healthy }),
         1 => (0u8..4, 0u8..3).prop_map(|(node, mode)| Op::Mode { node, mode }),
         1 => (0u8..24).prop_map(|job| Op::Cancel { job }),
@@ -103,16 +57,7 @@ const QUEUES: [&str; 3] = ["q", "r", "ghost"];
 fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
     let nid = |n: u8| NodeId::from(format!("n{n}").as_str());
     Some(match op {
-        Op::Submit {
-            rid,
-            queue,
-            replicas,
-            gpus,
-            milli,
-            priority,
-            gang,
-            attempts,
-        } => {
+        Op::Submit { rid, queue, replicas, gpus, milli, priority, gang, attempts } => {
             let mut sp = spec(QUEUES[*queue as usize], *replicas, *gpus, *priority);
             sp.gang = *gang;
             if let Some(d) = sp.groups[0].resources.devices.as_mut()
@@ -123,31 +68,15 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
             if !*gang {
                 sp.groups[0].min_replicas = Some(1);
             }
-            let retry = Some(RetryPolicy {
-                max_attempts: *attempts,
-                backoff_base_s: 5,
-                backoff_max_s: 20,
-            });
-            Command::SubmitJob(SubmitJob {
-                client_request_id: format!("rid-{rid}"),
-                spec: sp,
-                retry,
-                now: *now,
-            })
+            let retry = Some(RetryPolicy { max_attempts: *attempts, backoff_base_s: 5, backoff_max_s: 20 });
+            Command::SubmitJob(SubmitJob { client_request_id: format!("rid-{rid}"), spec: sp, retry, now: *now })
         }
         Op::Schedule { seed } => {
             let view = s.cluster_view(*now);
-            let plan =
-                schedule(&view, *now, *seed, &SchedulerConfig::default()).expect("engine runs");
+            let plan = schedule(&view, *now, *seed, &SchedulerConfig::default()).expect("engine runs");
             Command::ApplyPlan(ApplyPlan { plan, now: *now })
         }
-        Op::BadPlan {
-            job,
-            node,
-            dev,
-            milli,
-            replica,
-        } => {
+        Op::BadPlan { job, node, dev, milli, replica } => {
             let p = Placement {
                 job: JobId(u64::from(*job)),
                 group: 0,
@@ -155,53 +84,25 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
                 node: nid(*node),
                 cpu_milli: 1000,
                 memory_mib: 1024,
-                devices: vec![DeviceShare {
-                    device: format!("gpu{dev}"),
-                    milli: *milli,
-                    memory_mib: 0,
-                }],
+                devices: vec![DeviceShare { device: format!("gpu{dev}"), milli: *milli, memory_mib: 0 }],
                 borrowed: false,
             };
-            let plan = Plan {
-                placements: vec![
-                    p.clone(),
-                    Placement {
-                        replica: p.replica + 1,
-                        ..p
-                    },
-                ],
-                ..Plan::default()
-            };
+            let plan =
+                Plan { placements: vec![p.clone(), Placement { replica: p.replica + 1, ..p }], ..Plan::default() };
             Command::ApplyPlan(ApplyPlan { plan, now: *now })
         }
-        Op::Report {
-            pick,
-            epoch_skew,
-            status,
-        } => {
+        Op::Report { pick, epoch_skew, status } => {
             let ids: Vec<AllocId> = s.allocs().keys().copied().collect();
-            let id = if ids.is_empty() {
-                AllocId(1)
-            } else {
-                ids[pick % ids.len()]
-            };
-            let epoch =
-                s.allocs().get(&id).map_or(1, |a| a.alloc.epoch) + u64::from(*epoch_skew / 3);
-            let status = [
-                ReportedStatus::Running,
-                ReportedStatus::Succeeded,
-                ReportedStatus::Failed,
-                ReportedStatus::Stopped,
-            ][*status as usize % 4];
+            let id = if ids.is_empty() { AllocId(1) } else { ids[pick % ids.len()] };
+            let epoch = s.allocs().get(&id).map_or(1, |a| a.alloc.epoch) + u64::from(*epoch_skew / 3);
+            let status =
+                [ReportedStatus::Running, ReportedStatus::Succeeded, ReportedStatus::Failed, ReportedStatus::Stopped]
+                    [*status as usize % 4];
             report(id, epoch, status, *now)
         }
         Op::Checkpoint { pick } => {
             let ids: Vec<AllocId> = s.allocs().keys().copied().collect();
-            let id = if ids.is_empty() {
-                AllocId(1)
-            } else {
-                ids[pick % ids.len()]
-            };
+            let id = if ids.is_empty() { AllocId(1) } else { ids[pick % ids.len()] };
             let epoch = s.allocs().get(&id).map_or(1, |a| a.alloc.epoch);
             Command::ReportCheckpoint(ReportCheckpoint {
                 alloc: id,
@@ -212,13 +113,12 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
                 now: *now,
             })
         }
-        Op::NodeDown { node } => Command::NodeDown(NodeDown {
-            node: nid(*node),
-            reason: "ttl".into(),
-            now: *now,
-        }),
-        Op::Register { node, gpus, cpu_k } => {
+        Op::NodeDown { node } => Command::NodeDown(NodeDown { node: nid(*node), reason: "ttl".into(), now: *now }),
+        Op::Register { node, gpus, cpu_k, npu } => {
             let mut n = common::node(&format!("n{node}"), *gpus);
+            if *npu {
+                n.devices.iter_mut().for_each(|d| d.kind = DeviceKind::Npu);
+            }
             n.cpu_milli = cpu_k * 1000;
             n.memory_mib = cpu_k * 4096;
             register(n, *now)
@@ -226,32 +126,18 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
         Op::Health { node, dev, healthy } => Command::DeviceHealth(DeviceHealth {
             node: nid(*node),
             device: format!("gpu{dev}"),
-            health: if *healthy {
-                Health::Healthy
-            } else {
-                Health::Unhealthy
-            },
+            health: if *healthy { Health::Healthy } else { Health::Unhealthy },
             now: *now,
         }),
         Op::Mode { node, mode } => Command::SetNodeMode(SetNodeMode {
             node: nid(*node),
-            mode: [
-                NodeMode::Schedulable,
-                NodeMode::Cordoned,
-                NodeMode::Draining,
-            ][*mode as usize % 3],
+            mode: [NodeMode::Schedulable, NodeMode::Cordoned, NodeMode::Draining][*mode as usize % 3],
             now: *now,
         }),
-        Op::Cancel { job } => Command::CancelJob(CancelJob {
-            job: JobId(u64::from(*job)),
-            reason: String::new(),
-            now: *now,
-        }),
-        Op::Quota {
-            queue,
-            gpus,
-            cohort,
-        } => {
+        Op::Cancel { job } => {
+            Command::CancelJob(CancelJob { job: JobId(u64::from(*job)), reason: String::new(), now: *now })
+        }
+        Op::Quota { queue, gpus, cohort } => {
             let mut q = common::queue(QUEUES[*queue as usize % 2], *gpus);
             q.cohort = cohort.then(|| "c".to_owned());
             upsert_queue(q)
@@ -322,12 +208,7 @@ fn a_device_request_is_always_whole_or_a_fraction_of_one() {
     // Guard for the generator above: fractional requests use count 1.
     let mut sp = spec("q", 1, 1, 0);
     if let Some(d) = sp.groups[0].resources.devices.as_mut() {
-        *d = DeviceRequest {
-            kind: DeviceKind::Gpu,
-            count: 1,
-            milli: 250,
-            memory_mib: 0,
-        };
+        *d = DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli: 250, memory_mib: 0 };
     }
     assert!(sp.validate(&suanli_model::Limits::default()).is_ok());
 }
@@ -342,10 +223,7 @@ fn the_generator_reaches_the_interesting_states() {
     let mut seen_states = BTreeSet::new();
     let (mut placed, mut refused, mut preempted) = (0, 0, 0);
     for _ in 0..20 {
-        let ops = prop::collection::vec(op(), 200)
-            .new_tree(&mut runner)
-            .expect("generates")
-            .current();
+        let ops = prop::collection::vec(op(), 200).new_tree(&mut runner).expect("generates").current();
         let (mut s, _) = start();
         let mut now = 1;
         for op in &ops {
@@ -361,20 +239,8 @@ fn the_generator_reaches_the_interesting_states() {
             seen_states.extend(s.jobs().values().map(|j| j.state.as_str()));
         }
     }
-    for st in [
-        JobState::Pending,
-        JobState::Running,
-        JobState::Succeeded,
-        JobState::Failed,
-        JobState::Cancelled,
-    ] {
-        assert!(
-            seen_states.contains(st.as_str()),
-            "never reached {st:?}: {seen_states:?}"
-        );
+    for st in [JobState::Pending, JobState::Running, JobState::Succeeded, JobState::Failed, JobState::Cancelled] {
+        assert!(seen_states.contains(st.as_str()), "never reached {st:?}: {seen_states:?}");
     }
-    assert!(
-        placed > 50 && refused > 10,
-        "placed {placed}, refused {refused}, preempted {preempted}"
-    );
+    assert!(placed > 50 && refused > 10, "placed {placed}, refused {refused}, preempted {preempted}");
 }

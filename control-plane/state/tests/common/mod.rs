@@ -2,13 +2,12 @@
 #![allow(dead_code)]
 
 use suanli_model::{
-    Constraints, Device, DeviceKind, DeviceRequest, JobKind, JobSpec, Node, NodeId, PoolId, Queue,
-    QueueId, ResVec, TaskGroup, TaskResources,
+    Constraints, Device, DeviceKind, DeviceRequest, JobKind, JobSpec, Node, NodeId, PoolId, Queue, QueueId, ResVec,
+    TaskGroup, TaskResources,
 };
 use suanli_scheduler::{SchedulerConfig, schedule};
 use suanli_state::{
-    AllocStatus, ApplyPlan, Command, PlanOutcome, RegisterNode, ReportedStatus, Response, State,
-    SubmitJob, UpsertQueue,
+    AllocStatus, ApplyPlan, Command, PlanOutcome, RegisterNode, ReportedStatus, Response, State, SubmitJob, UpsertQueue,
 };
 
 pub fn node(id: &str, gpus: u32) -> Node {
@@ -32,13 +31,7 @@ pub fn node(id: &str, gpus: u32) -> Node {
 }
 
 pub fn queue(id: &str, gpus: u64) -> Queue {
-    Queue::new(
-        id,
-        ResVec {
-            gpu_milli: gpus * 1000,
-            ..ResVec::MAX
-        },
-    )
+    Queue::new(id, ResVec { gpu_milli: gpus * 1000, ..ResVec::MAX })
 }
 
 pub fn spec(queue: &str, replicas: u32, gpus: u32, priority: i32) -> JobSpec {
@@ -79,27 +72,11 @@ pub fn register(n: Node, now: u64) -> Command {
 }
 
 pub fn submit(rid: &str, spec: JobSpec, now: u64) -> Command {
-    Command::SubmitJob(SubmitJob {
-        client_request_id: rid.into(),
-        spec,
-        retry: None,
-        now,
-    })
+    Command::SubmitJob(SubmitJob { client_request_id: rid.into(), spec, retry: None, now })
 }
 
-pub fn report(
-    alloc: suanli_model::AllocId,
-    epoch: u64,
-    status: ReportedStatus,
-    now: u64,
-) -> Command {
-    Command::AllocStatus(AllocStatus {
-        alloc,
-        epoch,
-        status,
-        message: String::new(),
-        now,
-    })
+pub fn report(alloc: suanli_model::AllocId, epoch: u64, status: ReportedStatus, now: u64) -> Command {
+    Command::AllocStatus(AllocStatus { alloc, epoch, status, message: String::new(), now })
 }
 
 /// Applies a command, checks the invariants, and returns the response.
