@@ -36,11 +36,15 @@ pub enum Format {
 #[derive(Args, Debug)]
 pub struct FillArgs {
     /// Node list (Alibaba `openb_node_list_*.csv`).
-    #[arg(long)]
-    pub nodes: PathBuf,
+    #[arg(long, required_unless_present = "synthetic", requires = "pods")]
+    pub nodes: Option<PathBuf>,
     /// Pod list (Alibaba `openb_pod_list_*.csv` or suanli's native format).
-    #[arg(long)]
-    pub pods: PathBuf,
+    #[arg(long, requires = "nodes")]
+    pub pods: Option<PathBuf>,
+    /// Instead of trace files: a synthetic cluster of this many 8-GPU nodes and a generated
+    /// pod stream (see docs/sim.md).
+    #[arg(long, conflicts_with_all = ["nodes", "pods"])]
+    pub synthetic: Option<usize>,
     /// Comma-separated policies, or `all`.
     #[arg(long, default_value = "suanli,fgd,bestfit")]
     pub policy: String,
@@ -115,13 +119,30 @@ pub fn run(cmd: SimCmd) -> Result<()> {
 fn run_fill(a: FillArgs) -> Result<()> {
     let policies = parse_policies(&a.policy)?;
     let seeds = parse_seeds(&a.seeds)?;
-    let nodes = trace::read_alibaba_nodes(&a.nodes)?;
-    let pods = trace::read_pods(&a.pods)?;
+    let (nodes, pods, title) = match (&a.nodes, &a.pods, a.synthetic) {
+        (Some(n), Some(p), _) => {
+            let name = |p: &PathBuf| p.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned());
+            (trace::read_alibaba_nodes(n)?, trace::read_pods(p)?, format!("{} on {}", name(p), name(n)))
+        }
+        (_, _, Some(n)) => {
+            if n == 0 || n > 100_000 {
+                bail!("--synthetic: {n} nodes; give between 1 and 100000");
+            }
+            let nodes = suanli_sim::synth::nodes(n);
+            let pods = suanli_sim::synth::trace_pods(n * 8, 7, 1, false);
+            (nodes, pods, format!("synthetic stream on {n} synthetic nodes"))
+        }
+        _ => bail!("give --nodes and --pods, or --synthetic N"),
+    };
     let weights = Weights { fragmentation: a.w_frag, binpack: a.w_binpack, ..Weights::default() };
     let jobs: Vec<(usize, u64)> = (0..policies.len()).flat_map(|p| seeds.iter().map(move |&s| (p, s))).collect();
-    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).clamp(1, 256);
+    let threads =
+        a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).clamp(1, 256);
     let bar = ProgressBar::new(jobs.len() as u64);
-    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} runs {elapsed_precise} {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} runs {elapsed_precise} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     let results: Mutex<Vec<Option<FillRun>>> = Mutex::new(vec![None; jobs.len()]);
     let next = std::sync::atomic::AtomicUsize::new(0);
     let first_err: Mutex<Option<anyhow::Error>> = Mutex::new(None);
@@ -131,7 +152,13 @@ fn run_fill(a: FillArgs) -> Result<()> {
                 loop {
                     let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let Some(&(p, seed)) = jobs.get(k) else { break };
-                    let opts = FillOptions { policy: policies[p].clone(), seed, inflate: a.inflate, weights, ..FillOptions::default() };
+                    let opts = FillOptions {
+                        policy: policies[p].clone(),
+                        seed,
+                        inflate: a.inflate,
+                        weights,
+                        ..FillOptions::default()
+                    };
                     match fill(&nodes, &pods, &opts) {
                         Ok(r) => {
                             if let Ok(mut v) = results.lock() {
@@ -158,22 +185,24 @@ fn run_fill(a: FillArgs) -> Result<()> {
         .iter()
         .enumerate()
         .map(|(p, name)| {
-            let runs: Vec<FillRun> = jobs
-                .iter()
-                .zip(&results)
-                .filter(|((pp, _), _)| *pp == p)
-                .filter_map(|(_, r)| r.clone())
-                .collect();
+            let runs: Vec<FillRun> =
+                jobs.iter().zip(&results).filter(|((pp, _), _)| *pp == p).filter_map(|(_, r)| r.clone()).collect();
             report::summarize(name, &runs)
         })
         .collect();
-    let title = format!("{} on {}", a.pods.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()), a.nodes.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()));
     if let Some(svg) = &a.svg {
-        std::fs::write(svg, report::curves_svg(&title, &sums)).with_context(|| format!("--svg: writing {}", svg.display()))?;
+        std::fs::write(svg, report::curves_svg(&title, &sums))
+            .with_context(|| format!("--svg: writing {}", svg.display()))?;
     }
     match a.format {
         Format::Table => {
-            println!("{title}: {} node(s), {} pod(s), inflate {}, seeds {}", nodes.len(), pods.len(), a.inflate, a.seeds);
+            println!(
+                "{title}: {} node(s), {} pod(s), inflate {}, seeds {}",
+                nodes.len(),
+                pods.len(),
+                a.inflate,
+                a.seeds
+            );
             print!("{}", report::table(&sums));
         }
         Format::Json => println!("{}", serde_json::to_string_pretty(&sums)?),

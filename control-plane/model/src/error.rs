@@ -35,9 +35,7 @@ impl ValidationError {
     /// The dotted path of the offending field.
     pub fn field(&self) -> &str {
         match self {
-            Self::OutOfRange { field, .. } | Self::Empty { field } | Self::Invalid { field, .. } => {
-                field
-            }
+            Self::OutOfRange { field, .. } | Self::Empty { field } | Self::Invalid { field, .. } => field,
         }
     }
 }
@@ -60,11 +58,7 @@ pub(crate) fn check_range<T: PartialOrd + std::fmt::Display>(
 }
 
 /// Checks a name: non-empty, bounded, printable without whitespace.
-pub(crate) fn check_name(
-    field: impl Fn() -> String,
-    name: &str,
-    max_len: usize,
-) -> Result<(), ValidationError> {
+pub(crate) fn check_name(field: impl Fn() -> String, name: &str, max_len: usize) -> Result<(), ValidationError> {
     if name.is_empty() {
         return Err(ValidationError::Empty { field: field() });
     }

@@ -214,12 +214,7 @@ impl JobSpec {
             }
             let r = &g.resources;
             check_range(|| format!("groups[{i}].resources.cpu_milli"), r.cpu_milli, 0, limits.max_cpu_milli)?;
-            check_range(
-                || format!("groups[{i}].resources.memory_mib"),
-                r.memory_mib,
-                0,
-                limits.max_memory_mib,
-            )?;
+            check_range(|| format!("groups[{i}].resources.memory_mib"), r.memory_mib, 0, limits.max_memory_mib)?;
             if let Some(d) = &r.devices {
                 check_range(
                     || format!("groups[{i}].resources.devices.count"),
@@ -227,12 +222,7 @@ impl JobSpec {
                     1,
                     limits.max_devices_per_task,
                 )?;
-                check_range(
-                    || format!("groups[{i}].resources.devices.milli"),
-                    d.milli,
-                    1,
-                    WHOLE_DEVICE_MILLI,
-                )?;
+                check_range(|| format!("groups[{i}].resources.devices.milli"), d.milli, 1, WHOLE_DEVICE_MILLI)?;
                 if d.is_fractional() && d.count != 1 {
                     return Err(ValidationError::Invalid {
                         field: format!("groups[{i}].resources.devices.count"),
@@ -296,12 +286,7 @@ mod tests {
                 resources: TaskResources {
                     cpu_milli: 8000,
                     memory_mib: 65536,
-                    devices: Some(DeviceRequest {
-                        kind: DeviceKind::Gpu,
-                        count: 4,
-                        milli: 1000,
-                        memory_mib: 0,
-                    }),
+                    devices: Some(DeviceRequest { kind: DeviceKind::Gpu, count: 4, milli: 1000, memory_mib: 0 }),
                 },
             }],
             constraints: Constraints::default(),
@@ -335,9 +320,6 @@ mod tests {
 
         let mut s = spec();
         s.groups.clear();
-        assert_eq!(
-            s.validate(&Limits::default()).map_err(|e| e.field().to_owned()),
-            Err("groups".to_owned())
-        );
+        assert_eq!(s.validate(&Limits::default()).map_err(|e| e.field().to_owned()), Err("groups".to_owned()));
     }
 }

@@ -58,13 +58,11 @@ impl Queue {
     pub fn validate(&self, limits: &Limits) -> Result<(), ValidationError> {
         check_name(|| "queue.id".into(), self.id.as_str(), limits.max_name_len)?;
         check_range(|| "queue.weight".into(), self.weight, 1, 1_000_000)?;
-        if let Some(p) = &self.parent {
-            if p == &self.id {
-                return Err(ValidationError::Invalid {
-                    field: "queue.parent".into(),
-                    message: "a queue cannot be its own parent".into(),
-                });
-            }
+        if self.parent.as_ref() == Some(&self.id) {
+            return Err(ValidationError::Invalid {
+                field: "queue.parent".into(),
+                message: "a queue cannot be its own parent".into(),
+            });
         }
         Ok(())
     }

@@ -74,10 +74,7 @@ impl ResVec {
     /// the total has (DRF). Dimensions the total lacks are ignored.
     pub fn dominant_share(&self, total: &ResVec) -> f64 {
         let (a, t) = (self.dims(), total.dims());
-        (0..4)
-            .filter(|&i| t[i] > 0)
-            .map(|i| a[i] as f64 / t[i] as f64)
-            .fold(0.0, f64::max)
+        (0..4).filter(|&i| t[i] > 0).map(|i| a[i] as f64 / t[i] as f64).fold(0.0, f64::max)
     }
 
     /// True when all dimensions are zero.
@@ -101,11 +98,7 @@ impl AddAssign for ResVec {
 
 impl fmt::Display for ResVec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "cpu={}m mem={}Mi gpu={}m npu={}m",
-            self.cpu_milli, self.memory_mib, self.gpu_milli, self.npu_milli
-        )
+        write!(f, "cpu={}m mem={}Mi gpu={}m npu={}m", self.cpu_milli, self.memory_mib, self.gpu_milli, self.npu_milli)
     }
 }
 

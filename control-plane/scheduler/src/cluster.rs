@@ -15,13 +15,14 @@
 //! [`DetRng`], so a seed replays exactly.
 
 use crate::policy::{Eval, Pick, Policy, TieBreak};
-use std::collections::BTreeSet;
 use crate::rng::DetRng;
-use std::collections::{BTreeMap, HashMap};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::BTreeMap;
+use std::collections::BTreeSet;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use suanli_model::{
-    Constraints, DeviceKind, DeviceShare, Health, Limits, Node, NodeId, PoolId, TaskResources,
-    WHOLE_DEVICE_MILLI,
+    Constraints, DeviceKind, DeviceShare, Health, Limits, Node, NodeId, PoolId, TaskResources, WHOLE_DEVICE_MILLI,
 };
 use thiserror::Error;
 
@@ -102,7 +103,7 @@ pub struct StaticGroup {
 }
 
 /// Current state of one device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct DevState {
     /// Usable at all.
     pub healthy: bool,
@@ -174,6 +175,8 @@ pub struct Shape {
     pub dev: Option<DevReq>,
     /// Allowed device models.
     pub models: ModelSet,
+    /// The model names as requested (for messages; may name models no node has).
+    pub model_names: Option<Arc<[String]>>,
     /// Allowed static groups (bitset), `None` = all.
     pub groups: Option<Arc<[u64]>>,
 }
@@ -302,14 +305,14 @@ impl Cluster {
         let mut c = Cluster {
             groups: Vec::new(),
             nodes: Vec::with_capacity(nodes.len()),
-            node_index: HashMap::with_capacity(nodes.len()),
+            node_index: HashMap::with_capacity_and_hasher(nodes.len(), Default::default()),
             classes: Vec::new(),
-            class_index: HashMap::new(),
+            class_index: HashMap::default(),
             active: Vec::new(),
             shapes: Vec::new(),
-            shape_index: HashMap::new(),
+            shape_index: HashMap::default(),
             models: Vec::new(),
-            model_index: HashMap::new(),
+            model_index: HashMap::default(),
             track_tags,
             ties,
             rank: (0..nodes.len() as u32).collect(),
@@ -317,7 +320,7 @@ impl Cluster {
             scratch_key: Vec::new(),
             scratch_devs: Vec::new(),
         };
-        let mut group_index: HashMap<String, u32> = HashMap::new();
+        let mut group_index: HashMap<u64, Vec<u32>> = HashMap::default();
         for n in nodes {
             n.validate(limits).map_err(|source| ClusterError::Node { node: n.id.0.clone(), source })?;
             if n.devices.len() > MAX_NODE_DEVICES {
@@ -344,29 +347,52 @@ impl Cluster {
                 }
             }
             let has_topology = blocks.len() > 1 || blocks.iter().any(|b| b.1.is_some());
-            let gkey = format!(
-                "{}\u{1}{}\u{1}{}\u{1}{:?}\u{1}{}\u{1}{}\u{1}{}\u{1}{:?}\u{1}{:?}",
-                n.pool, n.region, n.datacenter, n.labels, n.cpu_milli, n.memory_mib, n.schedulable, devs, blocks
-            );
-            let group = match group_index.get(&gkey) {
-                Some(&g) => g,
-                None => {
-                    let g = c.groups.len() as u32;
-                    c.groups.push(StaticGroup {
-                        pool: n.pool.clone(),
-                        region: n.region.clone(),
-                        datacenter: n.datacenter.clone(),
-                        labels: n.labels.clone(),
-                        cpu_milli: n.cpu_milli,
-                        memory_mib: n.memory_mib,
-                        schedulable: n.schedulable,
-                        devs,
-                        runs,
-                        blocks,
-                        has_topology,
-                    });
-                    group_index.insert(gkey, g);
-                    g
+            let group = {
+                let same = |g: &StaticGroup| {
+                    g.pool == n.pool
+                        && g.region == n.region
+                        && g.datacenter == n.datacenter
+                        && g.labels == n.labels
+                        && g.cpu_milli == n.cpu_milli
+                        && g.memory_mib == n.memory_mib
+                        && g.schedulable == n.schedulable
+                        && g.devs == devs
+                        && g.blocks == blocks
+                };
+                let mut h = rustc_hash::FxHasher::default();
+                (
+                    &n.pool,
+                    &n.region,
+                    &n.datacenter,
+                    &n.labels,
+                    n.cpu_milli,
+                    n.memory_mib,
+                    n.schedulable,
+                    &devs,
+                    &blocks,
+                )
+                    .hash(&mut h);
+                let bucket = group_index.entry(h.finish()).or_default();
+                match bucket.iter().copied().find(|&g| same(&c.groups[g as usize])) {
+                    Some(g) => g,
+                    None => {
+                        let g = c.groups.len() as u32;
+                        c.groups.push(StaticGroup {
+                            pool: n.pool.clone(),
+                            region: n.region.clone(),
+                            datacenter: n.datacenter.clone(),
+                            labels: n.labels.clone(),
+                            cpu_milli: n.cpu_milli,
+                            memory_mib: n.memory_mib,
+                            schedulable: n.schedulable,
+                            devs,
+                            runs,
+                            blocks,
+                            has_topology,
+                        });
+                        bucket.push(g);
+                        g
+                    }
                 }
             };
             let idx = c.nodes.len() as u32;
@@ -421,16 +447,14 @@ impl Cluster {
         if names.is_empty() {
             return ALL_MODELS;
         }
-        names
-            .iter()
-            .filter_map(|n| self.model_index.get(n))
-            .fold(0, |acc, &id| acc | (1u128 << id))
+        names.iter().filter_map(|n| self.model_index.get(n)).fold(0, |acc, &id| acc | (1u128 << id))
     }
 
     /// Interns the shape of one replica with `resources` under `constraints`.
     pub fn shape(&mut self, resources: &TaskResources, constraints: &Constraints) -> ShapeId {
         let models = self.model_set(&constraints.device_models);
-        let groups = if constraints.pools.is_empty() && constraints.regions.is_empty() && constraints.labels.is_empty() {
+        let groups = if constraints.pools.is_empty() && constraints.regions.is_empty() && constraints.labels.is_empty()
+        {
             None
         } else {
             let mut bits = vec![0u64; self.groups.len().div_ceil(64).max(1)];
@@ -450,7 +474,15 @@ impl Cluster {
             milli: d.milli.min(WHOLE_DEVICE_MILLI) as u16,
             memory_mib: d.memory_mib,
         });
-        self.intern(Shape { cpu_milli: resources.cpu_milli, memory_mib: resources.memory_mib, dev, models, groups })
+        let model_names = (!constraints.device_models.is_empty()).then(|| Arc::from(constraints.device_models.clone()));
+        self.intern(Shape {
+            cpu_milli: resources.cpu_milli,
+            memory_mib: resources.memory_mib,
+            dev,
+            models,
+            model_names,
+            groups,
+        })
     }
 
     /// Interns a prepared shape.
@@ -522,7 +554,10 @@ impl Cluster {
     pub fn for_each_node(&self, mut f: impl FnMut(&StaticGroup, NodeView<'_>)) {
         for n in &self.nodes {
             let c = &self.classes[n.class as usize];
-            f(&self.groups[n.group as usize], NodeView { cpu_free: c.cpu_free, mem_free: c.mem_free, devs: &c.devs, tags: c.tags });
+            f(
+                &self.groups[n.group as usize],
+                NodeView { cpu_free: c.cpu_free, mem_free: c.mem_free, devs: &c.devs, tags: c.tags },
+            );
         }
     }
 
@@ -530,7 +565,10 @@ impl Cluster {
     pub fn view(&self, node: u32) -> (&StaticGroup, NodeView<'_>) {
         let n = &self.nodes[node as usize];
         let c = &self.classes[n.class as usize];
-        (&self.groups[n.group as usize], NodeView { cpu_free: c.cpu_free, mem_free: c.mem_free, devs: &c.devs, tags: c.tags })
+        (
+            &self.groups[n.group as usize],
+            NodeView { cpu_free: c.cpu_free, mem_free: c.mem_free, devs: &c.devs, tags: c.tags },
+        )
     }
 
     /// Marks a node's device (by id) healthy or not.
@@ -636,7 +674,7 @@ impl Cluster {
 
     fn relist(&mut self, node: u32, class: u32) {
         let n = &self.nodes[node as usize];
-        if n.class == class && n.listed == !n.held {
+        if n.class == class && n.listed != n.held {
             return;
         }
         self.unlist(node);
@@ -881,7 +919,14 @@ impl Cluster {
 
     /// Reserves running work on a node by device id (from the committed state). Returns false
     /// when the node or a device is unknown or over-committed; the shares are clamped.
-    pub fn occupy(&mut self, node: &NodeId, cpu_milli: u64, memory_mib: u64, shares: &[DeviceShare], dev: Option<DevReq>) -> bool {
+    pub fn occupy(
+        &mut self,
+        node: &NodeId,
+        cpu_milli: u64,
+        memory_mib: u64,
+        shares: &[DeviceShare],
+        dev: Option<DevReq>,
+    ) -> bool {
         let Some(idx) = self.node_index(node) else { return false };
         let n = &mut self.nodes[idx as usize];
         let mut ok = n.cpu_free >= cpu_milli && n.mem_free >= memory_mib;
@@ -907,7 +952,14 @@ impl Cluster {
     }
 
     /// Inverse of [`Cluster::occupy`]: returns a running allocation's resources.
-    pub fn vacate(&mut self, node: &NodeId, cpu_milli: u64, memory_mib: u64, shares: &[DeviceShare], dev: Option<DevReq>) {
+    pub fn vacate(
+        &mut self,
+        node: &NodeId,
+        cpu_milli: u64,
+        memory_mib: u64,
+        shares: &[DeviceShare],
+        dev: Option<DevReq>,
+    ) {
         let Some(idx) = self.node_index(node) else { return };
         let n = &mut self.nodes[idx as usize];
         n.cpu_free = n.cpu_free.saturating_add(cpu_milli);
@@ -945,28 +997,45 @@ impl Cluster {
         choice
             .devices
             .iter()
-            .map(|&(d, milli, m)| DeviceShare { device: n.dev_ids[d as usize].clone(), milli: u32::from(milli), memory_mib: m })
+            .map(|&(d, milli, m)| DeviceShare {
+                device: n.dev_ids[d as usize].clone(),
+                milli: u32::from(milli),
+                memory_mib: m,
+            })
             .collect()
     }
 
-    /// Tallies why each node cannot host `shape` (for operator-facing reasons).
+    /// Tallies why each node cannot host `shape` (for operator-facing reasons). Works per
+    /// class, so it costs O(active classes), not O(nodes).
     pub fn explain(&self, shape: ShapeId) -> MisfitTally {
         let s = &self.shapes[shape as usize];
         let mut t = MisfitTally { nodes: self.nodes.len() as u64, ..Default::default() };
-        for n in &self.nodes {
-            let g = &self.groups[n.group as usize];
-            let c = &self.classes[n.class as usize];
-            let reason = if !s.allows_group(n.group) {
+        let mut listed = 0u64;
+        for &ci in &self.active {
+            let c = &self.classes[ci as usize];
+            let g = &self.groups[c.group as usize];
+            let n = c.members.len() as u64;
+            listed += n;
+            let reason = if !s.allows_group(c.group) {
                 Some("excluded by pool/region/label constraints".to_owned())
             } else if !g.schedulable {
                 Some("cordoned".to_owned())
             } else {
-                crate::policy::misfit(g, &NodeView { cpu_free: c.cpu_free, mem_free: c.mem_free, devs: &c.devs, tags: 0 }, s, &self.models)
+                crate::policy::misfit(
+                    g,
+                    &NodeView { cpu_free: c.cpu_free, mem_free: c.mem_free, devs: &c.devs, tags: 0 },
+                    s,
+                    &self.models,
+                )
             };
             match reason {
-                None => t.fit += 1,
-                Some(r) => *t.reasons.entry(r).or_default() += 1,
+                None => t.fit += n,
+                Some(r) => *t.reasons.entry(r).or_default() += n,
             }
+        }
+        let held = t.nodes.saturating_sub(listed);
+        if held > 0 {
+            *t.reasons.entry("reserved for a blocked higher-priority job".to_owned()).or_default() += held;
         }
         t
     }

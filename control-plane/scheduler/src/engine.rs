@@ -16,11 +16,12 @@ use crate::policy::{self, Norms, Policy, UnknownPolicy, Weights};
 use crate::quota::QuotaBook;
 use crate::rng::DetRng;
 use crate::workload::{Profile, TypicalKey};
+use rustc_hash::FxHashMap as HashMap;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use suanli_model::{
-    Allocation, DeviceKind, JobId, JobSpec, Limits, Node, NodeId, Placement, Plan, Preemption,
-    PreemptionReason, Queue, QueueId, ResVec, Reservation, TaskResources, Unplaced,
+    Allocation, DeviceKind, JobId, JobSpec, Limits, Node, NodeId, Placement, Plan, Preemption, PreemptionReason, Queue,
+    QueueId, ResVec, Reservation, TaskResources, Unplaced,
 };
 use thiserror::Error;
 
@@ -33,6 +34,10 @@ pub struct PendingJob {
     pub spec: JobSpec,
     /// Submission time (seconds).
     pub submitted_at: u64,
+    /// Capacity was freed for this job by preemption in an earlier pass: it is considered
+    /// before every other job, so the victims' queues cannot take the capacity back.
+    #[serde(default)]
+    pub nominated: bool,
 }
 
 /// A recently seen task shape, for the fragmentation profile.
@@ -117,13 +122,34 @@ pub enum ScheduleError {
     Policy(#[from] UnknownPolicy),
 }
 
-fn dev_req_of(a: &Allocation, kinds: &HashMap<(&str, &str), DeviceKind>) -> Option<DevReq> {
-    let first = a.devices.first()?;
-    let kind = kinds.get(&(a.node.as_str(), first.device.as_str())).copied().unwrap_or(DeviceKind::Gpu);
-    Some(DevReq { kind, count: a.devices.len() as u32, milli: first.milli.min(1000) as u16, memory_mib: first.memory_mib })
+/// Device kinds of the nodes that running allocations use (looked up by device id).
+struct Kinds<'a> {
+    nodes: HashMap<&'a str, &'a Node>,
 }
 
-fn alloc_resvec(a: &Allocation, kinds: &HashMap<(&str, &str), DeviceKind>) -> ResVec {
+impl<'a> Kinds<'a> {
+    fn new(nodes: &'a [Node], running: &[Allocation]) -> Self {
+        let used: rustc_hash::FxHashSet<&str> = running.iter().map(|a| a.node.as_str()).collect();
+        Self { nodes: nodes.iter().filter(|n| used.contains(n.id.as_str())).map(|n| (n.id.as_str(), n)).collect() }
+    }
+
+    fn get(&self, (node, dev): &(&str, &str)) -> Option<&DeviceKind> {
+        self.nodes.get(node)?.devices.iter().find(|d| d.id == *dev).map(|d| &d.kind)
+    }
+}
+
+fn dev_req_of(a: &Allocation, kinds: &Kinds<'_>) -> Option<DevReq> {
+    let first = a.devices.first()?;
+    let kind = kinds.get(&(a.node.as_str(), first.device.as_str())).copied().unwrap_or(DeviceKind::Gpu);
+    Some(DevReq {
+        kind,
+        count: a.devices.len() as u32,
+        milli: first.milli.min(1000) as u16,
+        memory_mib: first.memory_mib,
+    })
+}
+
+fn alloc_resvec(a: &Allocation, kinds: &Kinds<'_>) -> ResVec {
     let mut v = ResVec { cpu_milli: a.cpu_milli, memory_mib: a.memory_mib, ..ResVec::ZERO };
     for d in &a.devices {
         match kinds.get(&(a.node.as_str(), d.device.as_str())) {
@@ -160,13 +186,15 @@ struct Pass<'a> {
     policy: Box<dyn Policy>,
     quota: QuotaBook,
     rng: DetRng,
-    kinds: HashMap<(&'a str, &'a str), DeviceKind>,
+    kinds: Kinds<'a>,
     running: &'a [Allocation],
     /// Indices into `running` already chosen as victims.
     evicted: BTreeSet<usize>,
     plan: Plan,
     /// Blocked head job's reservation: (start time, nodes).
     reservation: Option<(u64, Vec<u32>)>,
+    /// A reservation was already attempted this pass.
+    reserve_tried: bool,
 }
 
 /// A replica placed tentatively in this pass.
@@ -182,14 +210,10 @@ struct Tentative {
 /// Runs one scheduling pass. Deterministic: the same view, `now`, `seed` and config give the
 /// same plan.
 pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) -> Result<Plan, ScheduleError> {
-    let probe = policy::build(&cfg.policy, Norms { max_cpu_milli: 1, max_dev_milli: 1000 }, &Profile::default(), cfg.weights)?;
+    let probe =
+        policy::build(&cfg.policy, Norms { max_cpu_milli: 1, max_dev_milli: 1000 }, &Profile::default(), cfg.weights)?;
     let mut cluster = Cluster::new(&view.nodes, &cfg.limits, probe.needs_tags(), probe.tie_break())?;
-    let mut kinds = HashMap::new();
-    for n in &view.nodes {
-        for d in &n.devices {
-            kinds.insert((n.id.as_str(), d.id.as_str()), d.kind);
-        }
-    }
+    let kinds = Kinds::new(&view.nodes, &view.running);
     let mut quota = QuotaBook::new(&view.queues);
     for a in &view.running {
         cluster.occupy(&a.node, a.cpu_milli, a.memory_mib, &a.devices, dev_req_of(a, &kinds));
@@ -223,6 +247,7 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
         evicted: BTreeSet::new(),
         plan: Plan::default(),
         reservation: None,
+        reserve_tried: false,
     };
     let total: ResVec = view.nodes.iter().map(Node::capacity).fold(ResVec::ZERO, |a, b| a + b);
 
@@ -239,13 +264,18 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
     }
     for l in lists.values_mut() {
         l.sort_by(|a, b| {
-            b.spec.priority.cmp(&a.spec.priority).then(a.submitted_at.cmp(&b.submitted_at)).then(a.id.cmp(&b.id))
+            b.nominated
+                .cmp(&a.nominated)
+                .then(b.spec.priority.cmp(&a.spec.priority))
+                .then(a.submitted_at.cmp(&b.submitted_at))
+                .then(a.id.cmp(&b.id))
         });
         l.reverse(); // pop from the back
     }
     let mut considered = 0usize;
     while considered < cfg.max_jobs_per_pass {
-        // Head of each queue: highest priority, then lowest weighted dominant share, then oldest.
+        // Head of each queue: nominated first, then highest priority, then lowest weighted
+        // dominant share, then oldest.
         let mut best: Option<(&QueueId, &PendingJob, f64)> = None;
         for (q, l) in &lists {
             let Some(&job) = l.last() else { continue };
@@ -253,8 +283,19 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
             let better = match best {
                 None => true,
                 Some((_, b, bs)) => {
-                    (job.spec.priority, std::cmp::Reverse(share_key(share)), std::cmp::Reverse(job.submitted_at), std::cmp::Reverse(job.id))
-                        > (b.spec.priority, std::cmp::Reverse(share_key(bs)), std::cmp::Reverse(b.submitted_at), std::cmp::Reverse(b.id))
+                    (
+                        job.nominated,
+                        job.spec.priority,
+                        std::cmp::Reverse(share_key(share)),
+                        std::cmp::Reverse(job.submitted_at),
+                        std::cmp::Reverse(job.id),
+                    ) > (
+                        b.nominated,
+                        b.spec.priority,
+                        std::cmp::Reverse(share_key(bs)),
+                        std::cmp::Reverse(b.submitted_at),
+                        std::cmp::Reverse(b.id),
+                    )
                 }
             };
             if better {
@@ -364,7 +405,8 @@ impl Pass<'_> {
     fn place_all(&mut self, job: &PendingJob, borrowed: bool) -> Result<Vec<Tentative>, String> {
         let spec = &job.spec;
         let need = spec.min_total();
-        let shapes: Vec<ShapeId> = spec.groups.iter().map(|g| self.cluster.shape(&g.resources, &spec.constraints)).collect();
+        let shapes: Vec<ShapeId> =
+            spec.groups.iter().map(|g| self.cluster.shape(&g.resources, &spec.constraints)).collect();
         let mut placed: Vec<Tentative> = Vec::new();
         self.quota.charge(&spec.queue, need);
         for (gi, (g, &shape)) in spec.groups.iter().zip(&shapes).enumerate() {
@@ -389,7 +431,14 @@ impl Pass<'_> {
                     let Some(choice) = self.choose(shape) else { break };
                     self.cluster.commit(shape, &choice);
                     self.quota.charge(&spec.queue, per);
-                    placed.push(Tentative { group: gi as u32, replica: r, shape, choice, charge: per, borrowed: a.borrowed });
+                    placed.push(Tentative {
+                        group: gi as u32,
+                        replica: r,
+                        shape,
+                        choice,
+                        charge: per,
+                        borrowed: a.borrowed,
+                    });
                 }
             }
         }
@@ -442,17 +491,35 @@ impl Pass<'_> {
 
     /// Victims for `job`: lower priority, or (when `reclaim` or the job is within its nominal
     /// quota) allocations of other queues running on borrowed quota.
+    ///
+    /// Quota boundaries hold: work of another queue that runs inside its queue's nominal quota
+    /// (a guarantee) is never preempted for priority; only its borrowed work is, and reclaim
+    /// happens only inside the same cohort.
     fn victim_ok(&self, job: &PendingJob, a: &Allocation, reclaim_allowed: bool) -> Option<PreemptionReason> {
         if !a.preemptible {
             return None;
         }
-        if a.priority < job.spec.priority {
+        if a.queue == job.spec.queue {
+            return (a.priority < job.spec.priority).then_some(PreemptionReason::HigherPriority);
+        }
+        let cohort = |q: &QueueId| self.quota.queue(q).and_then(|q| q.cohort.clone());
+        let same_cohort = cohort(&a.queue).is_some() && cohort(&a.queue) == cohort(&job.spec.queue);
+        if a.priority < job.spec.priority && (a.borrowed || !self.guaranteed(a)) {
             return Some(PreemptionReason::HigherPriority);
         }
-        if reclaim_allowed && a.borrowed && a.queue != job.spec.queue {
+        if reclaim_allowed && a.borrowed && same_cohort {
             return Some(PreemptionReason::ReclaimBorrowed);
         }
         None
+    }
+
+    /// True when `a` runs inside a finite nominal quota of its queue (a dimension it uses is
+    /// limited by the queue's nominal), so other queues cannot take it by priority.
+    fn guaranteed(&self, a: &Allocation) -> bool {
+        let Some(q) = self.quota.queue(&a.queue) else { return false };
+        let used = alloc_resvec(a, &self.kinds).dims();
+        let nominal = q.nominal.dims();
+        !a.borrowed && (0..4).any(|i| used[i] > 0 && nominal[i] != u64::MAX)
     }
 
     /// All allocations of the same job when `a` is part of a gang, else just `a`.
@@ -504,7 +571,14 @@ impl Pass<'_> {
             for r in 0..min {
                 if let Some(c) = self.cluster.choose(shape, self.policy.as_ref(), &mut self.rng) {
                     self.cluster.commit(shape, &c);
-                    held.push(Tentative { group: gi as u32, replica: r, shape, choice: c, charge: ResVec::ZERO, borrowed: false });
+                    held.push(Tentative {
+                        group: gi as u32,
+                        replica: r,
+                        shape,
+                        choice: c,
+                        charge: ResVec::ZERO,
+                        borrowed: false,
+                    });
                     continue;
                 }
                 // Cheapest node: release its candidates in order until the shape fits. A gang
@@ -560,7 +634,14 @@ impl Pass<'_> {
                 match self.cluster.choose_on(node, shape, self.policy.as_ref(), &mut self.rng) {
                     Some(c) => {
                         self.cluster.commit(shape, &c);
-                        held.push(Tentative { group: gi as u32, replica: r, shape, choice: c, charge: ResVec::ZERO, borrowed: false });
+                        held.push(Tentative {
+                            group: gi as u32,
+                            replica: r,
+                            shape,
+                            choice: c,
+                            charge: ResVec::ZERO,
+                            borrowed: false,
+                        });
                     }
                     None => {
                         ok = false;
@@ -662,6 +743,11 @@ impl Pass<'_> {
             .filter_map(|(i, a)| a.runtime_estimate_s.map(|e| (a.started_at.saturating_add(e).max(self.now), i)))
             .collect();
         ends.sort_unstable();
+        // One attempt per pass: the simulation clones the cluster, which must not happen for
+        // every job that fails once the cluster is full.
+        if ends.is_empty() || std::mem::replace(&mut self.reserve_tried, true) {
+            return None;
+        }
         let mut sim = self.cluster.clone();
         let spec = &job.spec;
         let mut rng = self.rng.clone();

@@ -13,7 +13,7 @@
 //!   with the published simulator's 0-100 integer scores and GPU selection rules, so that
 //!   `suanli sim fill` results compare with the paper's.
 
-use crate::cluster::{ALL_MODELS, DevReq, ModelSet, NodeView, Shape, StaticGroup};
+use crate::cluster::{ALL_MODELS, DevReq, DevState, MAX_NODE_DEVICES, ModelSet, NodeView, Shape, StaticGroup};
 use crate::workload::Profile;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -183,12 +183,15 @@ pub fn misfit(g: &StaticGroup, n: &NodeView<'_>, s: &Shape, models: &[String]) -
         return Some(format!("no {kind}"));
     }
     if !g.devs.iter().any(|d| d.kind == kind && s.models & (1u128 << d.model) != 0) {
-        let allowed: Vec<&str> = models
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| s.models & (1u128 << i) != 0)
-            .map(|(_, m)| m.as_str())
-            .collect();
+        let allowed: Vec<&str> = match &s.model_names {
+            Some(names) => names.iter().map(String::as_str).collect(),
+            None => models
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| s.models & (1u128 << i) != 0)
+                .map(|(_, m)| m.as_str())
+                .collect(),
+        };
         return Some(format!("{kind} model not in [{}]", allowed.join(",")));
     }
     let m = eligible(g, n, &req, s.models);
@@ -259,6 +262,15 @@ fn eval_best(g: &StaticGroup, n: &NodeView<'_>, s: &Shape, elig: u64, score: i64
     }
 }
 
+/// Takes `milli` from every device in `mask`.
+fn take(devs: &mut [DevState], mask: u64, milli: u16) {
+    for (i, d) in devs.iter_mut().enumerate() {
+        if mask & (1 << i) != 0 {
+            d.free_milli -= milli;
+        }
+    }
+}
+
 fn dev_total(s: &Shape) -> u64 {
     s.dev.map_or(0, |d| d.total_milli())
 }
@@ -300,7 +312,8 @@ impl Policy for BestFit {
     fn eval(&self, g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
         let elig = feasible(g, n, s)?;
         let cpu_left = (n.cpu_free - s.cpu_milli) as f64 / self.norms.max_cpu_milli as f64;
-        let dev_left = free_total(g, n, s.dev.map(|d| d.kind).or(Some(DeviceKind::Gpu))).saturating_sub(dev_total(s)) as f64
+        let dev_left = free_total(g, n, s.dev.map(|d| d.kind).or(Some(DeviceKind::Gpu))).saturating_sub(dev_total(s))
+            as f64
             / self.norms.max_dev_milli as f64;
         let score = (100.0 * (1.0 - (0.5 * cpu_left + 0.5 * dev_left))) as i64;
         Some(eval_best(g, n, s, elig, score))
@@ -348,7 +361,8 @@ impl Policy for GpuPacking {
             // Walk devices ascending by free (stable), take the first `count` that fit.
             let mut order = of_kind.clone();
             order.sort_by_key(|&i| n.devs[i].avail());
-            let taken: Vec<usize> = order.into_iter().filter(|&i| elig & (1 << i) != 0).take(r.count as usize).collect();
+            let taken: Vec<usize> =
+                order.into_iter().filter(|&i| elig & (1 << i) != 0).take(r.count as usize).collect();
             let k = taken.iter().filter(|&&i| n.devs[i].avail() == 1000).count() as i64;
             if k > 0 {
                 (50 - k).max(33)
@@ -412,7 +426,9 @@ impl Policy for Fgd {
     fn eval(&self, g: &StaticGroup, n: &NodeView<'_>, s: &Shape) -> Option<Eval> {
         let elig = feasible(g, n, s)?;
         let before = self.profile.fragmentation(g, n);
-        let mut after_devs = n.devs.to_vec();
+        let mut buf = [DevState::default(); MAX_NODE_DEVICES];
+        let after_devs = &mut buf[..n.devs.len()];
+        after_devs.copy_from_slice(n.devs);
         let after_cpu = n.cpu_free - s.cpu_milli;
         match s.dev {
             Some(r) if r.is_share() => {
@@ -425,7 +441,8 @@ impl Policy for Fgd {
                         continue;
                     }
                     after_devs[i].free_milli -= r.milli;
-                    let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: &after_devs, ..*n });
+                    let after =
+                        self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n });
                     after_devs[i].free_milli += r.milli;
                     let sc = sigmoid_score(before - after);
                     if sc > best {
@@ -441,14 +458,14 @@ impl Policy for Fgd {
             Some(r) => {
                 let mask = lowest_n(elig, r.count);
                 let pick_from = elig;
-                for i in 0..g.devs.len() {
-                    if mask & (1 << i) != 0 {
-                        after_devs[i].free_milli -= r.milli;
-                    }
-                }
-                let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: &after_devs, ..*n });
+                take(after_devs, mask, r.milli);
+                let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n });
                 // Whole devices: any fully free ones give the same state; take the lowest ids.
-                Some(Eval { score: sigmoid_score(before - after), mask: pick_from, pick: Pick::Lowest(r.count.min(64) as u8) })
+                Some(Eval {
+                    score: sigmoid_score(before - after),
+                    mask: pick_from,
+                    pick: Pick::Lowest(r.count.min(64) as u8),
+                })
             }
             None => {
                 let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, ..*n });
@@ -488,7 +505,9 @@ impl Suanli {
             }
         }
         // Best fit: the block with the fewest eligible devices that still holds `count`.
-        if let Some(b) = (0..nb).filter(|&b| per_block[b].count_ones() >= count).min_by_key(|&b| (per_block[b].count_ones(), b)) {
+        if let Some(b) =
+            (0..nb).filter(|&b| per_block[b].count_ones() >= count).min_by_key(|&b| (per_block[b].count_ones(), b))
+        {
             return (lowest_n(per_block[b], count), 1.0);
         }
         let mut order: Vec<usize> = (0..nb).collect();
@@ -524,7 +543,9 @@ impl Policy for Suanli {
         let use_frag = w.fragmentation != 0.0 && !self.profile.is_empty();
         let before = if use_frag { self.profile.fragmentation(g, n) } else { 0.0 };
         let after_cpu = n.cpu_free - s.cpu_milli;
-        let mut after_devs = n.devs.to_vec();
+        let mut buf = [DevState::default(); MAX_NODE_DEVICES];
+        let after_devs = &mut buf[..n.devs.len()];
+        after_devs.copy_from_slice(n.devs);
         let (score, mask) = match s.dev {
             Some(r) if r.is_share() => {
                 let mut best: Option<(f64, u16, usize)> = None;
@@ -540,7 +561,8 @@ impl Policy for Suanli {
                     last = Some(n.devs[i]);
                     let frag = if use_frag {
                         after_devs[i].free_milli -= r.milli;
-                        let after = self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: &after_devs, ..*n });
+                        let after =
+                            self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n });
                         after_devs[i].free_milli += r.milli;
                         (before - after) / 1000.0
                     } else {
@@ -561,12 +583,9 @@ impl Policy for Suanli {
             Some(r) => {
                 let (mask, topo) = self.whole_devices(g, elig, r.count);
                 let frag = if use_frag {
-                    for i in 0..g.devs.len() {
-                        if mask & (1 << i) != 0 {
-                            after_devs[i].free_milli -= r.milli;
-                        }
-                    }
-                    (before - self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: &after_devs, ..*n })) / 1000.0
+                    take(after_devs, mask, r.milli);
+                    (before - self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n }))
+                        / 1000.0
                 } else {
                     0.0
                 };

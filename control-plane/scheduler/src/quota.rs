@@ -191,9 +191,7 @@ impl QuotaBook {
 
     /// Weighted dominant share of a queue against the cluster total (lower runs first).
     pub fn share(&self, q: &QueueId, total: &ResVec) -> f64 {
-        self.queues
-            .get(q)
-            .map_or(f64::MAX, |s| s.used.dominant_share(total) / f64::from(s.q.weight.max(1)))
+        self.queues.get(q).map_or(f64::MAX, |s| s.used.dominant_share(total) / f64::from(s.q.weight.max(1)))
     }
 }
 

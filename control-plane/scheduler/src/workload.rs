@@ -7,7 +7,7 @@
 //! weighted by how often the shape arrives. The typical shapes are the most popular shapes
 //! covering a configurable share (95%) of recent tasks.
 
-use crate::cluster::{DevReq, ModelSet, NodeView, StaticGroup};
+use crate::cluster::{DevReq, MAX_NODE_DEVICES, ModelSet, NodeView, StaticGroup};
 use std::collections::BTreeMap;
 use suanli_model::DeviceKind;
 
@@ -56,6 +56,9 @@ struct TypGroup {
     memory_aware: bool,
 }
 
+/// Key of a typical group: device part (kind, count, milli) and allowed models.
+type GroupKey = (Option<(DeviceKind, u32, u16)>, ModelSet);
+
 /// The typical workload: shapes with frequencies summing to 1.
 #[derive(Debug, Clone, Default)]
 pub struct Profile {
@@ -85,10 +88,14 @@ impl Profile {
             kept.push((k, c));
         }
         let shapes: Vec<(TypicalKey, f64)> = kept.iter().map(|(k, c)| (*k, *c as f64 / cum as f64)).collect();
-        let mut by_group: BTreeMap<(Option<(DeviceKind, u32, u16)>, ModelSet), Vec<(u64, u64, f64)>> = BTreeMap::new();
+        let mut by_group: BTreeMap<GroupKey, Vec<(u64, u64, f64)>> = BTreeMap::new();
         for (k, f) in &shapes {
             let dev = (k.count > 0 && k.milli > 0).then_some((k.kind, k.count, k.milli));
-            by_group.entry((dev, if dev.is_some() { k.models } else { 0 })).or_default().push((k.cpu_milli, k.memory_mib, *f));
+            by_group.entry((dev, if dev.is_some() { k.models } else { 0 })).or_default().push((
+                k.cpu_milli,
+                k.memory_mib,
+                *f,
+            ));
         }
         let groups = by_group
             .into_iter()
@@ -128,36 +135,49 @@ impl Profile {
 
     /// Expected fragmentation of a node, in device milli (0 ..= free device milli).
     pub fn fragmentation(&self, g: &StaticGroup, n: &NodeView<'_>) -> f64 {
+        // Per device kind, once: free milli ascending (unhealthy devices count as 0), prefix
+        // sums, and the models present. Groups whose model set covers every model of that
+        // kind on the node are answered by binary search; others walk the devices.
+        let mut per_kind: [Option<KindSummary>; 2] = [None, None];
         let mut f = 0.0;
-        let mut l_all: Option<u64> = None;
         for grp in &self.groups {
             match grp.dev {
                 None => {
-                    let l = *l_all.get_or_insert_with(|| n.devs.iter().map(|d| u64::from(d.avail())).sum());
+                    let mut l = 0u64;
+                    for k in [DeviceKind::Gpu, DeviceKind::Npu] {
+                        l += summary(&mut per_kind, k, g, n).total();
+                    }
                     f += grp.total * l as f64;
                 }
                 Some((kind, count, milli)) => {
-                    let (mut l_kind, mut q3, mut cnt, mut any) = (0u64, 0u64, 0u32, false);
-                    for (d, st) in g.devs.iter().zip(n.devs) {
-                        if d.kind != kind {
-                            continue;
-                        }
-                        let a = st.avail();
-                        l_kind += u64::from(a);
-                        if st.healthy && grp.models & (1u128 << d.model) != 0 {
-                            any = true;
-                            if a >= u32::from(milli) {
-                                cnt += 1;
-                            } else {
-                                q3 += u64::from(a);
-                            }
-                        } else {
-                            q3 += u64::from(a);
-                        }
-                    }
+                    let sum = summary(&mut per_kind, kind, g, n);
+                    let l_kind = sum.total();
                     if l_kind == 0 {
                         continue;
                     }
+                    let (any, cnt, q3) = if grp.models & sum.models == sum.models {
+                        let pp = sum.sorted[..sum.len].partition_point(|&a| a < u32::from(milli));
+                        (sum.healthy > 0, (sum.len - pp) as u32, sum.prefix[pp])
+                    } else {
+                        let (mut q3, mut cnt, mut any) = (0u64, 0u32, false);
+                        for (d, st) in g.devs.iter().zip(n.devs) {
+                            if d.kind != kind {
+                                continue;
+                            }
+                            let a = st.avail();
+                            if st.healthy && grp.models & (1u128 << d.model) != 0 {
+                                any = true;
+                                if a >= u32::from(milli) {
+                                    cnt += 1;
+                                } else {
+                                    q3 += u64::from(a);
+                                }
+                            } else {
+                                q3 += u64::from(a);
+                            }
+                        }
+                        (any, cnt, q3)
+                    };
                     if !any || cnt < count {
                         f += grp.total * l_kind as f64;
                     } else {
@@ -174,4 +194,55 @@ impl Profile {
         }
         f
     }
+}
+
+/// Free milli of one device kind on one node, sorted, with prefix sums.
+struct KindSummary {
+    sorted: [u32; MAX_NODE_DEVICES],
+    prefix: [u64; MAX_NODE_DEVICES + 1],
+    len: usize,
+    healthy: usize,
+    models: ModelSet,
+}
+
+impl KindSummary {
+    fn total(&self) -> u64 {
+        self.prefix[self.len]
+    }
+}
+
+fn summary<'a>(
+    cache: &'a mut [Option<KindSummary>; 2],
+    kind: DeviceKind,
+    g: &StaticGroup,
+    n: &NodeView<'_>,
+) -> &'a KindSummary {
+    let slot = match kind {
+        DeviceKind::Gpu => 0,
+        DeviceKind::Npu => 1,
+    };
+    cache[slot].get_or_insert_with(|| {
+        let mut s = KindSummary {
+            sorted: [0; MAX_NODE_DEVICES],
+            prefix: [0; MAX_NODE_DEVICES + 1],
+            len: 0,
+            healthy: 0,
+            models: 0,
+        };
+        for (d, st) in g.devs.iter().zip(n.devs) {
+            if d.kind == kind && s.len < MAX_NODE_DEVICES {
+                s.sorted[s.len] = st.avail();
+                s.len += 1;
+                if st.healthy {
+                    s.healthy += 1;
+                    s.models |= 1u128 << d.model;
+                }
+            }
+        }
+        s.sorted[..s.len].sort_unstable();
+        for i in 0..s.len {
+            s.prefix[i + 1] = s.prefix[i] + u64::from(s.sorted[i]);
+        }
+        s
+    })
 }

@@ -65,14 +65,7 @@ fn describe(plan: &Plan) -> Expect {
         .iter()
         .map(|p| {
             let devs: Vec<String> = p.devices.iter().map(share).collect();
-            let mut s = format!(
-                "job {} g{} r{} -> {} [{}]",
-                p.job,
-                p.group,
-                p.replica,
-                p.node,
-                devs.join(" ")
-            );
+            let mut s = format!("job {} g{} r{} -> {} [{}]", p.job, p.group, p.replica, p.node, devs.join(" "));
             if p.borrowed {
                 s.push_str(" borrowed");
             }
@@ -87,10 +80,7 @@ fn describe(plan: &Plan) -> Expect {
                 PreemptionReason::HigherPriority => "higher_priority",
                 PreemptionReason::ReclaimBorrowed => "reclaim_borrowed",
             };
-            let mut s = format!(
-                "alloc {} (job {} on {}) for job {}: {reason}, ",
-                p.alloc, p.job, p.node, p.for_job
-            );
+            let mut s = format!("alloc {} (job {} on {}) for job {}: {reason}, ", p.alloc, p.job, p.node, p.for_job);
             if p.checkpoint_first {
                 let _ = write!(s, "checkpoint first (grace {}s)", p.grace_s);
             } else {
@@ -99,30 +89,16 @@ fn describe(plan: &Plan) -> Expect {
             s
         })
         .collect();
-    let unplaced = plan
-        .unplaced
-        .iter()
-        .map(|u| format!("job {}: {}", u.job, u.reason))
-        .collect();
+    let unplaced = plan.unplaced.iter().map(|u| format!("job {}: {}", u.job, u.reason)).collect();
     let reservations = plan
         .reservations
         .iter()
         .map(|r| {
             let nodes: Vec<&str> = r.nodes.iter().map(|n| n.as_str()).collect();
-            format!(
-                "job {} at t={} on [{}]",
-                r.job,
-                r.start_at,
-                nodes.join(", ")
-            )
+            format!("job {} at t={} on [{}]", r.job, r.start_at, nodes.join(", "))
         })
         .collect();
-    Expect {
-        placements,
-        preemptions,
-        unplaced,
-        reservations,
-    }
+    Expect { placements, preemptions, unplaced, reservations }
 }
 
 fn scenario_files() -> Vec<PathBuf> {
@@ -155,32 +131,20 @@ fn bless(path: &Path, text: &str, got: &Expect) {
 fn golden_scenarios() {
     let blessing = std::env::var("SUANLI_BLESS").is_ok_and(|v| v == "1");
     let files = scenario_files();
-    assert!(
-        files.len() >= 8,
-        "expected the golden scenarios in tests/golden, found {files:?}"
-    );
+    assert!(files.len() >= 8, "expected the golden scenarios in tests/golden, found {files:?}");
     let mut failures = Vec::new();
     for path in &files {
-        let name = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("?")
-            .to_owned();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("?").to_owned();
         let text = std::fs::read_to_string(path).expect("readable golden file");
         let sc: Scenario = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
         let cfg: SchedulerConfig = if sc.config.is_null() {
             SchedulerConfig::default()
         } else {
-            serde_json::from_value(sc.config.clone())
-                .unwrap_or_else(|e| panic!("{name}: config: {e}"))
+            serde_json::from_value(sc.config.clone()).unwrap_or_else(|e| panic!("{name}: config: {e}"))
         };
-        let plan =
-            schedule(&sc.view, sc.now, sc.seed, &cfg).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let plan = schedule(&sc.view, sc.now, sc.seed, &cfg).unwrap_or_else(|e| panic!("{name}: {e}"));
         let again = schedule(&sc.view, sc.now, sc.seed, &cfg).expect("same input");
-        assert_eq!(
-            plan, again,
-            "{name}: the same input gave two different plans"
-        );
+        assert_eq!(plan, again, "{name}: the same input gave two different plans");
         let got = describe(&plan);
         if blessing {
             if sc.expect.as_ref() != Some(&got) {
@@ -190,9 +154,7 @@ fn golden_scenarios() {
             continue;
         }
         match &sc.expect {
-            None => failures.push(format!(
-                "{name}: no \"expect\" yet; run with SUANLI_BLESS=1 and review it"
-            )),
+            None => failures.push(format!("{name}: no \"expect\" yet; run with SUANLI_BLESS=1 and review it")),
             Some(want) if *want != got => failures.push(format!(
                 "{name}:\n  expected: {}\n  got:      {}",
                 serde_json::to_string_pretty(want).expect("json"),
@@ -201,9 +163,5 @@ fn golden_scenarios() {
             Some(_) => {}
         }
     }
-    assert!(
-        failures.is_empty(),
-        "golden scenarios differ:\n{}",
-        failures.join("\n")
-    );
+    assert!(failures.is_empty(), "golden scenarios differ:\n{}", failures.join("\n"));
 }

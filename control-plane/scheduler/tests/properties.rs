@@ -30,9 +30,9 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
 use std::collections::{BTreeMap, BTreeSet};
 use suanli_model::{
-    AllocId, Allocation, CheckpointPolicy, Constraints, Device, DeviceKind, DeviceRequest,
-    DeviceShare, Health, JobId, JobKind, JobSpec, Node, NodeId, Placement, Plan, PoolId,
-    Preemption, PreemptionReason, Queue, QueueId, ResVec, TaskGroup, TaskResources,
+    AllocId, Allocation, CheckpointPolicy, Constraints, Device, DeviceKind, DeviceRequest, DeviceShare, Health, JobId,
+    JobKind, JobSpec, Node, NodeId, Placement, Plan, PoolId, Preemption, PreemptionReason, Queue, QueueId, ResVec,
+    TaskGroup, TaskResources,
 };
 use suanli_scheduler::{ClusterView, POLICY_NAMES, PendingJob, SchedulerConfig, schedule};
 
@@ -151,15 +151,7 @@ fn priority() -> impl Strategy<Value = i32> {
 
 /// Running work sits a little lower on average, so pending work often outranks it.
 fn running_priority() -> impl Strategy<Value = i32> {
-    prop_oneof![
-        Just(-1),
-        Just(-1),
-        Just(0),
-        Just(0),
-        Just(1),
-        Just(3),
-        Just(5)
-    ]
+    prop_oneof![Just(-1), Just(-1), Just(0), Just(0), Just(1), Just(3), Just(5)]
 }
 
 fn dev_gen() -> impl Strategy<Value = DevGen> {
@@ -175,19 +167,8 @@ fn dev_gen() -> impl Strategy<Value = DevGen> {
 
 fn node_gen() -> impl Strategy<Value = NodeGen> {
     (
-        (
-            prop_oneof![1 => Just(0u8), 4 => 1u8..=8],
-            prop_oneof![3 => Just(0u8), 1 => 1u8..=2],
-            0u8..3,
-            0u8..3,
-        ),
-        (
-            any::<bool>(),
-            0u8..3,
-            prop::option::weighted(0.25, 0u8..8),
-            0u8..3,
-            0u8..3,
-        ),
+        (prop_oneof![1 => Just(0u8), 4 => 1u8..=8], prop_oneof![3 => Just(0u8), 1 => 1u8..=2], 0u8..3, 0u8..3),
+        (any::<bool>(), 0u8..3, prop::option::weighted(0.25, 0u8..8), 0u8..3, 0u8..3),
         (prop::bool::weighted(0.85), 0u8..2, 0u8..2, any::<bool>()),
     )
         .prop_map(
@@ -217,25 +198,11 @@ fn node_gen() -> impl Strategy<Value = NodeGen> {
 
 fn queue_gen() -> impl Strategy<Value = QueueGen> {
     (
-        (
-            prop::bool::weighted(0.7),
-            1u32..=4,
-            0u64..=16,
-            0u64..=2,
-            prop::bool::weighted(0.6),
-        ),
-        (
-            4u64..=128,
-            prop::option::of(0u64..=6),
-            prop::option::weighted(0.3, 0u64..=6),
-            prop::bool::weighted(0.3),
-        ),
+        (prop::bool::weighted(0.7), 1u32..=4, 0u64..=16, 0u64..=2, prop::bool::weighted(0.6)),
+        (4u64..=128, prop::option::of(0u64..=6), prop::option::weighted(0.3, 0u64..=6), prop::bool::weighted(0.3)),
     )
         .prop_map(
-            |(
-                (cohort, weight, extra_gpus, extra_npus, cpu_unlimited),
-                (extra_cores, borrow, lend, parent),
-            )| QueueGen {
+            |((cohort, weight, extra_gpus, extra_npus, cpu_unlimited), (extra_cores, borrow, lend, parent))| QueueGen {
                 cohort,
                 weight,
                 extra_gpus,
@@ -251,14 +218,7 @@ fn queue_gen() -> impl Strategy<Value = QueueGen> {
 
 fn run_gen() -> impl Strategy<Value = RunGen> {
     (
-        (
-            0usize..16,
-            0usize..8,
-            running_priority(),
-            prop::bool::weighted(0.85),
-            any::<bool>(),
-            1u32..=3,
-        ),
+        (0usize..16, 0usize..8, running_priority(), prop::bool::weighted(0.85), any::<bool>(), 1u32..=3),
         (0u8..5, 0u8..4, dev_gen(), 0u64..50_000),
         (
             prop::option::of(0u64..50_000),
@@ -294,30 +254,13 @@ fn run_gen() -> impl Strategy<Value = RunGen> {
 }
 
 fn group_gen() -> impl Strategy<Value = GroupGen> {
-    (
-        1u32..=4,
-        prop::option::of(1u32..=4),
-        0u8..5,
-        0u8..4,
-        dev_gen(),
-    )
-        .prop_map(|(replicas, min, cpu, mem, dev)| GroupGen {
-            replicas,
-            min,
-            cpu,
-            mem,
-            dev,
-        })
+    (1u32..=4, prop::option::of(1u32..=4), 0u8..5, 0u8..4, dev_gen())
+        .prop_map(|(replicas, min, cpu, mem, dev)| GroupGen { replicas, min, cpu, mem, dev })
 }
 
 fn pend_gen() -> impl Strategy<Value = PendGen> {
     (
-        (
-            0usize..33,
-            priority(),
-            prop::bool::weighted(0.8),
-            any::<bool>(),
-        ),
+        (0usize..33, priority(), prop::bool::weighted(0.8), any::<bool>()),
         (
             prop::collection::vec(group_gen(), 1..=2),
             0u8..16,
@@ -327,19 +270,18 @@ fn pend_gen() -> impl Strategy<Value = PendGen> {
         ),
     )
         .prop_map(
-            |(
-                (queue, priority, preemptible, gang),
-                (groups, constraint, estimate_s, submitted_ago, checkpoint),
-            )| PendGen {
-                queue,
-                priority,
-                preemptible,
-                gang,
-                groups,
-                constraint,
-                estimate_s,
-                submitted_ago,
-                checkpoint,
+            |((queue, priority, preemptible, gang), (groups, constraint, estimate_s, submitted_ago, checkpoint))| {
+                PendGen {
+                    queue,
+                    priority,
+                    preemptible,
+                    gang,
+                    groups,
+                    constraint,
+                    estimate_s,
+                    submitted_ago,
+                    checkpoint,
+                }
             },
         )
 }
@@ -352,15 +294,13 @@ fn conf_gen(crowded: f64) -> impl Strategy<Value = ConfGen> {
         prop_oneof![Just(1usize), Just(2), Just(64)],
         prop::bool::weighted(crowded),
     )
-        .prop_map(
-            |(policy, preemption, backfill, max_preemptions, crowded)| ConfGen {
-                policy,
-                preemption,
-                backfill,
-                max_preemptions,
-                crowded,
-            },
-        )
+        .prop_map(|(policy, preemption, backfill, max_preemptions, crowded)| ConfGen {
+            policy,
+            preemption,
+            backfill,
+            max_preemptions,
+            crowded,
+        })
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -393,11 +333,7 @@ fn build_node(i: usize, g: &NodeGen) -> Node {
             kind: DeviceKind::Gpu,
             model: MODELS[usize::from(g.model)].to_owned(),
             memory_mib: [0, 16_384, 81_920][usize::from(g.dev_mem)],
-            health: if g.unhealthy == Some(k as u8) {
-                Health::Unhealthy
-            } else {
-                Health::Healthy
-            },
+            health: if g.unhealthy == Some(k as u8) { Health::Unhealthy } else { Health::Healthy },
             numa: if g.numa_split { half } else { 0 },
             peer_group: match g.islands {
                 0 => None,
@@ -442,18 +378,12 @@ fn resources(cpu: u8, mem: u8, dev: &DevGen) -> TaskResources {
         memory_mib: MEM_CHOICES[usize::from(mem)],
         devices: match dev {
             DevGen::None => None,
-            DevGen::Frac { milli, memory_mib } => Some(DeviceRequest {
-                kind: DeviceKind::Gpu,
-                count: 1,
-                milli: *milli,
-                memory_mib: *memory_mib,
-            }),
-            DevGen::Whole { kind, count } => Some(DeviceRequest {
-                kind: *kind,
-                count: *count,
-                milli: 1000,
-                memory_mib: 0,
-            }),
+            DevGen::Frac { milli, memory_mib } => {
+                Some(DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli: *milli, memory_mib: *memory_mib })
+            }
+            DevGen::Whole { kind, count } => {
+                Some(DeviceRequest { kind: *kind, count: *count, milli: 1000, memory_mib: 0 })
+            }
         },
     };
     if r.devices.is_none() && r.cpu_milli == 0 {
@@ -472,12 +402,7 @@ struct Free {
 }
 
 /// Fits one replica on `node`, returning its device shares.
-fn fit(
-    free: &mut Free,
-    nodes: &[Node],
-    node: usize,
-    r: &TaskResources,
-) -> Option<Vec<DeviceShare>> {
+fn fit(free: &mut Free, nodes: &[Node], node: usize, r: &TaskResources) -> Option<Vec<DeviceShare>> {
     if free.cpu[node] < r.cpu_milli || free.mem[node] < r.memory_mib {
         return None;
     }
@@ -487,11 +412,7 @@ fn fit(
         let mut picked = Vec::new();
         for (i, d) in devs.iter().enumerate() {
             let (m, mm) = free.dev[node][i];
-            let ok = if req.milli >= 1000 {
-                m == 1000
-            } else {
-                m >= req.milli && mm >= req.memory_mib
-            };
+            let ok = if req.milli >= 1000 { m == 1000 } else { m >= req.milli && mm >= req.memory_mib };
             if d.kind == req.kind && ok && picked.len() < req.count as usize {
                 picked.push(i);
             }
@@ -502,11 +423,7 @@ fn fit(
         for i in picked {
             free.dev[node][i].0 -= req.milli;
             free.dev[node][i].1 -= req.memory_mib;
-            shares.push(DeviceShare {
-                device: devs[i].id.clone(),
-                milli: req.milli,
-                memory_mib: req.memory_mib,
-            });
+            shares.push(DeviceShare { device: devs[i].id.clone(), milli: req.milli, memory_mib: req.memory_mib });
         }
     }
     free.cpu[node] -= r.cpu_milli;
@@ -544,10 +461,7 @@ fn build_case(
     let mut free = Free {
         cpu: nodes.iter().map(|n| n.cpu_milli).collect(),
         mem: nodes.iter().map(|n| n.memory_mib).collect(),
-        dev: nodes
-            .iter()
-            .map(|n| n.devices.iter().map(|d| (1000, d.memory_mib)).collect())
-            .collect(),
+        dev: nodes.iter().map(|n| n.devices.iter().map(|d| (1000, d.memory_mib)).collect()).collect(),
     };
     let mut running = Vec::new();
     let mut next_alloc = 1u64;
@@ -604,11 +518,7 @@ fn build_case(
     for a in &running {
         let i: usize = a.queue.0[1..].parse().expect("generated queue id");
         let u = alloc_usage(&kinds, a);
-        if a.borrowed {
-            lent[i] = add(lent[i], u)
-        } else {
-            own[i] = add(own[i], u)
-        }
+        if a.borrowed { lent[i] = add(lent[i], u) } else { own[i] = add(own[i], u) }
     }
     let has_org = org_extra.is_some() && queue_gens.iter().any(|q| q.parent);
     let mut queues = Vec::new();
@@ -621,16 +531,8 @@ fn build_case(
             g.cpu_unlimited = true;
         }
         let nominal = ResVec {
-            cpu_milli: if g.cpu_unlimited {
-                u64::MAX
-            } else {
-                own[i].cpu_milli + g.extra_cores * 1000
-            },
-            memory_mib: if g.cpu_unlimited {
-                u64::MAX
-            } else {
-                own[i].memory_mib + g.extra_cores * 4096
-            },
+            cpu_milli: if g.cpu_unlimited { u64::MAX } else { own[i].cpu_milli + g.extra_cores * 1000 },
+            memory_mib: if g.cpu_unlimited { u64::MAX } else { own[i].memory_mib + g.extra_cores * 4096 },
             gpu_milli: own[i].gpu_milli + g.extra_gpus * 1000,
             npu_milli: own[i].npu_milli + g.extra_npus * 1000,
         };
@@ -645,10 +547,7 @@ fn build_case(
             gpu_milli: over.gpu_milli + b * 1000,
             npu_milli: over.npu_milli + 1000,
         });
-        q.lending_limit = g.lend_limit_gpus.map(|l| ResVec {
-            gpu_milli: l * 1000,
-            ..ResVec::MAX
-        });
+        q.lending_limit = g.lend_limit_gpus.map(|l| ResVec { gpu_milli: l * 1000, ..ResVec::MAX });
         if has_org && g.parent {
             q.parent = Some(QueueId::new("org"));
             subtree = add(subtree, total);
@@ -669,11 +568,7 @@ fn build_case(
         .iter()
         .enumerate()
         .map(|(k, pg)| {
-            let queue = if pg.queue == 32 {
-                QueueId::new("ghost")
-            } else {
-                qid(pg.queue % nq)
-            };
+            let queue = if pg.queue == 32 { QueueId::new("ghost") } else { qid(pg.queue % nq) };
             let groups = pg
                 .groups
                 .iter()
@@ -716,6 +611,7 @@ fn build_case(
                     }),
                 },
                 submitted_at: NOW - pg.submitted_ago,
+                nominated: false,
             }
         })
         .collect();
@@ -727,17 +623,7 @@ fn build_case(
         max_preemptions_per_job: conf.max_preemptions,
         ..SchedulerConfig::default()
     };
-    Case {
-        view: ClusterView {
-            nodes,
-            queues,
-            pending,
-            running,
-            workload: Vec::new(),
-        },
-        cfg,
-        seed,
-    }
+    Case { view: ClusterView { nodes, queues, pending, running, workload: Vec::new() }, cfg, seed }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -754,22 +640,11 @@ fn sub(a: ResVec, b: ResVec) -> ResVec {
 type Kinds = BTreeMap<(String, String), DeviceKind>;
 
 fn device_kinds(nodes: &[Node]) -> Kinds {
-    nodes
-        .iter()
-        .flat_map(|n| {
-            n.devices
-                .iter()
-                .map(|d| ((n.id.0.clone(), d.id.clone()), d.kind))
-        })
-        .collect()
+    nodes.iter().flat_map(|n| n.devices.iter().map(|d| ((n.id.0.clone(), d.id.clone()), d.kind))).collect()
 }
 
 fn usage(kinds: &Kinds, node: &NodeId, cpu: u64, mem: u64, shares: &[DeviceShare]) -> ResVec {
-    let mut v = ResVec {
-        cpu_milli: cpu,
-        memory_mib: mem,
-        ..ResVec::ZERO
-    };
+    let mut v = ResVec { cpu_milli: cpu, memory_mib: mem, ..ResVec::ZERO };
     for s in shares {
         match kinds.get(&(node.0.clone(), s.device.clone())) {
             Some(DeviceKind::Npu) => v.npu_milli += u64::from(s.milli),
@@ -791,11 +666,7 @@ fn placement_usage(kinds: &Kinds, p: &Placement) -> ResVec {
 fn min_need(spec: &JobSpec) -> ResVec {
     let mut v = ResVec::ZERO;
     for g in &spec.groups {
-        let n = if spec.gang {
-            g.replicas
-        } else {
-            g.min_replicas.unwrap_or(g.replicas).min(g.replicas)
-        };
+        let n = if spec.gang { g.replicas } else { g.min_replicas.unwrap_or(g.replicas).min(g.replicas) };
         for _ in 0..n {
             v = add(v, g.resources.as_resvec());
         }
@@ -830,10 +701,7 @@ impl<'a> Inputs<'a> {
 
     fn surviving(&self, plan: &Plan) -> impl Iterator<Item = &'a Allocation> {
         let victims = self.victims(plan);
-        self.view
-            .running
-            .iter()
-            .filter(move |a| !victims.contains(&a.id))
+        self.view.running.iter().filter(move |a| !victims.contains(&a.id))
     }
 
     fn ancestors(&self, q: &QueueId) -> Vec<&'a Queue> {
@@ -879,17 +747,9 @@ fn check_capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
         let Some(node) = inp.nodes.get(&p.node) else {
             return Err(format!("(a) placement {p:?} on unknown node"));
         };
-        ensure!(
-            node.schedulable,
-            "(a) job {} placed on cordoned node {}",
-            p.job,
-            p.node
-        );
+        ensure!(node.schedulable, "(a) job {} placed on cordoned node {}", p.job, p.node);
         let Some(job) = inp.pending.get(&p.job) else {
-            return Err(format!(
-                "(a) placement for job {} that is not pending",
-                p.job
-            ));
+            return Err(format!("(a) placement for job {} that is not pending", p.job));
         };
         let Some(g) = job.spec.groups.get(p.group as usize) else {
             return Err(format!("(a) placement {p:?}: no such group"));
@@ -920,12 +780,7 @@ fn check_capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
             p.node
         );
         match &r.devices {
-            None => ensure!(
-                p.devices.is_empty(),
-                "(a) CPU-only job {} got devices {:?}",
-                p.job,
-                p.devices
-            ),
+            None => ensure!(p.devices.is_empty(), "(a) CPU-only job {} got devices {:?}", p.job, p.devices),
             Some(req) => {
                 ensure!(
                     p.devices.len() == req.count as usize,
@@ -935,18 +790,10 @@ fn check_capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
                     p.devices
                 );
                 let ids: BTreeSet<&str> = p.devices.iter().map(|s| s.device.as_str()).collect();
-                ensure!(
-                    ids.len() == p.devices.len(),
-                    "(a) job {} got one device twice: {:?}",
-                    p.job,
-                    p.devices
-                );
+                ensure!(ids.len() == p.devices.len(), "(a) job {} got one device twice: {:?}", p.job, p.devices);
                 for s in &p.devices {
                     let Some(d) = node.devices.iter().find(|d| d.id == s.device) else {
-                        return Err(format!(
-                            "(a) job {} on unknown device {}/{}",
-                            p.job, p.node, s.device
-                        ));
+                        return Err(format!("(a) job {} on unknown device {}/{}", p.job, p.node, s.device));
                     };
                     ensure!(
                         d.health == Health::Healthy,
@@ -988,31 +835,14 @@ fn check_capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
         }
     }
     for (id, n) in &inp.nodes {
-        let (c, m) = (
-            cpu.get(id).copied().unwrap_or(0),
-            mem.get(id).copied().unwrap_or(0),
-        );
+        let (c, m) = (cpu.get(id).copied().unwrap_or(0), mem.get(id).copied().unwrap_or(0));
         ensure!(c <= n.cpu_milli, "(a) node {id}: cpu {c} > {}", n.cpu_milli);
-        ensure!(
-            m <= n.memory_mib,
-            "(a) node {id}: memory {m} > {}",
-            n.memory_mib
-        );
+        ensure!(m <= n.memory_mib, "(a) node {id}: memory {m} > {}", n.memory_mib);
     }
     for ((node, d), (milli, dmem)) in &dev {
-        let cap = inp
-            .nodes
-            .get(node)
-            .and_then(|n| n.devices.iter().find(|x| x.id == *d))
-            .map_or(0, |x| x.memory_mib);
-        ensure!(
-            *milli <= 1000,
-            "(a) device {node}/{d}: {milli} milli > 1000"
-        );
-        ensure!(
-            *dmem <= cap,
-            "(a) device {node}/{d}: memory slices {dmem} > {cap}"
-        );
+        let cap = inp.nodes.get(node).and_then(|n| n.devices.iter().find(|x| x.id == *d)).map_or(0, |x| x.memory_mib);
+        ensure!(*milli <= 1000, "(a) device {node}/{d}: {milli} milli > 1000");
+        ensure!(*dmem <= cap, "(a) device {node}/{d}: memory slices {dmem} > {cap}");
     }
     Ok(())
 }
@@ -1039,8 +869,7 @@ fn check_quota(inp: &Inputs<'_>, plan: &Plan) -> Check {
         let e = all.entry(q).or_insert(ResVec::ZERO);
         *e = add(*e, u);
         if p.borrowed {
-            let may_borrow =
-                queue.cohort.is_some() || inp.ancestors(q).iter().any(|a| !a.nominal.is_zero());
+            let may_borrow = queue.cohort.is_some() || inp.ancestors(q).iter().any(|a| !a.nominal.is_zero());
             ensure!(
                 may_borrow,
                 "(b) job {} flagged borrowed in queue {q}, which has no cohort or parent to borrow from",
@@ -1092,15 +921,8 @@ fn check_quota(inp: &Inputs<'_>, plan: &Plan) -> Check {
                 used = add(used, *u);
             }
         }
-        let cap = add(
-            parent.nominal,
-            parent.borrowing_limit.unwrap_or(ResVec::ZERO),
-        );
-        ensure!(
-            used.fits_within(&cap),
-            "(b) parent queue {}: subtree uses {used} > cap {cap}",
-            parent.id
-        );
+        let cap = add(parent.nominal, parent.borrowing_limit.unwrap_or(ResVec::ZERO));
+        ensure!(used.fits_within(&cap), "(b) parent queue {}: subtree uses {used} > cap {cap}", parent.id);
     }
     Ok(())
 }
@@ -1110,19 +932,8 @@ fn check_quota(inp: &Inputs<'_>, plan: &Plan) -> Check {
 fn check_gangs(inp: &Inputs<'_>, plan: &Plan) -> Check {
     let mut placed: BTreeMap<JobId, BTreeMap<u32, BTreeSet<u32>>> = BTreeMap::new();
     for p in &plan.placements {
-        let fresh = placed
-            .entry(p.job)
-            .or_default()
-            .entry(p.group)
-            .or_default()
-            .insert(p.replica);
-        ensure!(
-            fresh,
-            "(c) job {} group {} replica {} placed twice",
-            p.job,
-            p.group,
-            p.replica
-        );
+        let fresh = placed.entry(p.job).or_default().entry(p.group).or_default().insert(p.replica);
+        ensure!(fresh, "(c) job {} group {} replica {} placed twice", p.job, p.group, p.replica);
     }
     for (job, groups) in &placed {
         let Some(pj) = inp.pending.get(job) else {
@@ -1138,17 +949,10 @@ fn check_gangs(inp: &Inputs<'_>, plan: &Plan) -> Check {
             );
             let n = reps.len() as u32;
             if spec.gang {
-                ensure!(
-                    n == g.replicas,
-                    "(c) gang job {job} group {gi}: {n} of {} replicas placed",
-                    g.replicas
-                );
+                ensure!(n == g.replicas, "(c) gang job {job} group {gi}: {n} of {} replicas placed", g.replicas);
             } else {
                 let min = g.min_replicas.unwrap_or(g.replicas).min(g.replicas);
-                ensure!(
-                    n >= min,
-                    "(c) elastic job {job} group {gi}: {n} replicas placed, min {min}"
-                );
+                ensure!(n >= min, "(c) elastic job {job} group {gi}: {n} replicas placed, min {min}");
             }
         }
         ensure!(
@@ -1159,22 +963,11 @@ fn check_gangs(inp: &Inputs<'_>, plan: &Plan) -> Check {
     let mut unplaced = BTreeSet::new();
     for u in &plan.unplaced {
         ensure!(unplaced.insert(u.job), "(c) job {} unplaced twice", u.job);
-        ensure!(
-            !placed.contains_key(&u.job),
-            "(c) job {} both placed and unplaced",
-            u.job
-        );
-        ensure!(
-            !u.reason.is_empty(),
-            "(c) job {} unplaced without a reason",
-            u.job
-        );
+        ensure!(!placed.contains_key(&u.job), "(c) job {} both placed and unplaced", u.job);
+        ensure!(!u.reason.is_empty(), "(c) job {} unplaced without a reason", u.job);
     }
     for id in inp.pending.keys() {
-        ensure!(
-            placed.contains_key(id) || unplaced.contains(id),
-            "(c) pending job {id} neither placed nor unplaced"
-        );
+        ensure!(placed.contains_key(id) || unplaced.contains(id), "(c) pending job {id} neither placed nor unplaced");
     }
     Ok(())
 }
@@ -1182,38 +975,19 @@ fn check_gangs(inp: &Inputs<'_>, plan: &Plan) -> Check {
 /// (d) who may be preempted, and how.
 fn check_preemptions(inp: &Inputs<'_>, plan: &Plan, cfg: &SchedulerConfig) -> Check {
     if !cfg.preemption {
-        ensure!(
-            plan.preemptions.is_empty(),
-            "(d) preemption disabled but the plan preempts {:?}",
-            plan.preemptions
-        );
+        ensure!(plan.preemptions.is_empty(), "(d) preemption disabled but the plan preempts {:?}", plan.preemptions);
     }
     let victims = inp.victims(plan);
-    ensure!(
-        victims.len() == plan.preemptions.len(),
-        "(d) an allocation preempted twice: {:?}",
-        plan.preemptions
-    );
+    ensure!(victims.len() == plan.preemptions.len(), "(d) an allocation preempted twice: {:?}", plan.preemptions);
     let placed: BTreeSet<JobId> = plan.placements.iter().map(|p| p.job).collect();
     let unplaced: BTreeSet<JobId> = plan.unplaced.iter().map(|u| u.job).collect();
     let mut per_job: BTreeMap<JobId, usize> = BTreeMap::new();
-    for Preemption {
-        alloc,
-        job,
-        node,
-        for_job,
-        reason,
-        checkpoint_first,
-        grace_s,
-    } in &plan.preemptions
-    {
+    for Preemption { alloc, job, node, for_job, reason, checkpoint_first, grace_s } in &plan.preemptions {
         let Some(a) = inp.running.get(alloc) else {
             return Err(format!("(d) preempted alloc {alloc} is not running"));
         };
         let Some(f) = inp.pending.get(for_job) else {
-            return Err(format!(
-                "(d) alloc {alloc} preempted for unknown job {for_job}"
-            ));
+            return Err(format!("(d) alloc {alloc} preempted for unknown job {for_job}"));
         };
         ensure!(
             a.job == *job && a.node == *node,
@@ -1221,10 +995,7 @@ fn check_preemptions(inp: &Inputs<'_>, plan: &Plan, cfg: &SchedulerConfig) -> Ch
             a.job,
             a.node
         );
-        ensure!(
-            a.preemptible,
-            "(d) non-preemptible alloc {alloc} preempted for job {for_job}"
-        );
+        ensure!(a.preemptible, "(d) non-preemptible alloc {alloc} preempted for job {for_job}");
         let lower = a.priority < f.spec.priority;
         let reclaim = a.borrowed && a.queue != f.spec.queue;
         ensure!(
@@ -1236,15 +1007,8 @@ fn check_preemptions(inp: &Inputs<'_>, plan: &Plan, cfg: &SchedulerConfig) -> Ch
             f.spec.priority,
             f.spec.queue
         );
-        let want = if lower {
-            PreemptionReason::HigherPriority
-        } else {
-            PreemptionReason::ReclaimBorrowed
-        };
-        ensure!(
-            *reason == want,
-            "(d) alloc {alloc}: reason {reason:?}, expected {want:?}"
-        );
+        let want = if lower { PreemptionReason::HigherPriority } else { PreemptionReason::ReclaimBorrowed };
+        ensure!(*reason == want, "(d) alloc {alloc}: reason {reason:?}, expected {want:?}");
         if !lower {
             // Reclaiming is for a job within its own nominal quota.
             let q = &f.spec.queue;
@@ -1260,19 +1024,13 @@ fn check_preemptions(inp: &Inputs<'_>, plan: &Plan, cfg: &SchedulerConfig) -> Ch
             );
         }
         ensure!(
-            *checkpoint_first == a.checkpoint_grace_s.is_some()
-                && *grace_s == a.checkpoint_grace_s.unwrap_or(0),
+            *checkpoint_first == a.checkpoint_grace_s.is_some() && *grace_s == a.checkpoint_grace_s.unwrap_or(0),
             "(d) alloc {alloc}: checkpoint_first {checkpoint_first} grace {grace_s}, victim's grace {:?}",
             a.checkpoint_grace_s
         );
         if a.gang {
             for mate in inp.view.running.iter().filter(|m| m.job == a.job) {
-                ensure!(
-                    victims.contains(&mate.id),
-                    "(d) gang job {} partly preempted: {} kept",
-                    a.job,
-                    mate.id
-                );
+                ensure!(victims.contains(&mate.id), "(d) gang job {} partly preempted: {} kept", a.job, mate.id);
             }
         }
         // A victim frees capacity only where the job could run. Exceptions: a gang's mates stop
@@ -1280,8 +1038,7 @@ fn check_preemptions(inp: &Inputs<'_>, plan: &Plan, cfg: &SchedulerConfig) -> Ch
         // queue may be reclaimed to free quota rather than capacity.
         let frees_quota = reclaim
             && inp.ancestors(&f.spec.queue).iter().any(|anc| {
-                !anc.nominal.is_zero()
-                    && (anc.id == a.queue || inp.ancestors(&a.queue).iter().any(|x| x.id == anc.id))
+                !anc.nominal.is_zero() && (anc.id == a.queue || inp.ancestors(&a.queue).iter().any(|x| x.id == anc.id))
             });
         if !a.gang && !frees_quota {
             let n = inp.nodes.get(&a.node).copied();
@@ -1291,31 +1048,19 @@ fn check_preemptions(inp: &Inputs<'_>, plan: &Plan, cfg: &SchedulerConfig) -> Ch
                 a.node
             );
         }
-        ensure!(
-            !placed.contains(for_job),
-            "(d) job {for_job} placed in the same pass that preempts for it"
-        );
-        ensure!(
-            unplaced.contains(for_job),
-            "(d) job {for_job} preempts but is not listed as waiting"
-        );
+        ensure!(!placed.contains(for_job), "(d) job {for_job} placed in the same pass that preempts for it");
+        ensure!(unplaced.contains(for_job), "(d) job {for_job} preempts but is not listed as waiting");
         *per_job.entry(*for_job).or_default() += 1;
     }
     for (j, n) in per_job {
-        ensure!(
-            n <= cfg.max_preemptions_per_job,
-            "(d) job {j} preempts {n} > max {}",
-            cfg.max_preemptions_per_job
-        );
+        ensure!(n <= cfg.max_preemptions_per_job, "(d) job {j} preempts {n} > max {}", cfg.max_preemptions_per_job);
         // Preempting is only worth it when the job's quota admits it once the victims are gone:
         // its own nominal (no cohort) or borrowing limit, and every capped ancestor.
         let f = inp.pending[&j];
         let q = &f.spec.queue;
         let need = min_need(&f.spec);
         let usage_of = |pred: &dyn Fn(&QueueId) -> bool| {
-            inp.surviving(plan)
-                .filter(|a| pred(&a.queue))
-                .fold(need, |acc, a| add(acc, alloc_usage(&inp.kinds, a)))
+            inp.surviving(plan).filter(|a| pred(&a.queue)).fold(need, |acc, a| add(acc, alloc_usage(&inp.kinds, a)))
         };
         let queue = inp.queues[q];
         let own = usage_of(&|x| x == q);
@@ -1331,13 +1076,8 @@ fn check_preemptions(inp: &Inputs<'_>, plan: &Plan, cfg: &SchedulerConfig) -> Ch
             ),
             (Some(_), None) => {}
         }
-        for anc in inp
-            .ancestors(q)
-            .into_iter()
-            .filter(|a| !a.nominal.is_zero())
-        {
-            let sub_use =
-                usage_of(&|x| x == &anc.id || inp.ancestors(x).iter().any(|y| y.id == anc.id));
+        for anc in inp.ancestors(q).into_iter().filter(|a| !a.nominal.is_zero()) {
+            let sub_use = usage_of(&|x| x == &anc.id || inp.ancestors(x).iter().any(|y| y.id == anc.id));
             let cap = add(anc.nominal, anc.borrowing_limit.unwrap_or(ResVec::ZERO));
             ensure!(
                 sub_use.fits_within(&cap),
@@ -1377,17 +1117,8 @@ fn check_backfill(inp: &Inputs<'_>, plan: &Plan, now: u64) -> Check {
         let Some(head) = inp.pending.get(&r.job) else {
             return Err(format!("reservation for unknown job {}", r.job));
         };
-        ensure!(
-            plan.unplaced.iter().any(|u| u.job == r.job),
-            "reserved job {} is not waiting",
-            r.job
-        );
-        ensure!(
-            r.start_at >= now,
-            "reservation for job {} starts in the past ({})",
-            r.job,
-            r.start_at
-        );
+        ensure!(plan.unplaced.iter().any(|u| u.job == r.job), "reserved job {} is not waiting", r.job);
+        ensure!(r.start_at >= now, "reservation for job {} starts in the past ({})", r.job, r.start_at);
         for p in plan.placements.iter().filter(|p| r.nodes.contains(&p.node)) {
             let Some(j) = inp.pending.get(&p.job) else {
                 continue;
@@ -1425,15 +1156,8 @@ fn run(case: &Case, seed: u64) -> Plan {
 
 /// `PROPTEST_CASES=20000` runs a longer hunt; the default keeps the file well under 30 s.
 fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(CASES);
-    ProptestConfig {
-        cases,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(CASES);
+    ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() }
 }
 
 proptest! {
@@ -1509,9 +1233,7 @@ fn msg(r: &Check) -> String {
 fn sample(n: usize) -> Vec<Case> {
     let mut runner = TestRunner::deterministic();
     let strat = case();
-    (0..n)
-        .map(|_| strat.new_tree(&mut runner).expect("generator").current())
-        .collect()
+    (0..n).map(|_| strat.new_tree(&mut runner).expect("generator").current()).collect()
 }
 
 #[test]
@@ -1530,21 +1252,9 @@ fn generated_cases_exercise_every_decision() {
         unplaced += usize::from(!plan.unplaced.is_empty());
         borrowed += usize::from(plan.placements.iter().any(|p| p.borrowed));
         let ids: BTreeSet<JobId> = plan.placements.iter().map(|p| p.job).collect();
-        let jobs: Vec<&PendingJob> = c
-            .view
-            .pending
-            .iter()
-            .filter(|p| ids.contains(&p.id))
-            .collect();
-        gang += usize::from(
-            jobs.iter()
-                .any(|j| j.spec.gang && j.spec.groups.iter().any(|g| g.replicas > 1)),
-        );
-        frac += usize::from(
-            plan.placements
-                .iter()
-                .any(|p| p.devices.iter().any(|d| d.milli < 1000)),
-        );
+        let jobs: Vec<&PendingJob> = c.view.pending.iter().filter(|p| ids.contains(&p.id)).collect();
+        gang += usize::from(jobs.iter().any(|j| j.spec.gang && j.spec.groups.iter().any(|g| g.replicas > 1)));
+        frac += usize::from(plan.placements.iter().any(|p| p.devices.iter().any(|d| d.milli < 1000)));
     }
     let n = cases.len();
     let stats = format!(
@@ -1618,13 +1328,7 @@ fn checkers_reject_broken_plans() {
     // (d) the victim made equal priority and not borrowed, or non-preemptible.
     let victim = plan.preemptions[0].alloc;
     let for_job = plan.preemptions[0].for_job;
-    let prio = case
-        .view
-        .pending
-        .iter()
-        .find(|p| p.id == for_job)
-        .map(|p| p.spec.priority)
-        .expect("for_job is pending");
+    let prio = case.view.pending.iter().find(|p| p.id == for_job).map(|p| p.spec.priority).expect("for_job is pending");
     let mut view = case.view.clone();
     for a in &mut view.running {
         if a.id == victim {

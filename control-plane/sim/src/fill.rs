@@ -60,7 +60,14 @@ pub struct FillOptions {
 
 impl Default for FillOptions {
     fn default() -> Self {
-        Self { policy: "suanli".into(), seed: 42, inflate: 1.3, weights: Weights::default(), coverage: 0.95, naive: false }
+        Self {
+            policy: "suanli".into(),
+            seed: 42,
+            inflate: 1.3,
+            weights: Weights::default(),
+            coverage: 0.95,
+            naive: false,
+        }
     }
 }
 
@@ -104,7 +111,13 @@ pub fn profile_of(cluster: &Cluster, pods: &[TracePod], coverage: f64, memory_aw
 
 /// The arrival sequence for a seed: shuffled list, then sampled clones (indices into `pods`);
 /// and the fixed node order used to break ties (a permutation of `0..nodes`).
-pub fn arrival_sequence(pods: &[TracePod], nodes: usize, total_gpu_milli: u64, inflate: f64, seed: u64) -> (Vec<usize>, Vec<u32>) {
+pub fn arrival_sequence(
+    pods: &[TracePod],
+    nodes: usize,
+    total_gpu_milli: u64,
+    inflate: f64,
+    seed: u64,
+) -> (Vec<usize>, Vec<u32>) {
     let mut rng = DetRng::new(seed);
     let mut seq: Vec<usize> = (0..pods.len()).collect();
     rng.shuffle(&mut seq);
@@ -133,7 +146,12 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
     if !(opts.inflate.is_finite() && opts.inflate > 0.0 && opts.inflate <= 10.0) {
         return Err(FillError::Param { field: "inflate", message: format!("{} must be in (0, 10]", opts.inflate) });
     }
-    let probe = policy::build(&opts.policy, Norms { max_cpu_milli: 1, max_dev_milli: 1000 }, &Profile::default(), opts.weights)?;
+    let probe = policy::build(
+        &opts.policy,
+        Norms { max_cpu_milli: 1, max_dev_milli: 1000 },
+        &Profile::default(),
+        opts.weights,
+    )?;
     let mut cluster = Cluster::new(nodes, &Limits::default(), probe.needs_tags(), probe.tie_break())?;
     let total = cluster.total_gpu_milli();
     if total == 0 {
@@ -193,7 +211,8 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
         let v = match sums.get(&x) {
             Some((s, n)) => Some(s / *n as f64),
             None if x <= last => {
-                let (s, n) = (x - 1..=x + 1).filter_map(|k| sums.get(&k)).fold((0.0, 0u64), |a, b| (a.0 + b.0, a.1 + b.1));
+                let (s, n) =
+                    (x - 1..=x + 1).filter_map(|k| sums.get(&k)).fold((0.0, 0u64), |a, b| (a.0 + b.0, a.1 + b.1));
                 (n > 0).then(|| s / n as f64)
             }
             None => None,

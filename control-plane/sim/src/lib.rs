@@ -13,4 +13,5 @@
 pub mod fill;
 pub mod replay;
 pub mod report;
+pub mod synth;
 pub mod trace;

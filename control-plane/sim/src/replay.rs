@@ -1155,7 +1155,7 @@ impl Sim<'_> {
             .work_s
             .map(|w| w.saturating_sub(job.saved_s))
             .filter(|&d| d >= 1 && d <= self.opts.config.limits.max_duration_s);
-        let p = PendingJob { id: JobId(j as u64), spec, submitted_at: job.submitted_at };
+        let p = PendingJob { id: JobId(j as u64), spec, submitted_at: job.submitted_at, nominated: false };
         let pos = self.view.pending.partition_point(|q| q.id.0 < j as u64);
         self.view.pending.insert(pos, p);
         self.dirty = true;
@@ -1366,6 +1366,10 @@ impl Sim<'_> {
         // Like a nominated node: the victim queues again only once the job it made room for
         // has started, so it cannot take its capacity back in the next pass.
         if self.jobs.get(for_job).is_some_and(|f| f.status == Status::Pending) && for_job != j {
+            // The engine considers a nominated job before all others.
+            if let Some(p) = self.view.pending.iter_mut().find(|p| p.id.0 == for_job as u64) {
+                p.nominated = true;
+            }
             self.jobs[j].status = Status::Pending;
             self.held.entry(for_job).or_insert_with(|| (pass, Vec::new())).1.push(j);
             self.dirty = true;

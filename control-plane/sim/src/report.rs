@@ -57,7 +57,9 @@ pub fn summarize(policy: &str, runs: &[FillRun]) -> PolicySummary {
         frag: mean(&runs.iter().map(|r| r.final_frag).collect::<Vec<_>>()),
         frag_of_free: mean(&runs.iter().map(|r| r.final_frag_of_free).collect::<Vec<_>>()),
         seconds_per_run: mean(&runs.iter().map(|r| r.place_seconds).collect::<Vec<_>>()),
-        placements_per_s: mean(&runs.iter().map(|r| r.placements as f64 / r.place_seconds.max(1e-9)).collect::<Vec<_>>()),
+        placements_per_s: mean(
+            &runs.iter().map(|r| r.placements as f64 / r.place_seconds.max(1e-9)).collect::<Vec<_>>(),
+        ),
     }
 }
 
@@ -113,21 +115,40 @@ pub fn curves_svg(title: &str, sums: &[PolicySummary]) -> String {
     let py = |y: f64| T + (1.0 - y / 100.0) * (H - T - B);
     let esc = |t: &str| t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
     let mut s = String::new();
-    let _ = writeln!(s, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">"#);
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">"#
+    );
     let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(s, r#"<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#, (W - R + L) / 2.0, esc(title));
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#,
+        (W - R + L) / 2.0,
+        esc(title)
+    );
     for k in (0..=130).step_by(10) {
         let x = px(f64::from(k));
-        let _ = writeln!(s, r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#eee"/>"##, py(0.0), py(100.0));
+        let _ =
+            writeln!(s, r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#eee"/>"##, py(0.0), py(100.0));
         let _ = writeln!(s, r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle">{k}</text>"#, py(0.0) + 16.0);
     }
     for k in (0..=100).step_by(10) {
         let y = py(f64::from(k));
-        let _ = writeln!(s, r##"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#eee"/>"##, px(0.0), px(130.0));
+        let _ =
+            writeln!(s, r##"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#eee"/>"##, px(0.0), px(130.0));
         let _ = writeln!(s, r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{k}</text>"#, px(0.0) - 6.0, y + 4.0);
     }
-    let _ = writeln!(s, r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">arrived GPU request (% of cluster GPUs)</text>"#, px(65.0), H - 10.0);
-    let _ = writeln!(s, r#"<text transform="translate(16,{:.1}) rotate(-90)" text-anchor="middle">GPU allocation ratio (%)</text>"#, py(50.0));
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">arrived GPU request (% of cluster GPUs)</text>"#,
+        px(65.0),
+        H - 10.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text transform="translate(16,{:.1}) rotate(-90)" text-anchor="middle">GPU allocation ratio (%)</text>"#,
+        py(50.0)
+    );
     for (i, p) in sums.iter().enumerate() {
         let c = colors[i % colors.len()];
         let pts: Vec<String> = p
@@ -138,8 +159,20 @@ pub fn curves_svg(title: &str, sums: &[PolicySummary]) -> String {
             .collect();
         let _ = writeln!(s, r#"<polyline fill="none" stroke="{c}" stroke-width="1.6" points="{}"/>"#, pts.join(" "));
         let ly = T + 16.0 + i as f64 * 20.0;
-        let _ = writeln!(s, r#"<line x1="{:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{c}" stroke-width="3"/>"#, W - R + 10.0, W - R + 30.0);
-        let _ = writeln!(s, r#"<text x="{:.1}" y="{:.1}">{} ({:.2})</text>"#, W - R + 36.0, ly + 4.0, esc(&p.policy), p.alloc_at_130);
+        let _ = writeln!(
+            s,
+            r#"<line x1="{:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{c}" stroke-width="3"/>"#,
+            W - R + 10.0,
+            W - R + 30.0
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}">{} ({:.2})</text>"#,
+            W - R + 36.0,
+            ly + 4.0,
+            esc(&p.policy),
+            p.alloc_at_130
+        );
     }
     s.push_str("</svg>\n");
     s

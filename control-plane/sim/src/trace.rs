@@ -203,16 +203,23 @@ impl Table {
 
     fn num(&self, line: u64, rec: &csv::StringRecord, col: usize, name: &str, max: u64) -> Result<u64, TraceError> {
         let s = self.str(rec, col);
-        let v: u64 = s.parse().map_err(|_| {
-            self.field_err(line, name, format!("{s:?} is not a non-negative integer (0..={max})"))
-        })?;
+        let v: u64 = s
+            .parse()
+            .map_err(|_| self.field_err(line, name, format!("{s:?} is not a non-negative integer (0..={max})")))?;
         if v > max {
             return Err(self.field_err(line, name, format!("{v} exceeds the limit of {max}")));
         }
         Ok(v)
     }
 
-    fn opt_num(&self, line: u64, rec: &csv::StringRecord, col: Option<usize>, name: &str, max: u64) -> Result<Option<u64>, TraceError> {
+    fn opt_num(
+        &self,
+        line: u64,
+        rec: &csv::StringRecord,
+        col: Option<usize>,
+        name: &str,
+        max: u64,
+    ) -> Result<Option<u64>, TraceError> {
         match col {
             Some(c) if !self.str(rec, c).is_empty() => self.num(line, rec, c, name, max).map(Some),
             _ => Ok(None),
@@ -236,7 +243,8 @@ pub fn parse_alibaba_nodes_str(name: &str, text: &str) -> Result<Vec<Node>, Trac
 }
 
 fn parse_alibaba_nodes(t: &Table) -> Result<Vec<Node>, TraceError> {
-    let (sn, cpu, mem, gpu, model) = (t.col("sn")?, t.col("cpu_milli")?, t.col("memory_mib")?, t.col("gpu")?, t.col("model")?);
+    let (sn, cpu, mem, gpu, model) =
+        (t.col("sn")?, t.col("cpu_milli")?, t.col("memory_mib")?, t.col("gpu")?, t.col("model")?);
     let mut seen = std::collections::HashSet::new();
     let mut out = Vec::with_capacity(t.rows.len());
     for (line, rec) in &t.rows {
@@ -292,7 +300,8 @@ fn check_gpu(t: &Table, line: u64, num_gpu: u64, gpu_milli: u64) -> Result<(), T
 }
 
 fn parse_alibaba_pods(t: &Table) -> Result<Vec<TracePod>, TraceError> {
-    let (name, cpu, mem, ngpu, milli) = (t.col("name")?, t.col("cpu_milli")?, t.col("memory_mib")?, t.col("num_gpu")?, t.col("gpu_milli")?);
+    let (name, cpu, mem, ngpu, milli) =
+        (t.col("name")?, t.col("cpu_milli")?, t.col("memory_mib")?, t.col("num_gpu")?, t.col("gpu_milli")?);
     let spec = t.columns.get("gpu_spec").copied();
     let created = t.columns.get("creation_time").copied();
     let deleted = t.columns.get("deletion_time").copied();
@@ -342,8 +351,15 @@ pub fn parse_native_pods_str(name: &str, text: &str) -> Result<Vec<TracePod>, Tr
 
 fn parse_native_pods(t: &Table) -> Result<Vec<TracePod>, TraceError> {
     let c = |n: &str| t.col(n);
-    let (name, arr, dur, cpu, mem, ngpu, milli) =
-        (c("name")?, c("arrival_s")?, c("duration_s")?, c("cpu_milli")?, c("memory_mib")?, c("num_gpu")?, c("gpu_milli")?);
+    let (name, arr, dur, cpu, mem, ngpu, milli) = (
+        c("name")?,
+        c("arrival_s")?,
+        c("duration_s")?,
+        c("cpu_milli")?,
+        c("memory_mib")?,
+        c("num_gpu")?,
+        c("gpu_milli")?,
+    );
     let (spec, queue, prio, reps) = (
         t.columns.get("gpu_spec").copied(),
         t.columns.get("queue").copied(),
@@ -362,11 +378,9 @@ fn parse_native_pods(t: &Table) -> Result<Vec<TracePod>, TraceError> {
         check_gpu(t, line, num_gpu, gpu_milli)?;
         let priority = match prio.map(|p| t.str(rec, p)).filter(|s| !s.is_empty()) {
             None => 0,
-            Some(s) => s
-                .parse::<i32>()
-                .ok()
-                .filter(|p| p.unsigned_abs() <= 1_000_000)
-                .ok_or_else(|| t.field_err(line, "priority", format!("{s:?} is not an integer in -1000000..=1000000")))?,
+            Some(s) => s.parse::<i32>().ok().filter(|p| p.unsigned_abs() <= 1_000_000).ok_or_else(|| {
+                t.field_err(line, "priority", format!("{s:?} is not an integer in -1000000..=1000000"))
+            })?,
         };
         let replicas = match reps {
             Some(r) if !t.str(rec, r).is_empty() => t.num(line, rec, r, "replicas", 10_000)?,
@@ -405,9 +419,15 @@ mod tests {
 
     #[test]
     fn bad_rows_name_line_and_field() {
-        let e = parse_alibaba_pods_str("p.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\na,100,10,1,500\nb,-5,10,0,0\n")
-            .expect_err("negative cpu");
-        assert_eq!(e.to_string(), "p.csv: line 3: field \"cpu_milli\": \"-5\" is not a non-negative integer (0..=1024000)");
+        let e = parse_alibaba_pods_str(
+            "p.csv",
+            "name,cpu_milli,memory_mib,num_gpu,gpu_milli\na,100,10,1,500\nb,-5,10,0,0\n",
+        )
+        .expect_err("negative cpu");
+        assert_eq!(
+            e.to_string(),
+            "p.csv: line 3: field \"cpu_milli\": \"-5\" is not a non-negative integer (0..=1024000)"
+        );
         let e = parse_alibaba_pods_str("p.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\na,100,10,2,500\n")
             .expect_err("fractional multi-gpu");
         assert!(e.to_string().contains("line 2: field \"gpu_milli\""), "{e}");
@@ -422,7 +442,10 @@ mod tests {
         let e = parse_alibaba_nodes_str("n.csv", "sn,cpu_milli,memory_mib,gpu,model\nx,1,1,99999999999,T4\n")
             .expect_err("absurd gpus");
         assert!(e.to_string().contains("field \"gpu\""), "{e}");
-        assert!(matches!(parse_alibaba_pods_str("e.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\n"), Err(TraceError::Empty { .. })));
+        assert!(matches!(
+            parse_alibaba_pods_str("e.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\n"),
+            Err(TraceError::Empty { .. })
+        ));
     }
 
     #[test]

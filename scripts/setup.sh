@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what a fresh machine lacks to build suanli: the Rust toolchain is assumed, plus
+# libclang (RocksDB's bindings run bindgen). protoc comes from the protoc-bin-vendored crate.
+set -euo pipefail
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "setup: cargo not found; install Rust from https://rustup.rs" >&2
+  exit 1
+fi
+have_libclang() {
+  ldconfig -p 2>/dev/null | grep -q 'libclang\(-[0-9.]*\)\?\.so' && return 0
+  ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1
+}
+if ! have_libclang; then
+  echo "setup: installing libclang-dev (needed by RocksDB's bindgen)"
+  SUDO=""
+  if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends libclang-dev >/dev/null
+fi
+for c in rustfmt clippy; do
+  if ! rustup component list --installed 2>/dev/null | grep -q "^$c"; then
+    rustup component add "$c" >/dev/null 2>&1 || true
+  fi
+done

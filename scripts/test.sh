@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The one gate: formatting, clippy with warnings denied, and every test of the workspace.
+# Tests that replay the public Alibaba trace read it from $SUANLI_TRACES (default: the copy
+# beside this checkout, ../shared/traces/alibaba-gpu-v2023, when present).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+if [ -z "${SUANLI_TRACES:-}" ] && [ -d ../shared/traces/alibaba-gpu-v2023 ]; then
+  SUANLI_TRACES="$(cd ../shared/traces/alibaba-gpu-v2023 && pwd)"
+fi
+export SUANLI_TRACES="${SUANLI_TRACES:-}"
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy --all-targets -D warnings"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+echo "== cargo test"
+cargo test --workspace --quiet
