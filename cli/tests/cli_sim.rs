@@ -1,0 +1,87 @@
+//! The `suanli` binary on good and bad input: bad input gets an error naming the file, line,
+//! field and limit, a non-zero exit, and never a panic.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn suanli(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_suanli")).args(args).output().expect("run suanli")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write");
+    p.display().to_string()
+}
+
+const NODES: &str = "sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,8,V100M32\nn1,32000,131072,2,T4\n";
+const PODS: &str = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n\
+p0,8000,16384,1,500,\np1,4000,8192,1,250,T4\np2,16000,65536,2,1000,V100M32\np3,2000,4096,0,0,\n";
+
+fn assert_clean_failure(o: &Output, needle: &str) {
+    let e = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "exit code; stderr: {e}");
+    assert!(e.contains(needle), "stderr should contain {needle:?}: {e}");
+    assert!(!e.contains("panicked"), "must not panic: {e}");
+}
+
+#[test]
+fn fill_runs_every_policy_and_prints_json() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (n, p) = (write(dir.path(), "n.csv", NODES), write(dir.path(), "p.csv", PODS));
+    let svg = dir.path().join("c.svg");
+    let o = suanli(&[
+        "sim", "fill", "--nodes", &n, "--pods", &p, "--policy", "all", "--seeds", "1-3", "--format", "json", "--svg",
+        &svg.display().to_string(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let arr = v.as_array().expect("array of policy summaries");
+    assert_eq!(arr.len(), 7);
+    for s in arr {
+        assert_eq!(s["seeds"].as_array().map(Vec::len), Some(3));
+        let at130 = s["alloc_at_130"].as_f64().expect("alloc_at_130");
+        assert!((0.0..=100.0).contains(&at130));
+    }
+    let chart = std::fs::read_to_string(&svg).expect("svg written");
+    assert!(chart.starts_with("<svg") && chart.contains("polyline"));
+}
+
+#[test]
+fn bad_input_is_named_not_panicked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let n = write(dir.path(), "n.csv", NODES);
+    let p = write(dir.path(), "p.csv", PODS);
+
+    let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &p, "--policy", "bestfit,magic"]);
+    assert_clean_failure(&o, "unknown policy \"magic\"");
+    assert!(stderr(&o).contains("suanli, fgd, bestfit"));
+
+    let neg = write(dir.path(), "neg.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,-1,10,0,0\n");
+    let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &neg]);
+    assert_clean_failure(&o, "line 2: field \"cpu_milli\"");
+
+    let absurd = write(dir.path(), "absurd.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1,10,1000,1000\n");
+    let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &absurd]);
+    assert_clean_failure(&o, "field \"num_gpu\": 1000 exceeds the limit of 64");
+
+    let truncated = write(dir.path(), "trunc.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1,10,1,1000\np1,1,10\n");
+    let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &truncated]);
+    assert_clean_failure(&o, "line 3");
+
+    let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &dir.path().join("missing.csv").display().to_string()]);
+    assert_clean_failure(&o, "missing.csv");
+
+    let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &p, "--seeds", "9-3"]);
+    assert_clean_failure(&o, "--seeds");
+
+    let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &p, "--inflate", "0"]);
+    assert_clean_failure(&o, "inflate");
+
+    let o = suanli(&["bench", "engine", "--nodes", "0"]);
+    assert_clean_failure(&o, "--nodes");
+}
