@@ -299,40 +299,69 @@ fn check_gpu(t: &Table, line: u64, num_gpu: u64, gpu_milli: u64) -> Result<(), T
     Ok(())
 }
 
+/// Columns every pod format has.
+struct PodCols {
+    name: usize,
+    cpu: usize,
+    mem: usize,
+    ngpu: usize,
+    milli: usize,
+    spec: Option<usize>,
+}
+
+impl PodCols {
+    fn of(t: &Table) -> Result<Self, TraceError> {
+        Ok(Self {
+            name: t.col("name")?,
+            cpu: t.col("cpu_milli")?,
+            mem: t.col("memory_mib")?,
+            ngpu: t.col("num_gpu")?,
+            milli: t.col("gpu_milli")?,
+            spec: t.columns.get("gpu_spec").copied(),
+        })
+    }
+
+    /// The resource part of a pod row, validated; time, queue and gang fields are defaults.
+    fn pod(&self, t: &Table, line: u64, rec: &csv::StringRecord) -> Result<TracePod, TraceError> {
+        let n = t.str(rec, self.name);
+        if n.is_empty() {
+            return Err(t.field_err(line, "name", "must not be empty".into()));
+        }
+        let num_gpu = t.num(line, rec, self.ngpu, "num_gpu", MAX_GPUS)?;
+        let gpu_milli = t.num(line, rec, self.milli, "gpu_milli", 1000)?;
+        check_gpu(t, line, num_gpu, gpu_milli)?;
+        Ok(TracePod {
+            name: n.to_owned(),
+            cpu_milli: t.num(line, rec, self.cpu, "cpu_milli", MAX_CPU_MILLI)?,
+            memory_mib: t.num(line, rec, self.mem, "memory_mib", MAX_MEMORY_MIB)?,
+            num_gpu: num_gpu as u32,
+            gpu_milli: gpu_milli as u32,
+            gpu_spec: self.spec.map(|s| parse_spec(t.str(rec, s))).unwrap_or_default(),
+            arrival_s: 0,
+            duration_s: None,
+            queue: "default".into(),
+            priority: 0,
+            replicas: 1,
+        })
+    }
+}
+
 fn parse_alibaba_pods(t: &Table) -> Result<Vec<TracePod>, TraceError> {
-    let (name, cpu, mem, ngpu, milli) =
-        (t.col("name")?, t.col("cpu_milli")?, t.col("memory_mib")?, t.col("num_gpu")?, t.col("gpu_milli")?);
-    let spec = t.columns.get("gpu_spec").copied();
+    let cols = PodCols::of(t)?;
     let created = t.columns.get("creation_time").copied();
     let deleted = t.columns.get("deletion_time").copied();
     let mut out = Vec::with_capacity(t.rows.len());
     for (line, rec) in &t.rows {
         let line = *line;
-        let n = t.str(rec, name);
-        if n.is_empty() {
-            return Err(t.field_err(line, "name", "must not be empty".into()));
-        }
-        let num_gpu = t.num(line, rec, ngpu, "num_gpu", MAX_GPUS)?;
-        let gpu_milli = t.num(line, rec, milli, "gpu_milli", 1000)?;
-        check_gpu(t, line, num_gpu, gpu_milli)?;
+        let mut pod = cols.pod(t, line, rec)?;
         let c = t.opt_num(line, rec, created, "creation_time", u64::MAX / 4)?;
         let d = t.opt_num(line, rec, deleted, "deletion_time", u64::MAX / 4)?;
-        out.push(TracePod {
-            name: n.to_owned(),
-            cpu_milli: t.num(line, rec, cpu, "cpu_milli", MAX_CPU_MILLI)?,
-            memory_mib: t.num(line, rec, mem, "memory_mib", MAX_MEMORY_MIB)?,
-            num_gpu: num_gpu as u32,
-            gpu_milli: gpu_milli as u32,
-            gpu_spec: spec.map(|s| parse_spec(t.str(rec, s))).unwrap_or_default(),
-            arrival_s: c.unwrap_or(0),
-            duration_s: match (c, d) {
-                (Some(c), Some(d)) if d >= c => Some(d - c),
-                _ => None,
-            },
-            queue: "default".into(),
-            priority: 0,
-            replicas: 1,
-        });
+        pod.arrival_s = c.unwrap_or(0);
+        pod.duration_s = match (c, d) {
+            (Some(c), Some(d)) if d >= c => Some(d - c),
+            _ => None,
+        };
+        out.push(pod);
     }
     Ok(out)
 }
@@ -350,33 +379,15 @@ pub fn parse_native_pods_str(name: &str, text: &str) -> Result<Vec<TracePod>, Tr
 }
 
 fn parse_native_pods(t: &Table) -> Result<Vec<TracePod>, TraceError> {
-    let c = |n: &str| t.col(n);
-    let (name, arr, dur, cpu, mem, ngpu, milli) = (
-        c("name")?,
-        c("arrival_s")?,
-        c("duration_s")?,
-        c("cpu_milli")?,
-        c("memory_mib")?,
-        c("num_gpu")?,
-        c("gpu_milli")?,
-    );
-    let (spec, queue, prio, reps) = (
-        t.columns.get("gpu_spec").copied(),
-        t.columns.get("queue").copied(),
-        t.columns.get("priority").copied(),
-        t.columns.get("replicas").copied(),
-    );
+    let cols = PodCols::of(t)?;
+    let (arr, dur) = (t.col("arrival_s")?, t.col("duration_s")?);
+    let (queue, prio, reps) =
+        (t.columns.get("queue").copied(), t.columns.get("priority").copied(), t.columns.get("replicas").copied());
     let mut out = Vec::with_capacity(t.rows.len());
     for (line, rec) in &t.rows {
         let line = *line;
-        let n = t.str(rec, name);
-        if n.is_empty() {
-            return Err(t.field_err(line, "name", "must not be empty".into()));
-        }
-        let num_gpu = t.num(line, rec, ngpu, "num_gpu", MAX_GPUS)?;
-        let gpu_milli = t.num(line, rec, milli, "gpu_milli", 1000)?;
-        check_gpu(t, line, num_gpu, gpu_milli)?;
-        let priority = match prio.map(|p| t.str(rec, p)).filter(|s| !s.is_empty()) {
+        let mut pod = cols.pod(t, line, rec)?;
+        pod.priority = match prio.map(|p| t.str(rec, p)).filter(|s| !s.is_empty()) {
             None => 0,
             Some(s) => s.parse::<i32>().ok().filter(|p| p.unsigned_abs() <= 1_000_000).ok_or_else(|| {
                 t.field_err(line, "priority", format!("{s:?} is not an integer in -1000000..=1000000"))
@@ -389,20 +400,11 @@ fn parse_native_pods(t: &Table) -> Result<Vec<TracePod>, TraceError> {
         if replicas == 0 {
             return Err(t.field_err(line, "replicas", "must be at least 1".into()));
         }
-        let q = queue.map(|q| t.str(rec, q)).filter(|s| !s.is_empty()).unwrap_or("default");
-        out.push(TracePod {
-            name: n.to_owned(),
-            cpu_milli: t.num(line, rec, cpu, "cpu_milli", MAX_CPU_MILLI)?,
-            memory_mib: t.num(line, rec, mem, "memory_mib", MAX_MEMORY_MIB)?,
-            num_gpu: num_gpu as u32,
-            gpu_milli: gpu_milli as u32,
-            gpu_spec: spec.map(|s| parse_spec(t.str(rec, s))).unwrap_or_default(),
-            arrival_s: t.num(line, rec, arr, "arrival_s", u64::MAX / 4)?,
-            duration_s: t.opt_num(line, rec, Some(dur), "duration_s", u64::MAX / 4)?,
-            queue: q.to_owned(),
-            priority,
-            replicas: replicas as u32,
-        });
+        pod.replicas = replicas as u32;
+        pod.queue = queue.map(|q| t.str(rec, q)).filter(|s| !s.is_empty()).unwrap_or("default").to_owned();
+        pod.arrival_s = t.num(line, rec, arr, "arrival_s", u64::MAX / 4)?;
+        pod.duration_s = t.opt_num(line, rec, Some(dur), "duration_s", u64::MAX / 4)?;
+        out.push(pod);
     }
     Ok(out)
 }
