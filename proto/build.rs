@@ -13,22 +13,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc);
-    config.bytes([
-        ".suanli.v1.RaftMessage.json",
-        ".suanli.v1.SnapshotChunk.data",
-    ]);
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .compile_with_config(
-            config,
-            &[
-                "proto/suanli/v1/types.proto",
-                "proto/suanli/v1/api.proto",
-                "proto/suanli/v1/agent.proto",
-                "proto/suanli/v1/raft.proto",
-            ],
-            &["proto"],
-        )?;
+    config.bytes([".suanli.v1.RaftMessage.json", ".suanli.v1.SnapshotChunk.data"]);
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_with_config(
+        config,
+        &[
+            "proto/suanli/v1/types.proto",
+            "proto/suanli/v1/api.proto",
+            "proto/suanli/v1/agent.proto",
+            "proto/suanli/v1/raft.proto",
+        ],
+        &["proto"],
+    )?;
     Ok(())
 }

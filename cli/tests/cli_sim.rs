@@ -35,7 +35,19 @@ fn fill_runs_every_policy_and_prints_json() {
     let (n, p) = (write(dir.path(), "n.csv", NODES), write(dir.path(), "p.csv", PODS));
     let svg = dir.path().join("c.svg");
     let o = suanli(&[
-        "sim", "fill", "--nodes", &n, "--pods", &p, "--policy", "all", "--seeds", "1-3", "--format", "json", "--svg",
+        "sim",
+        "fill",
+        "--nodes",
+        &n,
+        "--pods",
+        &p,
+        "--policy",
+        "all",
+        "--seeds",
+        "1-3",
+        "--format",
+        "json",
+        "--svg",
         &svg.display().to_string(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -69,7 +81,8 @@ fn bad_input_is_named_not_panicked() {
     let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &absurd]);
     assert_clean_failure(&o, "field \"num_gpu\": 1000 exceeds the limit of 64");
 
-    let truncated = write(dir.path(), "trunc.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1,10,1,1000\np1,1,10\n");
+    let truncated =
+        write(dir.path(), "trunc.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1,10,1,1000\np1,1,10\n");
     let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &truncated]);
     assert_clean_failure(&o, "line 3");
 
