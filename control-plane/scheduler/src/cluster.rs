@@ -978,6 +978,22 @@ impl Cluster {
         self.reclass(idx);
     }
 
+    /// True when the node could ever host `shape`: allowed by its constraints, schedulable,
+    /// big enough and carrying enough devices of an allowed model (current usage ignored).
+    pub fn node_usable(&self, node: u32, shape: ShapeId) -> bool {
+        let n = &self.nodes[node as usize];
+        let s = &self.shapes[shape as usize];
+        let g = &self.groups[n.group as usize];
+        s.allows_group(n.group)
+            && g.schedulable
+            && g.cpu_milli >= s.cpu_milli
+            && g.memory_mib >= s.memory_mib
+            && s.dev.is_none_or(|r| {
+                g.devs.iter().filter(|d| d.kind == r.kind && s.models & (1u128 << d.model) != 0).count()
+                    >= r.count as usize
+            })
+    }
+
     /// Evaluates `shape` on one node only (used by preemption); held nodes never fit.
     pub fn choose_on(&mut self, node: u32, shape: ShapeId, policy: &dyn Policy, rng: &mut DetRng) -> Option<Choice> {
         let n = &self.nodes[node as usize];

@@ -539,7 +539,10 @@ impl Pass<'_> {
         let spec = &job.spec;
         let need = spec.min_total();
         let reclaim_allowed = self.quota.within_nominal(&spec.queue, need);
-        if quota_blocked && !reclaim_allowed {
+        // Within its own queue a job may displace lower-priority work even when the queue is
+        // at its quota: that frees the queue's own usage.
+        let own_lower = |a: &Allocation| a.queue == spec.queue && a.preemptible && a.priority < spec.priority;
+        if quota_blocked && !reclaim_allowed && !self.running.iter().any(own_lower) {
             return false;
         }
         // Candidates per node, cheapest lost work first.
@@ -548,7 +551,9 @@ impl Pass<'_> {
             if self.evicted.contains(&i) {
                 continue;
             }
-            if quota_blocked && !(a.borrowed && a.queue != spec.queue && a.preemptible) {
+            if quota_blocked
+                && !(own_lower(a) || (reclaim_allowed && a.borrowed && a.queue != spec.queue && a.preemptible))
+            {
                 continue;
             }
             if self.victim_ok(job, a, reclaim_allowed).is_none() {
@@ -662,14 +667,24 @@ impl Pass<'_> {
             }
         }
         if ok && quota_blocked {
-            // Quota, not only capacity, blocks the job: reclaim borrowed work whose usage
-            // counts against the capped ancestor, least lost work first, until the quota
-            // admits the job. Borrowed work elsewhere would be stopped for nothing.
+            let shapes: Vec<ShapeId> =
+                spec.groups.iter().map(|g| self.cluster.shape(&g.resources, &spec.constraints)).collect();
+            // Quota, not only capacity, blocks the job: stop the queue's own lower-priority
+            // work, or reclaim borrowed work whose usage counts against the capped ancestor,
+            // least lost work first, until the quota admits the job. Work elsewhere would be
+            // stopped for nothing.
             let mut extra: Vec<(u128, usize)> = by_node
                 .values()
                 .flatten()
                 .copied()
-                .filter(|&(_, i)| self.quota.shares_capped_ancestor(&spec.queue, &self.running[i].queue))
+                .filter(|&(_, i)| {
+                    let a = &self.running[i];
+                    let usable = self
+                        .cluster
+                        .node_index(&a.node)
+                        .is_some_and(|n| shapes.iter().any(|&s| self.cluster.node_usable(n, s)));
+                    usable && (a.queue == spec.queue || self.quota.shares_capped_ancestor(&spec.queue, &a.queue))
+                })
                 .collect();
             extra.sort_unstable();
             for (_, i) in extra {
@@ -796,3 +811,118 @@ impl Pass<'_> {
 
 /// Re-exported for callers that build views by hand.
 pub type NodeList = Vec<NodeId>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use suanli_model::{
+        AllocId, Constraints, Device, DeviceRequest, DeviceShare, JobKind, NodeId, PoolId, TaskGroup, TaskResources,
+    };
+
+    fn node() -> Node {
+        Node {
+            id: NodeId::new("n0"),
+            pool: PoolId::new("p"),
+            datacenter: String::new(),
+            region: String::new(),
+            labels: Default::default(),
+            cpu_milli: 8000,
+            memory_mib: 8192,
+            devices: vec![Device::simple("gpu0", DeviceKind::Gpu, "A100")],
+            schedulable: true,
+        }
+    }
+
+    fn gpu_job(id: u64, queue: &str, priority: i32) -> PendingJob {
+        PendingJob {
+            id: JobId(id),
+            spec: JobSpec {
+                name: format!("j{id}"),
+                queue: QueueId::new(queue),
+                kind: JobKind::Batch,
+                priority,
+                preemptible: true,
+                gang: false,
+                groups: vec![TaskGroup {
+                    name: "t".into(),
+                    replicas: 1,
+                    min_replicas: None,
+                    resources: TaskResources {
+                        cpu_milli: 1000,
+                        memory_mib: 1024,
+                        devices: Some(DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli: 1000, memory_mib: 0 }),
+                    },
+                }],
+                constraints: Constraints::default(),
+                runtime_estimate_s: None,
+                checkpoint: None,
+            },
+            submitted_at: 0,
+            nominated: false,
+        }
+    }
+
+    fn running(queue: &str, priority: i32, borrowed: bool) -> Allocation {
+        Allocation {
+            id: AllocId(1),
+            job: JobId(100),
+            group: 0,
+            replica: 0,
+            epoch: 0,
+            node: NodeId::new("n0"),
+            queue: QueueId::new(queue),
+            priority,
+            preemptible: true,
+            cpu_milli: 1000,
+            memory_mib: 1024,
+            devices: vec![DeviceShare { device: "gpu0".into(), milli: 1000, memory_mib: 0 }],
+            started_at: 0,
+            last_checkpoint_at: None,
+            checkpoint_grace_s: None,
+            restore_s: 0,
+            runtime_estimate_s: None,
+            borrowed,
+            gang: false,
+        }
+    }
+
+    fn queue(id: &str, gpus: Option<u64>, cohort: Option<&str>) -> Queue {
+        let mut q = Queue::new(id, ResVec { gpu_milli: gpus.map_or(u64::MAX, |g| g * 1000), ..ResVec::MAX });
+        q.cohort = cohort.map(str::to_owned);
+        q
+    }
+
+    fn victims(queues: Vec<Queue>, alloc: Allocation, job: PendingJob) -> Vec<PreemptionReason> {
+        let view =
+            ClusterView { nodes: vec![node()], queues, pending: vec![job], running: vec![alloc], workload: vec![] };
+        let plan = schedule(&view, 100, 1, &SchedulerConfig::default()).expect("plan");
+        plan.preemptions.iter().map(|p| p.reason).collect()
+    }
+
+    #[test]
+    fn another_queues_guaranteed_work_is_not_preempted_for_priority() {
+        // Team A runs inside its nominal quota: B's higher priority does not override it.
+        let qs = vec![queue("a", Some(1), None), queue("b", None, None)];
+        assert_eq!(victims(qs, running("a", 0, false), gpu_job(1, "b", 10)), vec![]);
+        // Without a quota (unlimited queue) there is no guarantee: priority applies.
+        let qs = vec![queue("a", None, None), queue("b", None, None)];
+        assert_eq!(victims(qs, running("a", 0, false), gpu_job(1, "b", 10)), vec![PreemptionReason::HigherPriority]);
+        // Inside one queue, priority applies.
+        let qs = vec![queue("a", Some(1), None)];
+        assert_eq!(victims(qs, running("a", 0, false), gpu_job(1, "a", 10)), vec![PreemptionReason::HigherPriority]);
+    }
+
+    #[test]
+    fn borrowed_work_is_reclaimed_only_inside_its_cohort() {
+        // The lender reclaims at equal priority.
+        let qs = vec![queue("lend", Some(1), Some("c")), queue("borrow", Some(0), Some("c"))];
+        assert_eq!(
+            victims(qs, running("borrow", 0, true), gpu_job(1, "lend", 0)),
+            vec![PreemptionReason::ReclaimBorrowed]
+        );
+        // A queue outside the cohort cannot reclaim what it never lent.
+        let qs =
+            vec![queue("lend", Some(1), Some("c")), queue("borrow", Some(0), Some("c")), queue("other", Some(1), None)];
+        assert_eq!(victims(qs, running("borrow", 0, true), gpu_job(1, "other", 0)), vec![]);
+    }
+}
