@@ -1,0 +1,265 @@
+//! The raft transport over gRPC (`suanli.v1.RaftTransport`): the client side openraft uses to
+//! reach peers, and the service a server mounts to answer them.
+//!
+//! ```text
+//!  openraft ──RaftNetwork──▶ GrpcNetwork ──tonic (deadline per RPC)──▶ RaftService ──▶ Raft<C>
+//!             JSON of AppendEntries / Vote; snapshot chunks as raw bytes
+//! ```
+//!
+//! Each RPC gets a deadline: the smaller of the configured one and openraft's TTL, enforced on
+//! the client (a timer) and sent to the server (`grpc-timeout`). An unreachable peer is
+//! reported as such so openraft backs off; a remote raft error travels back typed.
+
+// openraft's `RaftNetwork` fixes the (large) error type; boxing it here would not help.
+#![allow(clippy::result_large_err)]
+
+use crate::settings::RaftSettings;
+use crate::store::StoreConfig;
+use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Timeout, Unreachable};
+use openraft::network::{RPCOption, RPCTypes, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
+    VoteResponse,
+};
+use openraft::{BasicNode, Raft};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::time::Duration;
+use suanli_proto::v1::raft_transport_client::RaftTransportClient;
+use suanli_proto::v1::raft_transport_server::{RaftTransport, RaftTransportServer};
+use suanli_proto::v1::{RaftMessage, SnapshotChunk};
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Status};
+
+/// Creates one [`GrpcNetwork`] per peer.
+pub struct GrpcNetworkFactory<C> {
+    id: u64,
+    settings: RaftSettings,
+    _c: PhantomData<C>,
+}
+
+impl<C> GrpcNetworkFactory<C> {
+    /// A factory for node `id` (used in timeout reports).
+    pub fn new(id: u64, settings: RaftSettings) -> Self {
+        Self { id, settings, _c: PhantomData }
+    }
+}
+
+impl<C: StoreConfig> RaftNetworkFactory<C> for GrpcNetworkFactory<C> {
+    type Network = GrpcNetwork<C>;
+
+    async fn new_client(&mut self, target: u64, node: &BasicNode) -> Self::Network {
+        GrpcNetwork {
+            id: self.id,
+            target,
+            addr: node.addr.clone(),
+            settings: self.settings.clone(),
+            client: None,
+            _c: PhantomData,
+        }
+    }
+}
+
+/// The connection to one peer; connects lazily and reconnects after failures.
+pub struct GrpcNetwork<C> {
+    id: u64,
+    target: u64,
+    addr: String,
+    settings: RaftSettings,
+    client: Option<RaftTransportClient<Channel>>,
+    _c: PhantomData<C>,
+}
+
+type RpcErr<E = openraft::error::Infallible> = RPCError<u64, BasicNode, RaftError<u64, E>>;
+
+impl<C: StoreConfig> GrpcNetwork<C> {
+    fn client<E: std::error::Error>(&mut self) -> Result<RaftTransportClient<Channel>, RpcErr<E>> {
+        if let Some(c) = &self.client {
+            return Ok(c.clone());
+        }
+        let uri = if self.addr.contains("://") { self.addr.clone() } else { format!("http://{}", self.addr) };
+        let endpoint = Endpoint::from_shared(uri)
+            .map_err(|e| RPCError::Unreachable(Unreachable::new(&e)))?
+            .connect_timeout(self.settings.connect_timeout())
+            .tcp_nodelay(true);
+        let max = self.settings.max_message_bytes;
+        let c = RaftTransportClient::new(endpoint.connect_lazy())
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max);
+        self.client = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Runs one RPC under a deadline and maps transport failures to openraft's error kinds.
+    async fn call<E, T, F, Fut>(
+        &mut self,
+        action: RPCTypes,
+        limit: Duration,
+        ttl: Duration,
+        f: F,
+    ) -> Result<T, RpcErr<E>>
+    where
+        E: std::error::Error + DeserializeOwned,
+        T: DeserializeOwned,
+        F: FnOnce(RaftTransportClient<Channel>, Duration) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<RaftMessage>, Status>>,
+    {
+        let deadline = limit.min(ttl);
+        let client = self.client()?;
+        let reply = match tokio::time::timeout(deadline, f(client, deadline)).await {
+            Err(_) => {
+                return Err(RPCError::Timeout(Timeout { action, id: self.id, target: self.target, timeout: deadline }));
+            }
+            Ok(Err(status)) => {
+                if matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown) {
+                    self.client = None; // reconnect next time
+                    return Err(RPCError::Unreachable(Unreachable::new(&status)));
+                }
+                if status.code() == tonic::Code::DeadlineExceeded {
+                    return Err(RPCError::Timeout(Timeout {
+                        action,
+                        id: self.id,
+                        target: self.target,
+                        timeout: deadline,
+                    }));
+                }
+                return Err(RPCError::Network(NetworkError::new(&status)));
+            }
+            Ok(Ok(r)) => r.into_inner(),
+        };
+        let result: Result<T, RaftError<u64, E>> =
+            serde_json::from_slice(&reply.json).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
+    }
+
+    fn message<T: Serialize, E: std::error::Error>(&self, v: &T) -> Result<RaftMessage, RpcErr<E>> {
+        let json = serde_json::to_vec(v).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        Ok(RaftMessage { group: self.settings.group.clone(), json: json.into() })
+    }
+}
+
+fn with_deadline<T>(msg: T, d: Duration) -> Request<T> {
+    let mut r = Request::new(msg);
+    r.set_timeout(d);
+    r
+}
+
+impl<C: StoreConfig> RaftNetwork<C> for GrpcNetwork<C> {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<C>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<u64>, RpcErr> {
+        let msg = self.message(&rpc)?;
+        let limit = self.settings.append_timeout();
+        self.call(RPCTypes::AppendEntries, limit, option.hard_ttl(), |mut c, d| async move {
+            c.append_entries(with_deadline(msg, d)).await
+        })
+        .await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<C>,
+        option: RPCOption,
+    ) -> Result<InstallSnapshotResponse<u64>, RpcErr<InstallSnapshotError>> {
+        let to_json = |v: Result<Vec<u8>, serde_json::Error>| v.map_err(|e| RPCError::Network(NetworkError::new(&e)));
+        let chunk = SnapshotChunk {
+            group: self.settings.group.clone(),
+            vote_json: to_json(serde_json::to_vec(&rpc.vote))?,
+            meta_json: to_json(serde_json::to_vec(&rpc.meta))?,
+            offset: rpc.offset,
+            data: rpc.data.into(),
+            done: rpc.done,
+        };
+        let limit = self.settings.snapshot_timeout();
+        self.call(RPCTypes::InstallSnapshot, limit, option.hard_ttl(), |mut c, d| async move {
+            c.install_snapshot(with_deadline(chunk, d)).await
+        })
+        .await
+    }
+
+    async fn vote(&mut self, rpc: VoteRequest<u64>, option: RPCOption) -> Result<VoteResponse<u64>, RpcErr> {
+        let msg = self.message(&rpc)?;
+        let limit = self.settings.vote_timeout();
+        self.call(
+            RPCTypes::Vote,
+            limit,
+            option.hard_ttl(),
+            |mut c, d| async move { c.vote(with_deadline(msg, d)).await },
+        )
+        .await
+    }
+}
+
+/// The gRPC service that hands peers' raft messages to the local [`Raft`].
+pub struct RaftService<C: StoreConfig> {
+    raft: Raft<C>,
+    group: String,
+}
+
+impl<C: StoreConfig> RaftService<C> {
+    /// A service for `raft`, answering only messages for `settings.group`.
+    pub fn new(raft: Raft<C>, settings: &RaftSettings) -> Self {
+        Self { raft, group: settings.group.clone() }
+    }
+
+    /// The tonic server to mount (`Server::builder().add_service(...)`), with the configured
+    /// message size limit.
+    pub fn into_server(self, settings: &RaftSettings) -> RaftTransportServer<Self> {
+        RaftTransportServer::new(self)
+            .max_decoding_message_size(settings.max_message_bytes)
+            .max_encoding_message_size(settings.max_message_bytes)
+    }
+
+    fn check_group(&self, group: &str) -> Result<(), Status> {
+        if group != self.group {
+            return Err(Status::not_found(format!(
+                "raft group {group:?} is not served here (this is {:?})",
+                self.group
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn decode<T: DeserializeOwned>(what: &str, b: &[u8]) -> Result<T, Status> {
+    serde_json::from_slice(b).map_err(|e| Status::invalid_argument(format!("{what}: {e}")))
+}
+
+fn reply<T: Serialize>(v: &T, group: &str) -> Result<tonic::Response<RaftMessage>, Status> {
+    let json = serde_json::to_vec(v).map_err(|e| Status::internal(format!("encoding reply: {e}")))?;
+    Ok(tonic::Response::new(RaftMessage { group: group.to_owned(), json: json.into() }))
+}
+
+#[tonic::async_trait]
+impl<C: StoreConfig> RaftTransport for RaftService<C> {
+    async fn append_entries(&self, req: Request<RaftMessage>) -> Result<tonic::Response<RaftMessage>, Status> {
+        let m = req.into_inner();
+        self.check_group(&m.group)?;
+        let rpc: AppendEntriesRequest<C> = decode("append_entries", &m.json)?;
+        reply(&self.raft.append_entries(rpc).await, &self.group)
+    }
+
+    async fn vote(&self, req: Request<RaftMessage>) -> Result<tonic::Response<RaftMessage>, Status> {
+        let m = req.into_inner();
+        self.check_group(&m.group)?;
+        let rpc: VoteRequest<u64> = decode("vote", &m.json)?;
+        reply(&self.raft.vote(rpc).await, &self.group)
+    }
+
+    async fn install_snapshot(&self, req: Request<SnapshotChunk>) -> Result<tonic::Response<RaftMessage>, Status> {
+        let m = req.into_inner();
+        self.check_group(&m.group)?;
+        let rpc = InstallSnapshotRequest::<C> {
+            vote: decode("install_snapshot.vote_json", &m.vote_json)?,
+            meta: decode("install_snapshot.meta_json", &m.meta_json)?,
+            offset: m.offset,
+            data: m.data.to_vec(),
+            done: m.done,
+        };
+        reply(&self.raft.install_snapshot(rpc).await, &self.group)
+    }
+}

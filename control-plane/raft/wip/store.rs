@@ -1,0 +1,500 @@
+//! RocksDB storage for openraft: the log ([`LogStore`]) and the state machine with its
+//! snapshots ([`StateMachineStore`]), in column families of one database.
+//!
+//! ```text
+//!  cf "logs"      index (u64, big endian) -> JSON Entry          append/truncate/purge: fsync
+//!  cf "meta"      "vote" -> Vote (fsync) | "committed" -> LogId | "last_purged" -> LogId
+//!  cf "snapshot"  "meta" -> SnapshotMeta | "data" -> Machine::snapshot bytes      (fsync)
+//! ```
+//!
+//! The machine itself lives in memory: it is rebuilt at start from the latest snapshot, then
+//! openraft re-applies the committed log after it (we persist `committed` for that). Every
+//! write that acknowledges raft state (vote, log entries, purges, snapshots) is synced to disk
+//! before its callback fires, so an acknowledged write survives power loss.
+
+// openraft's storage traits fix the (large) `StorageError` type for every fallible call.
+#![allow(clippy::result_large_err)]
+
+use crate::machine::Machine;
+use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
+use openraft::{
+    BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftLogReader, RaftSnapshotBuilder, RaftTypeConfig,
+    SnapshotMeta, StorageError, StorageIOError, StoredMembership, Vote,
+};
+use rocksdb::{ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions};
+use serde::{Serialize, de::DeserializeOwned};
+use std::fmt::Debug;
+use std::io::Cursor;
+use std::marker::PhantomData;
+use std::ops::{Bound, RangeBounds};
+use std::path::Path;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use tokio::sync::watch;
+
+const CF_LOGS: &str = "logs";
+const CF_META: &str = "meta";
+const CF_SNAPSHOT: &str = "snapshot";
+const KEY_VOTE: &[u8] = b"vote";
+const KEY_COMMITTED: &[u8] = b"committed";
+const KEY_LAST_PURGED: &[u8] = b"last_purged";
+const KEY_SNAP_META: &[u8] = b"meta";
+const KEY_SNAP_DATA: &[u8] = b"data";
+
+/// The type configurations our storage serves: node ids are `u64`, nodes carry an address,
+/// snapshots are byte buffers.
+pub trait StoreConfig:
+    RaftTypeConfig<NodeId = u64, Node = BasicNode, Entry = Entry<Self>, SnapshotData = Cursor<Vec<u8>>>
+{
+}
+
+impl<C> StoreConfig for C where
+    C: RaftTypeConfig<NodeId = u64, Node = BasicNode, Entry = Entry<C>, SnapshotData = Cursor<Vec<u8>>>
+{
+}
+
+type SErr = StorageError<u64>;
+
+/// Opens (or creates) the database with our column families.
+pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
+    let mut opts = Options::default();
+    opts.create_if_missing(true);
+    opts.create_missing_column_families(true);
+    let cfs = [CF_LOGS, CF_META, CF_SNAPSHOT].map(|n| ColumnFamilyDescriptor::new(n, Options::default()));
+    Ok(Arc::new(DB::open_cf_descriptors(&opts, dir, cfs)?))
+}
+
+fn synced() -> WriteOptions {
+    let mut w = WriteOptions::default();
+    w.set_sync(true);
+    w
+}
+
+fn cf<'a>(db: &'a DB, name: &str) -> Result<&'a rocksdb::ColumnFamily, SErr> {
+    db.cf_handle(name)
+        .ok_or_else(|| StorageIOError::read(&std::io::Error::other(format!("column family {name} is missing"))).into())
+}
+
+fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>, SErr> {
+    serde_json::to_vec(v).map_err(|e| StorageIOError::write(&e).into())
+}
+
+fn from_json<T: DeserializeOwned>(b: &[u8]) -> Result<T, SErr> {
+    serde_json::from_slice(b).map_err(|e| StorageIOError::read(&e).into())
+}
+
+fn get_meta<T: DeserializeOwned>(db: &DB, key: &[u8]) -> Result<Option<T>, SErr> {
+    let v = db.get_cf(cf(db, CF_META)?, key).map_err(|e| StorageIOError::read(&e))?;
+    v.map(|b| from_json(&b)).transpose()
+}
+
+/// Runs a blocking RocksDB write off the async executor.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, SErr> + Send + 'static) -> Result<T, SErr> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| SErr::from(StorageIOError::write(&std::io::Error::other(e.to_string()))))?
+}
+
+// ---- log ----------------------------------------------------------------------------------
+
+/// The raft log in RocksDB.
+pub struct LogStore<C> {
+    db: Arc<DB>,
+    _c: PhantomData<C>,
+}
+
+impl<C> Clone for LogStore<C> {
+    fn clone(&self) -> Self {
+        Self { db: self.db.clone(), _c: PhantomData }
+    }
+}
+
+impl<C: StoreConfig> LogStore<C> {
+    /// A log store over an open database (see [`open_db`]).
+    pub fn new(db: Arc<DB>) -> Self {
+        Self { db, _c: PhantomData }
+    }
+
+    fn last_entry(&self) -> Result<Option<LogId<u64>>, SErr> {
+        let mut it = self.db.iterator_cf(cf(&self.db, CF_LOGS)?, IteratorMode::End);
+        match it.next() {
+            None => Ok(None),
+            Some(r) => {
+                let (_, v) = r.map_err(|e| StorageIOError::read_logs(&e))?;
+                let e: Entry<C> = from_json(&v)?;
+                Ok(Some(e.log_id))
+            }
+        }
+    }
+}
+
+impl<C: StoreConfig> RaftLogReader<C> for LogStore<C>
+where
+    C::D: Serialize + DeserializeOwned,
+{
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry<C>>, SErr> {
+        let start = match range.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s.saturating_add(1),
+            Bound::Unbounded => 0,
+        };
+        let logs = cf(&self.db, CF_LOGS)?;
+        let mut out = Vec::new();
+        for r in self.db.iterator_cf(logs, IteratorMode::From(&start.to_be_bytes(), Direction::Forward)) {
+            let (k, v) = r.map_err(|e| StorageIOError::read_logs(&e))?;
+            let idx = u64::from_be_bytes(
+                k.as_ref()
+                    .try_into()
+                    .map_err(|_| StorageIOError::read_logs(&std::io::Error::other("log key is not 8 bytes")))?,
+            );
+            if !range.contains(&idx) {
+                break;
+            }
+            out.push(from_json(&v)?);
+        }
+        Ok(out)
+    }
+}
+
+impl<C: StoreConfig> RaftLogStorage<C> for LogStore<C>
+where
+    C::D: Serialize + DeserializeOwned,
+{
+    type LogReader = Self;
+
+    async fn get_log_state(&mut self) -> Result<LogState<C>, SErr> {
+        let last_purged: Option<LogId<u64>> = get_meta(&self.db, KEY_LAST_PURGED)?;
+        let last = self.last_entry()?.or(last_purged);
+        Ok(LogState { last_purged_log_id: last_purged, last_log_id: last })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<u64>) -> Result<(), SErr> {
+        let db = self.db.clone();
+        let bytes = to_json(vote)?;
+        blocking(move || {
+            db.put_cf_opt(cf(&db, CF_META)?, KEY_VOTE, bytes, &synced()).map_err(|e| StorageIOError::write_vote(&e))?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<u64>>, SErr> {
+        get_meta(&self.db, KEY_VOTE)
+    }
+
+    async fn save_committed(&mut self, committed: Option<LogId<u64>>) -> Result<(), SErr> {
+        // Not synced: losing it only means re-applying a little more of the log at start.
+        let bytes = to_json(&committed)?;
+        self.db.put_cf(cf(&self.db, CF_META)?, KEY_COMMITTED, bytes).map_err(|e| StorageIOError::write(&e))?;
+        Ok(())
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId<u64>>, SErr> {
+        Ok(get_meta::<Option<LogId<u64>>>(&self.db, KEY_COMMITTED)?.flatten())
+    }
+
+    async fn append<I>(&mut self, entries: I, callback: LogFlushed<C>) -> Result<(), SErr>
+    where
+        I: IntoIterator<Item = Entry<C>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut batch = WriteBatch::default();
+        let logs = cf(&self.db, CF_LOGS)?;
+        for e in entries {
+            batch.put_cf(logs, e.log_id.index.to_be_bytes(), to_json(&e)?);
+        }
+        let db = self.db.clone();
+        let res = blocking(move || {
+            db.write_opt(batch, &synced()).map_err(|e| StorageIOError::write_logs(&e))?;
+            Ok(())
+        })
+        .await;
+        match &res {
+            Ok(()) => callback.log_io_completed(Ok(())),
+            Err(e) => callback.log_io_completed(Err(std::io::Error::other(e.to_string()))),
+        }
+        res
+    }
+
+    async fn truncate(&mut self, log_id: LogId<u64>) -> Result<(), SErr> {
+        let db = self.db.clone();
+        blocking(move || {
+            let mut batch = WriteBatch::default();
+            let logs = cf(&db, CF_LOGS)?;
+            batch.delete_range_cf(logs, log_id.index.to_be_bytes(), u64::MAX.to_be_bytes());
+            batch.delete_cf(logs, u64::MAX.to_be_bytes());
+            db.write_opt(batch, &synced()).map_err(|e| StorageIOError::write_logs(&e))?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn purge(&mut self, log_id: LogId<u64>) -> Result<(), SErr> {
+        let db = self.db.clone();
+        let meta = to_json(&log_id)?;
+        blocking(move || {
+            let mut batch = WriteBatch::default();
+            batch.put_cf(cf(&db, CF_META)?, KEY_LAST_PURGED, meta);
+            batch.delete_range_cf(cf(&db, CF_LOGS)?, 0u64.to_be_bytes(), log_id.index.saturating_add(1).to_be_bytes());
+            db.write_opt(batch, &synced()).map_err(|e| StorageIOError::write_logs(&e))?;
+            Ok(())
+        })
+        .await
+    }
+}
+
+// ---- state machine ------------------------------------------------------------------------
+
+/// The applied machine with the raft bookkeeping that goes with it.
+pub struct Applied<M> {
+    /// The application's state.
+    pub machine: M,
+    /// Last log entry applied.
+    pub last_applied: Option<LogId<u64>>,
+    /// Last membership applied.
+    pub membership: StoredMembership<u64, BasicNode>,
+}
+
+/// Read access to the applied state machine, shared with the raft storage.
+pub struct MachineHandle<M> {
+    shared: Arc<RwLock<Applied<M>>>,
+    applied: watch::Receiver<u64>,
+}
+
+impl<M> Clone for MachineHandle<M> {
+    fn clone(&self) -> Self {
+        Self { shared: self.shared.clone(), applied: self.applied.clone() }
+    }
+}
+
+impl<M> MachineHandle<M> {
+    /// Reads the local state as applied so far. Possibly stale on a follower; for a
+    /// linearizable read call [`crate::linearizable_read`] (or `Raft::ensure_linearizable`
+    /// first).
+    pub fn read<R>(&self, f: impl FnOnce(&M) -> R) -> R {
+        f(&read_lock(&self.shared).machine)
+    }
+
+    /// Last applied log index (0 before any).
+    pub fn applied_index(&self) -> u64 {
+        *self.applied.borrow()
+    }
+
+    /// A receiver that changes after every applied batch (its value: last applied index).
+    /// Watch streams wait on it instead of polling.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.applied.clone()
+    }
+
+    /// Waits until the storage behind this handle is gone (raft shut down, its state-machine
+    /// worker and any snapshot build finished), so the data directory may be opened again.
+    pub async fn closed(&self) {
+        let mut rx = self.applied.clone();
+        while rx.changed().await.is_ok() {}
+    }
+
+    /// Waits until `index` is applied locally.
+    pub async fn wait_applied(&self, index: u64) {
+        let mut rx = self.applied.clone();
+        // An error means the storage was dropped: nothing more will be applied.
+        let _ = rx.wait_for(|&i| i >= index).await;
+    }
+}
+
+fn read_lock<M>(l: &RwLock<Applied<M>>) -> RwLockReadGuard<'_, Applied<M>> {
+    // A panic while applying would leave the lock poisoned; the data is still the last
+    // consistent state (apply never leaves it half-changed on a refused command).
+    l.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn write_lock<M>(l: &RwLock<Applied<M>>) -> RwLockWriteGuard<'_, Applied<M>> {
+    l.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The state machine storage: the machine in memory, snapshots in RocksDB.
+pub struct StateMachineStore<C, M> {
+    db: Arc<DB>,
+    shared: Arc<RwLock<Applied<M>>>,
+    applied_tx: Arc<watch::Sender<u64>>,
+    applied_rx: watch::Receiver<u64>,
+    _c: PhantomData<C>,
+}
+
+impl<C: StoreConfig, M: Machine<Command = C::D, Response = C::R>> StateMachineStore<C, M> {
+    /// Opens the state machine over a database: restores the latest persisted snapshot, if
+    /// any. The log after it is re-applied by openraft at start.
+    pub fn open(db: Arc<DB>) -> Result<Self, SErr> {
+        let meta: Option<SnapshotMeta<u64, BasicNode>> = {
+            let v =
+                db.get_cf(cf(&db, CF_SNAPSHOT)?, KEY_SNAP_META).map_err(|e| StorageIOError::read_snapshot(None, &e))?;
+            v.map(|b| from_json(&b)).transpose()?
+        };
+        let applied = match meta {
+            None => Applied { machine: M::empty(), last_applied: None, membership: StoredMembership::default() },
+            Some(meta) => {
+                let data = db
+                    .get_cf(cf(&db, CF_SNAPSHOT)?, KEY_SNAP_DATA)
+                    .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?
+                    .ok_or_else(|| {
+                        StorageIOError::read_snapshot(
+                            Some(meta.signature()),
+                            &std::io::Error::other("snapshot data is missing"),
+                        )
+                    })?;
+                let machine = M::restore(&data)
+                    .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &std::io::Error::other(e)))?;
+                Applied { machine, last_applied: meta.last_log_id, membership: meta.last_membership.clone() }
+            }
+        };
+        let index = applied.last_applied.map_or(0, |l| l.index);
+        let (tx, rx) = watch::channel(index);
+        Ok(Self {
+            db,
+            shared: Arc::new(RwLock::new(applied)),
+            applied_tx: Arc::new(tx),
+            applied_rx: rx,
+            _c: PhantomData,
+        })
+    }
+
+    /// A read handle on the applied machine.
+    pub fn handle(&self) -> MachineHandle<M> {
+        MachineHandle { shared: self.shared.clone(), applied: self.applied_rx.clone() }
+    }
+
+    fn persist_snapshot(db: &DB, meta: &SnapshotMeta<u64, BasicNode>, data: &[u8]) -> Result<(), SErr> {
+        let mut batch = WriteBatch::default();
+        let snap = cf(db, CF_SNAPSHOT)?;
+        batch.put_cf(snap, KEY_SNAP_META, to_json(meta)?);
+        batch.put_cf(snap, KEY_SNAP_DATA, data);
+        db.write_opt(batch, &synced()).map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
+        Ok(())
+    }
+}
+
+/// Builds snapshots from a consistent copy of the machine.
+pub struct SnapshotBuilder<C, M> {
+    db: Arc<DB>,
+    shared: Arc<RwLock<Applied<M>>>,
+    /// Held so that [`MachineHandle::closed`] also waits for snapshot builds in flight.
+    _applied_tx: Arc<watch::Sender<u64>>,
+    _c: PhantomData<C>,
+}
+
+impl<C: StoreConfig, M: Machine<Command = C::D, Response = C::R>> RaftSnapshotBuilder<C> for SnapshotBuilder<C, M> {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<C>, SErr> {
+        let (data, last_log_id, membership) = {
+            let a = read_lock(&self.shared);
+            let data =
+                a.machine.snapshot().map_err(|e| StorageIOError::write_snapshot(None, &std::io::Error::other(e)))?;
+            (data, a.last_applied, a.membership.clone())
+        };
+        let snapshot_id = match last_log_id {
+            Some(l) => format!("{}-{}-{}", l.leader_id.term, l.leader_id.node_id, l.index),
+            None => "0-0-0".to_owned(),
+        };
+        let meta = SnapshotMeta { last_log_id, last_membership: membership, snapshot_id };
+        let db = self.db.clone();
+        let (m2, d2) = (meta.clone(), data.clone());
+        blocking(move || StateMachineStore::<C, M>::persist_snapshot(&db, &m2, &d2)).await?;
+        Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(data)) })
+    }
+}
+
+impl<C: StoreConfig, M: Machine<Command = C::D, Response = C::R>> RaftStateMachine<C> for StateMachineStore<C, M> {
+    type SnapshotBuilder = SnapshotBuilder<C, M>;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId<u64>>, StoredMembership<u64, BasicNode>), SErr> {
+        let a = read_lock(&self.shared);
+        Ok((a.last_applied, a.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<C::R>, SErr>
+    where
+        I: IntoIterator<Item = Entry<C>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut out = Vec::new();
+        let last = {
+            let mut a = write_lock(&self.shared);
+            for e in entries {
+                a.last_applied = Some(e.log_id);
+                let resp = match e.payload {
+                    EntryPayload::Blank => M::internal_response(),
+                    EntryPayload::Normal(cmd) => {
+                        let r = a.machine.apply(cmd);
+                        if let Some(why) = M::fatal(&r) {
+                            tracing::error!(index = e.log_id.index, %why, "cannot apply the log");
+                            return Err(StorageIOError::apply(e.log_id, &std::io::Error::other(why)).into());
+                        }
+                        r
+                    }
+                    EntryPayload::Membership(m) => {
+                        a.membership = StoredMembership::new(Some(e.log_id), m);
+                        M::internal_response()
+                    }
+                };
+                out.push(resp);
+            }
+            a.last_applied.map_or(0, |l| l.index)
+        };
+        self.applied_tx.send_replace(last);
+        Ok(out)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        SnapshotBuilder {
+            db: self.db.clone(),
+            shared: self.shared.clone(),
+            _applied_tx: self.applied_tx.clone(),
+            _c: PhantomData,
+        }
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, SErr> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<u64, BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), SErr> {
+        let data = snapshot.into_inner();
+        let machine = M::restore(&data)
+            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &std::io::Error::other(e)))?;
+        let db = self.db.clone();
+        let m2 = meta.clone();
+        blocking(move || Self::persist_snapshot(&db, &m2, &data)).await?;
+        let last = {
+            let mut a = write_lock(&self.shared);
+            a.machine = machine;
+            a.last_applied = meta.last_log_id;
+            a.membership = meta.last_membership.clone();
+            a.last_applied.map_or(0, |l| l.index)
+        };
+        self.applied_tx.send_replace(last);
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<C>>, SErr> {
+        let snap = cf(&self.db, CF_SNAPSHOT)?;
+        let Some(meta) = self.db.get_cf(snap, KEY_SNAP_META).map_err(|e| StorageIOError::read_snapshot(None, &e))?
+        else {
+            return Ok(None);
+        };
+        let meta: SnapshotMeta<u64, BasicNode> = from_json(&meta)?;
+        let data = self
+            .db
+            .get_cf(snap, KEY_SNAP_DATA)
+            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?
+            .unwrap_or_default();
+        Ok(Some(Snapshot { meta, snapshot: Box::new(Cursor::new(data)) }))
+    }
+}
