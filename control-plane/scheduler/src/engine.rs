@@ -207,6 +207,13 @@ struct Tentative {
     borrowed: bool,
 }
 
+impl Tentative {
+    /// Capacity held for a preempting job (charged as a whole later, never borrowed).
+    fn held(group: usize, replica: u32, shape: ShapeId, choice: Choice) -> Self {
+        Self { group: group as u32, replica, shape, choice, charge: ResVec::ZERO, borrowed: false }
+    }
+}
+
 /// Runs one scheduling pass. Deterministic: the same view, `now`, `seed` and config give the
 /// same plan.
 pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) -> Result<Plan, ScheduleError> {
@@ -576,14 +583,7 @@ impl Pass<'_> {
             for r in 0..min {
                 if let Some(c) = self.cluster.choose(shape, self.policy.as_ref(), &mut self.rng) {
                     self.cluster.commit(shape, &c);
-                    held.push(Tentative {
-                        group: gi as u32,
-                        replica: r,
-                        shape,
-                        choice: c,
-                        charge: ResVec::ZERO,
-                        borrowed: false,
-                    });
+                    held.push(Tentative::held(gi, r, shape, c));
                     continue;
                 }
                 // Cheapest node: release its candidates in order until the shape fits. A gang
@@ -639,14 +639,7 @@ impl Pass<'_> {
                 match self.cluster.choose_on(node, shape, self.policy.as_ref(), &mut self.rng) {
                     Some(c) => {
                         self.cluster.commit(shape, &c);
-                        held.push(Tentative {
-                            group: gi as u32,
-                            replica: r,
-                            shape,
-                            choice: c,
-                            charge: ResVec::ZERO,
-                            borrowed: false,
-                        });
+                        held.push(Tentative::held(gi, r, shape, c));
                     }
                     None => {
                         ok = false;
