@@ -2,8 +2,10 @@
 //! (engine benchmarks). Later: `server`, `agent`, `dev`, client commands.
 
 mod bench;
+mod client;
 mod sim;
 mod sim_replay;
+mod spec;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +25,16 @@ enum Cmd {
     /// Benchmarks that print ratios against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// Submit, inspect, list, cancel and watch jobs; validate job spec files.
+    Job(client::JobArgs),
+    /// Create, list, inspect and delete queues; validate queue files.
+    Queue(client::QueueArgs),
+    /// List resource pools.
+    Pool(client::PoolArgs),
+    /// List, inspect, cordon, drain and register nodes.
+    Node(client::NodeArgs),
+    /// Raft membership: members, leader, add or remove servers, snapshots.
+    Cluster(client::ClusterArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -30,6 +42,11 @@ fn main() -> std::process::ExitCode {
     let res = match cli.cmd {
         Cmd::Sim(c) => sim::run(c),
         Cmd::Bench(c) => bench::run(c),
+        Cmd::Job(c) => client::run(client::ClientCmd::Job(c)),
+        Cmd::Queue(c) => client::run(client::ClientCmd::Queue(c)),
+        Cmd::Pool(c) => client::run(client::ClientCmd::Pool(c)),
+        Cmd::Node(c) => client::run(client::ClientCmd::Node(c)),
+        Cmd::Cluster(c) => client::run(client::ClientCmd::Cluster(c)),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1,0 +1,1383 @@
+//! Client commands: `suanli job|queue|pool|node|cluster ...`, talking gRPC to any server.
+//!
+//! ```text
+//!   --server a:7400,b:7400,c:7400 (env SUANLI_ADDR)
+//!      │ connect (2 s timeout) ─ refused / UNAVAILABLE ──▶ next address
+//!      │ error carrying `suanli-leader: host:port` metadata ──▶ retry there once
+//!      ▼
+//!   Jobs | Queues | Pools | Nodes | Cluster | Agent   (each request: 10 s timeout; watch: none)
+//! ```
+//!
+//! `job submit` retries transport failures with the same `client_request_id`, so a retried
+//! submission never creates a second job. Spec files are loaded and validated locally first
+//! ([`crate::spec`]); the `validate` commands do only that and need no server.
+
+use crate::spec;
+use anyhow::{Context, anyhow};
+use clap::{Args, Subcommand, ValueEnum};
+use serde_json::{Value, json};
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use suanli_proto::v1 as pb;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+/// Server address used when neither `--server` nor `SUANLI_ADDR` is given.
+pub const DEFAULT_ADDR: &str = "127.0.0.1:7400";
+/// Time allowed to open a connection to one server.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Time allowed for one unary request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Response metadata key naming the leader's address.
+const LEADER_KEY: &str = "suanli-leader";
+/// Attempts of one submission (same request id) on transport failures.
+const SUBMIT_ATTEMPTS: u32 = 5;
+/// Largest page asked for by `job list`.
+const PAGE: u32 = 500;
+
+/// How results are printed.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// Aligned plain-text tables.
+    Table,
+    /// JSON (one document; `job watch` prints one object per line).
+    Json,
+}
+
+/// Where the servers are and how to print.
+#[derive(Args, Debug, Clone)]
+pub struct ConnArgs {
+    /// Server addresses, host:port, comma-separated; tried in order until one answers.
+    #[arg(long = "server", global = true, env = "SUANLI_ADDR", default_value = DEFAULT_ADDR, value_delimiter = ',')]
+    pub servers: Vec<String>,
+    /// Output format.
+    #[arg(long, global = true, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+/// `suanli job ...`.
+#[derive(Args, Debug)]
+pub struct JobArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    #[command(subcommand)]
+    cmd: JobCmd,
+}
+
+/// Job commands.
+#[derive(Subcommand, Debug)]
+pub enum JobCmd {
+    /// Validate a job spec file (.toml or .json) without a server; prints the normalized JSON.
+    Validate {
+        /// The spec file.
+        file: PathBuf,
+    },
+    /// Submit a job spec file (.toml or .json).
+    Submit {
+        /// The spec file.
+        file: PathBuf,
+        /// De-duplication key: submitting again with the same id returns the first job.
+        /// Generated when absent.
+        #[arg(long)]
+        request_id: Option<String>,
+    },
+    /// Show a job and its allocations.
+    Status {
+        /// Job id.
+        id: u64,
+        /// Answer from the contacted server's local state (possibly stale).
+        #[arg(long)]
+        stale: bool,
+    },
+    /// List jobs.
+    List {
+        /// Only jobs of this queue.
+        #[arg(long)]
+        queue: Option<String>,
+        /// Only jobs in these states (repeat or comma-separate): pending, placed, running,
+        /// preempted, requeuing, succeeded, failed, cancelled.
+        #[arg(long = "state", value_delimiter = ',')]
+        states: Vec<String>,
+        /// Most jobs shown.
+        #[arg(long, default_value_t = 1000)]
+        limit: u32,
+        /// Answer from the contacted server's local state (possibly stale).
+        #[arg(long)]
+        stale: bool,
+    },
+    /// Cancel a job.
+    Cancel {
+        /// Job id.
+        id: u64,
+        /// Why (recorded on the job).
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Print job changes as they happen, one line per event, until Ctrl-C.
+    Watch {
+        /// Only this job (default: all jobs).
+        id: Option<u64>,
+        /// Start after this state revision (0: the current state first).
+        #[arg(long, default_value_t = 0)]
+        from_revision: u64,
+    },
+}
+
+/// `suanli queue ...`.
+#[derive(Args, Debug)]
+pub struct QueueArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    #[command(subcommand)]
+    cmd: QueueCmd,
+}
+
+/// Queue commands.
+#[derive(Subcommand, Debug)]
+pub enum QueueCmd {
+    /// Validate a queue file without a server; prints the normalized JSON.
+    Validate {
+        /// The queue file (.toml or .json).
+        file: PathBuf,
+    },
+    /// Create or replace a queue from a file (.toml or .json).
+    Apply {
+        /// The queue file.
+        file: PathBuf,
+    },
+    /// List queues with their quota and usage.
+    List {
+        /// Answer from the contacted server's local state (possibly stale).
+        #[arg(long)]
+        stale: bool,
+    },
+    /// Show one queue.
+    Get {
+        /// Queue id.
+        id: String,
+        /// Answer from the contacted server's local state (possibly stale).
+        #[arg(long)]
+        stale: bool,
+    },
+    /// Delete a queue.
+    Delete {
+        /// Queue id.
+        id: String,
+    },
+}
+
+/// `suanli pool ...`.
+#[derive(Args, Debug)]
+pub struct PoolArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    #[command(subcommand)]
+    cmd: PoolCmd,
+}
+
+/// Pool commands.
+#[derive(Subcommand, Debug)]
+pub enum PoolCmd {
+    /// List pools with their capacity and usage.
+    List {
+        /// Answer from the contacted server's local state (possibly stale).
+        #[arg(long)]
+        stale: bool,
+    },
+}
+
+/// `suanli node ...`.
+#[derive(Args, Debug)]
+pub struct NodeArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    #[command(subcommand)]
+    cmd: NodeCmd,
+}
+
+/// Node commands.
+#[derive(Subcommand, Debug)]
+pub enum NodeCmd {
+    /// Validate a node file without a server; prints the normalized JSON.
+    Validate {
+        /// The node file (.toml or .json).
+        file: PathBuf,
+    },
+    /// List nodes.
+    List {
+        /// Only nodes of this pool.
+        #[arg(long)]
+        pool: Option<String>,
+        /// Answer from the contacted server's local state (possibly stale).
+        #[arg(long)]
+        stale: bool,
+    },
+    /// Show one node and its devices.
+    Get {
+        /// Node id.
+        id: String,
+        /// Answer from the contacted server's local state (possibly stale).
+        #[arg(long)]
+        stale: bool,
+    },
+    /// Stop new placements on a node; running work stays.
+    Cordon {
+        /// Node id.
+        id: String,
+    },
+    /// Stop new placements and move the node's work elsewhere.
+    Drain {
+        /// Node id.
+        id: String,
+    },
+    /// Make a cordoned or draining node schedulable again.
+    Uncordon {
+        /// Node id.
+        id: String,
+    },
+    /// Register a node from a file as an agent would (for tests and dev clusters).
+    Register {
+        /// The node file (.toml or .json).
+        file: PathBuf,
+        /// Keep heartbeating until Ctrl-C, so the node stays ready.
+        #[arg(long)]
+        keep_alive: bool,
+    },
+}
+
+/// `suanli cluster ...`.
+#[derive(Args, Debug)]
+pub struct ClusterArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    #[command(subcommand)]
+    cmd: ClusterCmd,
+}
+
+/// Cluster membership commands.
+#[derive(Subcommand, Debug)]
+pub enum ClusterCmd {
+    /// List the servers, their roles and replication progress.
+    Members,
+    /// Show the current leader.
+    Leader,
+    /// Add a server: it catches up as a learner, then becomes a voter unless --learner-only.
+    AddServer {
+        /// Its raft node id.
+        #[arg(long)]
+        id: u64,
+        /// Its address, host:port.
+        #[arg(long)]
+        addr: String,
+        /// Keep it a non-voting learner.
+        #[arg(long)]
+        learner_only: bool,
+    },
+    /// Remove a server from the cluster.
+    RemoveServer {
+        /// Its raft node id.
+        #[arg(long)]
+        id: u64,
+    },
+    /// Build a snapshot now.
+    Snapshot,
+}
+
+/// One client command group.
+#[derive(Debug)]
+pub enum ClientCmd {
+    /// `suanli job`.
+    Job(JobArgs),
+    /// `suanli queue`.
+    Queue(QueueArgs),
+    /// `suanli pool`.
+    Pool(PoolArgs),
+    /// `suanli node`.
+    Node(NodeArgs),
+    /// `suanli cluster`.
+    Cluster(ClusterArgs),
+}
+
+/// Runs a client command on a single-threaded tokio runtime.
+pub fn run(cmd: ClientCmd) -> anyhow::Result<()> {
+    // Commands that need no server run without a runtime.
+    match &cmd {
+        ClientCmd::Job(JobArgs { cmd: JobCmd::Validate { file }, .. }) => return print_json(&spec::load_job(file)?),
+        ClientCmd::Queue(QueueArgs { cmd: QueueCmd::Validate { file }, .. }) => {
+            return print_json(&spec::load_queue(file)?);
+        }
+        ClientCmd::Node(NodeArgs { cmd: NodeCmd::Validate { file }, .. }) => {
+            return print_json(&spec::load_node(file)?);
+        }
+        _ => {}
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting tokio")?;
+    rt.block_on(async move {
+        match cmd {
+            ClientCmd::Job(a) => job(a.conn, a.cmd).await,
+            ClientCmd::Queue(a) => queue(a.conn, a.cmd).await,
+            ClientCmd::Pool(a) => pool(a.conn, a.cmd).await,
+            ClientCmd::Node(a) => node(a.conn, a.cmd).await,
+            ClientCmd::Cluster(a) => cluster(a.conn, a.cmd).await,
+        }
+    })
+}
+
+fn print_json<T: serde::Serialize>(t: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(t)?);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connections.
+
+/// The canonical gRPC name of a status code.
+fn code_name(c: Code) -> &'static str {
+    match c {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// A gRPC error as `<code>: <message>`.
+fn status_err(s: Status) -> anyhow::Error {
+    anyhow!("{}: {}", code_name(s.code()), s.message())
+}
+
+/// The leader address an error names in its metadata, if any.
+fn leader_of(s: &Status) -> Option<String> {
+    let v = s.metadata().get(LEADER_KEY)?.to_str().ok()?.trim();
+    (!v.is_empty()).then(|| v.to_owned())
+}
+
+/// Connections to a list of servers; remembers the one that last answered.
+struct Conn {
+    addrs: Vec<String>,
+    current: Option<(String, Channel)>,
+    request_timeout: Option<Duration>,
+}
+
+impl Conn {
+    fn new(args: &ConnArgs) -> anyhow::Result<Self> {
+        let addrs: Vec<String> = args.servers.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
+        if addrs.is_empty() {
+            anyhow::bail!("--server: no address given (expected host:port[,host:port...])");
+        }
+        Ok(Self { addrs, current: None, request_timeout: Some(REQUEST_TIMEOUT) })
+    }
+
+    /// The same servers, without a request timeout (for streams).
+    fn streaming(&self) -> Self {
+        Self { addrs: self.addrs.clone(), current: None, request_timeout: None }
+    }
+
+    async fn connect(&self, addr: &str) -> Result<Channel, String> {
+        let uri = if addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") };
+        let mut ep =
+            Endpoint::from_shared(uri).map_err(|e| format!("bad address: {e}"))?.connect_timeout(CONNECT_TIMEOUT);
+        if let Some(t) = self.request_timeout {
+            ep = ep.timeout(t);
+        }
+        match tokio::time::timeout(CONNECT_TIMEOUT + Duration::from_millis(500), ep.connect()).await {
+            Ok(Ok(ch)) => Ok(ch),
+            Ok(Err(e)) => {
+                let mut msg = e.to_string();
+                let mut src = std::error::Error::source(&e);
+                while let Some(s) = src {
+                    let part = s.to_string();
+                    if !msg.contains(&part) {
+                        msg = format!("{msg}: {part}");
+                    }
+                    src = s.source();
+                }
+                Err(msg)
+            }
+            Err(_) => Err("connect timed out".into()),
+        }
+    }
+
+    /// Calls `f` on the first server that answers: connection failures and UNAVAILABLE move
+    /// on to the next address; an error naming the leader is retried there once.
+    async fn call<T, F, Fut>(&mut self, mut f: F) -> Result<T, Status>
+    where
+        F: FnMut(Channel) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let mut order: Vec<String> = Vec::new();
+        if let Some((a, _)) = &self.current {
+            order.push(a.clone());
+        }
+        order.extend(self.addrs.iter().filter(|a| !order.contains(a)).cloned().collect::<Vec<_>>());
+        let mut failures: Vec<String> = Vec::new();
+        let mut redirected = false;
+        let mut i = 0;
+        while i < order.len() {
+            let addr = order[i].clone();
+            i += 1;
+            let ch = match &self.current {
+                Some((a, ch)) if *a == addr => ch.clone(),
+                _ => match self.connect(&addr).await {
+                    Ok(ch) => ch,
+                    Err(e) => {
+                        failures.push(format!("{addr}: {e}"));
+                        continue;
+                    }
+                },
+            };
+            match f(ch.clone()).await {
+                Ok(r) => {
+                    self.current = Some((addr, ch));
+                    return Ok(r.into_inner());
+                }
+                Err(st) => {
+                    if !redirected
+                        && let Some(leader) = leader_of(&st)
+                        && leader != addr
+                    {
+                        redirected = true;
+                        failures.push(format!("{addr}: {} (leader is {leader})", st.message()));
+                        order.insert(i, leader);
+                        if matches!(&self.current, Some((a, _)) if *a == addr) {
+                            self.current = None;
+                        }
+                        continue;
+                    }
+                    if st.code() == Code::Unavailable {
+                        failures.push(format!("{addr}: {}", st.message()));
+                        if matches!(&self.current, Some((a, _)) if *a == addr) {
+                            self.current = None;
+                        }
+                        continue;
+                    }
+                    return Err(st);
+                }
+            }
+        }
+        Err(Status::unavailable(format!("no server answered ({})", failures.join("; "))))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Formatting.
+
+/// Aligned plain-text table: columns separated by two spaces, the last column not padded.
+fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            if let Some(w) = widths.get_mut(i) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let n = cells.len();
+        let mut s = String::new();
+        for (i, c) in cells.into_iter().enumerate() {
+            s.push_str(c);
+            if i + 1 < n {
+                let pad = widths.get(i).copied().unwrap_or(0).saturating_sub(c.chars().count()) + 2;
+                s.extend(std::iter::repeat_n(' ', pad));
+            }
+        }
+        s.trim_end().to_owned()
+    };
+    let mut out = line(headers.to_vec());
+    for r in rows {
+        out.push('\n');
+        out.push_str(&line(r.iter().map(String::as_str).collect()));
+    }
+    out
+}
+
+/// Key-value lines with aligned values.
+fn fields(kv: &[(&str, String)]) -> String {
+    let w = kv.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
+    kv.iter().map(|(k, v)| format!("{:<w$} {v}", format!("{k}:"), w = w)).collect::<Vec<_>>().join("\n")
+}
+
+/// Milli-units as a decimal: 1500 -> "1.5", 250 -> "0.25".
+fn milli(m: u64) -> String {
+    let (whole, frac) = (m / 1000, m % 1000);
+    if frac == 0 { whole.to_string() } else { format!("{whole}.{frac:03}").trim_end_matches('0').to_owned() }
+}
+
+/// MiB as a short size: 65536 -> "64Gi", 1536 -> "1.5Gi", 500 -> "500Mi".
+fn mib(m: u64) -> String {
+    if m >= 1024 * 1024 && m.is_multiple_of(1024 * 1024 / 8) {
+        format!("{}Ti", milli(m * 1000 / (1024 * 1024)))
+    } else if m >= 1024 && m.is_multiple_of(128) {
+        format!("{}Gi", milli(m * 1000 / 1024))
+    } else {
+        format!("{m}Mi")
+    }
+}
+
+/// A resource vector, non-zero dimensions only: `cpu=8 mem=64Gi gpu=4`.
+fn res(r: Option<&pb::Resources>) -> String {
+    let Some(r) = r else { return "-".into() };
+    let mut parts = Vec::new();
+    if r.cpu_milli > 0 {
+        parts.push(format!("cpu={}", milli(r.cpu_milli)));
+    }
+    if r.memory_mib > 0 {
+        parts.push(format!("mem={}", mib(r.memory_mib)));
+    }
+    if r.gpu_milli > 0 {
+        parts.push(format!("gpu={}", milli(r.gpu_milli)));
+    }
+    if r.npu_milli > 0 {
+        parts.push(format!("npu={}", milli(r.npu_milli)));
+    }
+    if parts.is_empty() { "0".into() } else { parts.join(" ") }
+}
+
+/// `used/capacity` of one dimension.
+fn frac(used: u64, cap: u64, f: fn(u64) -> String) -> String {
+    format!("{}/{}", f(used), f(cap))
+}
+
+fn res_json(r: Option<&pb::Resources>) -> Value {
+    match r {
+        None => Value::Null,
+        Some(r) => json!({
+            "cpu_milli": r.cpu_milli, "memory_mib": r.memory_mib,
+            "gpu_milli": r.gpu_milli, "npu_milli": r.npu_milli,
+        }),
+    }
+}
+
+fn now_s() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Time since `t` (seconds since the epoch): `45s`, `3m`, `2h`, `5d`.
+fn age(t: u64) -> String {
+    if t == 0 {
+        return "-".into();
+    }
+    let d = now_s().saturating_sub(t);
+    match d {
+        0..60 => format!("{d}s"),
+        60..3600 => format!("{}m", d / 60),
+        3600..86_400 => format!("{}h", d / 3600),
+        _ => format!("{}d", d / 86_400),
+    }
+}
+
+fn dash(s: &str) -> String {
+    if s.is_empty() { "-".into() } else { s.to_owned() }
+}
+
+fn alloc_json(a: &pb::AllocInfo) -> Value {
+    json!({
+        "id": a.id, "job_id": a.job_id, "group": a.group, "replica": a.replica, "epoch": a.epoch,
+        "node": a.node, "state": a.state, "desired": a.desired, "stop_reason": a.stop_reason,
+        "checkpoint_first": a.checkpoint_first, "grace_s": a.grace_s,
+        "cpu_milli": a.cpu_milli, "memory_mib": a.memory_mib,
+        "devices": a.devices.iter().map(|d| json!({"device": d.device, "milli": d.milli, "memory_mib": d.memory_mib})).collect::<Vec<_>>(),
+        "started_at": a.started_at, "message": a.message, "queue": a.queue, "priority": a.priority,
+        "borrowed": a.borrowed, "restore_from": a.restore_from,
+    })
+}
+
+fn job_json(j: &pb::JobInfo) -> Value {
+    let spec: Value = serde_json::from_str(&j.spec_json).unwrap_or_else(|_| Value::String(j.spec_json.clone()));
+    json!({
+        "id": j.id, "name": j.name, "queue": j.queue, "state": j.state, "priority": j.priority,
+        "submitted_at": j.submitted_at, "updated_at": j.updated_at, "attempt": j.attempt,
+        "failures": j.failures, "requeues": j.requeues, "not_before": j.not_before, "reason": j.reason,
+        "allocs": j.allocs.iter().map(alloc_json).collect::<Vec<_>>(),
+        "spec": spec, "revision": j.revision, "client_request_id": j.client_request_id,
+        "queue_position": j.queue_position, "latest_checkpoint_uri": j.latest_checkpoint_uri,
+    })
+}
+
+fn queue_json(q: &pb::QueueInfo) -> Value {
+    json!({
+        "id": q.id, "team": q.team, "parent": q.parent, "cohort": q.cohort, "weight": q.weight,
+        "nominal": res_json(q.nominal.as_ref()), "borrowing_limit": res_json(q.borrowing_limit.as_ref()),
+        "lending_limit": res_json(q.lending_limit.as_ref()), "used": res_json(q.used.as_ref()),
+        "borrowed": res_json(q.borrowed.as_ref()), "pending_jobs": q.pending_jobs, "running_jobs": q.running_jobs,
+    })
+}
+
+fn pool_json(p: &pb::PoolInfo) -> Value {
+    json!({
+        "name": p.name, "nodes": p.nodes, "ready_nodes": p.ready_nodes,
+        "capacity": res_json(p.capacity.as_ref()), "used": res_json(p.used.as_ref()),
+    })
+}
+
+fn mode_name(m: i32) -> &'static str {
+    match pb::NodeMode::try_from(m) {
+        Ok(pb::NodeMode::Schedulable) => "schedulable",
+        Ok(pb::NodeMode::Cordoned) => "cordoned",
+        Ok(pb::NodeMode::Draining) => "draining",
+        _ => "unknown",
+    }
+}
+
+fn node_json(n: &pb::NodeInfo) -> Value {
+    let labels: serde_json::Map<String, Value> =
+        n.labels.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect();
+    json!({
+        "id": n.id, "pool": n.pool, "region": n.region, "datacenter": n.datacenter, "status": n.status,
+        "mode": mode_name(n.mode), "capacity": res_json(n.capacity.as_ref()), "used": res_json(n.used.as_ref()),
+        "devices": n.devices.iter().map(|d| json!({
+            "id": d.id, "kind": d.kind, "model": d.model, "memory_mib": d.memory_mib, "health": d.health,
+            "numa": d.numa, "peer_group": d.peer_group, "partition_of": d.partition_of, "used_milli": d.used_milli,
+        })).collect::<Vec<_>>(),
+        "labels": labels, "updated_at": n.updated_at, "reason": n.reason, "allocations": n.allocations,
+    })
+}
+
+fn print_value(v: &Value) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Jobs.
+
+/// A request id unique to this submission: time, process and a random part.
+fn new_request_id() -> String {
+    use std::hash::BuildHasher;
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let random = std::collections::hash_map::RandomState::new().hash_one((nanos, std::process::id()));
+    format!("cli-{nanos:x}-{:x}-{random:016x}", std::process::id())
+}
+
+/// Codes after which a submission is retried with the same request id.
+fn retryable(c: Code) -> bool {
+    matches!(c, Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown | Code::Aborted)
+}
+
+fn job_row(j: &pb::JobInfo) -> Vec<String> {
+    vec![
+        j.id.to_string(),
+        j.name.clone(),
+        j.queue.clone(),
+        j.state.clone(),
+        j.priority.to_string(),
+        age(j.submitted_at),
+        j.allocs.len().to_string(),
+        dash(&j.reason),
+    ]
+}
+
+const JOB_HEADERS: [&str; 8] = ["ID", "NAME", "QUEUE", "STATE", "PRIO", "AGE", "ALLOCS", "REASON"];
+
+fn print_job(j: &pb::JobInfo) {
+    let mut kv = vec![
+        ("id", j.id.to_string()),
+        ("name", j.name.clone()),
+        ("queue", j.queue.clone()),
+        ("state", j.state.clone()),
+        ("priority", j.priority.to_string()),
+        ("submitted", format!("{} ago", age(j.submitted_at))),
+        ("updated", format!("{} ago", age(j.updated_at))),
+        ("attempt", format!("{} (failures {}, requeues {})", j.attempt, j.failures, j.requeues)),
+        ("revision", j.revision.to_string()),
+        ("request id", dash(&j.client_request_id)),
+    ];
+    if j.queue_position > 0 {
+        kv.push(("queue position", j.queue_position.to_string()));
+    }
+    if j.not_before > now_s() {
+        kv.push(("not before", format!("in {}s", j.not_before - now_s())));
+    }
+    if !j.reason.is_empty() {
+        kv.push(("reason", j.reason.clone()));
+    }
+    if !j.latest_checkpoint_uri.is_empty() {
+        kv.push(("checkpoint", j.latest_checkpoint_uri.clone()));
+    }
+    println!("{}", fields(&kv));
+    if j.allocs.is_empty() {
+        println!("allocations: none");
+        return;
+    }
+    println!("allocations:");
+    let rows: Vec<Vec<String>> = j
+        .allocs
+        .iter()
+        .map(|a| {
+            let devs = a
+                .devices
+                .iter()
+                .map(|d| {
+                    if d.milli >= 1000 {
+                        d.device.clone()
+                    } else {
+                        format!("{}({})", d.device, milli(u64::from(d.milli)))
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(",");
+            let state = if a.desired == "stop" && !a.stop_reason.is_empty() {
+                format!("{} (stop: {})", a.state, a.stop_reason)
+            } else {
+                a.state.clone()
+            };
+            vec![
+                a.id.to_string(),
+                format!("{}/{}", a.group, a.replica),
+                a.epoch.to_string(),
+                a.node.clone(),
+                state,
+                milli(a.cpu_milli),
+                mib(a.memory_mib),
+                dash(&devs),
+                dash(&a.message),
+            ]
+        })
+        .collect();
+    let t = table(&["ALLOC", "GROUP/REPLICA", "EPOCH", "NODE", "STATE", "CPU", "MEM", "DEVICES", "MESSAGE"], &rows);
+    for l in t.lines() {
+        println!("  {l}");
+    }
+}
+
+async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
+    let mut conn = Conn::new(&args)?;
+    let out = args.output;
+    match cmd {
+        JobCmd::Validate { file } => print_json(&spec::load_job(&file)?),
+        JobCmd::Submit { file, request_id } => {
+            let spec = spec::load_job(&file)?;
+            let req = pb::SubmitJobRequest {
+                client_request_id: request_id.unwrap_or_else(new_request_id),
+                spec_json: serde_json::to_string(&spec)?,
+                retry: None,
+            };
+            let mut attempt = 1;
+            let resp = loop {
+                let r = conn
+                    .call(|ch| {
+                        let req = req.clone();
+                        async move { pb::jobs_client::JobsClient::new(ch).submit(req).await }
+                    })
+                    .await;
+                match r {
+                    Ok(r) => break r,
+                    Err(st) if retryable(st.code()) && attempt < SUBMIT_ATTEMPTS => {
+                        let wait = Duration::from_millis(250 << attempt);
+                        eprintln!(
+                            "warning: {}: {}; retrying in {:?} with the same request id {}",
+                            code_name(st.code()),
+                            st.message(),
+                            wait,
+                            req.client_request_id
+                        );
+                        tokio::time::sleep(wait).await;
+                        attempt += 1;
+                    }
+                    Err(st) => return Err(status_err(st)),
+                }
+            };
+            match out {
+                Output::Json => print_value(&json!({
+                    "job_id": resp.job_id, "created": resp.created, "revision": resp.revision,
+                    "client_request_id": req.client_request_id,
+                })),
+                Output::Table => {
+                    if resp.created {
+                        println!("job {} submitted (request id {})", resp.job_id, req.client_request_id);
+                    } else {
+                        println!(
+                            "job {} already submitted with request id {} (not created again)",
+                            resp.job_id, req.client_request_id
+                        );
+                    }
+                    Ok(())
+                }
+            }
+        }
+        JobCmd::Status { id, stale } => {
+            let j = conn
+                .call(|ch| async move {
+                    pb::jobs_client::JobsClient::new(ch).get(pb::GetJobRequest { job_id: id, stale }).await
+                })
+                .await
+                .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&job_json(&j)),
+                Output::Table => {
+                    print_job(&j);
+                    Ok(())
+                }
+            }
+        }
+        JobCmd::List { queue, states, limit, stale } => {
+            let queue = queue.unwrap_or_default();
+            let mut jobs: Vec<pb::JobInfo> = Vec::new();
+            let mut after_id = 0;
+            while (jobs.len() as u64) < u64::from(limit) {
+                let want = (limit - jobs.len() as u32).min(PAGE);
+                let req =
+                    pb::ListJobsRequest { queue: queue.clone(), states: states.clone(), limit: want, after_id, stale };
+                let page = conn
+                    .call(|ch| {
+                        let req = req.clone();
+                        async move { pb::jobs_client::JobsClient::new(ch).list(req).await }
+                    })
+                    .await
+                    .map_err(status_err)?;
+                let n = page.jobs.len();
+                jobs.extend(page.jobs);
+                if page.next_after_id == 0 || page.next_after_id <= after_id || n == 0 {
+                    break;
+                }
+                after_id = page.next_after_id;
+            }
+            jobs.truncate(limit as usize);
+            match out {
+                Output::Json => print_value(&Value::Array(jobs.iter().map(job_json).collect())),
+                Output::Table => {
+                    println!("{}", table(&JOB_HEADERS, &jobs.iter().map(job_row).collect::<Vec<_>>()));
+                    Ok(())
+                }
+            }
+        }
+        JobCmd::Cancel { id, reason } => {
+            conn.call(|ch| {
+                let reason = reason.clone();
+                async move { pb::jobs_client::JobsClient::new(ch).cancel(pb::CancelJobRequest { job_id: id, reason }).await }
+            })
+            .await
+            .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&json!({"job_id": id, "cancelled": true})),
+                Output::Table => {
+                    println!("job {id} cancelled");
+                    Ok(())
+                }
+            }
+        }
+        JobCmd::Watch { id, from_revision } => {
+            let mut sconn = conn.streaming();
+            let req = pb::WatchJobsRequest { job_id: id.unwrap_or(0), from_revision };
+            let mut stream = sconn
+                .call(|ch| async move { pb::jobs_client::JobsClient::new(ch).watch(req).await })
+                .await
+                .map_err(status_err)?;
+            let ctrl_c = tokio::signal::ctrl_c();
+            tokio::pin!(ctrl_c);
+            loop {
+                tokio::select! {
+                    _ = &mut ctrl_c => return Ok(()),
+                    m = stream.message() => match m.map_err(status_err)? {
+                        None => return Ok(()),
+                        Some(ev) => print_event(&ev, out)?,
+                    },
+                }
+            }
+        }
+    }
+}
+
+fn print_event(ev: &pb::JobEvent, out: Output) -> anyhow::Result<()> {
+    match out {
+        Output::Json => {
+            let v = json!({
+                "revision": ev.revision, "removed": ev.removed,
+                "job": ev.job.as_ref().map(job_json).unwrap_or(Value::Null),
+            });
+            println!("{}", serde_json::to_string(&v)?);
+        }
+        Output::Table => match &ev.job {
+            None => println!("rev {} (no job)", ev.revision),
+            Some(j) if ev.removed => println!("rev {} job {} {} removed", ev.revision, j.id, j.name),
+            Some(j) => {
+                let reason = if j.reason.is_empty() { String::new() } else { format!(" ({})", j.reason) };
+                println!(
+                    "rev {} job {} {} queue={} state={} allocs={}{reason}",
+                    ev.revision,
+                    j.id,
+                    j.name,
+                    j.queue,
+                    j.state,
+                    j.allocs.len()
+                );
+            }
+        },
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Queues, pools, nodes.
+
+async fn queue(args: ConnArgs, cmd: QueueCmd) -> anyhow::Result<()> {
+    let mut conn = Conn::new(&args)?;
+    let out = args.output;
+    let qc = pb::queues_client::QueuesClient::new;
+    match cmd {
+        QueueCmd::Validate { file } => print_json(&spec::load_queue(&file)?),
+        QueueCmd::Apply { file } => {
+            let q = spec::load_queue(&file)?;
+            let queue_json = serde_json::to_string(&q)?;
+            conn.call(|ch| {
+                let queue_json = queue_json.clone();
+                async move { qc(ch).upsert(pb::UpsertQueueRequest { queue_json }).await }
+            })
+            .await
+            .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&json!({"queue": q.id.as_str(), "applied": true})),
+                Output::Table => {
+                    println!("queue {} applied", q.id);
+                    Ok(())
+                }
+            }
+        }
+        QueueCmd::List { stale } => {
+            let r = conn
+                .call(|ch| async move { qc(ch).list(pb::ListQueuesRequest { stale }).await })
+                .await
+                .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&Value::Array(r.queues.iter().map(queue_json).collect())),
+                Output::Table => {
+                    let rows: Vec<Vec<String>> = r
+                        .queues
+                        .iter()
+                        .map(|q| {
+                            vec![
+                                q.id.clone(),
+                                dash(&q.team),
+                                dash(&q.parent),
+                                dash(&q.cohort),
+                                q.weight.to_string(),
+                                res(q.nominal.as_ref()),
+                                res(q.used.as_ref()),
+                                res(q.borrowed.as_ref()),
+                                q.pending_jobs.to_string(),
+                                q.running_jobs.to_string(),
+                            ]
+                        })
+                        .collect();
+                    let h = [
+                        "ID", "TEAM", "PARENT", "COHORT", "WEIGHT", "NOMINAL", "USED", "BORROWED", "PENDING", "RUNNING",
+                    ];
+                    println!("{}", table(&h, &rows));
+                    Ok(())
+                }
+            }
+        }
+        QueueCmd::Get { id, stale } => {
+            let q = conn
+                .call(|ch| {
+                    let id = id.clone();
+                    async move { qc(ch).get(pb::GetQueueRequest { id, stale }).await }
+                })
+                .await
+                .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&queue_json(&q)),
+                Output::Table => {
+                    let unlimited = |r: Option<&pb::Resources>| if r.is_none() { "unlimited".into() } else { res(r) };
+                    println!(
+                        "{}",
+                        fields(&[
+                            ("id", q.id.clone()),
+                            ("team", dash(&q.team)),
+                            ("parent", dash(&q.parent)),
+                            ("cohort", dash(&q.cohort)),
+                            ("weight", q.weight.to_string()),
+                            ("nominal", res(q.nominal.as_ref())),
+                            ("borrowing limit", unlimited(q.borrowing_limit.as_ref())),
+                            ("lending limit", unlimited(q.lending_limit.as_ref())),
+                            ("used", res(q.used.as_ref())),
+                            ("borrowed", res(q.borrowed.as_ref())),
+                            ("pending jobs", q.pending_jobs.to_string()),
+                            ("running jobs", q.running_jobs.to_string()),
+                        ])
+                    );
+                    Ok(())
+                }
+            }
+        }
+        QueueCmd::Delete { id } => {
+            conn.call(|ch| {
+                let id = id.clone();
+                async move { qc(ch).delete(pb::DeleteQueueRequest { id }).await }
+            })
+            .await
+            .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&json!({"queue": id, "deleted": true})),
+                Output::Table => {
+                    println!("queue {id} deleted");
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+/// `used/capacity` columns of a resource pair: CPU, MEM, GPU, NPU.
+fn usage_cols(used: Option<&pb::Resources>, cap: Option<&pb::Resources>) -> Vec<String> {
+    let z = pb::Resources::default();
+    let (u, c) = (used.unwrap_or(&z), cap.unwrap_or(&z));
+    vec![
+        frac(u.cpu_milli, c.cpu_milli, milli),
+        frac(u.memory_mib, c.memory_mib, mib),
+        frac(u.gpu_milli, c.gpu_milli, milli),
+        frac(u.npu_milli, c.npu_milli, milli),
+    ]
+}
+
+async fn pool(args: ConnArgs, cmd: PoolCmd) -> anyhow::Result<()> {
+    let mut conn = Conn::new(&args)?;
+    match cmd {
+        PoolCmd::List { stale } => {
+            let r =
+                conn.call(|ch| async move {
+                    pb::pools_client::PoolsClient::new(ch).list(pb::ListPoolsRequest { stale }).await
+                })
+                .await
+                .map_err(status_err)?;
+            match args.output {
+                Output::Json => print_value(&Value::Array(r.pools.iter().map(pool_json).collect())),
+                Output::Table => {
+                    let rows: Vec<Vec<String>> = r
+                        .pools
+                        .iter()
+                        .map(|p| {
+                            let mut row = vec![p.name.clone(), format!("{}/{}", p.ready_nodes, p.nodes)];
+                            row.extend(usage_cols(p.used.as_ref(), p.capacity.as_ref()));
+                            row
+                        })
+                        .collect();
+                    println!("{}", table(&["POOL", "READY/NODES", "CPU", "MEM", "GPU", "NPU"], &rows));
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+async fn set_mode(conn: &mut Conn, out: Output, id: String, mode: pb::NodeMode) -> anyhow::Result<()> {
+    conn.call(|ch| {
+        let id = id.clone();
+        async move {
+            pb::nodes_client::NodesClient::new(ch).set_mode(pb::SetNodeModeRequest { id, mode: mode as i32 }).await
+        }
+    })
+    .await
+    .map_err(status_err)?;
+    let m = mode_name(mode as i32);
+    match out {
+        Output::Json => print_value(&json!({"node": id, "mode": m})),
+        Output::Table => {
+            println!("node {id} {m}");
+            Ok(())
+        }
+    }
+}
+
+async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
+    let mut conn = Conn::new(&args)?;
+    let out = args.output;
+    let nc = pb::nodes_client::NodesClient::new;
+    match cmd {
+        NodeCmd::Validate { file } => print_json(&spec::load_node(&file)?),
+        NodeCmd::List { pool, stale } => {
+            let pool = pool.unwrap_or_default();
+            let r = conn
+                .call(|ch| {
+                    let pool = pool.clone();
+                    async move { nc(ch).list(pb::ListNodesRequest { pool, stale }).await }
+                })
+                .await
+                .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&Value::Array(r.nodes.iter().map(node_json).collect())),
+                Output::Table => {
+                    let rows: Vec<Vec<String>> = r
+                        .nodes
+                        .iter()
+                        .map(|n| {
+                            let mut row =
+                                vec![n.id.clone(), n.pool.clone(), dash(&n.status), mode_name(n.mode).to_owned()];
+                            row.extend(usage_cols(n.used.as_ref(), n.capacity.as_ref()));
+                            row.push(n.allocations.to_string());
+                            row.push(dash(&n.reason));
+                            row
+                        })
+                        .collect();
+                    let h = ["NODE", "POOL", "STATUS", "MODE", "CPU", "MEM", "GPU", "NPU", "ALLOCS", "REASON"];
+                    println!("{}", table(&h, &rows));
+                    Ok(())
+                }
+            }
+        }
+        NodeCmd::Get { id, stale } => {
+            let n = conn
+                .call(|ch| {
+                    let id = id.clone();
+                    async move { nc(ch).get(pb::GetNodeRequest { id, stale }).await }
+                })
+                .await
+                .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&node_json(&n)),
+                Output::Table => {
+                    let labels = n.labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",");
+                    println!(
+                        "{}",
+                        fields(&[
+                            ("id", n.id.clone()),
+                            ("pool", n.pool.clone()),
+                            ("region", dash(&n.region)),
+                            ("datacenter", dash(&n.datacenter)),
+                            ("status", dash(&n.status)),
+                            ("mode", mode_name(n.mode).to_owned()),
+                            ("reason", dash(&n.reason)),
+                            ("capacity", res(n.capacity.as_ref())),
+                            ("used", res(n.used.as_ref())),
+                            ("allocations", n.allocations.to_string()),
+                            ("labels", dash(&labels)),
+                            ("updated", format!("{} ago", age(n.updated_at))),
+                        ])
+                    );
+                    if !n.devices.is_empty() {
+                        let rows: Vec<Vec<String>> = n
+                            .devices
+                            .iter()
+                            .map(|d| {
+                                vec![
+                                    d.id.clone(),
+                                    d.kind.clone(),
+                                    d.model.clone(),
+                                    mib(d.memory_mib),
+                                    d.health.clone(),
+                                    d.numa.to_string(),
+                                    d.peer_group.map_or_else(|| "-".to_owned(), |g| g.to_string()),
+                                    dash(&d.partition_of),
+                                    milli(d.used_milli),
+                                ]
+                            })
+                            .collect();
+                        println!("devices:");
+                        let h =
+                            ["DEVICE", "KIND", "MODEL", "MEMORY", "HEALTH", "NUMA", "PEERS", "PARTITION_OF", "USED"];
+                        for l in table(&h, &rows).lines() {
+                            println!("  {l}");
+                        }
+                    }
+                    Ok(())
+                }
+            }
+        }
+        NodeCmd::Cordon { id } => set_mode(&mut conn, out, id, pb::NodeMode::Cordoned).await,
+        NodeCmd::Drain { id } => set_mode(&mut conn, out, id, pb::NodeMode::Draining).await,
+        NodeCmd::Uncordon { id } => set_mode(&mut conn, out, id, pb::NodeMode::Schedulable).await,
+        NodeCmd::Register { file, keep_alive } => register(&mut conn, out, &file, keep_alive).await,
+    }
+}
+
+async fn register_once(conn: &mut Conn, req: &pb::RegisterNodeRequest) -> anyhow::Result<pb::RegisterNodeResponse> {
+    conn.call(|ch| {
+        let req = req.clone();
+        async move { pb::agent_client::AgentClient::new(ch).register(req).await }
+    })
+    .await
+    .map_err(status_err)
+}
+
+async fn register(conn: &mut Conn, out: Output, file: &std::path::Path, keep_alive: bool) -> anyhow::Result<()> {
+    let node = spec::load_node(file)?;
+    let req = pb::RegisterNodeRequest {
+        node_json: serde_json::to_string(&node)?,
+        agent_version: format!("suanli-cli/{}", env!("CARGO_PKG_VERSION")),
+    };
+    let ac = pb::agent_client::AgentClient::new;
+    let r = register_once(conn, &req).await?;
+    match out {
+        Output::Json => print_value(&json!({
+            "node": node.id.as_str(), "registered": true,
+            "heartbeat_interval_ms": r.heartbeat_interval_ms, "heartbeat_ttl_ms": r.heartbeat_ttl_ms,
+        }))?,
+        Output::Table => println!(
+            "node {} registered (heartbeat every {} ms, down after {} ms without one)",
+            node.id, r.heartbeat_interval_ms, r.heartbeat_ttl_ms
+        ),
+    }
+    if !keep_alive {
+        return Ok(());
+    }
+    let interval = Duration::from_millis(r.heartbeat_interval_ms.clamp(100, 60_000));
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    let mut seq = 0u64;
+    loop {
+        tokio::select! {
+            _ = &mut ctrl_c => return Ok(()),
+            () = tokio::time::sleep(interval) => {}
+        }
+        seq += 1;
+        let node_id = node.id.to_string();
+        let hb = conn
+            .call(|ch| {
+                let node_id = node_id.clone();
+                async move { ac(ch).heartbeat(pb::HeartbeatRequest { node_id, seq, devices: Vec::new() }).await }
+            })
+            .await;
+        match hb {
+            Ok(h) if !h.known => {
+                eprintln!("warning: the server does not know node {}; registering again", node.id);
+                register_once(conn, &req).await?;
+            }
+            Ok(_) => {}
+            Err(st) => eprintln!("warning: heartbeat failed: {}: {}", code_name(st.code()), st.message()),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cluster.
+
+async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
+    let mut conn = Conn::new(&args)?;
+    let out = args.output;
+    let cc = pb::cluster_client::ClusterClient::new;
+    match cmd {
+        ClusterCmd::Members => {
+            let r =
+                conn.call(|ch| async move { cc(ch).members(pb::MembersRequest {}).await }).await.map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&json!({
+                    "term": r.term, "commit_index": r.commit_index,
+                    "members": r.members.iter().map(|m| json!({
+                        "id": m.id, "addr": m.addr, "voter": m.voter, "leader": m.leader, "matched_index": m.matched_index,
+                    })).collect::<Vec<_>>(),
+                })),
+                Output::Table => {
+                    let rows: Vec<Vec<String>> = r
+                        .members
+                        .iter()
+                        .map(|m| {
+                            let role = if m.leader {
+                                "leader"
+                            } else if m.voter {
+                                "voter"
+                            } else {
+                                "learner"
+                            };
+                            vec![m.id.to_string(), m.addr.clone(), role.to_owned(), m.matched_index.to_string()]
+                        })
+                        .collect();
+                    println!("{}", table(&["ID", "ADDR", "ROLE", "MATCHED"], &rows));
+                    println!("term {}, commit index {}", r.term, r.commit_index);
+                    Ok(())
+                }
+            }
+        }
+        ClusterCmd::Leader => {
+            let r =
+                conn.call(|ch| async move { cc(ch).leader(pb::LeaderRequest {}).await }).await.map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&json!({
+                    "leader_id": r.leader_id, "leader_addr": r.leader_addr, "term": r.term,
+                })),
+                Output::Table => {
+                    if r.leader_id == 0 {
+                        println!("no leader known (term {})", r.term);
+                    } else {
+                        println!("leader {} at {} (term {})", r.leader_id, dash(&r.leader_addr), r.term);
+                    }
+                    Ok(())
+                }
+            }
+        }
+        ClusterCmd::AddServer { id, addr, learner_only } => {
+            conn.call(|ch| {
+                let addr = addr.clone();
+                async move { cc(ch).add_server(pb::AddServerRequest { id, addr, learner_only }).await }
+            })
+            .await
+            .map_err(status_err)?;
+            match out {
+                Output::Json => {
+                    print_value(&json!({"id": id, "addr": addr, "learner_only": learner_only, "added": true}))
+                }
+                Output::Table => {
+                    let role = if learner_only { "learner" } else { "voter" };
+                    println!("server {id} at {addr} added as a {role}");
+                    Ok(())
+                }
+            }
+        }
+        ClusterCmd::RemoveServer { id } => {
+            conn.call(|ch| async move { cc(ch).remove_server(pb::RemoveServerRequest { id }).await })
+                .await
+                .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&json!({"id": id, "removed": true})),
+                Output::Table => {
+                    println!("server {id} removed");
+                    Ok(())
+                }
+            }
+        }
+        ClusterCmd::Snapshot => {
+            let r = conn
+                .call(|ch| async move { cc(ch).snapshot(pb::SnapshotRequest {}).await })
+                .await
+                .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&json!({"last_log_index": r.last_log_index})),
+                Output::Table => {
+                    println!("snapshot built up to log index {}", r.last_log_index);
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_print_short() {
+        assert_eq!(milli(1500), "1.5");
+        assert_eq!(milli(250), "0.25");
+        assert_eq!(milli(8000), "8");
+        assert_eq!(mib(65536), "64Gi");
+        assert_eq!(mib(1536), "1.5Gi");
+        assert_eq!(mib(500), "500Mi");
+        assert_eq!(mib(2 * 1024 * 1024), "2Ti");
+    }
+
+    #[test]
+    fn tables_align() {
+        let t = table(&["A", "LONG"], &[vec!["xyz".into(), "1".into()], vec!["q".into(), "22".into()]]);
+        assert_eq!(t, "A    LONG\nxyz  1\nq    22");
+    }
+
+    #[test]
+    fn request_ids_differ() {
+        assert_ne!(new_request_id(), new_request_id());
+    }
+}
