@@ -13,7 +13,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc);
-    config.bytes([".suanli.v1.RaftMessage.json", ".suanli.v1.SnapshotChunk.data"]);
+    config.bytes([
+        ".suanli.v1.RaftMessage.json",
+        ".suanli.v1.SnapshotChunk.data",
+        ".suanli.v1.ProposeRequest.command_json",
+        ".suanli.v1.ProposeResponse.response_json",
+    ]);
     tonic_prost_build::configure().build_client(true).build_server(true).compile_with_config(
         config,
         &[
@@ -21,6 +26,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "proto/suanli/v1/api.proto",
             "proto/suanli/v1/agent.proto",
             "proto/suanli/v1/raft.proto",
+            "proto/suanli/v1/internal.proto",
         ],
         &["proto"],
     )?;

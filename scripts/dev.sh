@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs suanli locally with nothing to configure. Today: the scheduling engine replaying a
-# workload it generates itself (a 200-node, 1,600-GPU synthetic cluster), every policy side
-# by side. Extra arguments go to `suanli sim fill`.
+# Runs suanli locally with nothing to configure: `suanli dev`, one control-plane server on
+# 127.0.0.1:7400 with its data in .suanli/dev (kept between runs) and a `default` queue.
+# Extra arguments go to `suanli dev` (e.g. --listen, --data-dir).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo build --quiet -p suanli
-exec target/debug/suanli sim fill --synthetic 200 --policy all --seeds 42-44 "$@"
+# --workspace: the same feature set as the tests, so RocksDB is compiled once for both.
+cargo build --quiet --workspace --bins
+exec target/debug/suanli dev "$@"

@@ -13,6 +13,12 @@ pub enum BenchCmd {
     /// Placement throughput of the scheduling engine on a synthetic cluster (one core),
     /// against a naive full-scan baseline measured in the same run.
     Engine(EngineArgs),
+    /// Acknowledged submissions per second on a 3-server loopback cluster with fsync: one
+    /// synchronous client (the baseline) against many concurrent clients, with p50/p99
+    /// latency, and the placements the scheduling loop commits meanwhile.
+    Submit(crate::bench_cluster::SubmitArgs),
+    /// Leader kills (SIGKILL) on a 3-server cluster: time until writes succeed again, p50/p99.
+    Failover(crate::bench_cluster::FailoverArgs),
 }
 
 #[derive(Args, Debug)]
@@ -46,6 +52,8 @@ pub struct EngineArgs {
 pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Engine(a) => engine(a),
+        BenchCmd::Submit(a) => crate::bench_cluster::submit(a),
+        BenchCmd::Failover(a) => crate::bench_cluster::failover(a),
     }
 }
 

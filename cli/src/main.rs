@@ -1,8 +1,11 @@
-//! `suanli`: the one binary. Subcommands: `sim` (trace-driven simulation) and `bench`
-//! (engine benchmarks). Later: `server`, `agent`, `dev`, client commands.
+//! `suanli`: the one binary. Subcommands: `dev` (a local cluster), `server`, the client
+//! commands (`job`, `queue`, `pool`, `node`, `cluster`), `sim` (trace-driven simulation) and
+//! `bench`.
 
 mod bench;
+mod bench_cluster;
 mod client;
+mod serve;
 mod sim;
 mod sim_replay;
 mod spec;
@@ -19,6 +22,10 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Run a local development cluster in one command (one server, embedded data directory).
+    Dev(serve::DevArgs),
+    /// Run a control-plane server (raft member; config file, environment and flags).
+    Server(serve::ServerArgs),
     /// Replay traces on the scheduling engine (what-if analysis).
     #[command(subcommand)]
     Sim(sim::SimCmd),
@@ -40,6 +47,8 @@ enum Cmd {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
+        Cmd::Dev(a) => serve::dev(a),
+        Cmd::Server(a) => serve::server(a),
         Cmd::Sim(c) => sim::run(c),
         Cmd::Bench(c) => bench::run(c),
         Cmd::Job(c) => client::run(client::ClientCmd::Job(c)),

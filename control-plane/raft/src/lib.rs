@@ -1,7 +1,150 @@
-//! suanli's consensus layer — not implemented yet in the compiled crate.
+//! suanli's consensus layer: openraft wired to RocksDB storage and a gRPC transport.
 //!
-//! The implementation (openraft 0.9 type config over `suanli_state::Command`, RocksDB log and
-//! state-machine storage in column families with synced writes, a tonic network with per-RPC
-//! deadlines, and tests including openraft's storage conformance suite) is written but has not
-//! yet been built and tested against the real RocksDB; it waits in `wip/` (not compiled) for
-//! the session that verifies it. See `wip/README.md`.
+//! It owns durability and replication of the control plane's state: the openraft type
+//! configuration, the log and state-machine storage in RocksDB column families (every
+//! acknowledged write is fsynced first; snapshots bound the log), and the tonic network with a
+//! deadline on every RPC. The server (part B) calls [`open`], mounts [`RaftService`] on its
+//! gRPC port, proposes [`suanli_state::Command`]s with [`write`] and reads with
+//! [`linearizable_read`] or [`MachineHandle::read`].
+//!
+//! ```text
+//!   server ──write(cmd)──▶ Raft<TypeConfig> ──append (fsync)──▶ LogStore   (cf logs, meta)
+//!                              │   ▲ RaftNetwork: GrpcNetwork ──▶ peers' RaftService
+//!                              ▼   │
+//!                        StateMachineStore ──apply──▶ suanli_state::State (memory)
+//!                              │ snapshots (fsync) ──▶ cf snapshot ── purge the log before it
+//!   server ◀──read / linearizable_read── MachineHandle (RwLock over the applied state)
+//! ```
+//!
+//! **Reuse (federation).** Everything here is generic over a [`Machine`] (command, response,
+//! apply, snapshot, restore) and an openraft type config satisfying [`StoreConfig`]. A second
+//! raft group declares its own config with `openraft::declare_raft_types!`, implements
+//! [`Machine`] for its state, calls [`open_group`] with its own data directory and a distinct
+//! [`RaftSettings::group`], and mounts its own [`RaftService`]; the group name travels in every
+//! raft message, so two groups can share one port without crossing.
+//!
+//! It must never decide anything about scheduling or validate application input (that is the
+//! state machine's job), acknowledge a write before it is synced, or block the async runtime on
+//! disk writes (they run on the blocking pool).
+
+mod machine;
+mod network;
+mod settings;
+mod store;
+
+pub use machine::Machine;
+pub use network::{GrpcNetwork, GrpcNetworkFactory, RaftService};
+pub use settings::{RaftSettings, SettingsError};
+pub use store::{Applied, LogStore, MachineHandle, SnapshotBuilder, StateMachineStore, StoreConfig, open_db};
+
+use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
+use openraft::{BasicNode, Raft};
+use std::path::Path;
+use suanli_state::{Command, CommandError, Response, State};
+use thiserror::Error;
+
+openraft::declare_raft_types!(
+    /// The type configuration of a region's control plane.
+    pub TypeConfig:
+        D = Command,
+        R = Response,
+        NodeId = u64,
+        Node = BasicNode,
+        Entry = openraft::Entry<TypeConfig>,
+        SnapshotData = std::io::Cursor<Vec<u8>>,
+        AsyncRuntime = openraft::TokioRuntime,
+);
+
+/// A region's raft node.
+pub type SuanliRaft = Raft<TypeConfig>;
+/// Read access to a region's applied state.
+pub type StateHandle = MachineHandle<State>;
+
+/// Opening a raft node failed.
+#[derive(Debug, Error)]
+pub enum OpenError {
+    /// Bad settings.
+    #[error(transparent)]
+    Settings(#[from] SettingsError),
+    /// The database could not be opened (held by another process, corrupt, no permission).
+    #[error("raft storage at {dir}: {source}")]
+    Db {
+        /// The data directory.
+        dir: String,
+        /// RocksDB's error.
+        source: rocksdb::Error,
+    },
+    /// The persisted state could not be read.
+    #[error("raft storage: {0}")]
+    Storage(#[from] openraft::StorageError<u64>),
+    /// openraft refused to start.
+    #[error("raft: {0}")]
+    Fatal(#[from] openraft::error::Fatal<u64>),
+}
+
+/// Opens (creating if needed) a raft node of any group: storage in `dir`, gRPC network to
+/// peers. A fresh cluster still needs `raft.initialize(members)` on one node; a restarted node
+/// recovers its log, vote and snapshot and rejoins on its own.
+pub async fn open_group<C, M>(
+    dir: &Path,
+    id: u64,
+    settings: &RaftSettings,
+) -> Result<(Raft<C>, MachineHandle<M>), OpenError>
+where
+    C: StoreConfig,
+    M: Machine<Command = C::D, Response = C::R>,
+{
+    let config = settings.openraft_config()?;
+    let db = open_db(dir).map_err(|source| OpenError::Db { dir: dir.display().to_string(), source })?;
+    let log = LogStore::<C>::new(db.clone());
+    let sm = StateMachineStore::<C, M>::open(db)?;
+    let handle = sm.handle();
+    let net = GrpcNetworkFactory::<C>::new(id, settings.clone());
+    let raft = Raft::new(id, config, net, log, sm).await?;
+    Ok((raft, handle))
+}
+
+/// Opens a region's control-plane raft node (see [`open_group`]).
+pub async fn open(dir: &Path, id: u64, settings: &RaftSettings) -> Result<(SuanliRaft, StateHandle), OpenError> {
+    open_group::<TypeConfig, State>(dir, id, settings).await
+}
+
+/// A write that did not commit.
+#[derive(Debug, Error)]
+pub enum WriteError {
+    /// Refused before proposing (e.g. larger than `max_command_bytes`).
+    #[error(transparent)]
+    Refused(#[from] CommandError),
+    /// Not the leader (the error names the leader when known), or raft stopped.
+    #[error(transparent)]
+    Raft(#[from] RaftError<u64, ClientWriteError<u64, BasicNode>>),
+}
+
+/// Proposes a command and waits until it is committed on a quorum (each member fsynced it)
+/// and applied here. Checks its encoded size against the replicated `max_command_bytes` first.
+/// The returned [`Response`] may still be [`Response::Rejected`]: committed, but refused by
+/// the state machine with the state unchanged.
+pub async fn write(raft: &SuanliRaft, state: &StateHandle, cmd: Command) -> Result<(Response, u64), WriteError> {
+    let config = state.read(|s| s.config().clone());
+    suanli_state::check_command_size(&cmd, &config)?;
+    let r = raft.client_write(cmd).await?;
+    Ok((r.data, r.log_id.index))
+}
+
+/// Runs `f` on state that reflects every write committed before this call (raft read index:
+/// the leader confirms it still leads, then waits until that index is applied here).
+pub async fn linearizable_read<C, M, R>(
+    raft: &Raft<C>,
+    handle: &MachineHandle<M>,
+    f: impl FnOnce(&M) -> R,
+) -> Result<R, RaftError<u64, CheckIsLeaderError<u64, BasicNode>>>
+where
+    C: StoreConfig,
+    M: Machine<Command = C::D, Response = C::R>,
+{
+    let read_log_id = raft.ensure_linearizable().await?;
+    if let Some(l) = read_log_id {
+        handle.wait_applied(l.index).await;
+    }
+    Ok(handle.read(f))
+}

@@ -917,6 +917,11 @@ impl State {
         ClusterView { nodes, queues: self.queues.values().cloned().collect(), pending, running, workload: Vec::new() }
     }
 
+    /// The quota vector of an allocation (device shares counted by the kind its node reports).
+    pub fn alloc_usage(&self, a: &Alloc) -> suanli_model::ResVec {
+        crate::usage::alloc_resvec(a, &self.nodes)
+    }
+
     pub(crate) fn usage(&self) -> Usage {
         Usage::of(self.allocs.values())
     }

@@ -158,7 +158,8 @@ impl RaftSettings {
     pub(crate) fn snapshot_timeout(&self) -> Duration {
         Duration::from_millis(self.snapshot_chunk_timeout_ms)
     }
-    pub(crate) fn connect_timeout(&self) -> Duration {
+    /// Deadline for opening a connection to a peer.
+    pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
     }
 }

@@ -53,19 +53,19 @@ async fn oversize_commands_are_refused_before_the_log() -> anyhow::Result<()> {
     let n = TestNode::start(1, &settings()).await?;
     n.raft.initialize(members(&[&n])).await?;
     n.raft.wait(WAIT).current_leader(1, "leader").await?;
-    let cfg = StateConfig { max_command_bytes: 300, ..StateConfig::default() };
+    let cfg = StateConfig { max_command_bytes: 1000, ..StateConfig::default() };
     write(&n.raft, &n.state, Command::UpdateConfig(UpdateConfig { config: cfg })).await?;
     write(&n.raft, &n.state, queue_cmd()).await?;
     let last = n.state.applied_index();
     let big = {
         let mut c = submit_cmd(1);
         if let Command::SubmitJob(s) = &mut c {
-            s.spec.name = "x".repeat(250);
+            s.spec.name = "x".repeat(1000);
         }
         c
     };
     match write(&n.raft, &n.state, big).await {
-        Err(WriteError::Refused(CommandError::TooLarge { limit: 300, .. })) => {}
+        Err(WriteError::Refused(CommandError::TooLarge { limit: 1000, .. })) => {}
         other => panic!("expected TooLarge, got {other:?}"),
     }
     assert_eq!(n.state.applied_index(), last, "nothing reached the log");

@@ -1,0 +1,256 @@
+//! `suanli bench submit` and `suanli bench failover`: real `suanli server` processes on
+//! loopback (this same binary), RocksDB with fsync before every acknowledgement.
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+use suanli_proto::v1 as pb;
+use suanli_proto::v1::agent_client::AgentClient;
+use suanli_proto::v1::jobs_client::JobsClient;
+use suanli_proto::v1::pools_client::PoolsClient;
+use suanli_proto::v1::queues_client::QueuesClient;
+use suanli_server::local::{ProcessCluster, channel};
+use tonic::transport::Channel;
+
+/// Flags of `suanli bench submit`.
+#[derive(Args, Debug)]
+pub struct SubmitArgs {
+    /// Servers in the loopback cluster.
+    #[arg(long, default_value_t = 3)]
+    pub servers: usize,
+    /// Submissions by the single synchronous client.
+    #[arg(long, default_value_t = 1_000)]
+    pub sync_jobs: usize,
+    /// Submissions by the concurrent clients.
+    #[arg(long, default_value_t = 20_000)]
+    pub jobs: usize,
+    /// Concurrent clients (requests in flight).
+    #[arg(long, default_value_t = 256)]
+    pub clients: usize,
+    /// gRPC connections the concurrent clients share.
+    #[arg(long, default_value_t = 8)]
+    pub connections: usize,
+    /// Nodes registered for the scheduling loop to place on (64 cores each).
+    #[arg(long, default_value_t = 500)]
+    pub nodes: usize,
+}
+
+/// Flags of `suanli bench failover`.
+#[derive(Args, Debug)]
+pub struct FailoverArgs {
+    /// Leader kills.
+    #[arg(long, default_value_t = 20)]
+    pub kills: usize,
+    /// Servers in the loopback cluster.
+    #[arg(long, default_value_t = 3)]
+    pub servers: usize,
+}
+
+fn rt() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("async runtime")
+}
+
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn job(i: usize) -> String {
+    format!(
+        r#"{{"name":"bench-{i}","queue":"bench","groups":[{{"name":"main","replicas":1,"resources":{{"cpu_milli":100,"memory_mib":64}}}}]}}"#
+    )
+}
+
+async fn start(servers: usize, extra: &[&str]) -> Result<(ProcessCluster, usize)> {
+    let exe = std::env::current_exe().context("locating the suanli binary")?;
+    let c = ProcessCluster::start(&exe, servers, extra).context("starting servers")?;
+    let leader = c.wait_leader(Duration::from_secs(60)).await.map_err(|e| anyhow!(e))?;
+    Ok((c, leader))
+}
+
+async fn create_queue(ch: Channel) -> Result<()> {
+    let q = suanli_model::Queue::new("bench", suanli_model::ResVec::MAX);
+    QueuesClient::new(ch).upsert(pb::UpsertQueueRequest { queue_json: serde_json::to_string(&q)? }).await?;
+    Ok(())
+}
+
+async fn submit_one(c: &mut JobsClient<Channel>, rid: String, i: usize) -> Result<Duration> {
+    let t = Instant::now();
+    c.submit(pb::SubmitJobRequest { client_request_id: rid, spec_json: job(i), retry: None })
+        .await
+        .map_err(|s| anyhow!("{}: {}", s.code(), s.message()))?;
+    Ok(t.elapsed())
+}
+
+async fn placed(ch: &Channel) -> u64 {
+    match PoolsClient::new(ch.clone()).list(pb::ListPoolsRequest { stale: true }).await {
+        Ok(r) => r.into_inner().pools.iter().filter_map(|p| p.used.as_ref()).map(|u| u.cpu_milli / 100).sum(),
+        Err(_) => 0,
+    }
+}
+
+fn report(what: &str, n: usize, took: Duration, lat: &mut [Duration]) {
+    lat.sort();
+    println!(
+        "{what:<34} {n:>7} acks in {:>6.2} s = {:>8.0}/s   latency p50 {:>6.2} ms  p99 {:>6.2} ms",
+        took.as_secs_f64(),
+        n as f64 / took.as_secs_f64(),
+        ms(pct(lat, 0.5)),
+        ms(pct(lat, 0.99))
+    );
+}
+
+/// `suanli bench submit`.
+pub fn submit(a: SubmitArgs) -> Result<()> {
+    if a.clients == 0 || a.connections == 0 || a.servers == 0 {
+        bail!("--clients, --connections and --servers must be at least 1");
+    }
+    rt()?.block_on(async move {
+        let (c, leader) = start(a.servers, &["--heartbeat-ttl-ms", "3600000"]).await?;
+        let addr = c.addrs[leader].clone();
+        println!("{} servers on loopback, RocksDB fsync before every ack; leader {addr}", a.servers);
+        let ch = channel(&addr).await?;
+        create_queue(ch.clone()).await?;
+        let mut agent = AgentClient::new(ch.clone());
+        for n in 0..a.nodes {
+            let node = serde_json::json!({"id": format!("bench-node-{n}"), "pool": "bench",
+                "cpu_milli": 64_000u64, "memory_mib": 512_000u64});
+            agent
+                .register(pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "bench".into() })
+                .await?;
+        }
+
+        // Baseline: one synchronous client, one request in flight.
+        let mut jc = JobsClient::new(ch.clone());
+        let mut lat = Vec::with_capacity(a.sync_jobs);
+        let t = Instant::now();
+        for i in 0..a.sync_jobs {
+            lat.push(submit_one(&mut jc, format!("sync-{i}"), i).await?);
+        }
+        let sync_took = t.elapsed();
+        report("1 synchronous client", a.sync_jobs, sync_took, &mut lat);
+        let sync_rate = a.sync_jobs as f64 / sync_took.as_secs_f64();
+
+        // Many concurrent clients over a few connections.
+        let mut chans = Vec::new();
+        for _ in 0..a.connections {
+            chans.push(channel(&addr).await?);
+        }
+        let next = Arc::new(AtomicUsize::new(0));
+        let placed_before = placed(&ch).await;
+        let t = Instant::now();
+        let mut tasks = Vec::new();
+        for k in 0..a.clients {
+            let mut jc = JobsClient::new(chans[k % chans.len()].clone());
+            let next = next.clone();
+            let total = a.jobs;
+            tasks.push(tokio::spawn(async move {
+                let mut lat = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= total {
+                        return Ok::<_, anyhow::Error>(lat);
+                    }
+                    lat.push(submit_one(&mut jc, format!("conc-{i}"), a.sync_jobs + i).await?);
+                }
+            }));
+        }
+        let mut lat = Vec::with_capacity(a.jobs);
+        for t in tasks {
+            lat.extend(t.await??);
+        }
+        let took = t.elapsed();
+        let placed_during = placed(&ch).await.saturating_sub(placed_before);
+        report(&format!("{} concurrent clients", a.clients), a.jobs, took, &mut lat);
+        let rate = a.jobs as f64 / took.as_secs_f64();
+        println!("ratio concurrent/synchronous: {:.1}x", rate / sync_rate);
+        println!(
+            "scheduling loop: {placed_during} placements committed during the concurrent run = {:.0}/s",
+            placed_during as f64 / took.as_secs_f64()
+        );
+        let t2 = Instant::now();
+        let total = (a.sync_jobs + a.jobs) as u64;
+        let cap = (a.nodes as u64) * 640;
+        let want = total.min(cap);
+        while placed(&ch).await < want && t2.elapsed() < Duration::from_secs(120) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        println!(
+            "all {} placed {:.2} s after the last acknowledgement ({} placed in total)",
+            want,
+            t2.elapsed().as_secs_f64(),
+            placed(&ch).await
+        );
+        Ok(())
+    })
+}
+
+/// `suanli bench failover`.
+pub fn failover(a: FailoverArgs) -> Result<()> {
+    if a.servers < 3 {
+        bail!("--servers must be at least 3 (a leader kill must leave a majority)");
+    }
+    rt()?.block_on(async move {
+        let (mut c, leader) = start(a.servers, &[]).await?;
+        create_queue(channel(&c.addrs[leader]).await?).await?;
+        let mut times = Vec::new();
+        let mut seq = 0usize;
+        for k in 0..a.kills {
+            let leader = c.wait_leader(Duration::from_secs(30)).await.map_err(|e| anyhow!(e))?;
+            // A write succeeds before the kill (the cluster is healthy).
+            let mut jc = JobsClient::new(channel(&c.addrs[leader]).await?);
+            submit_one(&mut jc, format!("warm-{k}"), seq).await?;
+            seq += 1;
+            let t = Instant::now();
+            c.kill(leader);
+            let survivors = c.alive_addrs();
+            let mut conns = Vec::new();
+            for s in &survivors {
+                conns.push(JobsClient::new(channel(s).await?));
+            }
+            // Retry one submission (same request id) round robin until it is acknowledged.
+            let rid = format!("failover-{k}");
+            let mut j = 0;
+            let took = loop {
+                let jc = &mut conns[j % survivors.len()];
+                j += 1;
+                let mut req = tonic::Request::new(pb::SubmitJobRequest {
+                    client_request_id: rid.clone(),
+                    spec_json: job(seq),
+                    retry: None,
+                });
+                req.set_timeout(Duration::from_millis(500));
+                if jc.submit(req).await.is_ok() {
+                    break t.elapsed();
+                }
+                if t.elapsed() > Duration::from_secs(30) {
+                    bail!("no write succeeded within 30 s of killing the leader");
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            };
+            seq += 1;
+            println!("kill {:>2}: leader {} SIGKILLed; writes succeed again after {:>7.1} ms", k + 1, leader + 1, ms(took));
+            times.push(took);
+            c.spawn(leader)?;
+            c.wait_caught_up(leader, Duration::from_secs(60)).await.map_err(|e| anyhow!(e))?;
+        }
+        times.sort();
+        println!(
+            "failover over {} leader kills: p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms (election timeout 300-600 ms, heartbeat 100 ms)",
+            times.len(),
+            ms(pct(&times, 0.5)),
+            ms(pct(&times, 0.99)),
+            ms(times.last().copied().unwrap_or_default())
+        );
+        Ok(())
+    })
+}

@@ -1,0 +1,46 @@
+//! Helpers of the end-to-end tests; the cluster itself is `suanli_server::local`, real
+//! `suanli server` processes on loopback ports with RocksDB in temp dirs.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use suanli_proto::v1 as pb;
+use suanli_proto::v1::jobs_client::JobsClient;
+pub use suanli_server::local::{ProcessCluster, channel};
+use tonic::transport::Channel;
+
+/// Starts `n` servers of the binary under test.
+pub fn start(n: usize, extra: &[&str]) -> ProcessCluster {
+    ProcessCluster::start(std::path::Path::new(env!("CARGO_BIN_EXE_suanli")), n, extra).unwrap()
+}
+
+pub async fn jobs_client(addr: &str) -> Result<JobsClient<Channel>, tonic::transport::Error> {
+    Ok(JobsClient::new(channel(addr).await?))
+}
+
+/// A small CPU-only job spec in queue `queue`.
+pub fn cpu_job(name: &str, queue: &str, cpu_milli: u64) -> String {
+    serde_json::json!({
+        "name": name,
+        "queue": queue,
+        "groups": [{"name": "main", "replicas": 1, "resources": {"cpu_milli": cpu_milli, "memory_mib": 64}}]
+    })
+    .to_string()
+}
+
+/// Every job a server knows (linearizable unless `stale`), by id.
+pub async fn all_jobs(addr: &str, stale: bool) -> Result<Vec<pb::JobInfo>, tonic::Status> {
+    let mut c = jobs_client(addr).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut out = Vec::new();
+    let mut after = 0;
+    loop {
+        let r = c
+            .list(pb::ListJobsRequest { queue: String::new(), states: vec![], limit: 1000, after_id: after, stale })
+            .await?
+            .into_inner();
+        out.extend(r.jobs);
+        if r.next_after_id == 0 {
+            return Ok(out);
+        }
+        after = r.next_after_id;
+    }
+}

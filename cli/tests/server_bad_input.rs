@@ -1,0 +1,103 @@
+//! Bad input against a real server: each gets a gRPC status naming the field (and the limit
+//! where there is one); the server stays up and its state is unchanged.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{all_jobs, channel, cpu_job};
+use std::time::Duration;
+use suanli_proto::v1 as pb;
+use suanli_proto::v1::agent_client::AgentClient;
+use suanli_proto::v1::jobs_client::JobsClient;
+use suanli_proto::v1::nodes_client::NodesClient;
+use suanli_proto::v1::queues_client::QueuesClient;
+use tonic::Code;
+
+fn submit(rid: &str, spec: String) -> pb::SubmitJobRequest {
+    pb::SubmitJobRequest { client_request_id: rid.into(), spec_json: spec, retry: None }
+}
+
+async fn state_of(addr: &str) -> (Vec<pb::JobInfo>, Vec<pb::QueueInfo>) {
+    let q = QueuesClient::new(channel(addr).await.unwrap()).list(pb::ListQueuesRequest { stale: false }).await;
+    (all_jobs(addr, false).await.unwrap(), q.unwrap().into_inner().queues)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_name_the_field_and_change_nothing() {
+    let c = common::start(1, &[]);
+    c.wait_leader(Duration::from_secs(30)).await.unwrap();
+    let addr = c.addrs[0].clone();
+    let ch = channel(&addr).await.unwrap();
+    let queue = serde_json::json!({"id": "q", "nominal": {"cpu_milli": 64000, "memory_mib": 256000}});
+    QueuesClient::new(ch.clone()).upsert(pb::UpsertQueueRequest { queue_json: queue.to_string() }).await.unwrap();
+    let mut jobs = JobsClient::new(ch.clone());
+    jobs.submit(submit("ok-1", cpu_job("ok", "q", 100))).await.unwrap();
+    let before = state_of(&addr).await;
+
+    let expect = |r: Result<tonic::Response<pb::SubmitJobResponse>, tonic::Status>, code: Code, words: &[&str]| {
+        let s = r.expect_err("must be refused");
+        assert_eq!(s.code(), code, "{s:?}");
+        for w in words {
+            assert!(s.message().contains(w), "{:?} does not name {w:?}", s.message());
+        }
+    };
+
+    // Malformed spec.
+    expect(jobs.submit(submit("bad-1", "{not json".into())).await, Code::InvalidArgument, &["spec_json"]);
+    // Missing field.
+    expect(
+        jobs.submit(submit("bad-2", r#"{"name":"x","queue":"q"}"#.into())).await,
+        Code::InvalidArgument,
+        &["spec_json", "groups"],
+    );
+    // A negative quantity.
+    let neg = cpu_job("neg", "q", 100).replace("\"cpu_milli\":100", "\"cpu_milli\":-5");
+    assert!(neg.contains("-5"), "{neg}");
+    expect(
+        jobs.submit(submit("bad-3", neg)).await,
+        Code::InvalidArgument,
+        &["spec_json.groups[0].resources.cpu_milli"],
+    );
+    // An unknown queue.
+    expect(jobs.submit(submit("bad-4", cpu_job("x", "nope", 100))).await, Code::NotFound, &["queue", "nope"]);
+    // A spec over the size limit (4 MiB by default).
+    let huge = cpu_job(&"x".repeat(4 * 1024 * 1024 + 10), "q", 100);
+    expect(jobs.submit(submit("bad-5", huge)).await, Code::ResourceExhausted, &["spec_json", "limit", "4194304"]);
+    // A request far over any limit is cut off by the transport, naming the limit.
+    let enormous = cpu_job(&"x".repeat(6 * 1024 * 1024), "q", 100);
+    let s = jobs.submit(submit("bad-6", enormous)).await.expect_err("too large");
+    assert!(s.message().contains("limit"), "{s:?}");
+    // Zero replicas and an empty request id (validation in the state machine / the service).
+    let zero = cpu_job("zero", "q", 100).replace("\"replicas\":1", "\"replicas\":0");
+    expect(jobs.submit(submit("bad-7", zero)).await, Code::InvalidArgument, &["replicas"]);
+    expect(jobs.submit(submit("", cpu_job("x", "q", 100))).await, Code::InvalidArgument, &["client_request_id"]);
+    // Unknown job state filter, unknown node mode, bad node and queue documents.
+    let s = jobs
+        .list(pb::ListJobsRequest { states: vec!["sleeping".into()], ..Default::default() })
+        .await
+        .expect_err("bad filter");
+    assert!(s.message().contains("states[0]"), "{s:?}");
+    let s = NodesClient::new(ch.clone())
+        .set_mode(pb::SetNodeModeRequest { id: "n".into(), mode: 42 })
+        .await
+        .expect_err("bad mode");
+    assert!(s.message().starts_with("mode"), "{s:?}");
+    let s = AgentClient::new(ch.clone())
+        .register(pb::RegisterNodeRequest {
+            node_json: r#"{"id":"n","pool":"p","cpu_milli":-1}"#.into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("bad node");
+    assert!(s.message().contains("node_json.cpu_milli"), "{s:?}");
+    let s = QueuesClient::new(ch.clone())
+        .upsert(pb::UpsertQueueRequest { queue_json: r#"{"id":"q2","nominal":{"gpu_milli":"lots"}}"#.into() })
+        .await
+        .expect_err("bad queue");
+    assert!(s.message().contains("queue_json.nominal.gpu_milli"), "{s:?}");
+
+    // The server is up, and nothing changed.
+    assert_eq!(state_of(&addr).await, before, "a refused request changed the state");
+    jobs.submit(submit("ok-2", cpu_job("ok2", "q", 100))).await.unwrap();
+}

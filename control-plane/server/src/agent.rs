@@ -1,0 +1,168 @@
+//! The node agent API. Heartbeats stay in the leader's memory (a follower passes them on to
+//! the leader); only registrations, device health changes and allocation reports go through
+//! raft.
+
+use crate::convert;
+use crate::core::{Core, now_s};
+use crate::status::{decode_json, invalid};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use suanli_model::{AllocId, Health, Node, NodeId};
+use suanli_proto::v1 as pb;
+use suanli_proto::v1::agent_client::AgentClient;
+use suanli_proto::v1::agent_server::Agent;
+use suanli_state::{AllocStatus, Command, DeviceHealth, NodeStatus, RegisterNode, ReportCheckpoint, ReportedStatus};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Status};
+
+type Resp<T> = Result<tonic::Response<T>, Status>;
+
+fn ok<T>(v: T) -> Resp<T> {
+    Ok(tonic::Response::new(v))
+}
+
+/// The agent-facing service.
+#[derive(Clone)]
+pub struct AgentApi(pub Arc<Core>);
+
+impl AgentApi {
+    fn intervals(&self) -> pb::RegisterNodeResponse {
+        pb::RegisterNodeResponse {
+            heartbeat_interval_ms: self.0.cfg.heartbeat_interval_ms,
+            heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
+        }
+    }
+
+    fn seen(&self, node: &NodeId) {
+        let mut hb = self.0.heartbeats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        hb.insert(node.clone(), Instant::now());
+    }
+}
+
+#[tonic::async_trait]
+impl Agent for AgentApi {
+    async fn register(&self, req: Request<pb::RegisterNodeRequest>) -> Resp<pb::RegisterNodeResponse> {
+        let node: Node = decode_json("node_json", &req.into_inner().node_json, self.0.cfg.max_request_bytes)?;
+        let id = node.id.clone();
+        self.0.propose(Command::RegisterNode(RegisterNode { node, now: now_s() })).await?;
+        if self.0.is_leader() {
+            self.seen(&id);
+        }
+        self.0.kick.notify_one();
+        ok(self.intervals())
+    }
+
+    async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> Resp<pb::HeartbeatResponse> {
+        if !self.0.is_leader() {
+            let (ch, _) = self.0.leader_channel()?;
+            return AgentClient::new(ch).heartbeat(req.into_inner()).await;
+        }
+        let r = req.into_inner();
+        let id = NodeId(r.node_id.clone());
+        let known = self.0.state.read(|s| s.nodes().get(&id).map(|n| n.status == NodeStatus::Ready));
+        if known != Some(true) {
+            // Unknown, or declared down: the agent registers again with its inventory.
+            return ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: false });
+        }
+        self.seen(&id);
+        for d in r.devices {
+            let health = if d.healthy { Health::Healthy } else { Health::Unhealthy };
+            let cmd = Command::DeviceHealth(DeviceHealth { node: id.clone(), device: d.device, health, now: now_s() });
+            self.0.propose(cmd).await?;
+            self.0.kick.notify_one();
+        }
+        ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: true })
+    }
+
+    type WatchAllocationsStream = ReceiverStream<Result<pb::AllocationsUpdate, Status>>;
+
+    async fn watch_allocations(&self, req: Request<pb::WatchAllocationsRequest>) -> Resp<Self::WatchAllocationsStream> {
+        let r = req.into_inner();
+        let id = NodeId(r.node_id.clone());
+        if self.0.state.read(|s| !s.nodes().contains_key(&id)) {
+            return Err(Status::not_found(format!("node_id: unknown node {:?}; register first", r.node_id)));
+        }
+        let permit = self.0.watchers.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!("too many watch streams: the limit is {}", self.0.cfg.max_watchers))
+        })?;
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let core = self.0.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let mut applied = core.state.subscribe();
+            let mut last: Option<Vec<pb::AllocInfo>> = None;
+            loop {
+                let (rev, allocs) = core.state.read(|s| {
+                    let v: Vec<pb::AllocInfo> = s
+                        .allocs_on(&id)
+                        .filter(|a| a.is_live())
+                        .map(|a| {
+                            let restore = s
+                                .job(a.alloc.job)
+                                .and_then(|j| j.latest_checkpoint.as_ref())
+                                .map(|c| c.uri.as_str())
+                                .unwrap_or("");
+                            convert::alloc(a, restore)
+                        })
+                        .collect();
+                    (s.revision(), v)
+                });
+                if last.as_ref() != Some(&allocs) {
+                    let update = pb::AllocationsUpdate { revision: rev, allocs: allocs.clone() };
+                    if tx.send(Ok(update)).await.is_err() {
+                        return;
+                    }
+                    last = Some(allocs);
+                }
+                tokio::select! {
+                    c = applied.changed() => if c.is_err() { return },
+                    () = tx.closed() => return,
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        ok(ReceiverStream::new(rx))
+    }
+
+    async fn report_status(&self, req: Request<pb::ReportStatusRequest>) -> Resp<pb::ReportStatusResponse> {
+        let r = req.into_inner();
+        let status = match pb::AllocReport::try_from(r.status) {
+            Ok(pb::AllocReport::Running) => ReportedStatus::Running,
+            Ok(pb::AllocReport::Succeeded) => ReportedStatus::Succeeded,
+            Ok(pb::AllocReport::Failed) => ReportedStatus::Failed,
+            Ok(pb::AllocReport::Stopped) => ReportedStatus::Stopped,
+            _ => {
+                return Err(invalid(
+                    "status",
+                    format!("{} is not one of running, succeeded, failed, stopped", r.status),
+                ));
+            }
+        };
+        let cmd = Command::AllocStatus(AllocStatus {
+            alloc: AllocId(r.alloc_id),
+            epoch: r.epoch,
+            status,
+            message: r.message,
+            now: now_s(),
+        });
+        self.0.propose(cmd).await?;
+        if status != ReportedStatus::Running {
+            self.0.kick.notify_one();
+        }
+        ok(pb::ReportStatusResponse {})
+    }
+
+    async fn report_checkpoint(&self, req: Request<pb::ReportCheckpointRequest>) -> Resp<pb::ReportCheckpointResponse> {
+        let r = req.into_inner();
+        let cmd = Command::ReportCheckpoint(ReportCheckpoint {
+            alloc: AllocId(r.alloc_id),
+            epoch: r.epoch,
+            uri: r.uri,
+            step: r.step,
+            size_bytes: r.size_bytes,
+            now: now_s(),
+        });
+        self.0.propose(cmd).await?;
+        ok(pb::ReportCheckpointResponse {})
+    }
+}

@@ -1,0 +1,237 @@
+//! Replicated records to their wire messages.
+
+use std::collections::BTreeMap;
+use suanli_model::{Health, QueueId, ResVec};
+use suanli_proto::v1 as pb;
+use suanli_state::{Alloc, Desired, Job, JobState, NodeMode, NodeRecord, NodeStatus, State, StopReason};
+
+/// A resource vector on the wire (`u64::MAX` stays "unlimited").
+pub fn res(v: &ResVec) -> pb::Resources {
+    pb::Resources { cpu_milli: v.cpu_milli, memory_mib: v.memory_mib, gpu_milli: v.gpu_milli, npu_milli: v.npu_milli }
+}
+
+fn stop_reason(r: &StopReason) -> &'static str {
+    match r {
+        StopReason::Preempted { .. } => "preempted",
+        StopReason::Cancelled => "cancelled",
+        StopReason::JobFailed => "job_failed",
+        StopReason::Requeue => "requeue",
+        StopReason::Drain => "drain",
+        StopReason::DeviceUnhealthy => "device_unhealthy",
+    }
+}
+
+/// An allocation on the wire; `restore_from` is the job's latest checkpoint.
+pub fn alloc(a: &Alloc, restore_from: &str) -> pb::AllocInfo {
+    let x = &a.alloc;
+    let (desired, stop, ckpt, grace) = match &a.desired {
+        Desired::Run => ("run", "", false, 0),
+        Desired::Stop { reason, checkpoint_first, grace_s, .. } => {
+            ("stop", stop_reason(reason), *checkpoint_first, *grace_s)
+        }
+    };
+    pb::AllocInfo {
+        id: x.id.0,
+        job_id: x.job.0,
+        group: x.group,
+        replica: x.replica,
+        epoch: x.epoch,
+        node: x.node.0.clone(),
+        state: serde_plain(&a.state),
+        desired: desired.into(),
+        stop_reason: stop.into(),
+        checkpoint_first: ckpt,
+        grace_s: grace,
+        cpu_milli: x.cpu_milli,
+        memory_mib: x.memory_mib,
+        devices: x
+            .devices
+            .iter()
+            .map(|d| pb::DeviceShare { device: d.device.clone(), milli: d.milli, memory_mib: d.memory_mib })
+            .collect(),
+        started_at: x.started_at,
+        message: a.message.clone(),
+        queue: x.queue.0.clone(),
+        priority: x.priority,
+        borrowed: x.borrowed,
+        restore_from: restore_from.into(),
+    }
+}
+
+/// The snake_case serde name of a unit enum value.
+fn serde_plain<T: serde::Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        _ => String::new(),
+    }
+}
+
+/// A job on the wire, with its allocations.
+pub fn job(s: &State, j: &Job, queue_position: u64) -> pb::JobInfo {
+    let restore = j.latest_checkpoint.as_ref().map(|c| c.uri.as_str()).unwrap_or("");
+    pb::JobInfo {
+        id: j.id.0,
+        name: j.spec.name.clone(),
+        queue: j.spec.queue.0.clone(),
+        state: j.state.as_str().into(),
+        priority: j.spec.priority,
+        submitted_at: j.submitted_at,
+        updated_at: j.updated_at,
+        attempt: j.attempt,
+        failures: j.failures,
+        requeues: j.requeues,
+        not_before: j.not_before,
+        reason: j.reason.clone(),
+        allocs: j.allocs.iter().filter_map(|id| s.allocs().get(id)).map(|a| alloc(a, restore)).collect(),
+        spec_json: serde_json::to_string(&j.spec).unwrap_or_default(),
+        revision: j.revision,
+        client_request_id: j.client_request_id.clone(),
+        queue_position,
+        latest_checkpoint_uri: restore.into(),
+    }
+}
+
+/// Position (1-based) of a pending job among its queue's pending jobs, in the order the
+/// engine considers them within a queue (priority, then submission time, then id); 0 when the
+/// job is not pending.
+pub fn queue_position(s: &State, j: &Job) -> u64 {
+    if j.state != JobState::Pending {
+        return 0;
+    }
+    let key = |x: &Job| (std::cmp::Reverse(x.spec.priority), x.submitted_at, x.id);
+    let mine = key(j);
+    let ahead = s
+        .jobs()
+        .values()
+        .filter(|x| x.state == JobState::Pending && x.spec.queue == j.spec.queue && key(x) < mine)
+        .count();
+    ahead as u64 + 1
+}
+
+fn mode(m: NodeMode) -> i32 {
+    match m {
+        NodeMode::Schedulable => pb::NodeMode::Schedulable as i32,
+        NodeMode::Cordoned => pb::NodeMode::Cordoned as i32,
+        NodeMode::Draining => pb::NodeMode::Draining as i32,
+    }
+}
+
+/// A node on the wire, with live usage per device.
+pub fn node(s: &State, r: &NodeRecord) -> pb::NodeInfo {
+    let mut used = ResVec::ZERO;
+    let mut per_device: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut count = 0u64;
+    for a in s.allocs_on(&r.node.id).filter(|a| a.is_live()) {
+        count += 1;
+        used = used.saturating_add(&s.alloc_usage(a));
+        for d in &a.alloc.devices {
+            *per_device.entry(d.device.as_str()).or_default() += u64::from(d.milli);
+        }
+    }
+    pb::NodeInfo {
+        id: r.node.id.0.clone(),
+        pool: r.node.pool.0.clone(),
+        region: r.node.region.clone(),
+        datacenter: r.node.datacenter.clone(),
+        status: match r.status {
+            NodeStatus::Ready => "ready".into(),
+            NodeStatus::Down => "down".into(),
+        },
+        mode: mode(r.mode),
+        capacity: Some(res(&r.node.capacity())),
+        used: Some(res(&used)),
+        devices: r
+            .node
+            .devices
+            .iter()
+            .map(|d| pb::DeviceInfo {
+                id: d.id.clone(),
+                kind: serde_plain(&d.kind),
+                model: d.model.clone(),
+                memory_mib: d.memory_mib,
+                health: match d.health {
+                    Health::Healthy => "healthy".into(),
+                    Health::Unhealthy => "unhealthy".into(),
+                },
+                numa: d.numa,
+                peer_group: d.peer_group,
+                partition_of: d.partition_of.clone().unwrap_or_default(),
+                used_milli: per_device.get(d.id.as_str()).copied().unwrap_or(0),
+            })
+            .collect(),
+        labels: r.node.labels.clone().into_iter().collect(),
+        updated_at: r.updated_at,
+        reason: r.reason.clone(),
+        allocations: count,
+    }
+}
+
+/// A queue on the wire, with live usage (own quota and borrowed) and job counts.
+pub fn queue(s: &State, id: &QueueId) -> Option<pb::QueueInfo> {
+    let q = s.queues().get(id)?;
+    let (mut used, mut borrowed) = (ResVec::ZERO, ResVec::ZERO);
+    for a in s.allocs().values().filter(|a| a.is_live() && &a.alloc.queue == id) {
+        if a.alloc.borrowed {
+            borrowed = borrowed.saturating_add(&s.alloc_usage(a));
+        } else {
+            used = used.saturating_add(&s.alloc_usage(a));
+        }
+    }
+    let (mut pending, mut running) = (0, 0);
+    for j in s.jobs().values().filter(|j| &j.spec.queue == id) {
+        match j.state {
+            JobState::Pending | JobState::Requeuing | JobState::Preempted => pending += 1,
+            JobState::Placed | JobState::Running => running += 1,
+            _ => {}
+        }
+    }
+    Some(pb::QueueInfo {
+        id: q.id.0.clone(),
+        team: q.team.clone(),
+        parent: q.parent.as_ref().map(|p| p.0.clone()).unwrap_or_default(),
+        cohort: q.cohort.clone().unwrap_or_default(),
+        weight: q.weight,
+        nominal: Some(res(&q.nominal)),
+        borrowing_limit: q.borrowing_limit.as_ref().map(res),
+        lending_limit: q.lending_limit.as_ref().map(res),
+        used: Some(res(&used)),
+        borrowed: Some(res(&borrowed)),
+        pending_jobs: pending,
+        running_jobs: running,
+    })
+}
+
+/// Every pool with its node counts, capacity and live usage.
+pub fn pools(s: &State) -> Vec<pb::PoolInfo> {
+    let mut out: BTreeMap<String, pb::PoolInfo> = BTreeMap::new();
+    for r in s.nodes().values() {
+        let p = out.entry(r.node.pool.0.clone()).or_insert_with(|| pb::PoolInfo {
+            name: r.node.pool.0.clone(),
+            nodes: 0,
+            ready_nodes: 0,
+            capacity: Some(pb::Resources::default()),
+            used: Some(pb::Resources::default()),
+        });
+        p.nodes += 1;
+        if r.status == NodeStatus::Ready {
+            p.ready_nodes += 1;
+        }
+        let cap = r.node.capacity();
+        if let Some(c) = p.capacity.as_mut() {
+            add(c, &cap);
+        }
+        for a in s.allocs_on(&r.node.id).filter(|a| a.is_live()) {
+            if let Some(u) = p.used.as_mut() {
+                add(u, &s.alloc_usage(a));
+            }
+        }
+    }
+    out.into_values().collect()
+}
+
+fn add(p: &mut pb::Resources, v: &ResVec) {
+    p.cpu_milli = p.cpu_milli.saturating_add(v.cpu_milli);
+    p.memory_mib = p.memory_mib.saturating_add(v.memory_mib);
+    p.gpu_milli = p.gpu_milli.saturating_add(v.gpu_milli);
+    p.npu_milli = p.npu_milli.saturating_add(v.npu_milli);
+}

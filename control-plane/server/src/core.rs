@@ -1,0 +1,248 @@
+//! What every service shares: the raft node, the applied state, and the two paths through
+//! them — writes (propose here when leader, else forward to the leader) and reads (local when
+//! stale, else after a read index confirmed by the leader).
+//!
+//! ```text
+//!  service ──propose(cmd)──▶ leader? ── yes ─▶ suanli_raft::write ──▶ committed + applied here
+//!                               └─ no ──▶ Internal.Propose on the leader (one hop, never more)
+//!  service ──read(stale=false)──▶ read index (leader: ensure_linearizable; follower: ask the
+//!                                 leader) ──▶ wait until applied here ──▶ read local state
+//! ```
+
+use crate::config::ServerConfig;
+use crate::status::{rejection, unavailable};
+use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
+use openraft::{BasicNode, ServerState};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use suanli_model::NodeId;
+use suanli_proto::v1::internal_client::InternalClient;
+use suanli_proto::v1::{ProposeRequest, ReadIndexRequest};
+use suanli_raft::{StateHandle, SuanliRaft, WriteError};
+use suanli_state::{Command, Response, State};
+use tokio::sync::{Notify, Semaphore};
+use tonic::Status;
+use tonic::transport::{Channel, Endpoint};
+
+/// Metadata key that names the leader's address on UNAVAILABLE answers.
+pub const LEADER_HEADER: &str = "suanli-leader";
+
+/// Seconds since the Unix epoch (the time commands carry).
+pub fn now_s() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// The shared core of one server.
+pub struct Core {
+    /// This server's raft id.
+    pub id: u64,
+    /// Its configuration.
+    pub cfg: ServerConfig,
+    /// The raft node.
+    pub raft: SuanliRaft,
+    /// The applied state.
+    pub state: StateHandle,
+    /// Wakes the scheduling loop (a submission, a freed allocation, a new node).
+    pub kick: Notify,
+    /// Last heartbeat per node; meaningful on the leader only (never replicated).
+    pub heartbeats: Mutex<HashMap<NodeId, Instant>>,
+    /// Bounds open watch streams.
+    pub watchers: Arc<Semaphore>,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl Core {
+    /// A core over an opened raft node.
+    pub fn new(cfg: ServerConfig, raft: SuanliRaft, state: StateHandle) -> Self {
+        Self {
+            id: cfg.id,
+            watchers: Arc::new(Semaphore::new(cfg.max_watchers)),
+            cfg,
+            raft,
+            state,
+            kick: Notify::new(),
+            heartbeats: Mutex::new(HashMap::new()),
+            channels: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The configured request timeout.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.request_timeout_ms)
+    }
+
+    /// Whether this server leads right now (its own view).
+    pub fn is_leader(&self) -> bool {
+        self.raft.metrics().borrow().state == ServerState::Leader
+    }
+
+    /// The current leader's id and address, when known.
+    pub fn leader(&self) -> Option<(u64, String)> {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        let id = m.current_leader?;
+        let addr = m.membership_config.membership().get_node(&id).map(|n| n.addr.clone())?;
+        Some((id, addr))
+    }
+
+    /// A (cached, lazily connected) channel to another server.
+    pub fn channel(&self, addr: &str) -> Result<Channel, Status> {
+        let mut map = self.channels.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(c) = map.get(addr) {
+            return Ok(c.clone());
+        }
+        let uri = if addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") };
+        let ep = Endpoint::from_shared(uri)
+            .map_err(|e| Status::internal(format!("leader address {addr:?}: {e}")))?
+            .connect_timeout(self.cfg.raft.connect_timeout())
+            .tcp_nodelay(true);
+        let c = ep.connect_lazy();
+        map.insert(addr.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    /// A channel to the leader, or UNAVAILABLE when none is known or this server is it.
+    pub fn leader_channel(&self) -> Result<(Channel, String), Status> {
+        match self.leader() {
+            Some((id, addr)) if id != self.id => Ok((self.channel(&addr)?, addr)),
+            Some(_) => Err(unavailable("this server is the leader", None)),
+            None => Err(unavailable("no leader is elected yet; retry shortly", None)),
+        }
+    }
+
+    /// Waits (up to the request timeout) until some server is known to lead.
+    async fn wait_for_leader(&self) -> Result<(), Status> {
+        let mut rx = self.raft.metrics();
+        let r = tokio::time::timeout(self.timeout(), rx.wait_for(|m| m.current_leader.is_some())).await;
+        match r {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(unavailable("no leader was elected within the request timeout", None)),
+        }
+    }
+
+    /// Commits `cmd` (forwarding it to the leader if needed) and returns the state machine's
+    /// answer and the log index. A refused command becomes a gRPC status naming the field.
+    pub async fn propose(&self, cmd: Command) -> Result<(Response, u64), Status> {
+        let (resp, index) = self.propose_raw(cmd).await?;
+        if let Some(e) = resp.rejection() {
+            return Err(rejection(e));
+        }
+        Ok((resp, index))
+    }
+
+    /// Like [`Core::propose`] but returns a refusal as a [`Response::Rejected`].
+    pub async fn propose_raw(&self, cmd: Command) -> Result<(Response, u64), Status> {
+        for _ in 0..3 {
+            let r =
+                tokio::time::timeout(self.timeout(), suanli_raft::write(&self.raft, &self.state, cmd.clone())).await;
+            let r = match r {
+                Err(_) => return Err(Status::deadline_exceeded("the write did not commit within the request timeout")),
+                Ok(r) => r,
+            };
+            match r {
+                Ok(ok) => return Ok(ok),
+                Err(WriteError::Refused(e)) => return Err(rejection(&e)),
+                Err(WriteError::Raft(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => {
+                    match f.leader_node {
+                        Some(BasicNode { addr }) => return self.forward(&addr, &cmd).await,
+                        None => self.wait_for_leader().await?,
+                    }
+                }
+                Err(WriteError::Raft(RaftError::APIError(e))) => {
+                    return Err(Status::failed_precondition(e.to_string()));
+                }
+                Err(WriteError::Raft(RaftError::Fatal(e))) => {
+                    return Err(Status::unavailable(format!("this server's raft stopped: {e}")));
+                }
+            }
+        }
+        Err(unavailable("leadership kept changing; retry", self.leader().map(|l| l.1)))
+    }
+
+    async fn forward(&self, addr: &str, cmd: &Command) -> Result<(Response, u64), Status> {
+        let json = suanli_state::encode_command(cmd).map_err(|e| Status::internal(format!("encoding: {e}")))?;
+        let mut client = InternalClient::new(self.channel(addr)?)
+            .max_decoding_message_size(self.cfg.max_request_bytes)
+            .max_encoding_message_size(self.cfg.max_request_bytes.saturating_mul(2));
+        let mut req =
+            tonic::Request::new(ProposeRequest { group: self.cfg.raft.group.clone(), command_json: json.into() });
+        req.set_timeout(self.timeout());
+        let r = client.propose(req).await.map_err(|s| forwarded_error(s, addr))?.into_inner();
+        let resp: Response =
+            serde_json::from_slice(&r.response_json).map_err(|e| Status::internal(format!("leader's answer: {e}")))?;
+        // Let a read on this server that follows see its own write.
+        let _ = tokio::time::timeout(self.timeout(), self.state.wait_applied(r.index)).await;
+        Ok((resp, r.index))
+    }
+
+    /// Proposes on this server only (the `Internal.Propose` handler): never forwards again.
+    pub async fn propose_local(&self, cmd: Command) -> Result<(Response, u64), Status> {
+        let r = tokio::time::timeout(self.timeout(), suanli_raft::write(&self.raft, &self.state, cmd)).await;
+        match r {
+            Err(_) => Err(Status::deadline_exceeded("the write did not commit within the request timeout")),
+            Ok(Ok(ok)) => Ok(ok),
+            Ok(Err(WriteError::Refused(e))) => Ok((Response::Rejected(e), 0)),
+            Ok(Err(WriteError::Raft(RaftError::APIError(ClientWriteError::ForwardToLeader(f))))) => {
+                Err(unavailable("not the leader", f.leader_node.map(|n| n.addr)))
+            }
+            Ok(Err(e)) => Err(Status::unavailable(e.to_string())),
+        }
+    }
+
+    /// The log index a linearizable read must see (leader only; the `Internal.ReadIndex`
+    /// handler and local reads on the leader).
+    pub async fn local_read_index(&self) -> Result<u64, Status> {
+        let r = tokio::time::timeout(self.timeout(), self.raft.ensure_linearizable()).await;
+        match r {
+            Err(_) => Err(Status::deadline_exceeded("the leader could not confirm its lease in time")),
+            Ok(Ok(l)) => Ok(l.map(|l| l.index).unwrap_or(0)),
+            Ok(Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(f)))) => {
+                Err(unavailable("not the leader", f.leader_node.map(|n| n.addr)))
+            }
+            Ok(Err(e)) => Err(Status::unavailable(e.to_string())),
+        }
+    }
+
+    async fn read_index(&self) -> Result<u64, Status> {
+        for _ in 0..3 {
+            match self.local_read_index().await {
+                Ok(i) => return Ok(i),
+                Err(s) if s.code() == tonic::Code::Unavailable => {}
+                Err(s) => return Err(s),
+            }
+            match self.leader() {
+                Some((id, addr)) if id != self.id => {
+                    let mut client = InternalClient::new(self.channel(&addr)?);
+                    let mut req = tonic::Request::new(ReadIndexRequest { group: self.cfg.raft.group.clone() });
+                    req.set_timeout(self.timeout());
+                    let r = client.read_index(req).await.map_err(|s| forwarded_error(s, &addr))?;
+                    return Ok(r.into_inner().index);
+                }
+                _ => self.wait_for_leader().await?,
+            }
+        }
+        Err(unavailable("leadership kept changing; retry", None))
+    }
+
+    /// Runs `f` on the state: linearizable unless `stale` (then this server's local state).
+    pub async fn read<R>(&self, stale: bool, f: impl FnOnce(&State) -> R) -> Result<R, Status> {
+        if !stale {
+            let index = self.read_index().await?;
+            tokio::time::timeout(self.timeout(), self.state.wait_applied(index))
+                .await
+                .map_err(|_| Status::deadline_exceeded("this server did not catch up with the leader in time"))?;
+        }
+        Ok(self.state.read(f))
+    }
+}
+
+/// A failure of a call to another server, as answered to our caller.
+fn forwarded_error(s: Status, addr: &str) -> Status {
+    match s.code() {
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
+            unavailable(&format!("forwarding to the leader at {addr}: {}", s.message()), Some(addr.to_owned()))
+        }
+        _ => s,
+    }
+}

@@ -1,0 +1,180 @@
+//! suanli's control-plane server: one gRPC port serving clients (`Jobs`, `Queues`, `Pools`,
+//! `Nodes`, `Cluster`), agents (`Agent`) and the other servers (`RaftTransport`, `Internal`),
+//! over a raft-replicated [`suanli_state::State`]; and the leader's scheduling and liveness
+//! loops.
+//!
+//! ```text
+//!             ┌──────────────────────── suanli server ─────────────────────────┐
+//!  clients ──▶│ Api (Jobs, Queues, Pools, Nodes, Cluster) ─┐                   │
+//!  agents  ──▶│ AgentApi (register, heartbeat, watch, report) ├─▶ Core ─▶ raft ─┼─▶ peers
+//!  servers ──▶│ RaftService, Internal (Propose, ReadIndex) ┘      │   RocksDB │
+//!             │ loops (leader only): scheduling ─▶ ApplyPlan; liveness ─▶ NodeDown │
+//!             └─────────────────────────────────────────────────────────────────┘
+//! ```
+//!
+//! Any server accepts any request: writes on a follower are forwarded to the leader (one hop),
+//! reads are linearizable through a read index unless the request asks for a stale read. Every
+//! request is bounded in size and time ([`ServerConfig`]). It must never schedule or decide
+//! liveness on a follower, acknowledge a write before raft committed it, or keep heartbeats
+//! anywhere but in the leader's memory.
+
+mod agent;
+mod api;
+pub mod config;
+mod convert;
+mod core;
+pub mod local;
+mod loops;
+mod status;
+
+pub use config::{ConfigError, Peer, ServerConfig};
+pub use core::LEADER_HEADER;
+
+use crate::agent::AgentApi;
+use crate::api::Api;
+use crate::core::Core;
+use openraft::BasicNode;
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use suanli_proto::v1::agent_server::AgentServer;
+use suanli_proto::v1::cluster_client::ClusterClient;
+use suanli_proto::v1::cluster_server::ClusterServer;
+use suanli_proto::v1::internal_server::InternalServer;
+use suanli_proto::v1::jobs_server::JobsServer;
+use suanli_proto::v1::nodes_server::NodesServer;
+use suanli_proto::v1::pools_server::PoolsServer;
+use suanli_proto::v1::queues_server::QueuesServer;
+use suanli_raft::RaftService;
+use thiserror::Error;
+use tokio::sync::watch;
+
+/// Why a server could not start or stopped with an error.
+#[derive(Debug, Error)]
+pub enum ServerError {
+    /// Bad configuration.
+    #[error("config: {0}")]
+    Config(#[from] ConfigError),
+    /// Data directory or socket.
+    #[error("{what}: {source}")]
+    Io {
+        /// What failed.
+        what: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The raft storage could not be opened.
+    #[error(transparent)]
+    Open(#[from] suanli_raft::OpenError),
+    /// The gRPC server failed.
+    #[error("grpc: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+macro_rules! bounded {
+    ($server:ident, $svc:expr, $max:expr) => {
+        $server::new($svc)
+            .max_decoding_message_size($max.saturating_add(64 * 1024))
+            .max_encoding_message_size($max.saturating_mul(4))
+    };
+}
+
+/// Runs a server until `shutdown` resolves (then stops serving, and stops raft).
+pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
+    cfg.validate()?;
+    std::fs::create_dir_all(&cfg.data_dir)
+        .map_err(|source| ServerError::Io { what: format!("data_dir {}", cfg.data_dir.display()), source })?;
+    let settings = cfg.raft.clone();
+    let (raft, state) = suanli_raft::open(&cfg.data_dir, cfg.id, &settings).await?;
+    let listener = tokio::net::TcpListener::bind(&cfg.listen)
+        .await
+        .map_err(|source| ServerError::Io { what: format!("listen {}", cfg.listen), source })?;
+    let max = cfg.max_request_bytes;
+    let core = Arc::new(Core::new(cfg.clone(), raft.clone(), state));
+    let api = Api(core.clone());
+    let router = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .concurrency_limit_per_connection(cfg.max_concurrent_per_connection)
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .add_service(RaftService::new(raft.clone(), &settings).into_server(&settings))
+        .add_service(bounded!(InternalServer, api.clone(), settings.max_message_bytes))
+        .add_service(bounded!(JobsServer, api.clone(), max))
+        .add_service(bounded!(QueuesServer, api.clone(), max))
+        .add_service(bounded!(PoolsServer, api.clone(), max))
+        .add_service(bounded!(NodesServer, api.clone(), max))
+        .add_service(bounded!(ClusterServer, api.clone(), max))
+        .add_service(bounded!(AgentServer, AgentApi(core.clone()), max));
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = vec![
+        tokio::spawn(bootstrap(core.clone(), stop_rx.clone())),
+        tokio::spawn(loops::scheduling(core.clone(), stop_rx.clone())),
+        tokio::spawn(loops::liveness(core.clone(), stop_rx.clone())),
+    ];
+    tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), data_dir = %cfg.data_dir.display(), "suanli server listening");
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let served = router.serve_with_incoming_shutdown(incoming, shutdown).await;
+    let _ = stop_tx.send(true);
+    for t in tasks.drain(..) {
+        let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+    }
+    if let Err(e) = raft.shutdown().await {
+        tracing::warn!(error = %e, "raft shutdown");
+    }
+    served?;
+    Ok(())
+}
+
+/// First start: initialize a new cluster (single server, or the smallest id of `peers`), or
+/// ask a running cluster to add this server (`join`). Later starts recover from storage.
+async fn bootstrap(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
+    match core.raft.is_initialized().await {
+        Ok(true) => return,
+        Ok(false) => {}
+        Err(e) => {
+            tracing::error!(error = %e, "raft stopped");
+            return;
+        }
+    }
+    let cfg = &core.cfg;
+    let me = cfg.advertised().to_owned();
+    if let Some(join) = &cfg.join {
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            match join_once(join, cfg.id, &me, cfg.learner_only).await {
+                Ok(()) => {
+                    tracing::info!(via = %join, "joined the cluster");
+                    return;
+                }
+                Err(e) => tracing::warn!(via = %join, error = %e, "join failed; retrying"),
+            }
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                _ = stop.changed() => return,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+    let members: BTreeMap<u64, BasicNode> = if cfg.peers.is_empty() {
+        [(cfg.id, BasicNode::new(me))].into()
+    } else {
+        if cfg.peers.iter().map(|p| p.id).min() != Some(cfg.id) {
+            return; // the smallest id initializes; this one is added by it
+        }
+        cfg.peers.iter().map(|p| (p.id, BasicNode::new(p.addr.clone()))).collect()
+    };
+    match core.raft.initialize(members).await {
+        Ok(()) => tracing::info!("initialized a new cluster"),
+        Err(e) => tracing::info!(error = %e, "not initializing (already initialized?)"),
+    }
+}
+
+async fn join_once(via: &str, id: u64, addr: &str, learner_only: bool) -> Result<(), String> {
+    let uri = if via.contains("://") { via.to_owned() } else { format!("http://{via}") };
+    let mut c = ClusterClient::connect(uri).await.map_err(|e| e.to_string())?;
+    c.add_server(suanli_proto::v1::AddServerRequest { id, addr: addr.to_owned(), learner_only })
+        .await
+        .map_err(|s| format!("{}: {}", s.code(), s.message()))?;
+    Ok(())
+}

@@ -1,0 +1,162 @@
+//! A local cluster of real `suanli server` processes on loopback ports, each with its own
+//! RocksDB directory in a temp dir: what the end-to-end tests, `suanli bench submit` and
+//! `suanli bench failover` run against. Processes are killed (SIGKILL) when it is dropped.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use suanli_proto::v1 as pb;
+use suanli_proto::v1::cluster_client::ClusterClient;
+use tonic::transport::{Channel, Endpoint};
+
+/// Loopback ports nobody listens on right now.
+pub fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
+    let ls = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<Vec<_>, _>>()?;
+    ls.iter().map(|l| l.local_addr().map(|a| a.port())).collect()
+}
+
+/// A connected channel with short timeouts (connect 500 ms, requests 5 s).
+pub async fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
+    Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .connect()
+        .await
+}
+
+/// Server processes forming one cluster (ids 1..=n).
+pub struct ProcessCluster {
+    bin: PathBuf,
+    dir: tempfile::TempDir,
+    /// Their addresses (index i is server id i + 1).
+    pub addrs: Vec<String>,
+    procs: Vec<Option<Child>>,
+    extra: Vec<String>,
+}
+
+impl ProcessCluster {
+    /// Starts `n` servers of binary `bin` (`bin server ...`), with `extra` flags for each.
+    pub fn start(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
+        let dir = tempfile::Builder::new().prefix("suanli-cluster-").tempdir()?;
+        let addrs = free_ports(n)?.into_iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let mut c = ProcessCluster {
+            bin: bin.to_owned(),
+            dir,
+            addrs,
+            procs: (0..n).map(|_| None).collect(),
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        for i in 0..n {
+            c.spawn(i)?;
+        }
+        Ok(c)
+    }
+
+    /// The temp dir holding data directories and logs.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Starts (or restarts) server `i` (0-based) on its data directory.
+    pub fn spawn(&mut self, i: usize) -> std::io::Result<()> {
+        let peers: Vec<String> = self.addrs.iter().enumerate().map(|(k, a)| format!("{}={a}", k + 1)).collect();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join(format!("s{}.log", i + 1)))?;
+        let child = Command::new(&self.bin)
+            .arg("server")
+            .args(["--id", &(i + 1).to_string(), "--listen", &self.addrs[i]])
+            .arg("--data-dir")
+            .arg(self.dir.path().join(format!("s{}", i + 1)))
+            .args(["--peers", &peers.join(",")])
+            .args(&self.extra)
+            .env("SUANLI_LOG", std::env::var("SUANLI_LOG").unwrap_or_else(|_| "warn,suanli_server=info".into()))
+            .env_remove("SUANLI_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()?;
+        self.procs[i] = Some(child);
+        Ok(())
+    }
+
+    /// SIGKILL server `i` and reap it.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut p) = self.procs[i].take() {
+            let _ = p.kill();
+            let _ = p.wait();
+        }
+    }
+
+    /// Indices of running servers.
+    pub fn alive(&self) -> Vec<usize> {
+        (0..self.addrs.len()).filter(|i| self.procs[*i].is_some()).collect()
+    }
+
+    /// Addresses of running servers.
+    pub fn alive_addrs(&self) -> Vec<String> {
+        self.alive().into_iter().map(|i| self.addrs[i].clone()).collect()
+    }
+
+    /// Server `i`'s log.
+    pub fn log(&self, i: usize) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("s{}.log", i + 1))).unwrap_or_default()
+    }
+
+    /// Waits until a running server names a running leader; returns the leader's index.
+    pub async fn wait_leader(&self, within: Duration) -> Result<usize, String> {
+        let deadline = Instant::now() + within;
+        loop {
+            for i in self.alive() {
+                if let Ok(ch) = channel(&self.addrs[i]).await
+                    && let Ok(r) = ClusterClient::new(ch).leader(pb::LeaderRequest {}).await
+                {
+                    let id = r.into_inner().leader_id as usize;
+                    if id >= 1 && self.procs.get(id - 1).is_some_and(Option::is_some) {
+                        return Ok(id - 1);
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("no leader within {within:?}; server 1 log:\n{}", self.log(0)));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Waits until server `i` has applied everything the leader had committed when called.
+    pub async fn wait_caught_up(&self, i: usize, within: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + within;
+        let leader = self.wait_leader(within).await?;
+        let target = match channel(&self.addrs[leader]).await {
+            Ok(ch) => ClusterClient::new(ch)
+                .members(pb::MembersRequest {})
+                .await
+                .map(|r| r.into_inner().commit_index)
+                .unwrap_or(0),
+            Err(_) => 0,
+        };
+        loop {
+            if let Ok(ch) = channel(&self.addrs[i]).await
+                && let Ok(r) = ClusterClient::new(ch).members(pb::MembersRequest {}).await
+                && r.into_inner().commit_index >= target
+            {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("server {} did not catch up to {target} within {within:?}", i + 1));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Drop for ProcessCluster {
+    fn drop(&mut self) {
+        for i in 0..self.procs.len() {
+            self.kill(i);
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! The leader's loops: scheduling and node liveness. Both run on every server and act only
+//! while it leads, so a new leader takes over without any hand-off.
+//!
+//! ```text
+//!  scheduling: wake (kick | interval) ─▶ view = state.cluster_view(now) ─▶ schedule(view, now,
+//!              seed ^ applied index) ─▶ ApplyPlan{plan, now} through raft (apply re-checks it)
+//!  liveness:   every heartbeat interval ─▶ ready node silent for the TTL ─▶ NodeDown through
+//!              raft (its allocations are lost and their jobs requeued by apply)
+//! ```
+
+use crate::core::{Core, now_s};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use suanli_model::{NodeId, Plan};
+use suanli_scheduler::{SchedulerConfig, schedule};
+use suanli_state::{ApplyPlan, Command, NodeDown, NodeStatus, Response, State};
+use tokio::sync::watch;
+
+/// Refused reasons-only plans are written at most this often (they carry no placement).
+const REASONS_EVERY: Duration = Duration::from_secs(5);
+
+async fn until_leader(core: &Core, stop: &mut watch::Receiver<bool>) -> bool {
+    let mut m = core.raft.metrics();
+    tokio::select! {
+        r = m.wait_for(|m| m.state == openraft::ServerState::Leader) => r.is_ok(),
+        _ = stop.changed() => false,
+    }
+}
+
+/// Whether any unplaced job's reason differs from the one it shows now.
+fn reasons_changed(s: &State, plan: &Plan) -> bool {
+    let max = s.config().max_message_len;
+    plan.unplaced.iter().any(|u| {
+        s.job(u.job).is_some_and(|j| j.reason != u.reason && !(u.reason.len() > max && u.reason.starts_with(&j.reason)))
+    })
+}
+
+/// The scheduling loop.
+pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
+    let interval = Duration::from_millis(core.cfg.schedule_interval_ms);
+    let cfg = SchedulerConfig {
+        policy: core.cfg.policy.clone(),
+        max_jobs_per_pass: core.cfg.max_jobs_per_pass,
+        ..SchedulerConfig::default()
+    };
+    let mut last_reasons = Instant::now() - REASONS_EVERY;
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        if !core.is_leader() && !until_leader(&core, &mut stop).await {
+            return;
+        }
+        tokio::select! {
+            () = core.kick.notified() => {}
+            () = tokio::time::sleep(interval) => {}
+            _ = stop.changed() => return,
+        }
+        if !core.is_leader() {
+            continue;
+        }
+        let now = now_s();
+        let view = core.state.read(|s| s.cluster_view(now));
+        if view.pending.is_empty() {
+            continue;
+        }
+        let seed = core.cfg.scheduler_seed ^ core.state.applied_index();
+        let c = cfg.clone();
+        let plan = match tokio::task::spawn_blocking(move || schedule(&view, now, seed, &c)).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "scheduling pass failed");
+                continue;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "scheduling pass panicked");
+                continue;
+            }
+        };
+        let work = !plan.placements.is_empty() || !plan.preemptions.is_empty();
+        if !work {
+            if last_reasons.elapsed() < REASONS_EVERY || !core.state.read(|s| reasons_changed(s, &plan)) {
+                continue;
+            }
+            last_reasons = Instant::now();
+        }
+        let placements = plan.placements.len();
+        match core.propose_local(Command::ApplyPlan(ApplyPlan { plan, now })).await {
+            Ok((Response::PlanApplied(o), index)) => {
+                tracing::debug!(index, placed = o.placed.len(), refused = o.refused_jobs.len(), "plan committed");
+                if !o.refused_jobs.is_empty() || placements >= core.cfg.max_jobs_per_pass {
+                    core.kick.notify_one();
+                }
+            }
+            Ok((other, _)) => tracing::warn!(answer = ?other, "plan refused"),
+            Err(e) => tracing::info!(error = %e.message(), "plan not committed (leadership change?)"),
+        }
+    }
+}
+
+/// The node liveness loop.
+pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
+    let period = Duration::from_millis(core.cfg.heartbeat_interval_ms);
+    let ttl = Duration::from_millis(core.cfg.heartbeat_ttl_ms);
+    let mut leading = false;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(period) => {}
+            _ = stop.changed() => return,
+        }
+        if !core.is_leader() {
+            leading = false;
+            continue;
+        }
+        let t = Instant::now();
+        let ready: Vec<NodeId> = core.state.read(|s: &State| {
+            s.nodes().values().filter(|n| n.status == NodeStatus::Ready).map(|n| n.node.id.clone()).collect()
+        });
+        let mut down = Vec::new();
+        {
+            let mut hb = core.heartbeats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !leading {
+                // A new leader has no heartbeat history: every node gets a full TTL from now.
+                hb.clear();
+                leading = true;
+            }
+            for id in ready {
+                let seen = *hb.entry(id.clone()).or_insert(t);
+                if t.duration_since(seen) > ttl {
+                    down.push(id);
+                }
+            }
+        }
+        for id in down {
+            let reason = format!("no heartbeat for {} ms", ttl.as_millis());
+            tracing::warn!(node = %id, %reason, "declaring node down");
+            let cmd = Command::NodeDown(NodeDown { node: id.clone(), reason, now: now_s() });
+            match core.propose_local(cmd).await {
+                Ok(_) => {
+                    core.heartbeats.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&id);
+                    core.kick.notify_one();
+                }
+                Err(e) => tracing::info!(node = %id, error = %e.message(), "node down not committed"),
+            }
+        }
+    }
+}
