@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{all_jobs, channel, cpu_job, jobs_client};
+use common::{ProcessCluster, all_jobs, channel, cpu_job, jobs_client};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -49,11 +49,22 @@ async fn submit_until_acked(addrs: &[String], start: usize, rid: &str, spec: &st
 }
 
 /// Everything that must survive a full restart, read linearizably from `addr`.
-async fn digest(addr: &str) -> (Vec<pb::JobInfo>, Vec<pb::QueueInfo>, Vec<pb::NodeInfo>) {
-    let jobs = all_jobs(addr, false).await.unwrap();
-    let ch = channel(addr).await.unwrap();
-    let queues = QueuesClient::new(ch.clone()).list(pb::ListQueuesRequest { stale: false }).await.unwrap().into_inner();
-    let nodes = NodesClient::new(ch).list(pb::ListNodesRequest { pool: String::new(), stale: false }).await.unwrap();
+async fn digest(c: &ProcessCluster, i: usize) -> (Vec<pb::JobInfo>, Vec<pb::QueueInfo>, Vec<pb::NodeInfo>) {
+    let addr = &c.addrs[i];
+    let fail = |what: &str, e: &dyn std::fmt::Debug| -> ! {
+        panic!("{what} from server {}: {e:?}\n--- its log:\n{}", i + 1, c.log(i))
+    };
+    let jobs = all_jobs(addr, false).await.unwrap_or_else(|e| fail("jobs", &e));
+    let ch = channel(addr).await.unwrap_or_else(|e| fail("connect", &e));
+    let queues = QueuesClient::new(ch.clone())
+        .list(pb::ListQueuesRequest { stale: false })
+        .await
+        .unwrap_or_else(|e| fail("queues", &e))
+        .into_inner();
+    let nodes = NodesClient::new(ch)
+        .list(pb::ListNodesRequest { pool: String::new(), stale: false })
+        .await
+        .unwrap_or_else(|e| fail("nodes", &e));
     (jobs, queues.queues, nodes.into_inner().nodes)
 }
 
@@ -143,7 +154,7 @@ async fn leader_killed_mid_stream_then_full_restart() {
         assert!(Instant::now() < deadline, "{pending} jobs still pending");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let before = digest(&c.addrs[leader]).await;
+    let before = digest(&c, leader).await;
     let allocs: BTreeSet<u64> = before.0.iter().flat_map(|j| j.allocs.iter().map(|a| a.id)).collect();
     assert!(allocs.len() >= JOBS, "expected every job placed, got {} allocations", allocs.len());
     for i in 0..3 {
@@ -153,7 +164,7 @@ async fn leader_killed_mid_stream_then_full_restart() {
         c.spawn(i).unwrap();
     }
     let leader = c.wait_leader(Duration::from_secs(30)).await.unwrap();
-    let after = digest(&c.addrs[leader]).await;
+    let after = digest(&c, leader).await;
     assert_eq!(after.0.len(), before.0.len(), "jobs after restart");
     assert_eq!(after, before, "state after a full restart differs");
     println!(

@@ -29,14 +29,36 @@ pub fn cpu_job(name: &str, queue: &str, cpu_milli: u64) -> String {
 
 /// Every job a server knows (linearizable unless `stale`), by id.
 pub async fn all_jobs(addr: &str, stale: bool) -> Result<Vec<pb::JobInfo>, tonic::Status> {
-    let mut c = jobs_client(addr).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut c = {
+        let mut tries = 0;
+        loop {
+            match jobs_client(addr).await {
+                Ok(c) => break c,
+                Err(e) if tries < 20 => {
+                    tries += 1;
+                    eprintln!("connecting to {addr}: {e:?}; retrying");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(tonic::Status::unavailable(format!("connecting to {addr}: {e:?}"))),
+            }
+        }
+    };
     let mut out = Vec::new();
     let mut after = 0;
     loop {
-        let r = c
-            .list(pb::ListJobsRequest { queue: String::new(), states: vec![], limit: 1000, after_id: after, stale })
-            .await?
-            .into_inner();
+        let req = pb::ListJobsRequest { queue: String::new(), states: vec![], limit: 1000, after_id: after, stale };
+        // UNAVAILABLE is the server's "retry": leadership moving, or a lease not yet confirmed.
+        let mut tries = 0;
+        let r = loop {
+            match c.list(req.clone()).await {
+                Ok(r) => break r.into_inner(),
+                Err(s) if s.code() == tonic::Code::Unavailable && tries < 50 => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(s) => return Err(s),
+            }
+        };
         out.extend(r.jobs);
         if r.next_after_id == 0 {
             return Ok(out);

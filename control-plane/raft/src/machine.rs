@@ -53,6 +53,7 @@ impl Machine for suanli_state::State {
             suanli_state::Response::Unsupported { kind } => Some(format!(
                 "command kind {kind:?} is not supported by this build and is not ignorable; upgrade this server"
             )),
+            suanli_state::Response::Batch(rs) => rs.iter().find_map(Self::fatal),
             _ => None,
         }
     }

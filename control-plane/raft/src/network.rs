@@ -150,11 +150,14 @@ impl<C: StoreConfig> RaftNetwork<C> for GrpcNetwork<C> {
     async fn append_entries(
         &mut self,
         rpc: AppendEntriesRequest<C>,
-        option: RPCOption,
+        _option: RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RpcErr> {
         let msg = self.message(&rpc)?;
         let limit = self.settings.append_timeout();
-        self.call(RPCTypes::AppendEntries, limit, option.hard_ttl(), |mut c, d| async move {
+        // openraft's TTL for AppendEntries is about one heartbeat interval; a large batch to a
+        // follower that is fsyncing under load legitimately takes longer, and cutting it off
+        // only makes the leader resend it. The configured deadline bounds it instead.
+        self.call(RPCTypes::AppendEntries, limit, limit, |mut c, d| async move {
             c.append_entries(with_deadline(msg, d)).await
         })
         .await

@@ -52,7 +52,7 @@ impl Default for RaftSettings {
             snapshot_after_entries: 10_000,
             keep_entries_after_snapshot: 1000,
             snapshot_chunk_bytes: 1024 * 1024,
-            max_entries_per_append: 512,
+            max_entries_per_append: 8,
             max_message_bytes: 64 * 1024 * 1024,
         }
     }

@@ -30,7 +30,7 @@ fn ok<T>(v: T) -> Resp<T> {
 
 /// Every client-facing service, cloned into each tonic server.
 #[derive(Clone)]
-pub struct Api(pub Arc<Core>);
+pub struct Api(pub Arc<Core>, pub crate::batch::Batcher);
 
 const JOB_STATES: [&str; 8] =
     ["pending", "placed", "running", "preempted", "requeuing", "succeeded", "failed", "cancelled"];
@@ -49,7 +49,10 @@ impl Jobs for Api {
             backoff_max_s: p.backoff_max_s,
         });
         let cmd = Command::SubmitJob(SubmitJob { client_request_id: r.client_request_id, spec, retry, now: now_s() });
-        let (resp, index) = self.0.propose(cmd).await?;
+        let (resp, index) = self.1.propose(cmd).await?;
+        if let Some(e) = resp.rejection() {
+            return Err(crate::status::rejection(e));
+        }
         match resp {
             Response::JobSubmitted { job, created } => {
                 if created {

@@ -60,6 +60,9 @@ pub struct ServerConfig {
     /// Longest pause between two scheduling passes while jobs wait (a submission or a freed
     /// allocation wakes the loop earlier).
     pub schedule_interval_ms: u64,
+    /// Shortest gap between two passes: under a stream of submissions the loop places what
+    /// queued during the gap in one pass and one plan, instead of a pass per submission.
+    pub schedule_min_gap_ms: u64,
     /// Seed of the scheduling engine's tie-breaking (mixed with the applied log index, so a
     /// pass replays exactly from the log).
     pub scheduler_seed: u64,
@@ -93,6 +96,7 @@ impl Default for ServerConfig {
             max_request_bytes: suanli_proto::DEFAULT_MAX_MESSAGE_BYTES,
             request_timeout_ms: 10_000,
             schedule_interval_ms: 200,
+            schedule_min_gap_ms: 50,
             scheduler_seed: 0x5EED,
             policy: "suanli".into(),
             max_jobs_per_pass: 5_000,
@@ -167,6 +171,7 @@ impl ServerConfig {
         range("max_request_bytes", self.max_request_bytes as u64, 1024, 256 * 1024 * 1024)?;
         range("request_timeout_ms", self.request_timeout_ms, 100, 600_000)?;
         range("schedule_interval_ms", self.schedule_interval_ms, 10, 60_000)?;
+        range("schedule_min_gap_ms", self.schedule_min_gap_ms, 0, self.schedule_interval_ms)?;
         range("max_jobs_per_pass", self.max_jobs_per_pass as u64, 1, 1_000_000)?;
         if !suanli_scheduler::POLICY_NAMES.contains(&self.policy.as_str()) {
             return Err(ConfigError::new(

@@ -204,25 +204,31 @@ impl Core {
         }
     }
 
+    /// The read index, from this server when it leads or from the leader otherwise. Retries
+    /// (until the request timeout) while leadership is unsettled or the leader cannot yet
+    /// confirm its lease with a quorum.
     async fn read_index(&self) -> Result<u64, Status> {
-        for _ in 0..3 {
-            match self.local_read_index().await {
-                Ok(i) => return Ok(i),
-                Err(s) if s.code() == tonic::Code::Unavailable => {}
-                Err(s) => return Err(s),
-            }
-            match self.leader() {
-                Some((id, addr)) if id != self.id => {
+        let deadline = Instant::now() + self.timeout();
+        loop {
+            let r = match self.leader() {
+                Some((id, _)) if id == self.id => self.local_read_index().await,
+                Some((_, addr)) => {
                     let mut client = InternalClient::new(self.channel(&addr)?);
                     let mut req = tonic::Request::new(ReadIndexRequest { group: self.cfg.raft.group.clone() });
                     req.set_timeout(self.timeout());
-                    let r = client.read_index(req).await.map_err(|s| forwarded_error(s, &addr))?;
-                    return Ok(r.into_inner().index);
+                    client.read_index(req).await.map(|r| r.into_inner().index).map_err(|s| forwarded_error(s, &addr))
                 }
-                _ => self.wait_for_leader().await?,
+                None => self.wait_for_leader().await.map(|()| u64::MAX),
+            };
+            match r {
+                Ok(u64::MAX) => continue,
+                Ok(i) => return Ok(i),
+                Err(s) if s.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(s) => return Err(s),
             }
         }
-        Err(unavailable("leadership kept changing; retry", None))
     }
 
     /// Runs `f` on the state: linearizable unless `stale` (then this server's local state).

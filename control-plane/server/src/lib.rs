@@ -20,6 +20,7 @@
 
 mod agent;
 mod api;
+mod batch;
 pub mod config;
 mod convert;
 mod core;
@@ -92,7 +93,7 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         .map_err(|source| ServerError::Io { what: format!("listen {}", cfg.listen), source })?;
     let max = cfg.max_request_bytes;
     let core = Arc::new(Core::new(cfg.clone(), raft.clone(), state));
-    let api = Api(core.clone());
+    let api = Api(core.clone(), batch::Batcher::start(core.clone()));
     let router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .concurrency_limit_per_connection(cfg.max_concurrent_per_connection)

@@ -15,11 +15,12 @@ pub fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
     ls.iter().map(|l| l.local_addr().map(|a| a.port())).collect()
 }
 
-/// A connected channel with short timeouts (connect 500 ms, requests 5 s).
+/// A connected channel (connect within 5 s, requests within 15 s: generous, because the
+/// servers under test share a small machine with the test itself).
 pub async fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
     Endpoint::from_shared(format!("http://{addr}"))?
-        .connect_timeout(Duration::from_millis(500))
-        .timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(15))
         .tcp_nodelay(true)
         .connect()
         .await
@@ -38,7 +39,12 @@ pub struct ProcessCluster {
 impl ProcessCluster {
     /// Starts `n` servers of binary `bin` (`bin server ...`), with `extra` flags for each.
     pub fn start(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
-        let dir = tempfile::Builder::new().prefix("suanli-cluster-").tempdir()?;
+        // SUANLI_KEEP_CLUSTER_DIR=1 keeps the data directories and logs for a post-mortem.
+        let keep = std::env::var_os("SUANLI_KEEP_CLUSTER_DIR").is_some();
+        let dir = tempfile::Builder::new().prefix("suanli-cluster-").disable_cleanup(keep).tempdir()?;
+        if keep {
+            eprintln!("keeping the cluster's data and logs in {}", dir.path().display());
+        }
         let addrs = free_ports(n)?.into_iter().map(|p| format!("127.0.0.1:{p}")).collect();
         let mut c = ProcessCluster {
             bin: bin.to_owned(),

@@ -43,7 +43,9 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         max_jobs_per_pass: core.cfg.max_jobs_per_pass,
         ..SchedulerConfig::default()
     };
-    let mut last_reasons = Instant::now() - REASONS_EVERY;
+    let mut last_reasons = Instant::now().checked_sub(REASONS_EVERY).unwrap_or_else(Instant::now);
+    let min_gap = Duration::from_millis(core.cfg.schedule_min_gap_ms);
+    let mut last_pass = Instant::now().checked_sub(min_gap).unwrap_or_else(Instant::now);
     loop {
         if *stop.borrow() {
             return;
@@ -56,6 +58,11 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             () = tokio::time::sleep(interval) => {}
             _ = stop.changed() => return,
         }
+        let since = last_pass.elapsed();
+        if since < min_gap {
+            tokio::time::sleep(min_gap - since).await;
+        }
+        last_pass = Instant::now();
         if !core.is_leader() {
             continue;
         }

@@ -182,6 +182,15 @@ pub struct UpdateConfig {
     pub config: StateConfig,
 }
 
+/// Several commands committed as one log entry (group commit of concurrent requests). Each
+/// is applied in order exactly as if it had its own entry: each gets its own response and, if
+/// it changes the state, its own revision. A batch may not contain a batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Batch {
+    /// The commands, in order.
+    pub commands: Vec<Command>,
+}
+
 macro_rules! commands {
     ($( $(#[$doc:meta])* $variant:ident($body:ty) = $kind:literal, ignorable: $ign:literal; )*) => {
         /// A change to replicated state. See the module docs for the wire envelope.
@@ -276,6 +285,8 @@ commands! {
     ReportCheckpoint(ReportCheckpoint) = "report_checkpoint", ignorable: true;
     /// Replace the replicated configuration.
     UpdateConfig(UpdateConfig) = "update_config", ignorable: false;
+    /// Several commands in one entry.
+    Batch(Batch) = "batch", ignorable: false;
 }
 
 #[derive(Serialize, Deserialize)]
@@ -435,6 +446,8 @@ pub enum Response {
     },
     /// Refused; the state is unchanged.
     Rejected(CommandError),
+    /// The responses of a [`Batch`], in order.
+    Batch(Vec<Response>),
     /// A non-ignorable command of an unknown kind: this server is too old to apply the log.
     /// The raft layer must stop applying (see [`Response::is_fatal`]).
     Unsupported {
@@ -446,7 +459,11 @@ pub enum Response {
 impl Response {
     /// True when the replica cannot continue applying the log.
     pub fn is_fatal(&self) -> bool {
-        matches!(self, Response::Unsupported { .. })
+        match self {
+            Response::Unsupported { .. } => true,
+            Response::Batch(rs) => rs.iter().any(Response::is_fatal),
+            _ => false,
+        }
     }
 
     /// The refusal, if any.

@@ -26,8 +26,8 @@ mod state;
 mod usage;
 
 pub use command::{
-    AllocStatus, ApplyPlan, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeDown,
-    NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob,
+    AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth,
+    NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob,
     UpdateConfig, UpsertQueue, check_command_size, encode_command,
 };
 pub use config::{ConfigError, RetryPolicy, StateConfig};

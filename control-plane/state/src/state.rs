@@ -208,6 +208,7 @@ impl State {
             Command::AllocStatus(c) => self.alloc_status(c, rev),
             Command::ReportCheckpoint(c) => self.report_checkpoint(c, rev),
             Command::UpdateConfig(c) => self.update_config(c),
+            Command::Batch(b) => return self.apply_batch(b),
             Command::Unknown { kind, ignorable: true, .. } => return Response::Ignored { kind },
             Command::Unknown { kind, ignorable: false, .. } => return Response::Unsupported { kind },
         };
@@ -219,6 +220,22 @@ impl State {
             Ok((resp, Effect::Unchanged)) => resp,
             Err(e) => Response::Rejected(e),
         }
+    }
+
+    fn apply_batch(&mut self, b: crate::command::Batch) -> Response {
+        if b.commands.len() > self.config.max_plan_entries {
+            return Response::Rejected(CommandError::TooMany {
+                what: "commands in one batch".into(),
+                limit: self.config.max_plan_entries,
+            });
+        }
+        if b.commands.iter().any(|c| matches!(c, Command::Batch(_))) {
+            return Response::Rejected(CommandError::Invalid {
+                field: "batch.commands".into(),
+                message: "a batch may not contain a batch".into(),
+            });
+        }
+        Response::Batch(b.commands.into_iter().map(|c| self.apply(c)).collect())
     }
 
     pub(crate) fn tick(&mut self, now: u64) -> u64 {

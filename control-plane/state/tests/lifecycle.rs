@@ -474,3 +474,26 @@ fn re_registering_with_less_capacity_loses_only_what_no_longer_fits() {
     apply_ok(&mut s, register(tiny, 4));
     assert_eq!(job_state(&s, 2), JobState::Pending, "no longer fits the node's cpu");
 }
+
+#[test]
+fn a_batch_applies_each_command_as_its_own_entry() {
+    let mut s = cluster(1);
+    let mut one = cluster(1);
+    let cmds = vec![
+        submit("b1", spec("q", 1, 1, 0), 10),
+        submit("b2", spec("nope", 1, 1, 0), 10),
+        submit("b1", spec("q", 1, 1, 0), 10),
+        submit("b3", spec("q", 1, 1, 0), 10),
+    ];
+    let singles: Vec<Response> = cmds.iter().map(|c| one.apply(c.clone())).collect();
+    let r = s.apply(Command::Batch(suanli_state::Batch { commands: cmds }));
+    assert_eq!(r, Response::Batch(singles), "a batch answers exactly like its commands one by one");
+    assert_eq!(s.state_hash(), one.state_hash(), "and leaves the same state");
+    assert_eq!(s.revision(), one.revision(), "with one revision per change");
+    let nested = Command::Batch(suanli_state::Batch {
+        commands: vec![Command::Batch(suanli_state::Batch { commands: vec![] })],
+    });
+    let before = s.state_hash();
+    assert!(matches!(s.apply(nested), Response::Rejected(CommandError::Invalid { .. })));
+    assert_eq!(s.state_hash(), before);
+}

@@ -1,0 +1,97 @@
+//! Group commit: concurrent submissions on one server are proposed together as one
+//! [`Command::Batch`], so one raft round trip and one fsync per server carry many of them.
+//!
+//! ```text
+//!  Submit ─┐                        ┌─ answer 1
+//!  Submit ─┼─▶ queue (bounded) ─▶ drain ─▶ propose(Batch[..]) ─▶ Response::Batch ─┼─ answer 2
+//!  Submit ─┘   (no added delay: a batch is whatever queued while the last was in flight) └─ ...
+//! ```
+//!
+//! A lone request is proposed on its own, so a single synchronous client pays nothing extra.
+//! At most [`IN_FLIGHT`] batches are in raft at once; each answer is exactly what the command
+//! alone would have received.
+
+use crate::core::Core;
+use std::sync::Arc;
+use suanli_state::{Batch, Command, Response};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tonic::Status;
+
+/// Most commands in one batch.
+pub const MAX_BATCH: usize = 256;
+/// Batches proposed concurrently.
+pub const IN_FLIGHT: usize = 4;
+/// Requests waiting for a batch (a full queue answers RESOURCE_EXHAUSTED).
+pub const QUEUE: usize = 16 * 1024;
+
+type Reply = oneshot::Sender<Result<(Response, u64), Status>>;
+
+/// The sending side, held by the services.
+#[derive(Clone)]
+pub struct Batcher {
+    tx: mpsc::Sender<(Command, Reply)>,
+}
+
+impl Batcher {
+    /// Starts the batching task for `core`.
+    pub fn start(core: Arc<Core>) -> Batcher {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        tokio::spawn(run(core, rx));
+        Batcher { tx }
+    }
+
+    /// Commits `cmd` as part of a batch; answers like [`Core::propose_raw`].
+    pub async fn propose(&self, cmd: Command) -> Result<(Response, u64), Status> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.try_send((cmd, tx)).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => {
+                Status::resource_exhausted(format!("too many submissions waiting: the limit is {QUEUE}"))
+            }
+            mpsc::error::TrySendError::Closed(_) => Status::unavailable("the server is shutting down"),
+        })?;
+        rx.await.map_err(|_| Status::unavailable("the server is shutting down"))?
+    }
+}
+
+async fn run(core: Arc<Core>, mut rx: mpsc::Receiver<(Command, Reply)>) {
+    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+    while let Some(first) = rx.recv().await {
+        let Ok(permit) = slots.clone().acquire_owned().await else { return };
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(x) => batch.push(x),
+                Err(_) => break,
+            }
+        }
+        let core = core.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            if batch.len() == 1 {
+                if let Some((cmd, reply)) = batch.pop() {
+                    let _ = reply.send(core.propose_raw(cmd).await);
+                }
+                return;
+            }
+            let (cmds, replies): (Vec<Command>, Vec<Reply>) = batch.into_iter().unzip();
+            match core.propose_raw(Command::Batch(Batch { commands: cmds })).await {
+                Ok((Response::Batch(rs), index)) if rs.len() == replies.len() => {
+                    for (r, reply) in rs.into_iter().zip(replies) {
+                        let _ = reply.send(Ok((r, index)));
+                    }
+                }
+                Ok((other, _)) => {
+                    let s = Status::internal(format!("unexpected answer to a batch: {other:?}"));
+                    for reply in replies {
+                        let _ = reply.send(Err(s.clone()));
+                    }
+                }
+                Err(s) => {
+                    for reply in replies {
+                        let _ = reply.send(Err(s.clone()));
+                    }
+                }
+            }
+        });
+    }
+}
