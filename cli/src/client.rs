@@ -532,6 +532,9 @@ fn mib(m: u64) -> String {
 /// A resource vector, non-zero dimensions only: `cpu=8 mem=64Gi gpu=4`.
 fn res(r: Option<&pb::Resources>) -> String {
     let Some(r) = r else { return "-".into() };
+    if [r.cpu_milli, r.memory_mib, r.gpu_milli, r.npu_milli].iter().all(|v| *v == u64::MAX) {
+        return "unlimited".into();
+    }
     let mut parts = Vec::new();
     if r.cpu_milli > 0 {
         parts.push(format!("cpu={}", milli(r.cpu_milli)));

@@ -82,9 +82,7 @@ impl Agent for AgentApi {
         if self.0.state.read(|s| !s.nodes().contains_key(&id)) {
             return Err(Status::not_found(format!("node_id: unknown node {:?}; register first", r.node_id)));
         }
-        let permit = self.0.watchers.clone().try_acquire_owned().map_err(|_| {
-            Status::resource_exhausted(format!("too many watch streams: the limit is {}", self.0.cfg.max_watchers))
-        })?;
+        let permit = self.0.watch_permit()?;
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         let core = self.0.clone();
         tokio::spawn(async move {

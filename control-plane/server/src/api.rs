@@ -121,9 +121,7 @@ impl Jobs for Api {
 
     async fn watch(&self, req: Request<pb::WatchJobsRequest>) -> Resp<Self::WatchStream> {
         let r = req.into_inner();
-        let permit = self.0.watchers.clone().try_acquire_owned().map_err(|_| {
-            Status::resource_exhausted(format!("too many watch streams: the limit is {}", self.0.cfg.max_watchers))
-        })?;
+        let permit = self.0.watch_permit()?;
         let (tx, rx) = tokio::sync::mpsc::channel(256);
         let core = self.0.clone();
         tokio::spawn(async move {

@@ -180,7 +180,7 @@ impl ServerConfig {
             ));
         }
         range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)?;
-        range("heartbeat_ttl_ms", self.heartbeat_ttl_ms, 2 * self.heartbeat_interval_ms, 3_600_000)?;
+        range("heartbeat_ttl_ms", self.heartbeat_ttl_ms, 2 * self.heartbeat_interval_ms, 7 * 24 * 3_600_000)?;
         range("max_watchers", self.max_watchers as u64, 1, 1_000_000)?;
         range("max_list", u64::from(self.max_list), 1, 1_000_000)?;
         range("max_concurrent_per_connection", self.max_concurrent_per_connection as u64, 1, 1_000_000)?;

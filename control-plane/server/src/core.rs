@@ -67,6 +67,13 @@ impl Core {
         }
     }
 
+    /// A slot for one more watch stream, or RESOURCE_EXHAUSTED naming the limit.
+    pub fn watch_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
+        self.watchers.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!("too many watch streams: the limit is {}", self.cfg.max_watchers))
+        })
+    }
+
     /// The configured request timeout.
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.cfg.request_timeout_ms)

@@ -64,9 +64,36 @@ impl ProcessCluster {
         self.dir.path()
     }
 
+    /// Reserves `n` addresses but starts only server 1, as a single-server cluster; the others
+    /// can be started later with [`ProcessCluster::spawn_joining`].
+    pub fn start_one_of(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
+        let dir = tempfile::Builder::new().prefix("suanli-cluster-").tempdir()?;
+        let addrs = free_ports(n)?.into_iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let mut c = ProcessCluster {
+            bin: bin.to_owned(),
+            dir,
+            addrs,
+            procs: (0..n).map(|_| None).collect(),
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        c.launch(0, &[])?;
+        Ok(c)
+    }
+
+    /// Starts server `i` with `--join` through server `via` (a new member of a running cluster).
+    pub fn spawn_joining(&mut self, i: usize, via: usize) -> std::io::Result<()> {
+        let join = self.addrs[via].clone();
+        self.launch(i, &["--join", &join])
+    }
+
     /// Starts (or restarts) server `i` (0-based) on its data directory.
     pub fn spawn(&mut self, i: usize) -> std::io::Result<()> {
         let peers: Vec<String> = self.addrs.iter().enumerate().map(|(k, a)| format!("{}={a}", k + 1)).collect();
+        let peers = peers.join(",");
+        self.launch(i, &["--peers", &peers])
+    }
+
+    fn launch(&mut self, i: usize, membership: &[&str]) -> std::io::Result<()> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -76,7 +103,7 @@ impl ProcessCluster {
             .args(["--id", &(i + 1).to_string(), "--listen", &self.addrs[i]])
             .arg("--data-dir")
             .arg(self.dir.path().join(format!("s{}", i + 1)))
-            .args(["--peers", &peers.join(",")])
+            .args(membership)
             .args(&self.extra)
             .env("SUANLI_LOG", std::env::var("SUANLI_LOG").unwrap_or_else(|_| "warn,suanli_server=info".into()))
             .env_remove("SUANLI_CONFIG")
