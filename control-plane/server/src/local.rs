@@ -37,8 +37,8 @@ pub struct ProcessCluster {
 }
 
 impl ProcessCluster {
-    /// Starts `n` servers of binary `bin` (`bin server ...`), with `extra` flags for each.
-    pub fn start(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
+    /// Reserves `n` loopback addresses and a temp dir; starts nothing.
+    fn reserve(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
         // SUANLI_KEEP_CLUSTER_DIR=1 keeps the data directories and logs for a post-mortem.
         let keep = std::env::var_os("SUANLI_KEEP_CLUSTER_DIR").is_some();
         let dir = tempfile::Builder::new().prefix("suanli-cluster-").disable_cleanup(keep).tempdir()?;
@@ -46,13 +46,18 @@ impl ProcessCluster {
             eprintln!("keeping the cluster's data and logs in {}", dir.path().display());
         }
         let addrs = free_ports(n)?.into_iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let mut c = ProcessCluster {
+        Ok(ProcessCluster {
             bin: bin.to_owned(),
             dir,
             addrs,
             procs: (0..n).map(|_| None).collect(),
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
-        };
+        })
+    }
+
+    /// Starts `n` servers of binary `bin` (`bin server ...`), with `extra` flags for each.
+    pub fn start(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
+        let mut c = Self::reserve(bin, n, extra)?;
         for i in 0..n {
             c.spawn(i)?;
         }
@@ -67,15 +72,7 @@ impl ProcessCluster {
     /// Reserves `n` addresses but starts only server 1, as a single-server cluster; the others
     /// can be started later with [`ProcessCluster::spawn_joining`].
     pub fn start_one_of(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
-        let dir = tempfile::Builder::new().prefix("suanli-cluster-").tempdir()?;
-        let addrs = free_ports(n)?.into_iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let mut c = ProcessCluster {
-            bin: bin.to_owned(),
-            dir,
-            addrs,
-            procs: (0..n).map(|_| None).collect(),
-            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
-        };
+        let mut c = Self::reserve(bin, n, extra)?;
         c.launch(0, &[])?;
         Ok(c)
     }
