@@ -279,6 +279,24 @@ impl Api {
     }
 }
 
+/// Runs one membership change, waiting (up to the request timeout) while an earlier change is
+/// still being committed: openraft allows one change at a time, and that is transient.
+async fn change_membership(core: &Core, change: ChangeMembers<u64, BasicNode>) -> Result<(), Status> {
+    use openraft::error::{ChangeMembershipError, ClientWriteError, RaftError};
+    let deadline = std::time::Instant::now() + core.timeout();
+    loop {
+        match core.raft.change_membership(change.clone(), false).await {
+            Ok(_) => return Ok(()),
+            Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(ChangeMembershipError::InProgress(_))))
+                if std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => return Err(membership_error(e)),
+        }
+    }
+}
+
 fn membership_error(e: impl std::fmt::Display) -> Status {
     Status::failed_precondition(format!("membership change: {e}"))
 }
@@ -329,7 +347,7 @@ impl Cluster for Api {
         self.0.raft.add_learner(r.id, BasicNode::new(r.addr.clone()), true).await.map_err(membership_error)?;
         if !r.learner_only && !self.voters().contains(&r.id) {
             let add: BTreeSet<u64> = [r.id].into();
-            self.0.raft.change_membership(ChangeMembers::AddVoterIds(add), false).await.map_err(membership_error)?;
+            change_membership(&self.0, ChangeMembers::AddVoterIds(add)).await?;
         }
         ok(pb::AddServerResponse {})
     }
@@ -346,10 +364,10 @@ impl Cluster for Api {
         }
         if self.voters().contains(&r.id) {
             let rm: BTreeSet<u64> = [r.id].into();
-            self.0.raft.change_membership(ChangeMembers::RemoveVoters(rm), false).await.map_err(membership_error)?;
+            change_membership(&self.0, ChangeMembers::RemoveVoters(rm)).await?;
         }
         let rm: BTreeSet<u64> = [r.id].into();
-        self.0.raft.change_membership(ChangeMembers::RemoveNodes(rm), false).await.map_err(membership_error)?;
+        change_membership(&self.0, ChangeMembers::RemoveNodes(rm)).await?;
         ok(pb::RemoveServerResponse {})
     }
 
