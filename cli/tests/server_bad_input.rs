@@ -33,6 +33,13 @@ async fn bad_requests_name_the_field_and_change_nothing() {
     QueuesClient::new(ch.clone()).upsert(pb::UpsertQueueRequest { queue_json: queue.to_string() }).await.unwrap();
     let mut jobs = JobsClient::new(ch.clone());
     jobs.submit(submit("ok-1", cpu_job("ok", "q", 100))).await.unwrap();
+    // The scheduler records why the job waits (no nodes); wait for that so the only writer
+    // left is the bad requests below.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while all_jobs(&addr, false).await.unwrap().iter().any(|j| j.reason.is_empty()) {
+        assert!(std::time::Instant::now() < deadline, "the scheduler never recorded a reason");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let before = state_of(&addr).await;
 
     let expect = |r: Result<tonic::Response<pb::SubmitJobResponse>, tonic::Status>, code: Code, words: &[&str]| {
