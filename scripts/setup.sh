@@ -7,8 +7,9 @@ if ! command -v cargo >/dev/null 2>&1; then
   exit 1
 fi
 have_libclang() {
+  # libclang.so or libclang-14.so.1, not libclang-cpp.so (which bindgen cannot use).
   ldconfig -p 2>/dev/null | grep -q 'libclang\(-[0-9.]*\)\?\.so' && return 0
-  ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1
+  ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/llvm-*/lib/libclang-[0-9]*.so* >/dev/null 2>&1
 }
 if ! have_libclang; then
   echo "setup: installing libclang-dev (needed by RocksDB's bindgen)"
