@@ -27,6 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "proto/suanli/v1/agent.proto",
             "proto/suanli/v1/raft.proto",
             "proto/suanli/v1/internal.proto",
+            "proto/suanli/v1/device.proto",
         ],
         &["proto"],
     )?;

@@ -13,5 +13,9 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+echo "== cargo build (the device plugin .so files and the binary the end-to-end tests load)"
+# `cargo test` builds only the rlib side of other packages' libraries; the plugin tests and
+# the agent tests dlopen the cdylibs from target/debug. Same profile, so nothing is rebuilt.
+cargo build --workspace --quiet
 echo "== cargo test"
 cargo test --workspace --quiet

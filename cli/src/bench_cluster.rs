@@ -244,12 +244,16 @@ pub fn failover(a: FailoverArgs) -> Result<()> {
             c.wait_caught_up(leader, Duration::from_secs(60)).await.map_err(|e| anyhow!(e))?;
         }
         times.sort();
+        let raft = suanli_raft::RaftSettings::default();
         println!(
-            "failover over {} leader kills: p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms (election timeout 300-600 ms, heartbeat 100 ms)",
+            "failover over {} leader kills: p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms (election timeout {}-{} ms, heartbeat {} ms)",
             times.len(),
             ms(pct(&times, 0.5)),
             ms(pct(&times, 0.99)),
-            ms(times.last().copied().unwrap_or_default())
+            ms(times.last().copied().unwrap_or_default()),
+            raft.election_timeout_min_ms,
+            raft.election_timeout_max_ms,
+            raft.heartbeat_interval_ms,
         );
         Ok(())
     })

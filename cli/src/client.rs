@@ -114,6 +114,26 @@ pub enum JobCmd {
         #[arg(long, default_value = "")]
         reason: String,
     },
+    /// Print a task's stdout (or stderr) as its node's agent recorded it.
+    Logs {
+        /// Job id.
+        id: u64,
+        /// The task, as `GROUP-REPLICA` (e.g. `worker-0`); default: the job's first task.
+        #[arg(long)]
+        task: Option<String>,
+        /// A specific allocation (default: the task's latest attempt).
+        #[arg(long)]
+        alloc: Option<u64>,
+        /// Show stderr instead of stdout.
+        #[arg(long)]
+        stderr: bool,
+        /// Only the last BYTES bytes.
+        #[arg(long, value_name = "BYTES")]
+        tail: Option<u64>,
+        /// Keep printing as the task writes, until it ends or Ctrl-C.
+        #[arg(long, short = 'f')]
+        follow: bool,
+    },
     /// Print job changes as they happen, one line per event, until Ctrl-C.
     Watch {
         /// Only this job (default: all jobs).
@@ -596,7 +616,7 @@ fn alloc_json(a: &pb::AllocInfo) -> Value {
         "cpu_milli": a.cpu_milli, "memory_mib": a.memory_mib,
         "devices": a.devices.iter().map(|d| json!({"device": d.device, "milli": d.milli, "memory_mib": d.memory_mib})).collect::<Vec<_>>(),
         "started_at": a.started_at, "message": a.message, "queue": a.queue, "priority": a.priority,
-        "borrowed": a.borrowed, "restore_from": a.restore_from,
+        "borrowed": a.borrowed, "restore_from": a.restore_from, "group_name": a.group_name,
     })
 }
 
@@ -648,6 +668,7 @@ fn node_json(n: &pb::NodeInfo) -> Value {
             "numa": d.numa, "peer_group": d.peer_group, "partition_of": d.partition_of, "used_milli": d.used_milli,
         })).collect::<Vec<_>>(),
         "labels": labels, "updated_at": n.updated_at, "reason": n.reason, "allocations": n.allocations,
+        "agent_addr": n.agent_addr,
     })
 }
 
@@ -874,6 +895,61 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
                 }
             }
         }
+        JobCmd::Logs { id, task, alloc, stderr, tail, follow } => {
+            let j = conn
+                .call(|ch| async move {
+                    pb::jobs_client::JobsClient::new(ch).get(pb::GetJobRequest { job_id: id, stale: false }).await
+                })
+                .await
+                .map_err(status_err)?;
+            let a = pick_alloc(&j, task.as_deref(), alloc)?;
+            let node_id = a.node.clone();
+            let n = conn
+                .call(|ch| {
+                    let node_id = node_id.clone();
+                    async move {
+                        pb::nodes_client::NodesClient::new(ch)
+                            .get(pb::GetNodeRequest { id: node_id, stale: false })
+                            .await
+                    }
+                })
+                .await
+                .map_err(status_err)?;
+            if n.agent_addr.is_empty() {
+                anyhow::bail!("node {}: its agent did not register a log address (agent_addr)", n.id);
+            }
+            let ep = tonic::transport::Endpoint::from_shared(format!("http://{}", n.agent_addr))
+                .with_context(|| format!("node {}: agent_addr {:?}", n.id, n.agent_addr))?
+                .connect_timeout(Duration::from_secs(5));
+            let ch = ep
+                .connect()
+                .await
+                .with_context(|| format!("connecting to the agent of node {} at {}", n.id, n.agent_addr))?;
+            let req = pb::LogsRequest {
+                alloc_id: a.id,
+                stream: if stderr { "stderr" } else { "stdout" }.into(),
+                offset: tail.map_or(0, |t| -i64::try_from(t).unwrap_or(i64::MAX)),
+                follow,
+            };
+            let mut stream =
+                pb::agent_logs_client::AgentLogsClient::new(ch).logs(req).await.map_err(status_err)?.into_inner();
+            let ctrl_c = tokio::signal::ctrl_c();
+            tokio::pin!(ctrl_c);
+            let mut stdout = std::io::stdout();
+            loop {
+                tokio::select! {
+                    _ = &mut ctrl_c => return Ok(()),
+                    m = stream.message() => match m.map_err(status_err)? {
+                        None => return Ok(()),
+                        Some(chunk) => {
+                            use std::io::Write as _;
+                            stdout.write_all(&chunk.data)?;
+                            stdout.flush()?;
+                        }
+                    },
+                }
+            }
+        }
         JobCmd::Watch { id, from_revision } => {
             let mut sconn = conn.streaming();
             let req = pb::WatchJobsRequest { job_id: id.unwrap_or(0), from_revision };
@@ -894,6 +970,35 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
             }
         }
     }
+}
+
+/// The allocation `job logs` shows: `alloc` if given, else the latest attempt of `task`
+/// (`GROUP-REPLICA`, default the first task).
+fn pick_alloc<'a>(j: &'a pb::JobInfo, task: Option<&str>, alloc: Option<u64>) -> anyhow::Result<&'a pb::AllocInfo> {
+    if let Some(id) = alloc {
+        return j
+            .allocs
+            .iter()
+            .find(|a| a.id == id)
+            .with_context(|| format!("alloc: job {} has no allocation {id}", j.id));
+    }
+    let (group, replica) = match task {
+        None => (None, 0),
+        Some(t) => {
+            let (g, r) = t.rsplit_once('-').with_context(|| format!("task: {t:?} is not GROUP-REPLICA"))?;
+            let r: u32 = r.parse().with_context(|| format!("task: replica {r:?} in {t:?} is not a number"))?;
+            (Some(g), r)
+        }
+    };
+    j.allocs
+        .iter()
+        .filter(|a| a.replica == replica && group.is_none_or(|g| a.group_name == g || a.group.to_string() == g))
+        .filter(|a| group.is_some() || a.group == 0)
+        .max_by_key(|a| (a.epoch, a.id))
+        .with_context(|| match task {
+            Some(t) => format!("task: job {} has no allocation for task {t}", j.id),
+            None => format!("job {} has no allocation yet (is it still pending?)", j.id),
+        })
 }
 
 fn print_event(ev: &pb::JobEvent, out: Output) -> anyhow::Result<()> {
@@ -1242,7 +1347,11 @@ async fn register(conn: &mut Conn, out: Output, file: &std::path::Path, keep_ali
         let hb = conn
             .call(|ch| {
                 let node_id = node_id.clone();
-                async move { ac(ch).heartbeat(pb::HeartbeatRequest { node_id, seq, devices: Vec::new() }).await }
+                async move {
+                    ac(ch)
+                        .heartbeat(pb::HeartbeatRequest { node_id, seq, devices: Vec::new(), stats: Vec::new() })
+                        .await
+                }
             })
             .await;
         match hb {

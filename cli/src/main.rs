@@ -1,10 +1,12 @@
-//! `suanli`: the one binary. Subcommands: `dev` (a local cluster), `server`, the client
-//! commands (`job`, `queue`, `pool`, `node`, `cluster`), `sim` (trace-driven simulation) and
-//! `bench`.
+//! `suanli`: the one binary. Subcommands: `dev` (a local cluster), `server`, `agent`, the client
+//! commands (`job`, `queue`, `pool`, `node`, `cluster`), `plugin check`, `sim` (trace-driven
+//! simulation) and `bench`; `plugin-host` and `task-shim` are started by the agent itself.
 
+mod agent_cmd;
 mod bench;
 mod bench_cluster;
 mod client;
+mod plugin;
 mod serve;
 mod sim;
 mod sim_replay;
@@ -42,11 +44,25 @@ enum Cmd {
     Node(client::NodeArgs),
     /// Raft membership: members, leader, add or remove servers, snapshots.
     Cluster(client::ClusterArgs),
+    /// Run the node agent: device plugins, registration, heartbeats, tasks.
+    Agent(agent_cmd::AgentArgs),
+    /// Device plugins: `plugin check LIB.so` is the vendor's conformance kit.
+    Plugin(plugin::PluginArgs),
+    /// (internal) Host one device plugin library in this process for the agent, over stdin/stdout.
+    #[command(hide = true)]
+    PluginHost(plugin::PluginHostArgs),
+    /// (internal) Run one task for the agent and record its exit status.
+    #[command(hide = true)]
+    TaskShim(agent_cmd::TaskShimArgs),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
+        Cmd::PluginHost(a) => return plugin::host(a),
+        Cmd::TaskShim(a) => return agent_cmd::shim(a),
+        Cmd::Agent(a) => agent_cmd::run(a),
+        Cmd::Plugin(a) => plugin::run(a),
         Cmd::Dev(a) => serve::dev(a),
         Cmd::Server(a) => serve::server(a),
         Cmd::Sim(c) => sim::run(c),

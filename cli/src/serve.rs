@@ -125,40 +125,129 @@ pub fn server(args: ServerArgs) -> Result<()> {
 /// Flags of `suanli dev`.
 #[derive(Args, Debug, Clone)]
 pub struct DevArgs {
-    /// Data directory of the development server (kept between runs; delete it to start over).
+    /// Data directory of the development cluster (kept between runs; delete it to start over).
     #[arg(long, env = "SUANLI_DEV_DIR", default_value = ".suanli/dev")]
     pub data_dir: PathBuf,
-    /// Address to listen on.
+    /// Address the server listens on.
     #[arg(long, default_value = "127.0.0.1:7400")]
     pub listen: String,
+    /// Start no agents (only the server, as before agents existed).
+    #[arg(long)]
+    pub no_agents: bool,
+    /// Where the device plugin libraries are (default: next to this binary, as cargo builds them).
+    #[arg(long)]
+    pub plugin_dir: Option<PathBuf>,
 }
 
-/// `suanli dev`: one server on an embedded default data directory, with a `default` queue.
+/// The fake devices of the two dev nodes.
+const FAKE_8GPU: &str = include_str!("../../examples/plugins/fake-8gpu.toml");
+const FAKE_4NPU: &str = include_str!("../../examples/plugins/fake-4npu.toml");
+
+/// `suanli dev`: one server on an embedded default data directory with a `default` queue, and
+/// two agents with fake devices: `dev-gpu` (8 fake 80 GB GPUs in two NVLink islands) and
+/// `dev-npu` (4 fake NPUs), both with the cpu plugin.
 pub fn dev(args: DevArgs) -> Result<()> {
-    // No agents run in dev yet (nodes are registered by hand and send no heartbeats), so a
-    // node is kept for a day without one instead of the production 10 s.
-    let cfg = ServerConfig {
-        data_dir: args.data_dir,
-        listen: args.listen.clone(),
-        heartbeat_ttl_ms: 24 * 3600 * 1000,
-        ..ServerConfig::default()
-    };
+    let cfg =
+        ServerConfig { data_dir: args.data_dir.join("server"), listen: args.listen.clone(), ..ServerConfig::default() };
     cfg.validate()?;
     init_logging("info,openraft=warn");
+    let agents = if args.no_agents { Vec::new() } else { dev_agents(&args)? };
     let rt = runtime()?;
     rt.block_on(async move {
-        let server = tokio::spawn(suanli_server::serve(cfg, shutdown_signal()));
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        let server = tokio::spawn(suanli_server::serve(cfg, stopped(stop_rx.clone())));
         if let Err(e) = ensure_default_queue(&args.listen).await {
             tracing::warn!(error = %e, "could not create the default queue");
-        } else {
-            eprintln!(
-                "suanli dev: serving on {} (data in the dev directory). Try:\n  suanli job submit examples/jobs/cpu-batch.toml --server {}\n  suanli job list --server {}\nCtrl-C stops it.",
-                args.listen, args.listen, args.listen
-            );
+        }
+        let mut handles = Vec::new();
+        for a in agents {
+            let id = a.node_id.clone();
+            let h = tokio::spawn(suanli_agent::run(a, stopped(stop_rx.clone())));
+            handles.push((id, h));
+        }
+        let l = &args.listen;
+        eprintln!(
+            "suanli dev: server on {l}, agents {:?} (data in {}). Try:\n  suanli job submit examples/dev/hello-gpu.toml --server {l}\n  suanli job list --server {l}\n  suanli job logs <id> --server {l}\nCtrl-C stops it (running tasks are left to the agents' next start).",
+            handles.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(),
+            args.data_dir.display()
+        );
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+        for (id, h) in handles {
+            match h.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(agent = %id, error = %format!("{e:#}"), "agent stopped with an error"),
+                Err(e) => tracing::warn!(agent = %id, error = %e, "agent task failed"),
+            }
         }
         server.await.context("server task")??;
         Ok(())
     })
+}
+
+/// The two dev agents' configurations; copies the plugin libraries into the dev directory
+/// (the agent refuses plugin files others can write) and writes the fake device files.
+fn dev_agents(args: &DevArgs) -> Result<Vec<suanli_agent::AgentConfig>> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let src = match &args.plugin_dir {
+        Some(d) => d.clone(),
+        None => std::env::current_exe()
+            .context("locating the suanli binary")?
+            .parent()
+            .map(std::path::Path::to_path_buf)
+            .context("the suanli binary has no directory")?,
+    };
+    let plugins = args.data_dir.join("plugins");
+    std::fs::create_dir_all(&plugins).with_context(|| format!("creating {}", plugins.display()))?;
+    std::fs::set_permissions(&plugins, std::fs::Permissions::from_mode(0o755))?;
+    for name in ["libsuanli_plugin_fake.so", "libsuanli_plugin_cpu.so"] {
+        let from = src.join(name);
+        let to = plugins.join(name);
+        // Copy to a temporary name and rename, so a running plugin-host keeps its mapping.
+        let tmp = plugins.join(format!(".{name}.tmp"));
+        std::fs::copy(&from, &tmp).with_context(|| {
+            format!("copying the device plugin {} (build it with `cargo build --workspace`)", from.display())
+        })?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::rename(&tmp, &to)?;
+    }
+    let mut out = Vec::new();
+    for (node, fake, text, cpu_milli, memory_mib) in [
+        ("dev-gpu", "fake-8gpu.toml", FAKE_8GPU, 32_000, 256 * 1024),
+        ("dev-npu", "fake-4npu.toml", FAKE_4NPU, 16_000, 128 * 1024),
+    ] {
+        let dir = args.data_dir.join("agents").join(node);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let fake_path = dir.join(fake);
+        if !fake_path.exists() {
+            // Kept between runs, so faults written next to it by hand stay in force.
+            std::fs::write(&fake_path, text)?;
+        }
+        let mut plugin_config = std::collections::BTreeMap::new();
+        plugin_config.insert(
+            "libsuanli_plugin_fake".to_owned(),
+            suanli_agent::PluginSettings { config_path: Some(fake_path), ..Default::default() },
+        );
+        out.push(suanli_agent::AgentConfig {
+            servers: vec![args.listen.clone()],
+            node_id: node.into(),
+            pool: "default".into(),
+            region: "dev".into(),
+            datacenter: "dev-1".into(),
+            data_dir: dir,
+            plugin_dir: plugins.clone(),
+            plugins: Some(vec!["libsuanli_plugin_fake".into(), "libsuanli_plugin_cpu".into()]),
+            plugin_config,
+            // Two nodes share this machine: each claims a fixed slice instead of all of it.
+            cpu_milli: Some(cpu_milli),
+            memory_mib: Some(memory_mib),
+            ..suanli_agent::AgentConfig::default()
+        });
+    }
+    Ok(out)
 }
 
 async fn ensure_default_queue(addr: &str) -> Result<()> {

@@ -65,11 +65,19 @@ static DEVICE_REQUEST: S =
 static OPT_DEVICE_REQUEST: S = S::Opt(&DEVICE_REQUEST);
 static TASK_RESOURCES: S =
     S::Obj(&[("cpu_milli", &U64, false), ("memory_mib", &U64, false), ("devices", &OPT_DEVICE_REQUEST, false)]);
+static TASK: S = S::Obj(&[
+    ("command", &STR, true),
+    ("args", &STR_LIST, false),
+    ("env", &STR_MAP, false),
+    ("workdir", &OPT_STR, false),
+]);
+static OPT_TASK: S = S::Opt(&TASK);
 static TASK_GROUP: S = S::Obj(&[
     ("name", &STR, true),
     ("replicas", &U32, false),
     ("min_replicas", &OPT_U32, false),
     ("resources", &TASK_RESOURCES, true),
+    ("task", &OPT_TASK, false),
 ]);
 static TASK_GROUPS: S = S::List(&TASK_GROUP);
 static CONSTRAINTS: S = S::Obj(&[
@@ -132,6 +140,7 @@ static NODE: S = S::Obj(&[
     ("memory_mib", &U64, true),
     ("devices", &DEVICES, false),
     ("schedulable", &BOOL, false),
+    ("agent_addr", &STR, false),
 ]);
 
 /// Joins a field path and a key: `groups[0]` + `name` = `groups[0].name`.
@@ -305,6 +314,7 @@ mod tests {
             preemptible: false,
             gang: true,
             groups: vec![TaskGroup {
+                task: None,
                 name: "g".into(),
                 replicas: 2,
                 min_replicas: Some(1),
@@ -360,6 +370,7 @@ mod tests {
                 partition_of: Some("x".into()),
             }],
             schedulable: false,
+            agent_addr: String::new(),
         };
         assert_eq!(check(&serde_json::to_value(n).expect("json"), &NODE, "node"), Ok(()));
     }

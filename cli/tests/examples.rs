@@ -33,7 +33,7 @@ fn assert_clean_failure(o: &Output, needles: &[&str]) {
 fn every_example_validates() {
     let root = examples();
     let mut seen = 0;
-    for (sub, kind) in [("jobs", "job"), ("queues", "queue"), ("nodes", "node")] {
+    for (sub, kind) in [("jobs", "job"), ("dev", "job"), ("queues", "queue"), ("nodes", "node")] {
         let dir = root.join(sub);
         let found = files(&dir);
         assert!(!found.is_empty(), "no examples in {}", dir.display());
@@ -47,10 +47,21 @@ fn every_example_validates() {
             seen += 1;
         }
     }
+    // Fake device plugin configurations: checked by `suanli plugin check` in the plugin tests;
+    // here they must at least be TOML.
+    for f in files(&root.join("plugins")) {
+        let text = std::fs::read_to_string(&f).expect("read plugin config");
+        if let Err(e) = text.parse::<toml::Table>() {
+            panic!("{}: not TOML: {e}", f.display());
+        }
+    }
     // Every subdirectory of examples/ is covered above.
     for d in files(&root) {
         let name = d.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
-        assert!(["jobs", "queues", "nodes"].contains(&name.as_str()), "unchecked examples entry {name}");
+        assert!(
+            ["jobs", "dev", "queues", "nodes", "plugins"].contains(&name.as_str()),
+            "unchecked examples entry {name}"
+        );
     }
     assert!(seen >= 10, "expected at least 10 examples, found {seen}");
 }
@@ -98,7 +109,22 @@ fn bad_job_specs_name_the_field() {
     let good = job_file(d, "good.toml", GOOD);
     assert!(suanli(&["job", "validate", &good]).status.success());
 
-    let cases: [(&str, String, &[&str]); 12] = [
+    let cases: [(&str, String, &[&str]); 15] = [
+        (
+            "empty-command.toml",
+            format!("{GOOD}\n[groups.task]\ncommand = \"\"\n"),
+            &["groups[0].task.command", "must not be empty"],
+        ),
+        (
+            "bad-env.toml",
+            format!("{GOOD}\n[groups.task]\ncommand = \"/bin/true\"\nenv = {{ \"A=B\" = \"x\" }}\n"),
+            &["groups[0].task.env.A=B", "without '='"],
+        ),
+        (
+            "task-args-type.toml",
+            format!("{GOOD}\n[groups.task]\ncommand = \"/bin/true\"\nargs = \"-x\"\n"),
+            &["groups[0].task.args"],
+        ),
         (
             "unknown.toml",
             GOOD.replace("replicas = 2", "replicas = 2\nreplica = 3"),

@@ -90,6 +90,64 @@ pub struct TaskGroup {
     pub min_replicas: Option<u32>,
     /// Per-replica resources.
     pub resources: TaskResources,
+    /// What each replica runs on its node. `None`: nothing to run (the agent reports the task
+    /// failed with "no task"), as for jobs replayed from traces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<TaskSpec>,
+}
+
+/// The process a task runs: the agent starts `command` with `args`, the environment `env`
+/// (plus what the device plugins inject and `SUANLI_JOB_ID`, `SUANLI_TASK`, `SUANLI_ATTEMPT`)
+/// in `workdir`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub struct TaskSpec {
+    /// The program: a path, or a name looked up in the agent's `PATH`.
+    pub command: String,
+    /// Its arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Extra environment variables.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory (default: the allocation's own directory on the node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+}
+
+impl TaskSpec {
+    /// Checks the task against `limits`; `at` is the field path of the task (`groups[0].task`).
+    pub fn validate(&self, at: &str, limits: &Limits) -> Result<(), ValidationError> {
+        let bad = |field: String, message: String| ValidationError::Invalid { field, message };
+        if self.command.is_empty() {
+            return Err(ValidationError::Empty { field: format!("{at}.command") });
+        }
+        check_range(|| format!("{at}.args"), self.args.len(), 0, limits.max_task_entries)?;
+        check_range(|| format!("{at}.env"), self.env.len(), 0, limits.max_task_entries)?;
+        let mut bytes = self.command.len() + self.workdir.as_ref().map_or(0, String::len);
+        bytes += self.args.iter().map(String::len).sum::<usize>();
+        bytes += self.env.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
+        check_range(|| at.to_owned(), bytes, 1, limits.max_task_bytes)?;
+        if self.command.contains('\0') {
+            return Err(bad(format!("{at}.command"), "contains a NUL byte".into()));
+        }
+        if let Some(i) = self.args.iter().position(|a| a.contains('\0')) {
+            return Err(bad(format!("{at}.args[{i}]"), "contains a NUL byte".into()));
+        }
+        for (k, v) in &self.env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(bad(
+                    format!("{at}.env.{k}"),
+                    "a variable name must be non-empty without '=' or NUL, its value without NUL".into(),
+                ));
+            }
+        }
+        if let Some(w) = &self.workdir
+            && (w.is_empty() || w.contains('\0'))
+        {
+            return Err(bad(format!("{at}.workdir"), "must be a non-empty path without NUL".into()));
+        }
+        Ok(())
+    }
 }
 
 fn one() -> u32 {
@@ -239,6 +297,9 @@ impl JobSpec {
                     limits.max_device_memory_mib,
                 )?;
             }
+            if let Some(t) = &g.task {
+                t.validate(&format!("groups[{i}].task"), limits)?;
+            }
             if r.cpu_milli == 0 && r.memory_mib == 0 && r.devices.is_none() {
                 return Err(ValidationError::Invalid {
                     field: format!("groups[{i}].resources"),
@@ -280,6 +341,7 @@ mod tests {
             preemptible: true,
             gang: true,
             groups: vec![TaskGroup {
+                task: None,
                 name: "worker".into(),
                 replicas: 2,
                 min_replicas: None,

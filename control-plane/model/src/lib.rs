@@ -30,7 +30,7 @@ pub use alloc::Allocation;
 pub use device::{Device, DeviceKind, Health};
 pub use error::ValidationError;
 pub use ids::{AllocId, JobId, NodeId, PoolId, QueueId};
-pub use job::{CheckpointPolicy, Constraints, DeviceRequest, JobKind, JobSpec, TaskGroup, TaskResources};
+pub use job::{CheckpointPolicy, Constraints, DeviceRequest, JobKind, JobSpec, TaskGroup, TaskResources, TaskSpec};
 pub use limits::Limits;
 pub use node::Node;
 pub use plan::{DeviceShare, Placement, Plan, Preemption, PreemptionReason, Reservation, Unplaced};

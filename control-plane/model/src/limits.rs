@@ -30,6 +30,10 @@ pub struct Limits {
     pub max_devices_per_node: usize,
     /// Longest runtime estimate or grace period, in seconds (default: 1 year).
     pub max_duration_s: u64,
+    /// Most bytes in one task's command, args, env and workdir together (default: 64 KiB).
+    pub max_task_bytes: usize,
+    /// Most args or env entries of one task.
+    pub max_task_entries: usize,
 }
 
 impl Default for Limits {
@@ -46,6 +50,8 @@ impl Default for Limits {
             max_constraints: 64,
             max_devices_per_node: 256,
             max_duration_s: 365 * 24 * 3600,
+            max_task_bytes: 64 * 1024,
+            max_task_entries: 1024,
         }
     }
 }

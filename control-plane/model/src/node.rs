@@ -31,6 +31,9 @@ pub struct Node {
     /// False when cordoned or draining: no new placements.
     #[serde(default = "yes")]
     pub schedulable: bool,
+    /// Where the node's agent serves task logs (`host:port`); empty when unknown.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub agent_addr: String,
 }
 
 fn yes() -> bool {

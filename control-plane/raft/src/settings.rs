@@ -43,8 +43,8 @@ impl Default for RaftSettings {
         Self {
             group: "region".into(),
             heartbeat_interval_ms: 100,
-            election_timeout_min_ms: 300,
-            election_timeout_max_ms: 600,
+            election_timeout_min_ms: 200,
+            election_timeout_max_ms: 400,
             append_timeout_ms: 1000,
             vote_timeout_ms: 250,
             snapshot_chunk_timeout_ms: 5000,

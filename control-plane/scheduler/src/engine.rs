@@ -823,6 +823,7 @@ mod tests {
             memory_mib: 8192,
             devices: vec![Device::simple("gpu0", DeviceKind::Gpu, "A100")],
             schedulable: true,
+            agent_addr: String::new(),
         }
     }
 
@@ -837,6 +838,7 @@ mod tests {
                 preemptible: true,
                 gang: false,
                 groups: vec![TaskGroup {
+                    task: None,
                     name: "t".into(),
                     replicas: 1,
                     min_replicas: None,

@@ -369,6 +369,7 @@ fn build_node(i: usize, g: &NodeGen) -> Node {
         memory_mib: [16_384, 131_072, 524_288][usize::from(g.mem)],
         devices,
         schedulable: g.schedulable,
+        agent_addr: String::new(),
     }
 }
 
@@ -574,6 +575,7 @@ fn build_case(
                 .iter()
                 .enumerate()
                 .map(|(gi, gg)| TaskGroup {
+                    task: None,
                     name: format!("g{gi}"),
                     replicas: gg.replicas,
                     min_replicas: gg.min.map(|m| m.min(gg.replicas)),

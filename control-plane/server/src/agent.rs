@@ -94,14 +94,7 @@ impl Agent for AgentApi {
                     let v: Vec<pb::AllocInfo> = s
                         .allocs_on(&id)
                         .filter(|a| a.is_live())
-                        .map(|a| {
-                            let restore = s
-                                .job(a.alloc.job)
-                                .and_then(|j| j.latest_checkpoint.as_ref())
-                                .map(|c| c.uri.as_str())
-                                .unwrap_or("");
-                            convert::alloc(a, restore)
-                        })
+                        .map(|a| convert::alloc(a, s.job(a.alloc.job)))
                         .collect();
                     (s.revision(), v)
                 });

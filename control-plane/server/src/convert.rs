@@ -21,9 +21,12 @@ fn stop_reason(r: &StopReason) -> &'static str {
     }
 }
 
-/// An allocation on the wire; `restore_from` is the job's latest checkpoint.
-pub fn alloc(a: &Alloc, restore_from: &str) -> pb::AllocInfo {
+/// An allocation on the wire, with its job's task (what to run) and latest checkpoint.
+pub fn alloc(a: &Alloc, job: Option<&Job>) -> pb::AllocInfo {
     let x = &a.alloc;
+    let restore_from = job.and_then(|j| j.latest_checkpoint.as_ref()).map(|c| c.uri.as_str()).unwrap_or("");
+    let group = job.and_then(|j| j.spec.groups.get(x.group as usize));
+    let task = group.and_then(|g| g.task.as_ref());
     let (desired, stop, ckpt, grace) = match &a.desired {
         Desired::Run => ("run", "", false, 0),
         Desired::Stop { reason, checkpoint_first, grace_s, .. } => {
@@ -55,6 +58,12 @@ pub fn alloc(a: &Alloc, restore_from: &str) -> pb::AllocInfo {
         priority: x.priority,
         borrowed: x.borrowed,
         restore_from: restore_from.into(),
+        job_name: job.map(|j| j.spec.name.clone()).unwrap_or_default(),
+        group_name: group.map(|g| g.name.clone()).unwrap_or_default(),
+        command: task.map(|t| t.command.clone()).unwrap_or_default(),
+        args: task.map(|t| t.args.clone()).unwrap_or_default(),
+        env: task.map(|t| t.env.clone().into_iter().collect()).unwrap_or_default(),
+        workdir: task.and_then(|t| t.workdir.clone()).unwrap_or_default(),
     }
 }
 
@@ -68,7 +77,6 @@ fn serde_plain<T: serde::Serialize>(v: &T) -> String {
 
 /// A job on the wire, with its allocations.
 pub fn job(s: &State, j: &Job, queue_position: u64) -> pb::JobInfo {
-    let restore = j.latest_checkpoint.as_ref().map(|c| c.uri.as_str()).unwrap_or("");
     pb::JobInfo {
         id: j.id.0,
         name: j.spec.name.clone(),
@@ -82,12 +90,12 @@ pub fn job(s: &State, j: &Job, queue_position: u64) -> pb::JobInfo {
         requeues: j.requeues,
         not_before: j.not_before,
         reason: j.reason.clone(),
-        allocs: j.allocs.iter().filter_map(|id| s.allocs().get(id)).map(|a| alloc(a, restore)).collect(),
+        allocs: j.allocs.iter().filter_map(|id| s.allocs().get(id)).map(|a| alloc(a, Some(j))).collect(),
         spec_json: serde_json::to_string(&j.spec).unwrap_or_default(),
         revision: j.revision,
         client_request_id: j.client_request_id.clone(),
         queue_position,
-        latest_checkpoint_uri: restore.into(),
+        latest_checkpoint_uri: j.latest_checkpoint.as_ref().map(|c| c.uri.clone()).unwrap_or_default(),
     }
 }
 
@@ -163,6 +171,7 @@ pub fn node(s: &State, r: &NodeRecord) -> pb::NodeInfo {
         updated_at: r.updated_at,
         reason: r.reason.clone(),
         allocations: count,
+        agent_addr: r.node.agent_addr.clone(),
     }
 }
 

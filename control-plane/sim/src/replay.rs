@@ -874,6 +874,7 @@ fn pod_job(
         preemptible: true,
         gang: pod.replicas > 1,
         groups: vec![TaskGroup {
+            task: None,
             name: "task".into(),
             replicas: pod.replicas,
             min_replicas: None,

@@ -46,6 +46,7 @@ pub fn nodes(n: usize) -> Vec<Node> {
                     })
                     .collect(),
                 schedulable: true,
+                agent_addr: String::new(),
             }
         })
         .collect()
@@ -109,7 +110,13 @@ pub fn job(rng: &mut DetRng, queue: &QueueId, name: String) -> JobSpec {
         gang,
         groups: groups
             .into_iter()
-            .map(|(n, replicas, resources)| TaskGroup { name: n.into(), replicas, min_replicas: None, resources })
+            .map(|(n, replicas, resources)| TaskGroup {
+                name: n.into(),
+                replicas,
+                min_replicas: None,
+                resources,
+                task: None,
+            })
             .collect(),
         constraints: Constraints { device_models: models, ..Default::default() },
         runtime_estimate_s: Some(600 + rng.below(6 * 3600)),

@@ -272,6 +272,7 @@ fn parse_alibaba_nodes(t: &Table) -> Result<Vec<Node>, TraceError> {
             memory_mib,
             devices: (0..gpus).map(|i| Device::simple(format!("gpu{i}"), DeviceKind::Gpu, m)).collect(),
             schedulable: true,
+            agent_addr: String::new(),
         });
     }
     Ok(out)

@@ -97,6 +97,7 @@ pub fn node_cmd() -> Command {
         memory_mib: 1 << 18,
         devices: vec![Device::simple("gpu0", DeviceKind::Gpu, "A100")],
         schedulable: true,
+        agent_addr: String::new(),
     };
     Command::RegisterNode(RegisterNode { node, now: 1 })
 }

@@ -27,6 +27,7 @@ pub fn node(id: &str, gpus: u32) -> Node {
             })
             .collect(),
         schedulable: true,
+        agent_addr: String::new(),
     }
 }
 
@@ -43,6 +44,7 @@ pub fn spec(queue: &str, replicas: u32, gpus: u32, priority: i32) -> JobSpec {
         preemptible: true,
         gang: true,
         groups: vec![TaskGroup {
+            task: None,
             name: "w".into(),
             replicas,
             min_replicas: None,

@@ -1,0 +1,516 @@
+//! Talking to the control plane: any server will do. Unary calls move on to the next server on
+//! a transport failure or `UNAVAILABLE` (a leader change); the allocation watch reconnects to
+//! the next server with backoff when its stream fails.
+//!
+//! ```text
+//!  liveness: Register ─▶ Heartbeat every interval (health changes, stats)
+//!            known=false / inventory changed / watch says NOT_FOUND ─▶ Register again
+//!  watch:    WatchAllocations(node) ─▶ full sets ─▶ task manager   (error ─▶ next server)
+//! ```
+
+use crate::Agent;
+use crate::config::AgentConfig;
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use suanli_proto::v1 as pb;
+use suanli_proto::v1::agent_client::AgentClient;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+/// The metadata key a server names the leader in (`suanli-server`'s `LEADER_HEADER`).
+const LEADER_HEADER: &str = "suanli-leader";
+
+/// Exponential backoff between `min` and `max`.
+pub(crate) struct Backoff {
+    min: Duration,
+    max: Duration,
+    cur: Duration,
+}
+
+impl Backoff {
+    pub fn new(min: Duration, max: Duration) -> Backoff {
+        Backoff { min, max, cur: min }
+    }
+    /// The next delay (doubling).
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.cur;
+        self.cur = (self.cur * 2).min(self.max);
+        d
+    }
+    pub fn reset(&mut self) {
+        self.cur = self.min;
+    }
+}
+
+/// Connections to every configured server.
+pub(crate) struct Servers {
+    addrs: Vec<String>,
+    unary: Vec<Channel>,
+    stream: Vec<Channel>,
+    cur: AtomicUsize,
+}
+
+/// Whether a failed call may succeed at another server (or later).
+pub(crate) fn retriable(s: &Status) -> bool {
+    matches!(
+        s.code(),
+        Code::Unavailable
+            | Code::Unknown
+            | Code::DeadlineExceeded
+            | Code::Cancelled
+            | Code::Internal
+            | Code::Aborted
+            | Code::ResourceExhausted
+    )
+}
+
+impl Servers {
+    pub fn new(cfg: &AgentConfig) -> anyhow::Result<Servers> {
+        let mut unary = Vec::new();
+        let mut stream = Vec::new();
+        for a in &cfg.servers {
+            let ep = Endpoint::from_shared(format!("http://{a}"))
+                .map_err(|e| anyhow::anyhow!("servers: {a:?}: {e}"))?
+                .connect_timeout(AgentConfig::ms(cfg.connect_timeout_ms))
+                .tcp_nodelay(true);
+            unary.push(ep.clone().timeout(AgentConfig::ms(cfg.rpc_timeout_ms)).connect_lazy());
+            // The watch is long-lived: no request deadline, but keepalives find a dead server.
+            stream.push(
+                ep.http2_keep_alive_interval(Duration::from_secs(5))
+                    .keep_alive_timeout(Duration::from_secs(5))
+                    .keep_alive_while_idle(true)
+                    .connect_lazy(),
+            );
+        }
+        Ok(Servers { addrs: cfg.servers.clone(), unary, stream, cur: AtomicUsize::new(0) })
+    }
+
+    pub fn current(&self) -> usize {
+        self.cur.load(Ordering::Relaxed) % self.addrs.len()
+    }
+
+    pub fn addr(&self, i: usize) -> &str {
+        &self.addrs[i % self.addrs.len()]
+    }
+
+    /// Moves on from server `i` (unless someone already did).
+    pub fn advance(&self, i: usize) {
+        let _ = self.cur.compare_exchange(i, (i + 1) % self.addrs.len(), Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    fn follow_leader_hint(&self, s: &Status) {
+        if let Some(v) = s.metadata().get(LEADER_HEADER).and_then(|v| v.to_str().ok())
+            && let Some(i) = self.addrs.iter().position(|a| a == v)
+        {
+            self.cur.store(i, Ordering::Relaxed);
+        }
+    }
+
+    pub fn stream_client(&self, i: usize) -> AgentClient<Channel> {
+        AgentClient::new(self.stream[i % self.addrs.len()].clone())
+    }
+
+    /// Calls `f` at the current server, moving through every server once on retriable errors.
+    pub async fn call<T, F, Fut>(&self, f: F) -> Result<T, Status>
+    where
+        F: Fn(AgentClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let mut last = Status::unavailable("no server tried");
+        for _ in 0..self.addrs.len() {
+            let i = self.current();
+            match f(AgentClient::new(self.unary[i].clone())).await {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) if retriable(&s) => {
+                    self.advance(i);
+                    self.follow_leader_hint(&s);
+                    last = Status::new(s.code(), format!("{}: {}", self.addrs[i], s.message()));
+                }
+                Err(s) => return Err(s),
+            }
+        }
+        Err(last)
+    }
+}
+
+/// Sleeps `d` unless the agent stops first; false when it stopped.
+pub(crate) async fn pause(agent: &Agent, d: Duration) -> bool {
+    let mut stop = agent.stop.clone();
+    if *stop.borrow() {
+        return false;
+    }
+    tokio::select! {
+        () = tokio::time::sleep(d) => true,
+        _ = stop.changed() => false,
+    }
+}
+
+/// Registration and heartbeats, forever (until the agent stops).
+pub(crate) async fn liveness(agent: Arc<Agent>) {
+    let cfg = &agent.cfg;
+    let mut backoff =
+        Backoff::new(AgentConfig::ms(cfg.retry_backoff_min_ms), AgentConfig::ms(cfg.retry_backoff_max_ms));
+    let mut failures = 0u64;
+    'register: loop {
+        if *agent.stop.borrow() {
+            return;
+        }
+        agent.plugins.inventory_changed.store(false, Ordering::SeqCst);
+        let node = agent.node();
+        let json = match serde_json::to_string(&node) {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::error!(error = %e, "encoding the node");
+                return;
+            }
+        };
+        let req = pb::RegisterNodeRequest { node_json: json, agent_version: env!("CARGO_PKG_VERSION").into() };
+        let resp = agent.servers.call(|mut c| {
+            let req = req.clone();
+            async move { c.register(req).await }
+        });
+        let resp = match resp.await {
+            Ok(r) => r,
+            Err(s) => {
+                failures += 1;
+                if failures == 1 || failures.is_power_of_two() {
+                    tracing::warn!(code = ?s.code(), error = %s.message(), failures, "registering the node failed; retrying");
+                }
+                if !pause(&agent, backoff.next_delay()).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        failures = 0;
+        backoff.reset();
+        let interval = Duration::from_millis(resp.heartbeat_interval_ms.clamp(10, 600_000));
+        agent.plugins.stats_every_ms.store(resp.heartbeat_interval_ms.clamp(10, 600_000), Ordering::Relaxed);
+        let mut reported: BTreeMap<String, bool> =
+            node.devices.iter().map(|d| (d.id.clone(), d.health == suanli_model::Health::Healthy)).collect();
+        let unhealthy = reported.values().filter(|h| !**h).count();
+        tracing::info!(node = %node.id, pool = %node.pool, devices = node.devices.len(), unhealthy,
+            cpu_milli = node.cpu_milli, memory_mib = node.memory_mib, agent_addr = %node.agent_addr, "node registered");
+        agent.registered.send_modify(|g| *g += 1);
+        let mut seq = 0u64;
+        let mut hb_failures = 0u64;
+        loop {
+            let mut stop = agent.stop.clone();
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = agent.plugins.changed.notified() => {}
+                () = agent.reregister.notified() => continue 'register,
+                _ = stop.changed() => return,
+            }
+            if agent.plugins.inventory_changed.load(Ordering::SeqCst) {
+                tracing::info!("device inventory changed: registering again");
+                continue 'register;
+            }
+            let devices = agent.plugins.devices();
+            let changes: Vec<pb::DeviceHealthReport> = devices
+                .iter()
+                .filter(|d| {
+                    reported.get(&d.device.id).is_some_and(|h| *h != (d.device.health == suanli_model::Health::Healthy))
+                })
+                .map(|d| pb::DeviceHealthReport {
+                    device: d.device.id.clone(),
+                    healthy: d.device.health == suanli_model::Health::Healthy,
+                    reason: d.reason.clone(),
+                })
+                .collect();
+            seq += 1;
+            let req = pb::HeartbeatRequest {
+                node_id: agent.node_id.clone(),
+                seq,
+                devices: changes.clone(),
+                stats: agent.plugins.stats(),
+            };
+            let r = agent.servers.call(|mut c| {
+                let req = req.clone();
+                async move { c.heartbeat(req).await }
+            });
+            match r.await {
+                Ok(r) if !r.known => {
+                    tracing::warn!(
+                        "the control plane does not know this node (or declared it down): registering again"
+                    );
+                    continue 'register;
+                }
+                Ok(_) => {
+                    hb_failures = 0;
+                    for c in changes {
+                        if c.healthy {
+                            tracing::info!(device = %c.device, "device reported healthy");
+                        } else {
+                            tracing::warn!(device = %c.device, reason = %c.reason, "device reported unhealthy");
+                        }
+                        reported.insert(c.device, c.healthy);
+                    }
+                }
+                Err(s) if s.code() == Code::NotFound => {
+                    tracing::warn!(error = %s.message(), "heartbeat refused: registering again");
+                    continue 'register;
+                }
+                Err(s) => {
+                    hb_failures += 1;
+                    if hb_failures == 1 || hb_failures.is_power_of_two() {
+                        tracing::warn!(code = ?s.code(), error = %s.message(), failures = hb_failures, "heartbeat failed");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The allocation watch, forever: each full set goes to the task manager.
+pub(crate) async fn watch(agent: Arc<Agent>, tx: tokio::sync::watch::Sender<Option<pb::AllocationsUpdate>>) {
+    let cfg = &agent.cfg;
+    let mut backoff =
+        Backoff::new(AgentConfig::ms(cfg.retry_backoff_min_ms), AgentConfig::ms(cfg.retry_backoff_max_ms));
+    let mut registered = agent.registered.subscribe();
+    let mut stop = agent.stop.clone();
+    // Nothing to watch before the node is registered.
+    loop {
+        if *registered.borrow_and_update() > 0 {
+            break;
+        }
+        tokio::select! {
+            r = registered.changed() => if r.is_err() { return },
+            _ = stop.changed() => return,
+        }
+    }
+    let mut failures = 0u64;
+    loop {
+        if *agent.stop.borrow() {
+            return;
+        }
+        let i = agent.servers.current();
+        let req = pb::WatchAllocationsRequest { node_id: agent.node_id.clone(), from_revision: 0 };
+        let opened = tokio::time::timeout(
+            AgentConfig::ms(cfg.rpc_timeout_ms),
+            agent.servers.stream_client(i).watch_allocations(req),
+        )
+        .await
+        .unwrap_or_else(|_| Err(Status::deadline_exceeded("opening the allocation watch")));
+        match opened {
+            Ok(resp) => {
+                let mut s = resp.into_inner();
+                let mut got = false;
+                loop {
+                    tokio::select! {
+                        m = s.message() => match m {
+                            Ok(Some(u)) => {
+                                if !got {
+                                    got = true;
+                                    failures = 0;
+                                    backoff.reset();
+                                    tracing::info!(server = %agent.servers.addr(i), revision = u.revision, allocs = u.allocs.len(), "watching allocations");
+                                }
+                                tx.send_replace(Some(u));
+                            }
+                            Ok(None) => {
+                                tracing::warn!(server = %agent.servers.addr(i), "allocation watch ended; reconnecting");
+                                break;
+                            }
+                            Err(e) => {
+                                tracing::warn!(server = %agent.servers.addr(i), code = ?e.code(), error = %e.message(), "allocation watch failed; reconnecting");
+                                break;
+                            }
+                        },
+                        _ = stop.changed() => return,
+                    }
+                }
+                agent.servers.advance(i);
+            }
+            Err(s) if s.code() == Code::NotFound => {
+                tracing::warn!(error = %s.message(), "the server does not know this node: registering again");
+                let before = *registered.borrow_and_update();
+                agent.reregister.notify_one();
+                let _ = tokio::time::timeout(AgentConfig::ms(cfg.rpc_timeout_ms), async {
+                    while *registered.borrow() == before {
+                        if registered.changed().await.is_err() {
+                            return;
+                        }
+                    }
+                })
+                .await;
+            }
+            Err(s) => {
+                failures += 1;
+                if failures == 1 || failures.is_power_of_two() {
+                    tracing::warn!(server = %agent.servers.addr(i), code = ?s.code(), error = %s.message(), "cannot open the allocation watch");
+                }
+                agent.servers.advance(i);
+            }
+        }
+        if !pause(&agent, backoff.next_delay()).await {
+            return;
+        }
+    }
+}
+
+/// One status report, retried until a server acknowledges it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Report {
+    pub alloc: u64,
+    pub epoch: u64,
+    pub status: pb::AllocReport,
+    pub message: String,
+    pub exit_code: i32,
+}
+
+impl Report {
+    pub fn is_final(&self) -> bool {
+        self.status != pb::AllocReport::Running
+    }
+}
+
+/// Pending reports: at most one per allocation (a final report replaces RUNNING, never the
+/// other way round), so the queue is bounded by the allocations the node has.
+#[derive(Default)]
+pub(crate) struct Reporter {
+    pending: std::sync::Mutex<BTreeMap<(u64, u64), (u64, Report)>>,
+    version: std::sync::atomic::AtomicU64,
+    notify: tokio::sync::Notify,
+}
+
+impl Reporter {
+    pub fn enqueue(&self, r: Report) {
+        let v = self.version.fetch_add(1, Ordering::Relaxed);
+        let mut p = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let key = (r.alloc, r.epoch);
+        if let Some((_, old)) = p.get(&key)
+            && old.is_final()
+            && !r.is_final()
+        {
+            return;
+        }
+        p.insert(key, (v, r));
+        drop(p);
+        self.notify.notify_one();
+    }
+
+    pub fn len(&self) -> usize {
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len()
+    }
+
+    fn batch(&self, n: usize) -> Vec<(u64, Report)> {
+        let p = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        p.values().take(n).cloned().collect()
+    }
+
+    fn done(&self, key: (u64, u64), version: u64) {
+        let mut p = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if p.get(&key).is_some_and(|(v, _)| *v == version) {
+            p.remove(&key);
+        }
+    }
+}
+
+/// Sends pending reports, forever; a final one acknowledged (or refused for good) leaves a
+/// `reported` marker in its allocation directory so a restarted agent does not send it again.
+pub(crate) async fn report_loop(agent: Arc<Agent>) {
+    let cfg = &agent.cfg;
+    let mut backoff =
+        Backoff::new(AgentConfig::ms(cfg.retry_backoff_min_ms), AgentConfig::ms(cfg.retry_backoff_max_ms));
+    let mut stop = agent.stop.clone();
+    loop {
+        let batch = agent.reporter.batch(cfg.report_concurrency);
+        if batch.is_empty() {
+            tokio::select! {
+                () = agent.reporter.notify.notified() => continue,
+                _ = stop.changed() => return,
+            }
+        }
+        let mut set = tokio::task::JoinSet::new();
+        for (v, r) in batch {
+            let a = agent.clone();
+            set.spawn(async move {
+                let req = pb::ReportStatusRequest {
+                    alloc_id: r.alloc,
+                    epoch: r.epoch,
+                    status: r.status as i32,
+                    message: r.message.clone(),
+                    exit_code: r.exit_code,
+                };
+                let res = a
+                    .servers
+                    .call(|mut c| {
+                        let req = req.clone();
+                        async move { c.report_status(req).await }
+                    })
+                    .await;
+                (v, r, res)
+            });
+        }
+        let mut failed = false;
+        while let Some(j) = set.join_next().await {
+            let Ok((v, r, res)) = j else {
+                continue;
+            };
+            let key = (r.alloc, r.epoch);
+            match res {
+                Ok(_) => {
+                    tracing::debug!(alloc = r.alloc, epoch = r.epoch, status = ?r.status, "reported");
+                    if r.is_final() {
+                        crate::tasks::mark_reported(&agent, key, &r);
+                    }
+                    agent.reporter.done(key, v);
+                }
+                Err(s) if matches!(s.code(), Code::FailedPrecondition | Code::NotFound | Code::InvalidArgument) => {
+                    tracing::info!(alloc = r.alloc, epoch = r.epoch, status = ?r.status, code = ?s.code(), error = %s.message(),
+                        "report refused by the control plane (stale or unknown allocation); dropped");
+                    if r.is_final() {
+                        crate::tasks::mark_reported(&agent, key, &r);
+                    }
+                    agent.reporter.done(key, v);
+                }
+                Err(s) => {
+                    failed = true;
+                    tracing::debug!(alloc = r.alloc, code = ?s.code(), error = %s.message(), "report failed; will retry");
+                }
+            }
+        }
+        if failed {
+            if !pause(&agent, backoff.next_delay()).await {
+                return;
+            }
+        } else {
+            backoff.reset();
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn rep(status: pb::AllocReport) -> Report {
+        Report { alloc: 1, epoch: 1, status, message: String::new(), exit_code: 0 }
+    }
+
+    #[test]
+    fn a_final_report_is_never_replaced_by_running() {
+        let r = Reporter::default();
+        r.enqueue(rep(pb::AllocReport::Running));
+        r.enqueue(rep(pb::AllocReport::Succeeded));
+        r.enqueue(rep(pb::AllocReport::Running));
+        let b = r.batch(10);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].1.status, pb::AllocReport::Succeeded);
+    }
+
+    #[test]
+    fn backoff_doubles_to_its_max() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(300));
+        assert_eq!(b.next_delay(), Duration::from_millis(100));
+        assert_eq!(b.next_delay(), Duration::from_millis(200));
+        assert_eq!(b.next_delay(), Duration::from_millis(300));
+        b.reset();
+        assert_eq!(b.next_delay(), Duration::from_millis(100));
+    }
+}

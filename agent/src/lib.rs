@@ -1,0 +1,206 @@
+//! suanli's node agent (`suanli agent`): it loads the device plugins, registers the node with
+//! the control plane and heartbeats, watches the node's allocations and runs each task as a
+//! real OS process (under `suanli task-shim`), stops tasks when asked, and reports how each
+//! one ended. It serves task logs to `suanli job logs`.
+//!
+//! ```text
+//!          plugin_dir/*.so ──▶ plugins (one supervised plugin-host child each)
+//!                                 │ devices, health, stats
+//!  servers ◀── Register/Heartbeat ┤
+//!  servers ──▶ WatchAllocations ──▶ tasks: mkdir alloc dir ─▶ reserve ─▶ task-shim ─▶ command
+//!  servers ◀── ReportStatus ◀──────┘ (retried until acknowledged; `reported` marker)
+//!  suanli job logs ──▶ AgentLogs ──▶ <data_dir>/allocs/<alloc>-<epoch>/stdout.log
+//! ```
+//!
+//! It must never run an allocation twice: an allocation's directory is created before its
+//! task starts, and an allocation whose directory exists is never started again (after an
+//! agent restart it is adopted, reported as ended, or reported lost). A plugin must never take
+//! it down (plugins live in child processes). Stopping the agent leaves tasks running; the
+//! next agent on the same data directory adopts them.
+
+mod cgroup;
+pub mod config;
+mod control;
+mod logs;
+mod plugins;
+pub mod shim;
+pub mod sys;
+mod tasks;
+
+pub use config::{AgentConfig, ConfigError, PluginSettings};
+pub use shim::{ExitRecord, ShimArgs};
+pub use tasks::TaskRecord;
+
+use anyhow::Context as _;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use suanli_model::{Node, NodeId, PoolId};
+use tokio::sync::{Notify, watch};
+
+/// Everything the agent's loops share.
+pub(crate) struct Agent {
+    cfg: AgentConfig,
+    node_id: String,
+    agent_addr: String,
+    plugins: Arc<plugins::Plugins>,
+    servers: control::Servers,
+    cgroups: Option<cgroup::Cgroups>,
+    reporter: control::Reporter,
+    tasks: Mutex<tasks::Tasks>,
+    /// Turns true when the agent stops.
+    stop: watch::Receiver<bool>,
+    /// Bumped after every successful registration.
+    registered: watch::Sender<u64>,
+    /// Asks the liveness loop to register again.
+    reregister: Notify,
+}
+
+impl Agent {
+    /// The node as registered now.
+    fn node(&self) -> Node {
+        let devices: Vec<_> = self.plugins.devices().into_iter().map(|d| d.device).collect();
+        let (pc, pm) = self.plugins.host_resources();
+        Node {
+            id: NodeId(self.node_id.clone()),
+            pool: PoolId(self.cfg.pool.clone()),
+            datacenter: self.cfg.datacenter.clone(),
+            region: self.cfg.region.clone(),
+            labels: self.cfg.labels.clone(),
+            cpu_milli: self.cfg.cpu_milli.or(pc).unwrap_or_else(host_cpu_milli),
+            memory_mib: self.cfg.memory_mib.or(pm).unwrap_or_else(host_memory_mib),
+            devices,
+            schedulable: true,
+            agent_addr: self.agent_addr.clone(),
+        }
+    }
+
+    fn shim_cmd(&self) -> Vec<std::ffi::OsString> {
+        if self.cfg.shim_cmd.is_empty() {
+            let exe = std::env::current_exe().map(Into::into).unwrap_or_else(|_| "suanli".into());
+            vec![exe, "task-shim".into()]
+        } else {
+            self.cfg.shim_cmd.iter().map(Into::into).collect()
+        }
+    }
+}
+
+fn host_cpu_milli() -> u64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get() as u64) * 1000
+}
+
+fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb / 1024)
+}
+
+/// Holds an exclusive lock on `<data_dir>/agent.lock` for the agent's life: two agents on one
+/// data directory could run a task twice.
+fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
+    let path = dir.join("agent.lock");
+    match sys::try_lock(&path).with_context(|| format!("data_dir: locking {}", path.display()))? {
+        Some(f) => Ok(f),
+        None => anyhow::bail!("data_dir {}: another agent holds {}", dir.display(), path.display()),
+    }
+}
+
+/// Runs the agent until `shutdown` completes. Tasks keep running after it returns; the next
+/// agent on the same `data_dir` adopts them.
+pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    cfg.validate()?;
+    std::fs::create_dir_all(cfg.allocs_dir())
+        .with_context(|| format!("data_dir: creating {}", cfg.allocs_dir().display()))?;
+    let _lock = lock_data_dir(&cfg.data_dir)?;
+    let listener =
+        tokio::net::TcpListener::bind(&cfg.listen).await.with_context(|| format!("listen: binding {}", cfg.listen))?;
+    let bound = listener.local_addr().context("listen: local address")?;
+    let agent_addr = match &cfg.advertise {
+        Some(a) => a.clone(),
+        None => {
+            if bound.ip().is_unspecified() {
+                tracing::warn!(listen = %bound, "listen is a wildcard address and advertise is unset: `suanli job logs` cannot reach this agent");
+            }
+            bound.to_string()
+        }
+    };
+    let cgroups = if cfg.cgroups {
+        match cgroup::Cgroups::detect(&cfg.cgroup_parent) {
+            Ok(c) => {
+                tracing::info!(parent = %cfg.cgroup_parent.display(), "cgroup v2: CPU and memory limits are enforced per task");
+                Some(c)
+            }
+            Err(why) => {
+                tracing::warn!(
+                    "cgroup v2 with cpu and memory controllers is not available ({why}): CPU and memory limits are not enforced"
+                );
+                None
+            }
+        }
+    } else {
+        tracing::warn!("cgroups = false: CPU and memory limits are not enforced");
+        None
+    };
+    let node_id = cfg.node_id.clone();
+    let plugins = Arc::new(plugins::Plugins::load(&cfg, &node_id).await);
+    tracing::info!(node = %node_id, plugins = ?plugins.names(), devices = plugins.devices().len(), "plugins loaded");
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let servers = control::Servers::new(&cfg)?;
+    let agent = Arc::new(Agent {
+        node_id,
+        agent_addr,
+        plugins: plugins.clone(),
+        servers,
+        cgroups,
+        reporter: control::Reporter::default(),
+        tasks: Mutex::new(tasks::Tasks::default()),
+        stop: stop_rx.clone(),
+        registered: watch::channel(0).0,
+        reregister: Notify::new(),
+        cfg,
+    });
+    tasks::recover(&agent).context("reading the allocation directories")?;
+    let max_streams = agent.cfg.max_log_streams;
+    plugins.spawn_monitors(&agent.cfg, stop_rx.clone());
+    let (sets_tx, sets_rx) = watch::channel(None);
+    let mut loops = tokio::task::JoinSet::new();
+    loops.spawn(control::liveness(agent.clone()));
+    loops.spawn(control::watch(agent.clone(), sets_tx));
+    loops.spawn(tasks::manage(agent.clone(), sets_rx));
+    loops.spawn(control::report_loop(agent.clone()));
+    loops.spawn(tasks::gc(agent.clone()));
+    let svc = logs::LogsService {
+        allocs_dir: agent.cfg.allocs_dir(),
+        streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
+    };
+    let mut stop_logs = stop_rx.clone();
+    loops.spawn(async move {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let r = tonic::transport::Server::builder()
+            .add_service(suanli_proto::v1::agent_logs_server::AgentLogsServer::new(svc))
+            .serve_with_incoming_shutdown(incoming, async move {
+                let _ = stop_logs.changed().await;
+            })
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "the log service stopped");
+        }
+    });
+    tracing::info!(node = %agent.node_id, addr = %agent.agent_addr, servers = ?agent.cfg.servers, "agent running");
+    shutdown.await;
+    tracing::info!(
+        pending_reports = agent.reporter.len(),
+        "agent stopping; tasks keep running and are adopted by the next agent"
+    );
+    let _ = stop_tx.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(5), async { while loops.join_next().await.is_some() {} }).await;
+    loops.abort_all();
+    plugins.shutdown().await;
+    Ok(())
+}

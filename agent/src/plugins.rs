@@ -1,0 +1,509 @@
+//! Device plugins: loading (permission check, then a supervised `plugin-host` child each), the
+//! node's device table built from their inventories, device health, stats, and reservations.
+//!
+//! ```text
+//!  plugin_dir/*.so ─check_file_permissions─▶ PluginProcess::start ─▶ fingerprint ─▶ devices
+//!        monitor (per plugin): state changes, health events ~1/s, stats, fingerprint ~30 s
+//!        Down ─▶ its devices unhealthy ("plugin X is down: …") ─▶ heartbeat now
+//!        Up again + fingerprint ok ─▶ healthy again (re-register if the inventory changed)
+//! ```
+//!
+//! A plugin must never take the agent down: every call goes through the supervisor, which
+//! runs the library in a child process with deadlines and restarts it with backoff.
+
+use crate::config::AgentConfig;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use suanli_device_abi::supervisor::{HostError, Options, PluginProcess, PluginState};
+use suanli_device_abi::{Code, pb};
+use suanli_model::{Device, DeviceKind, Health};
+use tokio::sync::{Notify, watch};
+
+/// What the agent knows about one plugin right now.
+#[derive(Debug, Default)]
+struct View {
+    /// The latest successful fingerprint.
+    inventory: Option<pb::Inventory>,
+    /// Up and fingerprinted since its last (re)start.
+    up: bool,
+    /// Why it is not up (empty before the first fingerprint).
+    down_reason: String,
+    /// Devices a health event marked unhealthy since the last fingerprint, with the reason.
+    events: BTreeMap<String, String>,
+    /// Latest stats.
+    stats: Vec<pb::DeviceStats>,
+}
+
+/// One loaded plugin.
+pub(crate) struct Plugin {
+    /// The library's file stem, e.g. `libsuanli_plugin_fake`.
+    pub stem: String,
+    proc: PluginProcess,
+    view: Mutex<View>,
+}
+
+impl Plugin {
+    fn view(&self) -> std::sync::MutexGuard<'_, View> {
+        self.view.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A device of this node and where it comes from.
+#[derive(Debug, Clone)]
+pub(crate) struct LocalDevice {
+    /// As registered (health included).
+    pub device: Device,
+    /// Why it is unhealthy (empty when healthy).
+    pub reason: String,
+    /// Index of the owning plugin.
+    pub owner: usize,
+}
+
+/// The loaded plugins and the node's devices.
+pub(crate) struct Plugins {
+    list: Vec<Arc<Plugin>>,
+    /// Health or inventory changed: heartbeat (or re-register) now.
+    pub changed: Arc<Notify>,
+    /// Set when an inventory changed shape (devices added, removed or changed).
+    pub inventory_changed: Arc<AtomicBool>,
+    /// How often to collect stats (the heartbeat interval).
+    pub stats_every_ms: Arc<AtomicU64>,
+    warned: Mutex<BTreeSet<String>>,
+}
+
+/// The short name of a plugin file stem: `libsuanli_plugin_fake` → `fake`.
+pub(crate) fn short_name(stem: &str) -> &str {
+    stem.strip_prefix("libsuanli_plugin_").or_else(|| stem.strip_prefix("lib")).unwrap_or(stem)
+}
+
+fn matches(stem: &str, wanted: &str) -> bool {
+    stem == wanted || short_name(stem) == wanted
+}
+
+/// The libraries to load: `*.so` in the plugin directory (sorted), filtered by `plugins`.
+fn candidates(cfg: &AgentConfig) -> Vec<(String, PathBuf)> {
+    let dir = &cfg.plugin_dir;
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) => {
+            tracing::warn!(plugin_dir = %dir.display(), error = %e, "cannot read the plugin directory: no device plugins");
+            return Vec::new();
+        }
+    };
+    let mut found: Vec<(String, PathBuf)> = rd
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "so"))
+        .filter_map(|p| Some((p.file_stem()?.to_string_lossy().into_owned(), p)))
+        .collect();
+    found.sort();
+    if let Some(list) = &cfg.plugins {
+        for w in list {
+            if !found.iter().any(|(s, _)| matches(s, w)) {
+                tracing::error!(plugin = %w, plugin_dir = %dir.display(), "configured plugin not found in the plugin directory");
+            }
+        }
+        found.retain(|(s, _)| list.iter().any(|w| matches(s, w)));
+    }
+    found
+}
+
+fn settings<'a>(cfg: &'a AgentConfig, stem: &str) -> Option<&'a crate::config::PluginSettings> {
+    cfg.plugin_config.get(stem).or_else(|| cfg.plugin_config.get(short_name(stem)))
+}
+
+/// The supervisor's options from the agent's configuration.
+pub(crate) fn options(cfg: &AgentConfig) -> Options {
+    let mut o = Options {
+        call_timeout: AgentConfig::ms(cfg.plugin_call_timeout_ms),
+        fingerprint_timeout: AgentConfig::ms(cfg.plugin_fingerprint_timeout_ms),
+        backoff_min: AgentConfig::ms(cfg.plugin_backoff_min_ms),
+        backoff_max: AgentConfig::ms(cfg.plugin_backoff_max_ms),
+        ..Options::default()
+    };
+    if !cfg.host_cmd.is_empty() {
+        o.host_cmd = cfg.host_cmd.iter().map(Into::into).collect();
+    }
+    o
+}
+
+/// Whether an error means the plugin is broken (its devices cannot be trusted): a crash, a
+/// deadline, a protocol error, a panic caught at the boundary (INTERNAL) or UNAVAILABLE.
+fn broken(e: &HostError) -> bool {
+    match e {
+        HostError::Plugin(pe) => matches!(pe.code, Code::Internal | Code::Unavailable),
+        _ => true,
+    }
+}
+
+fn parse_kind(k: &str) -> Option<DeviceKind> {
+    match k.to_ascii_lowercase().as_str() {
+        "gpu" => Some(DeviceKind::Gpu),
+        "npu" => Some(DeviceKind::Npu),
+        _ => None,
+    }
+}
+
+impl Plugins {
+    /// Loads every candidate library; one that is refused (permissions, load error, ABI
+    /// mismatch, init failure) is logged and skipped. Each loaded plugin is fingerprinted once.
+    pub async fn load(cfg: &AgentConfig, node_id: &str) -> Plugins {
+        let opts = options(cfg);
+        let mut list = Vec::new();
+        for (stem, path) in candidates(cfg) {
+            if let Err(e) = suanli_device_abi::host::check_file_permissions(&path) {
+                tracing::error!(plugin = %stem, path = %path.display(), error = %e, "REFUSING device plugin: unsafe file permissions");
+                continue;
+            }
+            let s = settings(cfg, &stem);
+            let pc = pb::PluginConfig {
+                node_id: node_id.to_owned(),
+                config_path: s
+                    .and_then(|s| s.config_path.as_ref())
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+                options: s.map(|s| s.options.clone().into_iter().collect()).unwrap_or_default(),
+            };
+            match PluginProcess::start(path.clone(), pc, opts.clone()).await {
+                Ok(proc) => {
+                    let h = proc.hello();
+                    tracing::info!(plugin = %stem, name = %h.plugin_name, version = %h.plugin_version,
+                        abi = %format!("{}.{}", h.abi_major, h.abi_minor), "device plugin loaded");
+                    list.push(Arc::new(Plugin { stem, proc, view: Mutex::new(View::default()) }));
+                }
+                Err(e) => {
+                    tracing::error!(plugin = %stem, path = %path.display(), error = %e, "REFUSING device plugin: it did not start");
+                }
+            }
+        }
+        let p = Plugins {
+            list,
+            changed: Arc::new(Notify::new()),
+            inventory_changed: Arc::new(AtomicBool::new(false)),
+            stats_every_ms: Arc::new(AtomicU64::new(1000)),
+            warned: Mutex::new(BTreeSet::new()),
+        };
+        for pl in &p.list {
+            match fingerprint(pl, &p.inventory_changed).await {
+                Ok(()) if pl.view().inventory.is_some() => {
+                    let v = pl.view();
+                    let n = v.inventory.as_ref().map_or(0, |i| i.devices.len());
+                    let fake = v.inventory.as_ref().is_some_and(|i| i.fake);
+                    drop(v);
+                    pl.view().up = true;
+                    tracing::info!(plugin = %pl.stem, devices = n, fake, "device plugin fingerprinted");
+                }
+                Ok(()) => {}
+                Err(e) => p.mark_down(pl, &e),
+            }
+        }
+        p
+    }
+
+    /// Names of the loaded plugins.
+    pub fn names(&self) -> Vec<String> {
+        self.list.iter().map(|p| p.stem.clone()).collect()
+    }
+
+    fn warn_once(&self, key: String, f: impl FnOnce()) {
+        let mut w = self.warned.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if w.len() < 10_000 && w.insert(key) {
+            f();
+        }
+    }
+
+    /// Every device of the node with its current health. Ids are unique: a device id offered
+    /// by a second plugin is refused (logged once).
+    pub fn devices(&self) -> Vec<LocalDevice> {
+        let mut out: Vec<LocalDevice> = Vec::new();
+        let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+        for (i, p) in self.list.iter().enumerate() {
+            let v = p.view();
+            let Some(inv) = &v.inventory else {
+                continue;
+            };
+            for d in &inv.devices {
+                if let Some(&owner) = seen.get(&d.id) {
+                    if owner != i {
+                        let other = self.list[owner].stem.clone();
+                        self.warn_once(format!("dup:{}:{}", p.stem, d.id), || {
+                            tracing::error!(plugin = %p.stem, device = %d.id, owner = %other,
+                                "refusing a device: another plugin already offers this device id");
+                        });
+                    }
+                    continue;
+                }
+                let Some(kind) = parse_kind(&d.kind) else {
+                    self.warn_once(format!("kind:{}:{}", p.stem, d.id), || {
+                        tracing::warn!(plugin = %p.stem, device = %d.id, kind = %d.kind, "ignoring a device of a kind other than gpu or npu");
+                    });
+                    continue;
+                };
+                seen.insert(d.id.clone(), i);
+                let reason = if !v.up {
+                    if v.down_reason.is_empty() {
+                        format!("plugin {} is down", p.stem)
+                    } else {
+                        format!("plugin {} is down: {}", p.stem, v.down_reason)
+                    }
+                } else if !d.healthy {
+                    if d.health_reason.is_empty() {
+                        "reported unhealthy by its plugin".into()
+                    } else {
+                        d.health_reason.clone()
+                    }
+                } else if let Some(r) = v.events.get(&d.id) {
+                    r.clone()
+                } else {
+                    String::new()
+                };
+                let device = Device {
+                    id: d.id.clone(),
+                    kind,
+                    model: d.model.clone(),
+                    memory_mib: d.memory_mib,
+                    health: if reason.is_empty() { Health::Healthy } else { Health::Unhealthy },
+                    numa: d.numa_node,
+                    peer_group: d.peer_group,
+                    partition_of: if d.partition_of.is_empty() { None } else { Some(d.partition_of.clone()) },
+                };
+                out.push(LocalDevice { device, reason, owner: i });
+            }
+        }
+        out
+    }
+
+    /// CPU and memory from a host-resource plugin (the first inventory that has them).
+    pub fn host_resources(&self) -> (Option<u64>, Option<u64>) {
+        let mut cpu = None;
+        let mut mem = None;
+        for p in &self.list {
+            if let Some(inv) = &p.view().inventory {
+                if cpu.is_none() && inv.cpu_milli > 0 {
+                    cpu = Some(inv.cpu_milli);
+                }
+                if mem.is_none() && inv.memory_mib > 0 {
+                    mem = Some(inv.memory_mib);
+                }
+            }
+        }
+        (cpu, mem)
+    }
+
+    /// Latest stats of every device this node registered.
+    pub fn stats(&self) -> Vec<pb::DeviceStats> {
+        let owned: BTreeMap<String, usize> = self.devices().into_iter().map(|d| (d.device.id, d.owner)).collect();
+        let mut out = Vec::new();
+        for (i, p) in self.list.iter().enumerate() {
+            for s in &p.view().stats {
+                if owned.get(&s.id) == Some(&i) {
+                    out.push(s.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// Asks the plugins owning `device_ids` what a task using them needs; the merged env.
+    pub async fn reserve(&self, alloc_id: u64, device_ids: &[String]) -> Result<BTreeMap<String, String>, String> {
+        let devs = self.devices();
+        let mut by_owner: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+        for id in device_ids {
+            let d =
+                devs.iter().find(|d| &d.device.id == id).ok_or_else(|| format!("device {id:?} is not on this node"))?;
+            by_owner.entry(d.owner).or_default().push(id.clone());
+        }
+        let mut env = BTreeMap::new();
+        for (owner, ids) in by_owner {
+            let p = &self.list[owner];
+            let r = p
+                .proc
+                .reserve(pb::ReserveRequest { device_ids: ids.clone(), alloc_id })
+                .await
+                .map_err(|e| format!("reserve of {ids:?} by plugin {}: {e}", p.stem))?;
+            if !r.device_files.is_empty() || !r.mounts.is_empty() {
+                tracing::debug!(plugin = %p.stem, alloc = alloc_id, "device files and mounts are for container runtimes; a plain process sees the host's");
+            }
+            for (k, v) in r.env {
+                if let Some(old) = env.insert(k.clone(), v.clone())
+                    && old != v
+                {
+                    tracing::warn!(alloc = alloc_id, var = %k, "two plugins set the same variable; the later one wins");
+                }
+            }
+        }
+        Ok(env)
+    }
+
+    /// Starts one monitor per plugin; they end when `stop` turns true.
+    pub fn spawn_monitors(self: &Arc<Self>, cfg: &AgentConfig, stop: watch::Receiver<bool>) {
+        for p in &self.list {
+            let me = self.clone();
+            let p = p.clone();
+            let poll = AgentConfig::ms(cfg.health_poll_interval_ms);
+            let refp = AgentConfig::ms(cfg.fingerprint_interval_ms);
+            let stop = stop.clone();
+            tokio::spawn(async move { me.monitor(p, poll, refp, stop).await });
+        }
+    }
+
+    async fn monitor(&self, p: Arc<Plugin>, poll: Duration, refingerprint: Duration, mut stop: watch::Receiver<bool>) {
+        let mut states = p.proc.subscribe();
+        let mut tick = tokio::time::interval(poll);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_fp = Instant::now();
+        let mut last_stats: Option<Instant> = None;
+        loop {
+            tokio::select! {
+                r = stop.changed() => if r.is_err() || *stop.borrow() { return },
+                r = states.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                    let down = match &*states.borrow_and_update() {
+                        PluginState::Down { reason } => Some(reason.clone()),
+                        PluginState::Up => None,
+                    };
+                    if let Some(reason) = down {
+                        self.mark_down(&p, &reason);
+                    }
+                    continue;
+                }
+                _ = tick.tick() => {}
+            }
+            if !p.proc.is_up() {
+                if p.view().up {
+                    self.mark_down(&p, "its host process is restarting");
+                }
+                continue;
+            }
+            // One probe per tick: a plugin that is not up becomes up only when a fresh
+            // fingerprint, its health events and its stats all succeed in the same probe, so a
+            // plugin failing on some call does not flap between healthy and unhealthy.
+            let was_up = p.view().up;
+            let mut failure: Option<String> = None;
+            if !was_up || last_fp.elapsed() >= refingerprint {
+                last_fp = Instant::now();
+                if let Err(e) = fingerprint(&p, &self.inventory_changed).await {
+                    failure = Some(e);
+                }
+            }
+            if failure.is_none() {
+                match p.proc.health_events().await {
+                    Ok(ev) => self.apply_events(&p, ev),
+                    Err(e) if broken(&e) => failure = Some(e.to_string()),
+                    Err(e) => tracing::debug!(plugin = %p.stem, error = %e, "health events"),
+                }
+            }
+            let every = Duration::from_millis(self.stats_every_ms.load(Ordering::Relaxed));
+            if failure.is_none() && (!was_up || last_stats.is_none_or(|t| t.elapsed() >= every)) {
+                last_stats = Some(Instant::now());
+                match p.proc.stats(pb::StatsRequest { device_ids: Vec::new() }).await {
+                    Ok(s) => p.view().stats = s.devices.into_iter().take(4096).collect(),
+                    Err(e) if broken(&e) => failure = Some(e.to_string()),
+                    Err(e) => tracing::debug!(plugin = %p.stem, error = %e, "stats"),
+                }
+            }
+            match failure {
+                Some(reason) => self.mark_down(&p, &reason),
+                None if !was_up => {
+                    p.view().up = true;
+                    tracing::info!(plugin = %p.stem, restarts = p.proc.restarts(), "device plugin healthy again");
+                    self.changed.notify_one();
+                }
+                None => {}
+            }
+        }
+    }
+
+    fn apply_events(&self, p: &Plugin, ev: pb::HealthEvents) {
+        if ev.events.is_empty() {
+            return;
+        }
+        let mut v = p.view();
+        for e in ev.events {
+            if e.healthy {
+                v.events.remove(&e.device);
+            } else if v.events.len() < 4096 {
+                let reason = if e.reason.is_empty() {
+                    format!("health event from plugin {} (code {})", p.stem, e.code)
+                } else {
+                    e.reason
+                };
+                v.events.insert(e.device, reason);
+            }
+        }
+        drop(v);
+        self.changed.notify_one();
+    }
+
+    fn mark_down(&self, p: &Plugin, reason: &str) {
+        let mut v = p.view();
+        let first = v.up || v.down_reason.is_empty();
+        v.up = false;
+        v.down_reason = reason.chars().take(512).collect();
+        v.stats.clear();
+        drop(v);
+        if first {
+            tracing::error!(plugin = %p.stem, reason = %reason, restarts = p.proc.restarts(),
+                "device plugin down: its devices are reported unhealthy");
+            self.changed.notify_one();
+        }
+    }
+
+    /// Stops every plugin host.
+    pub async fn shutdown(&self) {
+        for p in &self.list {
+            p.proc.shutdown().await;
+        }
+    }
+}
+
+/// A device's id, kind, model, memory, NUMA node, island and parent: what registration
+/// depends on (not health).
+type Shape = (String, String, String, u64, u32, Option<u32>, String);
+
+/// The parts of an inventory registration depends on (not health).
+fn shape(inv: &pb::Inventory) -> Vec<Shape> {
+    inv.devices
+        .iter()
+        .map(|d| {
+            (
+                d.id.clone(),
+                d.kind.clone(),
+                d.model.clone(),
+                d.memory_mib,
+                d.numa_node,
+                d.peer_group,
+                d.partition_of.clone(),
+            )
+        })
+        .collect()
+}
+
+/// Fingerprints `p` and keeps the new inventory (health events reset); the error says why it
+/// failed when the plugin is broken (crash, deadline, internal error, vendor library gone).
+async fn fingerprint(p: &Plugin, inventory_changed: &AtomicBool) -> Result<(), String> {
+    match p.proc.fingerprint().await {
+        Ok(mut inv) => {
+            inv.devices.truncate(1024);
+            let mut v = p.view();
+            let changed = v.inventory.as_ref().is_none_or(|old| {
+                shape(old) != shape(&inv) || old.cpu_milli != inv.cpu_milli || old.memory_mib != inv.memory_mib
+            });
+            v.inventory = Some(inv);
+            v.events.clear();
+            if changed {
+                inventory_changed.store(true, Ordering::SeqCst);
+            }
+            Ok(())
+        }
+        Err(e) => {
+            tracing::warn!(plugin = %p.stem, error = %e, "fingerprint failed");
+            if broken(&e) { Err(e.to_string()) } else { Ok(()) }
+        }
+    }
+}

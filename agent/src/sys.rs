@@ -1,0 +1,153 @@
+//! The few OS calls the agent and the shim make: sessions, signals to process groups, process
+//! identity from /proc, and files written atomically.
+
+use std::io::Write as _;
+use std::path::Path;
+
+/// Identity of a live process: its pid and its start time (clock ticks after boot, field 22 of
+/// `/proc/<pid>/stat`), so a reused pid is never mistaken for the process we started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ProcId {
+    /// The pid.
+    pub pid: i32,
+    /// Start time in clock ticks after boot.
+    pub start_time: u64,
+}
+
+/// Start time and state letter of `pid`, from `/proc/<pid>/stat`; `None` when it is gone.
+pub fn proc_stat(pid: i32) -> Option<(u64, char)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) S ppid ...": comm may hold spaces and parentheses, so parse after the last ')'.
+    let rest = &text[text.rfind(')')? + 1..];
+    let mut f = rest.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    // Fields after comm start at field 3 (state); starttime is field 22.
+    let start = f.nth(22 - 4)?.parse().ok()?;
+    Some((start, state))
+}
+
+impl ProcId {
+    /// The identity of `pid` now.
+    pub fn of(pid: i32) -> Option<ProcId> {
+        proc_stat(pid).map(|(start_time, _)| ProcId { pid, start_time })
+    }
+
+    /// Whether this very process still runs (not gone, not a zombie, pid not reused).
+    pub fn alive(&self) -> bool {
+        matches!(proc_stat(self.pid), Some((t, s)) if t == self.start_time && s != 'Z' && s != 'X')
+    }
+}
+
+/// Sends `sig` to the process group `pgid`. ESRCH (no such group) is not an error.
+#[allow(unsafe_code)]
+pub fn kill_group(pgid: i32, sig: i32) -> std::io::Result<()> {
+    if pgid <= 1 {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("refusing to signal group {pgid}")));
+    }
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+    let r = unsafe { libc::kill(-pgid, sig) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::ESRCH) { Ok(()) } else { Err(e) }
+}
+
+/// Makes a child started by `cmd` the leader of a new session (and so of a new process group),
+/// so it survives the agent and can be signalled as a group.
+#[allow(unsafe_code)]
+pub fn new_session(cmd: &mut tokio::process::Command) {
+    // SAFETY: the closure runs in the forked child before exec and calls only setsid(2), which
+    // is async-signal-safe; it allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Opens (creating) `path` and takes an exclusive `flock` on it without waiting: `Ok(None)`
+/// when another process holds it. The lock lasts as long as the returned file is open; the
+/// descriptor is close-on-exec, so children never inherit it.
+#[allow(unsafe_code)]
+pub fn try_lock(path: &Path) -> std::io::Result<Option<std::fs::File>> {
+    use std::os::fd::AsRawFd as _;
+    let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path)?;
+    // SAFETY: flock(2) on a descriptor we own; no memory is passed.
+    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r == 0 {
+        return Ok(Some(f));
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) { Ok(None) } else { Err(e) }
+}
+
+/// Writes `data` to `path` atomically: a temp file in the same directory, fsync, rename, fsync
+/// of the directory. A reader sees the old file or the whole new one.
+pub fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp"));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    sync_dir(dir)
+}
+
+/// fsync of a directory (so a created or renamed entry survives a crash).
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Seconds since the Unix epoch.
+pub fn now_s() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_process_is_alive_and_a_stranger_is_not() {
+        let me = ProcId::of(std::process::id() as i32).unwrap();
+        assert!(me.alive());
+        let other = ProcId { start_time: me.start_time + 1, ..me };
+        assert!(!other.alive(), "a different start time is another process");
+        assert!(ProcId::of(i32::MAX).is_none());
+    }
+
+    #[test]
+    fn a_held_lock_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.lock");
+        let held = try_lock(&p).unwrap().unwrap();
+        assert!(try_lock(&p).unwrap().is_none(), "a second open file description must not get it");
+        drop(held);
+        assert!(try_lock(&p).unwrap().is_some());
+    }
+
+    #[test]
+    fn atomic_write_replaces() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.json");
+        write_atomic(&p, b"one").unwrap();
+        write_atomic(&p, b"two").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+    }
+}

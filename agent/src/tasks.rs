@@ -1,0 +1,740 @@
+//! Running allocations as OS processes, and never running one twice.
+//!
+//! Each allocation `(id, epoch)` gets the directory `<data_dir>/allocs/<id>-<epoch>/`. Its
+//! existence means "started once": the agent never starts an allocation whose directory
+//! exists. Inside it:
+//!
+//! | file | written by | meaning |
+//! | --- | --- | --- |
+//! | `task.json` | agent, before it reports RUNNING | the shim's pid and start time, the job, when |
+//! | `shim.lock` | shim | locked for the shim's whole life: held means the task runs |
+//! | `shim.json` | shim, before the command starts | the shim's pid and start time |
+//! | `abandoned` | agent | declared lost: a shim that starts late must not run the command |
+//! | `stdout.log`, `stderr.log` (+ `.1`) | shim | the task's output, rotated at `max_log_bytes` |
+//! | `shim.log` | shim | the shim's own errors |
+//! | `stop.json` | agent, before it signals the task | a stop was asked for, and why |
+//! | `exit.json` | shim (or agent, when it could not start) | how the task ended |
+//! | `reported` | agent | the final status was acknowledged by the control plane |
+//!
+//! ```text
+//!  set from the watch ─▶ reconcile ─┬─ new, desired run ─▶ reserve ─▶ mkdir ─▶ spawn shim ─▶ task.json ─▶ RUNNING
+//!                                   ├─ desired stop / gone ─▶ stop.json ─▶ SIGTERM group ─▶ grace ─▶ SIGKILL
+//!                                   └─ dir exists, not ours in memory ─▶ recover (below)
+//!  shim exits ─▶ exit.json ─▶ SUCCEEDED | FAILED (exit code N / killed by signal N) | STOPPED
+//!  after a restart: exit.json ─▶ report it; shim.lock held ─▶ adopt; else `abandoned` + FAILED "lost: …"
+//! ```
+
+use crate::Agent;
+use crate::config::AgentConfig;
+use crate::control::Report;
+use crate::shim::ExitRecord;
+use crate::sys::{self, ProcId};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use suanli_model::DeviceKind;
+use suanli_proto::v1 as pb;
+use tokio::sync::watch;
+use tracing::Instrument as _;
+
+/// An allocation attempt: (allocation id, epoch).
+pub(crate) type Key = (u64, u64);
+
+/// The directory name of an allocation attempt.
+pub fn dir_name(k: Key) -> String {
+    format!("{}-{}", k.0, k.1)
+}
+
+/// Parses a directory name made by [`dir_name`].
+pub fn parse_dir_name(s: &str) -> Option<Key> {
+    let (a, e) = s.split_once('-')?;
+    Some((a.parse().ok()?, e.parse().ok()?))
+}
+
+/// `task.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TaskRecord {
+    /// Allocation id.
+    pub alloc_id: u64,
+    /// Epoch (the job's attempt).
+    pub epoch: u64,
+    /// Job id.
+    pub job_id: u64,
+    /// `<group>-<replica>`.
+    pub task: String,
+    /// The shim.
+    pub shim: ProcId,
+    /// Seconds since the Unix epoch.
+    pub started_at: u64,
+    /// The task's cgroup, when limits are enforced.
+    #[serde(default)]
+    pub cgroup: Option<String>,
+}
+
+/// `stop.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StopRecord {
+    reason: String,
+    at: u64,
+}
+
+/// A request to stop a task.
+#[derive(Debug, Clone)]
+struct Stop {
+    reason: String,
+    grace: Duration,
+}
+
+/// What the manager remembers about an allocation it handles.
+struct Entry {
+    stop: watch::Sender<Option<Stop>>,
+    ended: bool,
+}
+
+/// The task table.
+#[derive(Default)]
+pub(crate) struct Tasks {
+    map: BTreeMap<Key, Entry>,
+    /// Highest set revision applied (persisted in `<data_dir>/watch-revision`).
+    max_rev: u64,
+    /// Since when only sets older than `max_rev` arrive.
+    stale_since: Option<Instant>,
+}
+
+fn lock(agent: &Agent) -> std::sync::MutexGuard<'_, Tasks> {
+    agent.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn alloc_dir(agent: &Agent, k: Key) -> PathBuf {
+    agent.cfg.allocs_dir().join(dir_name(k))
+}
+
+const REV_FILE: &str = "watch-revision";
+
+/// Loads the persisted revision and every allocation directory not yet finally reported:
+/// running shims are adopted, ended ones get their final report queued, the rest are lost.
+pub(crate) fn recover(agent: &Arc<Agent>) -> std::io::Result<()> {
+    let rev = std::fs::read_to_string(agent.cfg.data_dir.join(REV_FILE))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    lock(agent).max_rev = rev;
+    let mut keys = Vec::new();
+    for e in std::fs::read_dir(agent.cfg.allocs_dir())? {
+        let e = e?;
+        if let Some(k) = e.file_name().to_str().and_then(parse_dir_name) {
+            keys.push(k);
+        }
+    }
+    keys.sort();
+    for k in keys {
+        let dir = alloc_dir(agent, k);
+        if dir.join("reported").exists() {
+            continue;
+        }
+        let entry = recover_one(agent, k, &dir);
+        lock(agent).map.insert(k, entry);
+    }
+    Ok(())
+}
+
+fn ended_entry() -> Entry {
+    Entry { stop: watch::channel(None).0, ended: true }
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<T> {
+    std::fs::read(path).ok().and_then(|b| serde_json::from_slice(&b).ok())
+}
+
+/// Decides what to do with an allocation directory the agent has no task for in memory.
+///
+/// A live shim holds `shim.lock` for its whole life, so the lock (not a pid) says whether the
+/// task still runs, even when the agent that spawned the shim died before writing `task.json`.
+/// Without a live shim and without `exit.json` the task is lost; `abandoned` is written while
+/// the lock is held so a shim that starts late never runs the command.
+fn recover_one(agent: &Arc<Agent>, k: Key, dir: &Path) -> Entry {
+    if dir.join("reported").exists() {
+        return ended_entry();
+    }
+    let away = |r: Report| {
+        tracing::info!(alloc = k.0, epoch = k.1, status = ?r.status, message = %r.message, "task ended while the agent was away");
+        agent.reporter.enqueue(r);
+        ended_entry()
+    };
+    if let Some(exit) = ExitRecord::read(dir) {
+        return away(final_report(k, dir, Some(&exit), ""));
+    }
+    let rec: Option<TaskRecord> = read_json(&dir.join("task.json"));
+    let job_id = rec.as_ref().map_or(0, |r| r.job_id);
+    let lock = match sys::try_lock(&dir.join(crate::shim::LOCK_FILE)) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(alloc = k.0, epoch = k.1, error = %e, "cannot check the task's shim lock; reporting it lost");
+            return away(final_report(k, dir, None, &format!("lost: cannot check whether its shim runs: {e}")));
+        }
+    };
+    let Some(guard) = lock else {
+        // A shim lives. It records its identity right after taking the lock.
+        let mut shim: Option<ProcId> = None;
+        for _ in 0..100 {
+            shim = read_json(&dir.join(crate::shim::SHIM_FILE));
+            if shim.is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let Some(shim) = shim.or(rec.as_ref().map(|r| r.shim)) else {
+            tracing::error!(
+                alloc = k.0,
+                epoch = k.1,
+                "a shim holds the lock but recorded no identity; it cannot be watched"
+            );
+            return away(final_report(k, dir, None, "lost: its shim runs but recorded no identity"));
+        };
+        tracing::info!(alloc = k.0, epoch = k.1, job_id, pid = shim.pid, "adopting a running task");
+        let (tx, rx) = watch::channel(None);
+        agent.reporter.enqueue(Report {
+            alloc: k.0,
+            epoch: k.1,
+            status: pb::AllocReport::Running,
+            message: "adopted after an agent restart".into(),
+            exit_code: 0,
+        });
+        let a = agent.clone();
+        let dir = dir.to_owned();
+        let span = tracing::info_span!("task", alloc = k.0, epoch = k.1, job_id);
+        tokio::spawn(async move { supervise(a, k, dir, Waiter::Adopted(shim), shim.pid, rx).await }.instrument(span));
+        return Entry { stop: tx, ended: false };
+    };
+    // No shim lives: it may have finished just before we looked.
+    if let Some(exit) = ExitRecord::read(dir) {
+        return away(final_report(k, dir, Some(&exit), ""));
+    }
+    if let Err(e) = sys::write_atomic(&dir.join(crate::shim::ABANDONED_FILE), b"lost\n") {
+        tracing::warn!(alloc = k.0, epoch = k.1, error = %e, "writing the abandoned marker");
+    }
+    drop(guard);
+    let shim: Option<ProcId> = read_json(&dir.join(crate::shim::SHIM_FILE));
+    let lost = match shim {
+        Some(p) => {
+            format!("lost: its shim (pid {}) is gone and recorded no exit status; it is not started again", p.pid)
+        }
+        None => "lost: the agent stopped while starting the task, before its command started; it is not started again"
+            .into(),
+    };
+    tracing::warn!(alloc = k.0, epoch = k.1, "{lost}");
+    agent.reporter.enqueue(final_report(k, dir, None, &lost));
+    ended_entry()
+}
+
+/// The final report for an ended task: a requested stop wins, then how it exited; `lost`
+/// is the message when nothing is known.
+fn final_report(k: Key, dir: &Path, exit: Option<&ExitRecord>, lost: &str) -> Report {
+    let stop: Option<StopRecord> =
+        std::fs::read(dir.join("stop.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    let (status, message, exit_code) = match (stop, exit) {
+        (Some(s), e) => {
+            let how = match e {
+                Some(ExitRecord { exit_code: Some(c), .. }) => format!(" (exit code {c})"),
+                Some(ExitRecord { signal: Some(s), .. }) => format!(" (killed by signal {s})"),
+                _ => String::new(),
+            };
+            (pb::AllocReport::Stopped, format!("stopped: {}{how}", s.reason), e.map_or(0, ExitRecord::code))
+        }
+        (None, Some(e)) if e.error.is_some() => {
+            (pb::AllocReport::Failed, e.error.clone().unwrap_or_default(), e.code())
+        }
+        (None, Some(e)) => match (e.exit_code, e.signal) {
+            (Some(0), _) => (pb::AllocReport::Succeeded, "exit code 0".into(), 0),
+            (Some(c), _) => (pb::AllocReport::Failed, format!("exit code {c}"), c),
+            (None, Some(s)) => (pb::AllocReport::Failed, format!("killed by signal {s}"), 128 + s),
+            (None, None) => (pb::AllocReport::Failed, "ended without an exit status".into(), e.code()),
+        },
+        (None, None) => (pb::AllocReport::Failed, lost.to_owned(), -1),
+    };
+    Report { alloc: k.0, epoch: k.1, status, message, exit_code }
+}
+
+/// Called by the reporter once a final report is acknowledged (or refused for good).
+pub(crate) fn mark_reported(agent: &Agent, k: Key, r: &Report) {
+    let dir = alloc_dir(agent, k);
+    if dir.is_dir() {
+        let text = format!("{:?} {}\n", r.status, r.message);
+        if let Err(e) = sys::write_atomic(&dir.join("reported"), text.as_bytes()) {
+            tracing::warn!(alloc = k.0, epoch = k.1, error = %e, "writing the reported marker");
+        }
+    }
+}
+
+fn persist_rev(agent: &Agent, rev: u64) {
+    if let Err(e) = sys::write_atomic(&agent.cfg.data_dir.join(REV_FILE), rev.to_string().as_bytes()) {
+        tracing::warn!(error = %e, "persisting the watch revision");
+    }
+}
+
+fn grace(cfg: &AgentConfig, grace_s: u64) -> Duration {
+    let ms = grace_s.saturating_mul(1000).max(cfg.stop_grace_min_ms).min(cfg.stop_grace_max_ms);
+    Duration::from_millis(ms)
+}
+
+fn request_stop(e: &Entry, reason: String, grace: Duration) {
+    if e.ended || e.stop.borrow().is_some() {
+        return;
+    }
+    e.stop.send_replace(Some(Stop { reason, grace }));
+}
+
+/// Applies every new allocation set, forever.
+pub(crate) async fn manage(agent: Arc<Agent>, mut rx: watch::Receiver<Option<pb::AllocationsUpdate>>) {
+    let mut stop = agent.stop.clone();
+    loop {
+        tokio::select! {
+            r = rx.changed() => if r.is_err() { return },
+            _ = stop.changed() => return,
+        }
+        let update = rx.borrow_and_update().clone();
+        if let Some(u) = update {
+            reconcile(&agent, u);
+        }
+    }
+}
+
+fn reconcile(agent: &Arc<Agent>, u: pb::AllocationsUpdate) {
+    let cfg = &agent.cfg;
+    let mut t = lock(agent);
+    // A set older than one already applied (a lagging server after a reconnect) may lack
+    // allocations placed since: it may start tasks but must not stop any.
+    let fresh = if u.revision >= t.max_rev {
+        t.stale_since = None;
+        if u.revision > t.max_rev {
+            t.max_rev = u.revision;
+            persist_rev(agent, u.revision);
+        }
+        true
+    } else {
+        let since = *t.stale_since.get_or_insert_with(Instant::now);
+        if since.elapsed() > Duration::from_secs(120) {
+            tracing::warn!(
+                revision = u.revision,
+                applied = t.max_rev,
+                "the control plane's revision went backwards for 2 minutes (a new cluster?): accepting its sets"
+            );
+            t.max_rev = u.revision;
+            t.stale_since = None;
+            persist_rev(agent, u.revision);
+            true
+        } else {
+            tracing::debug!(revision = u.revision, applied = t.max_rev, "a set older than one applied: starting only");
+            false
+        }
+    };
+    let in_set: BTreeSet<Key> = u.allocs.iter().map(|a| (a.id, a.epoch)).collect();
+    for a in u.allocs {
+        let k = (a.id, a.epoch);
+        let stop_wanted = a.desired == "stop";
+        if let Some(e) = t.map.get(&k) {
+            if stop_wanted {
+                let why = if a.stop_reason.is_empty() {
+                    "asked by the control plane".to_owned()
+                } else {
+                    a.stop_reason.clone()
+                };
+                request_stop(e, why, grace(cfg, a.grace_s));
+            }
+            continue;
+        }
+        let dir = alloc_dir(agent, k);
+        if dir.exists() {
+            let e = recover_one(agent, k, &dir);
+            if stop_wanted {
+                request_stop(&e, a.stop_reason.clone(), grace(cfg, a.grace_s));
+            }
+            t.map.insert(k, e);
+            continue;
+        }
+        let refuse = |status: pb::AllocReport, message: String| {
+            tracing::warn!(alloc = k.0, epoch = k.1, job_id = a.job_id, %message, "not starting the task");
+            agent.reporter.enqueue(Report { alloc: k.0, epoch: k.1, status, message, exit_code: 0 });
+        };
+        if stop_wanted {
+            refuse(pb::AllocReport::Stopped, "stopped before it started".into());
+            continue;
+        }
+        if a.state == "running" {
+            refuse(
+                pb::AllocReport::Failed,
+                "lost: the control plane has it running but this node has no record of it (its data directory is gone); not starting it again".into(),
+            );
+            continue;
+        }
+        if a.command.is_empty() {
+            refuse(pb::AllocReport::Failed, "no task: the job spec's group has no `task`".into());
+            continue;
+        }
+        let running = t.map.values().filter(|e| !e.ended).count();
+        if running >= cfg.max_tasks {
+            refuse(pb::AllocReport::Failed, format!("the node runs max_tasks = {} tasks already", cfg.max_tasks));
+            continue;
+        }
+        let (tx, rx) = watch::channel(None);
+        t.map.insert(k, Entry { stop: tx, ended: false });
+        let a2 = agent.clone();
+        let span = tracing::info_span!("task", alloc = k.0, epoch = k.1, job_id = a.job_id, node_id = %agent.node_id);
+        tokio::spawn(async move { start(a2, a, rx).await }.instrument(span));
+    }
+    if fresh {
+        let gone: Vec<Key> = t.map.keys().filter(|k| !in_set.contains(k)).copied().collect();
+        for k in gone {
+            let Some(e) = t.map.get(&k) else {
+                continue;
+            };
+            if e.ended {
+                // Finished and no longer listed: the directory remembers it from now on.
+                t.map.remove(&k);
+            } else {
+                request_stop(e, "no longer assigned to this node".into(), grace(cfg, 0));
+            }
+        }
+    }
+}
+
+fn set_ended(agent: &Agent, k: Key) {
+    if let Some(e) = lock(agent).map.get_mut(&k) {
+        e.ended = true;
+    }
+}
+
+/// Records that the task could not start (as its exit record) and reports it.
+fn fail_start(agent: &Agent, k: Key, dir: &Path, msg: String) {
+    tracing::warn!(alloc = k.0, epoch = k.1, error = %msg, "task could not start");
+    let rec = ExitRecord { exit_code: None, signal: None, finished_at: sys::now_s(), error: Some(msg) };
+    if let Err(e) = sys::write_atomic(&dir.join(crate::shim::EXIT_FILE), &serde_json::to_vec(&rec).unwrap_or_default())
+    {
+        tracing::warn!(error = %e, "writing exit.json");
+    }
+    agent.reporter.enqueue(final_report(k, dir, Some(&rec), ""));
+    set_ended(agent, k);
+}
+
+/// The task's environment.
+fn task_env(
+    agent: &Agent,
+    a: &pb::AllocInfo,
+    dir: &Path,
+    plugin_env: BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    for name in &agent.cfg.inherit_env {
+        if let Ok(v) = std::env::var(name) {
+            env.insert(name.clone(), v);
+        }
+    }
+    if !env.contains_key("PATH") {
+        env.insert("PATH".into(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
+    }
+    env.extend(a.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    env.extend(plugin_env);
+    let group = if a.group_name.is_empty() { a.group.to_string() } else { a.group_name.clone() };
+    let devices: Vec<String> = a.devices.iter().map(|d| format!("{}:{}", d.device, d.milli)).collect();
+    let kinds: BTreeMap<String, DeviceKind> =
+        agent.plugins.devices().into_iter().map(|d| (d.device.id.clone(), d.device.kind)).collect();
+    let ours = [
+        ("SUANLI_JOB_ID", a.job_id.to_string()),
+        ("SUANLI_JOB_NAME", a.job_name.clone()),
+        ("SUANLI_TASK", format!("{group}-{}", a.replica)),
+        ("SUANLI_ATTEMPT", a.epoch.to_string()),
+        ("SUANLI_ALLOC_ID", a.id.to_string()),
+        ("SUANLI_NODE", agent.node_id.clone()),
+        ("SUANLI_DEVICES", devices.join(",")),
+        ("SUANLI_ALLOC_DIR", dir.display().to_string()),
+        ("SUANLI_CPU_MILLI", a.cpu_milli.to_string()),
+        ("SUANLI_MEMORY_MIB", a.memory_mib.to_string()),
+    ];
+    env.extend(ours.into_iter().map(|(k, v)| (k.to_owned(), v)));
+    if !a.restore_from.is_empty() {
+        env.insert("SUANLI_RESTORE_FROM".into(), a.restore_from.clone());
+    }
+    // A fractional share: tell the task how much of the device is its own.
+    for d in a.devices.iter().filter(|d| d.milli < 1000) {
+        let kind = kinds.get(&d.device).copied().unwrap_or(DeviceKind::Gpu);
+        let p = kind.as_str().to_ascii_uppercase();
+        env.insert(format!("SUANLI_{p}_MILLI"), d.milli.to_string());
+        if d.memory_mib > 0 {
+            env.insert(format!("SUANLI_{p}_MEMORY_MIB"), d.memory_mib.to_string());
+        }
+        if kind == DeviceKind::Gpu {
+            env.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), d.milli.div_ceil(10).max(1).to_string());
+        }
+    }
+    env
+}
+
+/// Starts one allocation: reservation, directory, cgroup, shim, `task.json`, RUNNING.
+async fn start(agent: Arc<Agent>, a: pb::AllocInfo, stop: watch::Receiver<Option<Stop>>) {
+    let k = (a.id, a.epoch);
+    let dir = alloc_dir(&agent, k);
+    // Reserve first: it has no effect on the node beyond the environment it returns, so an
+    // agent dying during it leaves nothing behind and the allocation simply starts later.
+    let ids: Vec<String> = a.devices.iter().map(|d| d.device.clone()).collect();
+    let reserved = if ids.is_empty() { Ok(BTreeMap::new()) } else { agent.plugins.reserve(a.id, &ids).await };
+    // The directory is the "started once" mark: create it exclusively, and durably.
+    if let Err(e) = std::fs::create_dir(&dir) {
+        tracing::error!(dir = %dir.display(), error = %e, "cannot create the allocation directory; not starting");
+        if e.kind() != std::io::ErrorKind::AlreadyExists {
+            agent.reporter.enqueue(Report {
+                alloc: k.0,
+                epoch: k.1,
+                status: pb::AllocReport::Failed,
+                message: format!("agent: creating {}: {e}", dir.display()),
+                exit_code: 0,
+            });
+        }
+        set_ended(&agent, k);
+        return;
+    }
+    if let Err(e) = sys::sync_dir(&agent.cfg.allocs_dir()) {
+        tracing::warn!(error = %e, "fsync of the allocs directory");
+    }
+    let _ = std::fs::write(dir.join("alloc.json"), serde_json::to_vec_pretty(&alloc_json(&a)).unwrap_or_default());
+    let plugin_env = match reserved {
+        Ok(env) => env,
+        Err(e) => return fail_start(&agent, k, &dir, format!("cannot reserve its devices: {e}")),
+    };
+    let cg_name = dir_name(k);
+    let cgroup = match &agent.cgroups {
+        Some(c) => match c.create(&cg_name, a.cpu_milli, a.memory_mib) {
+            Ok(p) => Some(p),
+            Err(e) => return fail_start(&agent, k, &dir, format!("cannot create its cgroup: {e}")),
+        },
+        None => None,
+    };
+    if let Some(s) = stop.borrow().clone() {
+        write_stop(&dir, &s.reason);
+        return fail_start(&agent, k, &dir, "stopped before it started".into());
+    }
+    let env = task_env(&agent, &a, &dir, plugin_env);
+    let shim = agent.shim_cmd();
+    let mut cmd = tokio::process::Command::new(&shim[0]);
+    cmd.args(&shim[1..]).arg("--dir").arg(&dir).arg("--max-log-bytes").arg(agent.cfg.max_log_bytes.to_string());
+    if let Some(cg) = &cgroup {
+        cmd.arg("--cgroup").arg(cg);
+    }
+    if !a.workdir.is_empty() {
+        cmd.arg("--workdir").arg(dir.join(&a.workdir));
+    }
+    cmd.arg("--").arg(&a.command).args(&a.args);
+    cmd.env_clear().envs(&env).current_dir(&dir).stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null());
+    match std::fs::OpenOptions::new().create(true).append(true).open(dir.join("shim.log")) {
+        Ok(f) => cmd.stderr(f),
+        Err(_) => cmd.stderr(std::process::Stdio::null()),
+    };
+    cmd.kill_on_drop(false);
+    sys::new_session(&mut cmd);
+    let child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => return fail_start(&agent, k, &dir, format!("cannot start the task shim {:?}: {e}", shim[0])),
+    };
+    let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
+    let Some(proc_id) = ProcId::of(pid) else {
+        // It exited at once: its exit record (if any) tells why.
+        let a2 = agent.clone();
+        return supervise(a2, k, dir, Waiter::Child(child), pid, stop).await;
+    };
+    let rec = TaskRecord {
+        alloc_id: a.id,
+        epoch: a.epoch,
+        job_id: a.job_id,
+        task: env.get("SUANLI_TASK").cloned().unwrap_or_default(),
+        shim: proc_id,
+        started_at: sys::now_s(),
+        cgroup: cgroup.as_ref().map(|p| p.display().to_string()),
+    };
+    if let Err(e) = sys::write_atomic(&dir.join("task.json"), &serde_json::to_vec_pretty(&rec).unwrap_or_default()) {
+        tracing::error!(error = %e, "writing task.json; the task runs but cannot be adopted after an agent restart");
+    }
+    tracing::info!(pid, command = %a.command, devices = %env.get("SUANLI_DEVICES").map_or("", String::as_str), "task started");
+    agent.reporter.enqueue(Report {
+        alloc: k.0,
+        epoch: k.1,
+        status: pb::AllocReport::Running,
+        message: String::new(),
+        exit_code: 0,
+    });
+    supervise(agent, k, dir, Waiter::Child(child), pid, stop).await;
+}
+
+fn alloc_json(a: &pb::AllocInfo) -> serde_json::Value {
+    serde_json::json!({
+        "id": a.id, "job_id": a.job_id, "job_name": a.job_name, "group": a.group_name, "replica": a.replica,
+        "epoch": a.epoch, "cpu_milli": a.cpu_milli, "memory_mib": a.memory_mib,
+        "devices": a.devices.iter().map(|d| serde_json::json!({"device": d.device, "milli": d.milli, "memory_mib": d.memory_mib})).collect::<Vec<_>>(),
+        "command": a.command, "args": a.args, "workdir": a.workdir,
+    })
+}
+
+fn write_stop(dir: &Path, reason: &str) {
+    let rec = StopRecord { reason: reason.to_owned(), at: sys::now_s() };
+    if let Err(e) = sys::write_atomic(&dir.join("stop.json"), &serde_json::to_vec(&rec).unwrap_or_default()) {
+        tracing::warn!(error = %e, "writing stop.json");
+    }
+}
+
+/// How the end of a task is noticed.
+enum Waiter {
+    /// Our own child: wait(2) on it.
+    Child(tokio::process::Child),
+    /// A shim started by an earlier agent: poll /proc.
+    Adopted(ProcId),
+}
+
+impl Waiter {
+    /// Waits until the shim is gone; its wait status when it was our child.
+    async fn wait(&mut self) -> Option<std::process::ExitStatus> {
+        match self {
+            Waiter::Child(c) => c.wait().await.ok(),
+            Waiter::Adopted(p) => {
+                while p.alive() {
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                }
+                None
+            }
+        }
+    }
+}
+
+/// Watches a running task until it ends, stopping it when asked; then reports how it ended.
+async fn supervise(
+    agent: Arc<Agent>,
+    k: Key,
+    dir: PathBuf,
+    mut waiter: Waiter,
+    pgid: i32,
+    mut stop: watch::Receiver<Option<Stop>>,
+) {
+    let mut kill_at: Option<tokio::time::Instant> = None;
+    let mut killed = false;
+    let mut stop_open = true;
+    let status = loop {
+        tokio::select! {
+            s = waiter.wait() => break s,
+            r = stop.changed(), if stop_open && kill_at.is_none() => {
+                if r.is_err() {
+                    stop_open = false;
+                    continue;
+                }
+                let Some(s) = stop.borrow_and_update().clone() else { continue };
+                write_stop(&dir, &s.reason);
+                tracing::info!(reason = %s.reason, grace_ms = s.grace.as_millis() as u64, "stopping the task: SIGTERM");
+                if let Err(e) = sys::kill_group(pgid, libc::SIGTERM) {
+                    tracing::warn!(error = %e, "SIGTERM");
+                }
+                kill_at = Some(tokio::time::Instant::now() + s.grace);
+            }
+            () = async { if let Some(t) = kill_at { tokio::time::sleep_until(t).await } else { std::future::pending().await } }, if !killed => {
+                tracing::warn!("the task outlived its grace period: SIGKILL");
+                killed = true;
+                if let Err(e) = sys::kill_group(pgid, libc::SIGKILL) {
+                    tracing::warn!(error = %e, "SIGKILL");
+                }
+            }
+        }
+    };
+    // Whatever the task left behind in its process group goes with it.
+    let _ = sys::kill_group(pgid, libc::SIGKILL);
+    if let Some(c) = &agent.cgroups {
+        c.remove(&dir_name(k));
+    }
+    let exit = ExitRecord::read(&dir);
+    let lost = match status {
+        Some(s) => format!("lost: the task shim ended ({s}) without recording an exit status"),
+        None => "lost: the task shim is gone and recorded no exit status".to_owned(),
+    };
+    let r = final_report(k, &dir, exit.as_ref(), &lost);
+    tracing::info!(status = ?r.status, message = %r.message, "task ended");
+    agent.reporter.enqueue(r);
+    set_ended(&agent, k);
+}
+
+/// Deletes finished allocation directories older than the retention, forever.
+pub(crate) async fn gc(agent: Arc<Agent>) {
+    loop {
+        let retention = Duration::from_secs(agent.cfg.alloc_retention_s);
+        if let Ok(rd) = std::fs::read_dir(agent.cfg.allocs_dir()) {
+            for e in rd.filter_map(Result::ok).take(100_000) {
+                let marker = e.path().join("reported");
+                let old = std::fs::metadata(&marker)
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age >= retention);
+                let Some(k) = e.file_name().to_str().and_then(parse_dir_name) else {
+                    continue;
+                };
+                if old && !lock(&agent).map.contains_key(&k) {
+                    if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                        tracing::warn!(dir = %e.path().display(), error = %err, "removing a finished allocation directory");
+                    }
+                    if let Some(c) = &agent.cgroups {
+                        c.remove(&dir_name(k));
+                    }
+                }
+            }
+        }
+        if !crate::control::pause(&agent, Duration::from_secs(600).min(retention.max(Duration::from_secs(1)))).await {
+            return;
+        }
+    }
+}
+
+/// Whether the task of an allocation directory has ended (for log following): it has an exit
+/// record, or no shim holds its lock.
+pub(crate) fn finished(dir: &Path) -> bool {
+    if dir.join(crate::shim::EXIT_FILE).exists() || dir.join("reported").exists() {
+        return true;
+    }
+    !dir.join(crate::shim::SHIM_FILE).exists() && !dir.join("task.json").exists()
+        || matches!(sys::try_lock(&dir.join(crate::shim::LOCK_FILE)), Ok(Some(_)))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dir_names_round_trip() {
+        assert_eq!(parse_dir_name(&dir_name((12, 3))), Some((12, 3)));
+        assert_eq!(parse_dir_name("x-1"), None);
+        assert_eq!(parse_dir_name("12"), None);
+    }
+
+    #[test]
+    fn final_reports() {
+        let d = tempfile::tempdir().unwrap();
+        let ok = ExitRecord { exit_code: Some(0), signal: None, finished_at: 0, error: None };
+        let r = final_report((1, 1), d.path(), Some(&ok), "");
+        assert_eq!((r.status, r.exit_code), (pb::AllocReport::Succeeded, 0));
+        let bad = ExitRecord { exit_code: Some(3), ..ok.clone() };
+        let r = final_report((1, 1), d.path(), Some(&bad), "");
+        assert_eq!((r.status, r.message.as_str(), r.exit_code), (pb::AllocReport::Failed, "exit code 3", 3));
+        let sig = ExitRecord { exit_code: None, signal: Some(9), ..ok.clone() };
+        let r = final_report((1, 1), d.path(), Some(&sig), "");
+        assert_eq!((r.status, r.message.as_str(), r.exit_code), (pb::AllocReport::Failed, "killed by signal 9", 137));
+        let r = final_report((1, 1), d.path(), None, "lost: x");
+        assert_eq!((r.status, r.message.as_str()), (pb::AllocReport::Failed, "lost: x"));
+        write_stop(d.path(), "preempted");
+        let r = final_report((1, 1), d.path(), Some(&sig), "");
+        assert_eq!(r.status, pb::AllocReport::Stopped);
+        assert!(r.message.starts_with("stopped: preempted"), "{}", r.message);
+    }
+
+    #[test]
+    fn grace_is_bounded() {
+        let c = AgentConfig { stop_grace_min_ms: 500, stop_grace_max_ms: 5000, ..AgentConfig::default() };
+        assert_eq!(grace(&c, 0), Duration::from_millis(500));
+        assert_eq!(grace(&c, 2), Duration::from_millis(2000));
+        assert_eq!(grace(&c, 1000), Duration::from_millis(5000));
+    }
+}

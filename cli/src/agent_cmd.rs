@@ -1,0 +1,129 @@
+//! `suanli agent` (the node agent) and the hidden `suanli task-shim`. Configuration layers:
+//! defaults, then the TOML file (`--config`), then `SUANLI_AGENT_*` environment variables and
+//! flags for the common fields.
+
+use anyhow::{Context, Result};
+use std::path::PathBuf;
+use suanli_agent::AgentConfig;
+
+/// `suanli agent` (each flag also read from the environment variable shown).
+#[derive(clap::Args, Debug)]
+pub struct AgentArgs {
+    /// Configuration file (TOML; every field of the agent's configuration, see docs/agent.md).
+    #[arg(long, env = "SUANLI_AGENT_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Control-plane servers, HOST:PORT, comma-separated.
+    #[arg(long, env = "SUANLI_AGENT_SERVERS", value_delimiter = ',')]
+    pub servers: Vec<String>,
+    /// This node's id (default: the host name).
+    #[arg(long, env = "SUANLI_AGENT_NODE_ID")]
+    pub node_id: Option<String>,
+    /// The resource pool the node joins.
+    #[arg(long, env = "SUANLI_AGENT_POOL")]
+    pub pool: Option<String>,
+    /// Where allocation directories and the agent's state live.
+    #[arg(long, env = "SUANLI_AGENT_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Directory of device plugin libraries.
+    #[arg(long, env = "SUANLI_AGENT_PLUGIN_DIR")]
+    pub plugin_dir: Option<PathBuf>,
+    /// Address of the task log service (IP:PORT; port 0 picks one).
+    #[arg(long, env = "SUANLI_AGENT_LISTEN")]
+    pub listen: Option<String>,
+}
+
+impl AgentArgs {
+    /// The layered configuration, validated.
+    pub fn config(&self) -> Result<AgentConfig> {
+        let mut c = match &self.config {
+            Some(p) => AgentConfig::from_file(p)?,
+            None => AgentConfig::default(),
+        };
+        let servers: Vec<String> = self.servers.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
+        if !servers.is_empty() {
+            c.servers = servers;
+        }
+        if let Some(v) = &self.node_id {
+            c.node_id = v.clone();
+        }
+        if let Some(v) = &self.pool {
+            c.pool = v.clone();
+        }
+        if let Some(v) = &self.data_dir {
+            c.data_dir = v.clone();
+        }
+        if let Some(v) = &self.plugin_dir {
+            c.plugin_dir = v.clone();
+        }
+        if let Some(v) = &self.listen {
+            c.listen = v.clone();
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+/// `suanli task-shim` (started by the agent only).
+#[derive(clap::Args, Debug)]
+pub struct TaskShimArgs {
+    /// The allocation directory.
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Rotate each log file at this size (bytes).
+    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    pub max_log_bytes: u64,
+    /// A cgroup v2 directory to join before starting the command.
+    #[arg(long)]
+    pub cgroup: Option<PathBuf>,
+    /// Working directory of the command (default: --dir).
+    #[arg(long)]
+    pub workdir: Option<PathBuf>,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+async fn shutdown_signal() {
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+    match term {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+/// Runs the agent until SIGTERM or Ctrl-C.
+pub fn run(a: AgentArgs) -> Result<()> {
+    let cfg = a.config()?;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SUANLI_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    rt.block_on(suanli_agent::run(cfg, shutdown_signal()))?;
+    // Plugin hosts and in-flight calls may hold runtime threads; tasks are separate processes.
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    Ok(())
+}
+
+/// Runs the task shim.
+pub fn shim(a: TaskShimArgs) -> std::process::ExitCode {
+    let mut it = a.command.into_iter();
+    let Some(command) = it.next() else {
+        eprintln!("suanli task-shim: no command after --");
+        return std::process::ExitCode::from(2);
+    };
+    suanli_agent::shim::run(suanli_agent::ShimArgs {
+        dir: a.dir,
+        max_log_bytes: a.max_log_bytes,
+        cgroup: a.cgroup,
+        workdir: a.workdir,
+        command,
+        args: it.collect(),
+    })
+}

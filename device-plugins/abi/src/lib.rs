@@ -1,0 +1,151 @@
+//! suanli's device plugin ABI.
+//!
+//! The contract is the C header `include/suanli_device_plugin.h`; this crate gives:
+//! - plugin authors a safe Rust trait, [`DevicePlugin`], and [`export_plugin!`], which exports the
+//!   C entry point and catches panics at the boundary ([`export`]);
+//! - the agent a loader built on `libloading` that checks the symbol, the version and the struct
+//!   sizes before it calls anything ([`host`]), the `suanli plugin-host` child ([`process`]) and
+//!   its supervisor ([`supervisor`]), and the conformance checks behind `suanli plugin check`
+//!   ([`check`]).
+//!
+//! ```text
+//!  agent ── supervisor::PluginProcess ══frames══▶ suanli plugin-host (process::serve)
+//!                                                   └─ host::Library ──C ABI──▶ plugin.so
+//!                                                                               └─ export_plugin!
+//!                                                                                  (Rust) or C
+//! ```
+//!
+//! Payloads are the protocol buffers of `proto/suanli/v1/device.proto`, re-exported as [`pb`].
+//! [`ffi`] mirrors the header's structs; nothing Rust-specific (`&str`, `String`, `Result`, Rust
+//! `fn` types) ever crosses the boundary. This crate never loads a plugin into the agent's own
+//! process: [`host`] runs only inside the plugin-host child (and in tests).
+
+pub mod check;
+pub mod export;
+pub mod ffi;
+pub mod frame;
+pub mod host;
+pub mod process;
+pub mod supervisor;
+
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+
+/// The device payload messages (package `suanli.v1`).
+pub use suanli_proto::v1 as pb;
+
+/// The ABI major version this crate implements (breaking changes).
+pub const ABI_MAJOR: u32 = 1;
+/// The ABI minor version this crate implements (additions only).
+pub const ABI_MINOR: u32 = 1;
+
+/// Error codes a plugin returns (the header's `SUANLI_DP_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(i32)]
+pub enum Code {
+    /// A request field is malformed or out of range.
+    InvalidArgument = 1,
+    /// A device id the plugin does not know.
+    NotFound = 2,
+    /// The vendor library or the device is not available now.
+    Unavailable = 3,
+    /// The request is valid but the device's state refuses it (e.g. reserve of an unhealthy device).
+    FailedPrecondition = 4,
+    /// The call is not supported by this plugin.
+    Unimplemented = 5,
+    /// A bug or an unexpected vendor error.
+    Internal = 6,
+}
+
+impl Code {
+    /// The code for a raw value; unknown values map to `Internal`.
+    pub fn from_raw(v: i32) -> Code {
+        match v {
+            1 => Code::InvalidArgument,
+            2 => Code::NotFound,
+            3 => Code::Unavailable,
+            4 => Code::FailedPrecondition,
+            5 => Code::Unimplemented,
+            _ => Code::Internal,
+        }
+    }
+
+    /// The lowercase name, for messages.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Code::InvalidArgument => "invalid_argument",
+            Code::NotFound => "not_found",
+            Code::Unavailable => "unavailable",
+            Code::FailedPrecondition => "failed_precondition",
+            Code::Unimplemented => "unimplemented",
+            Code::Internal => "internal",
+        }
+    }
+}
+
+impl fmt::Display for Code {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An error returned by a plugin call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct PluginError {
+    /// What kind of failure.
+    pub code: Code,
+    /// A message for operators.
+    pub message: String,
+}
+
+impl PluginError {
+    /// An error with a code and a message.
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
+        Self { code, message: message.into() }
+    }
+    /// `InvalidArgument`.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(Code::InvalidArgument, message)
+    }
+    /// `NotFound`.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(Code::NotFound, message)
+    }
+    /// `Unavailable`.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(Code::Unavailable, message)
+    }
+    /// `Internal`.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(Code::Internal, message)
+    }
+}
+
+/// What a device plugin implements. [`export_plugin!`] turns an implementation into the C ABI.
+///
+/// Calls may arrive from several threads at once (the header's "Threads" rule); `init` and
+/// `shutdown` never overlap another call.
+pub trait DevicePlugin: Send + Sync + Sized + 'static {
+    /// Short name, e.g. `"nvidia"`.
+    const NAME: &'static str;
+    /// The plugin's own version, e.g. `env!("CARGO_PKG_VERSION")`.
+    const VERSION: &'static str;
+
+    /// Creates the instance (opens vendor libraries, reads the config file).
+    fn init(config: pb::PluginConfig) -> Result<Self, PluginError>;
+    /// Every device, its health and topology.
+    fn fingerprint(&self) -> Result<pb::Inventory, PluginError>;
+    /// What a task given these devices needs (environment, device files, mounts).
+    fn reserve(&self, req: pb::ReserveRequest) -> Result<pb::Reservation, PluginError>;
+    /// Utilization, memory, power, temperature, error counters.
+    fn stats(&self, req: pb::StatsRequest) -> Result<pb::StatsResponse, PluginError>;
+    /// Health events since the previous call (ABI 1.1).
+    fn health_events(&self) -> Result<pb::HealthEvents, PluginError> {
+        Ok(pb::HealthEvents::default())
+    }
+    /// Releases vendor resources; the instance is dropped right after.
+    fn shutdown(&self) {}
+}

@@ -1,0 +1,794 @@
+//! suanli's NVIDIA plugin: GPUs through NVML (`nvml-wrapper`, which dlopens
+//! `libnvidia-ml.so.1` at run time, so this library builds and loads on machines without a driver).
+//!
+//! ```text
+//!  init ──▶ Nvml::init ──┬─ fails ─▶ "absent": zero devices, message "NVML not available: <cause>"
+//!                        └─ ok ────▶ XID watcher thread (event set, 500 ms waits) ─▶ bounded queue
+//!  fingerprint ─▶ per GPU: index, UUID, name, memory, NUMA, MIG devices (partition_of), NVLink
+//!                 peers (links + peer_group islands); unhealthy after a device XID
+//!  stats ───────▶ utilization, memory used, power, temperature, volatile uncorrected ECC, XIDs seen
+//!  reserve ─────▶ CUDA_VISIBLE_DEVICES=<UUIDs>, /dev/nvidia<minor>, /dev/nvidiactl, /dev/nvidia-uvm
+//!  health_events ▶ drains the queue
+//! ```
+//!
+//! Device ids are `gpu<index>` for GPUs and `gpu<index>-mig<n>` for MIG devices.
+//! Where NVML is absent every call still succeeds (with zero devices) except reserve and stats of
+//! a named device, which fail with NotFound and the NVML error. The code paths that need a GPU
+//! cannot run on machines without one; they are kept straightforward (one NVML query per field,
+//! each failure reported rather than fatal).
+//!
+//! Plugin options: `nvml_lib` (a path to load instead of `libnvidia-ml.so.1`).
+
+pub mod topo;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nvml_wrapper::Device;
+use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use suanli_device_abi::{Code, DevicePlugin, PluginError, pb};
+
+/// The most health events kept between two health_events calls; older ones are dropped (and
+/// counted in the next event batch's message).
+pub const MAX_QUEUED_EVENTS: usize = 1024;
+/// How long the XID watcher waits for an event before checking whether to stop.
+pub const EVENT_WAIT_MS: u32 = 500;
+/// The most GPUs enumerated.
+pub const MAX_GPUS: u32 = 64;
+/// NVML's maximum NVLinks per GPU (NVML_NVLINK_MAX_LINKS).
+pub const MAX_NVLINKS: u32 = 18;
+
+const MIB: u64 = 1024 * 1024;
+
+/// The NVIDIA plugin instance.
+pub struct NvidiaPlugin {
+    backend: Backend,
+}
+
+enum Backend {
+    /// NVML could not be loaded or initialized.
+    Absent {
+        message: String,
+    },
+    Live(Live),
+}
+
+struct Live {
+    nvml: Arc<Nvml>,
+    driver_version: String,
+    health: Arc<Mutex<Health>>,
+    stop: Arc<AtomicBool>,
+    watcher: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// XID state shared with the watcher thread.
+#[derive(Default)]
+struct Health {
+    /// Devices made unhealthy by an XID, and the last such XID (sticky until the plugin restarts).
+    bad: BTreeMap<String, u64>,
+    /// XIDs seen per device since init.
+    xid_count: BTreeMap<String, u64>,
+    /// Events not yet returned by health_events (at most MAX_QUEUED_EVENTS).
+    queue: VecDeque<pb::HealthEvent>,
+    /// Events dropped because the queue was full.
+    dropped: u64,
+    /// Why XID events are not (or not fully) watched, if so.
+    watch_error: Option<String>,
+}
+
+fn nvml_err(what: &str, e: &NvmlError) -> PluginError {
+    let code = match e {
+        NvmlError::GpuLost | NvmlError::DriverNotLoaded | NvmlError::Uninitialized => Code::Unavailable,
+        NvmlError::NotFound | NvmlError::InvalidArg => Code::NotFound,
+        _ => Code::Internal,
+    };
+    PluginError::new(code, format!("{what}: {}", topo::error_chain(e)))
+}
+
+/// NUMA node of a GPU: NVML when it knows, else sysfs, else 0.
+fn numa_of(dev: &Device<'_>, bus_id: Option<&str>) -> u32 {
+    if let Ok(n) = dev.numa_node_id() {
+        return n;
+    }
+    bus_id
+        .and_then(topo::sysfs_pci_dir)
+        .and_then(|d| std::fs::read_to_string(d.join("numa_node")).ok())
+        .and_then(|t| topo::parse_numa_node(&t))
+        .unwrap_or(0)
+}
+
+impl Live {
+    fn device_count(&self) -> Result<u32, PluginError> {
+        let n = self.nvml.device_count().map_err(|e| nvml_err("nvmlDeviceGetCount", &e))?;
+        if n > MAX_GPUS {
+            return Err(PluginError::internal(format!("NVML reports {n} GPUs, more than the limit of {MAX_GPUS}")));
+        }
+        Ok(n)
+    }
+
+    fn health(&self) -> Result<std::sync::MutexGuard<'_, Health>, PluginError> {
+        self.health.lock().map_err(|_| PluginError::internal("nvidia health lock poisoned"))
+    }
+
+    fn fingerprint(&self) -> Result<pb::Inventory, PluginError> {
+        let count = self.device_count()?;
+        let bad = self.health()?.bad.clone();
+        let mut devices = Vec::new();
+        let mut link_info = Vec::new();
+        let mut notes = Vec::new();
+        for i in 0..count {
+            let id = topo::gpu_id(i);
+            let dev = match self.nvml.device_by_index(i) {
+                Ok(d) => d,
+                Err(e) => {
+                    devices.push(pb::PluginDevice {
+                        id,
+                        kind: "gpu".into(),
+                        vendor: "nvidia".into(),
+                        model: "unknown".into(),
+                        healthy: false,
+                        health_reason: format!("nvmlDeviceGetHandleByIndex: {}", topo::error_chain(&e)),
+                        index: i,
+                        ..Default::default()
+                    });
+                    continue;
+                }
+            };
+            let mut problems = Vec::new();
+            let uuid = dev.uuid().unwrap_or_else(|e| {
+                problems.push(format!("uuid: {}", topo::error_chain(&e)));
+                String::new()
+            });
+            let model = dev.name().unwrap_or_else(|e| {
+                problems.push(format!("name: {}", topo::error_chain(&e)));
+                "unknown".into()
+            });
+            let memory_mib = dev.memory_info().map(|m| m.total / MIB).unwrap_or_else(|e| {
+                problems.push(format!("memory: {}", topo::error_chain(&e)));
+                0
+            });
+            let bus_id = dev.pci_info().ok().and_then(|p| topo::normalize_bus_id(&p.bus_id));
+            let numa_node = numa_of(&dev, bus_id.as_deref());
+            if let Some(bus) = &bus_id {
+                let mut links = Vec::new();
+                for l in 0..MAX_NVLINKS {
+                    let link = dev.link_wrapper_for(l);
+                    if !matches!(link.is_active(), Ok(true)) {
+                        continue;
+                    }
+                    let Some(remote) = link.remote_pci_info().ok().and_then(|p| topo::normalize_bus_id(&p.bus_id))
+                    else {
+                        continue;
+                    };
+                    links.push((remote, link.version().unwrap_or(0)));
+                }
+                link_info.push(topo::GpuLinks { id: id.clone(), bus_id: bus.clone(), links });
+            }
+            let (healthy, health_reason) = match (bad.get(&id), problems.is_empty()) {
+                (Some(code), _) => (false, format!("XID {code}")),
+                (None, false) => (false, problems.join("; ")),
+                (None, true) => (true, String::new()),
+            };
+            devices.push(pb::PluginDevice {
+                id: id.clone(),
+                kind: "gpu".into(),
+                vendor: "nvidia".into(),
+                model: model.clone(),
+                memory_mib,
+                healthy,
+                health_reason: health_reason.clone(),
+                numa_node,
+                uuid,
+                index: i,
+                ..Default::default()
+            });
+            // MIG devices, when MIG mode is on.
+            if dev.mig_mode().map(|m| m.current == 1).unwrap_or(false) {
+                let max = dev.mig_device_count().unwrap_or(0).min(MAX_GPUS);
+                for m in 0..max {
+                    let mig = match dev.mig_device_by_index(m) {
+                        Ok(d) => d,
+                        Err(NvmlError::NotFound) => continue,
+                        Err(e) => {
+                            notes.push(format!("{}: {}", topo::mig_id(i, m), topo::error_chain(&e)));
+                            continue;
+                        }
+                    };
+                    devices.push(pb::PluginDevice {
+                        id: topo::mig_id(i, m),
+                        kind: "gpu".into(),
+                        vendor: "nvidia".into(),
+                        model: mig.name().unwrap_or_else(|_| model.clone()),
+                        memory_mib: mig.memory_info().map(|mm| mm.total / MIB).unwrap_or(0),
+                        healthy,
+                        health_reason: health_reason.clone(),
+                        numa_node,
+                        partition_of: id.clone(),
+                        uuid: mig.uuid().unwrap_or_default(),
+                        index: i,
+                        ..Default::default()
+                    });
+                }
+            }
+        }
+        let topology = topo::nvlink_topology(&link_info);
+        for d in devices.iter_mut().filter(|d| d.partition_of.is_empty()) {
+            if let Some((links, group)) = topology.get(&d.id) {
+                d.links = links.clone();
+                d.peer_group = *group;
+            }
+        }
+        let mut message = format!("{count} NVIDIA GPU(s) through NVML");
+        if let Some(w) = &self.health()?.watch_error {
+            message.push_str("; XID events: ");
+            message.push_str(w);
+        }
+        for n in notes {
+            message.push_str("; ");
+            message.push_str(&n);
+        }
+        Ok(pb::Inventory {
+            vendor: "nvidia".into(),
+            message,
+            devices,
+            driver_version: self.driver_version.clone(),
+            ..Default::default()
+        })
+    }
+
+    /// The NVML handle of an id (a GPU or one of its MIG devices).
+    fn resolve(&self, id: &str) -> Result<(Device<'_>, u32, bool), PluginError> {
+        let Some((index, mig)) = topo::parse_id(id) else {
+            return Err(PluginError::not_found(format!(
+                "device {id:?} is not an NVIDIA plugin id (gpuN or gpuN-migM)"
+            )));
+        };
+        if index >= self.device_count()? {
+            return Err(PluginError::not_found(format!("device {id:?}: no GPU {index} on this node")));
+        }
+        let dev = self.nvml.device_by_index(index).map_err(|e| nvml_err(&format!("device {id:?}"), &e))?;
+        match mig {
+            None => Ok((dev, index, false)),
+            Some(m) => {
+                let md = dev.mig_device_by_index(m).map_err(|e| nvml_err(&format!("device {id:?}"), &e))?;
+                Ok((md, index, true))
+            }
+        }
+    }
+
+    fn reserve(&self, req: &pb::ReserveRequest) -> Result<pb::Reservation, PluginError> {
+        let bad = self.health()?.bad.clone();
+        let mut uuids = Vec::new();
+        let mut minors = std::collections::BTreeSet::new();
+        for id in &req.device_ids {
+            let (dev, index, _) = self.resolve(id)?;
+            if let Some(code) = bad.get(&topo::gpu_id(index)) {
+                return Err(PluginError::new(
+                    Code::FailedPrecondition,
+                    format!("device {id:?} is unhealthy: XID {code}"),
+                ));
+            }
+            uuids.push(dev.uuid().map_err(|e| nvml_err(&format!("device {id:?} uuid"), &e))?);
+            let parent = self.nvml.device_by_index(index).map_err(|e| nvml_err(&format!("device {id:?}"), &e))?;
+            minors.insert(parent.minor_number().unwrap_or(index));
+        }
+        let mut res = pb::Reservation::default();
+        if req.device_ids.is_empty() {
+            return Ok(res);
+        }
+        res.env.insert("CUDA_VISIBLE_DEVICES".into(), uuids.join(","));
+        let file = |p: String| pb::DeviceFile { host_path: p.clone(), container_path: p, permissions: "rw".into() };
+        for m in minors {
+            res.device_files.push(file(format!("/dev/nvidia{m}")));
+        }
+        for f in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] {
+            res.device_files.push(file(f.into()));
+        }
+        Ok(res)
+    }
+
+    fn one_stats(&self, id: &str, dev: &Device<'_>, xids: u64) -> pb::DeviceStats {
+        pb::DeviceStats {
+            id: id.to_string(),
+            utilization_pct: dev.utilization_rates().map(|u| f64::from(u.gpu)).unwrap_or(0.0),
+            memory_used_mib: dev.memory_info().map(|m| m.used / MIB).unwrap_or(0),
+            power_w: dev.power_usage().map(|mw| f64::from(mw) / 1000.0).unwrap_or(0.0),
+            temperature_c: dev.temperature(TemperatureSensor::Gpu).map(f64::from).unwrap_or(0.0),
+            ecc_errors: dev.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile).unwrap_or(0),
+            xid_errors: xids,
+        }
+    }
+
+    fn stats(&self, req: &pb::StatsRequest) -> Result<pb::StatsResponse, PluginError> {
+        let counts = self.health()?.xid_count.clone();
+        let mut out = Vec::new();
+        if req.device_ids.is_empty() {
+            for i in 0..self.device_count()? {
+                let id = topo::gpu_id(i);
+                if let Ok(dev) = self.nvml.device_by_index(i) {
+                    out.push(self.one_stats(&id, &dev, counts.get(&id).copied().unwrap_or(0)));
+                }
+            }
+        } else {
+            for id in &req.device_ids {
+                let (dev, index, _) = self.resolve(id)?;
+                out.push(self.one_stats(id, &dev, counts.get(&topo::gpu_id(index)).copied().unwrap_or(0)));
+            }
+        }
+        Ok(pb::StatsResponse { devices: out, cpu_utilization_pct: 0.0 })
+    }
+
+    fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = self.watcher.lock().ok().and_then(|mut w| w.take()) {
+            // The watcher checks `stop` at least every EVENT_WAIT_MS.
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn push_event(h: &mut Health, ev: pb::HealthEvent) {
+    if h.queue.len() >= MAX_QUEUED_EVENTS {
+        h.queue.pop_front();
+        h.dropped += 1;
+    }
+    h.queue.push_back(ev);
+}
+
+/// The XID watcher: registers every GPU that supports it for critical XID events and waits on
+/// the event set until told to stop.
+fn watch_xids(
+    nvml: Arc<Nvml>,
+    ids_by_uuid: BTreeMap<String, String>,
+    count: u32,
+    health: Arc<Mutex<Health>>,
+    stop: Arc<AtomicBool>,
+) {
+    let note = |msg: String| {
+        if let Ok(mut h) = health.lock() {
+            h.watch_error = Some(match h.watch_error.take() {
+                Some(prev) if prev != msg => format!("{prev}; {msg}"),
+                _ => msg,
+            });
+        }
+    };
+    // Registering a device that fails releases the set, so on failure start over without it.
+    let mut skip = std::collections::BTreeSet::new();
+    let set = 'build: loop {
+        let mut set = match nvml.create_event_set() {
+            Ok(s) => s,
+            Err(e) => {
+                note(format!("nvmlEventSetCreate: {}", topo::error_chain(&e)));
+                return;
+            }
+        };
+        let mut registered = 0;
+        for i in 0..count {
+            if skip.contains(&i) {
+                continue;
+            }
+            let Ok(dev) = nvml.device_by_index(i) else { continue };
+            match dev.supported_event_types() {
+                Ok(t) if t.contains(EventTypes::CRITICAL_XID_ERROR) => {}
+                _ => continue,
+            }
+            match dev.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+                Ok(s) => {
+                    set = s;
+                    registered += 1;
+                }
+                Err(e) => {
+                    note(format!("gpu{i}: nvmlDeviceRegisterEvents: {}", topo::error_chain(&e)));
+                    skip.insert(i);
+                    continue 'build;
+                }
+            }
+        }
+        if registered == 0 {
+            note("no GPU supports XID events".into());
+            return;
+        }
+        break set;
+    };
+    while !stop.load(Ordering::SeqCst) {
+        match set.wait(EVENT_WAIT_MS) {
+            Ok(ev) => {
+                let code = match ev.event_data {
+                    Some(XidError::Value(v)) => v,
+                    Some(XidError::Unknown) | None => 999,
+                };
+                let id = ev
+                    .device
+                    .uuid()
+                    .ok()
+                    .and_then(|u| ids_by_uuid.get(&u).cloned())
+                    .unwrap_or_else(|| "unknown".into());
+                let app = topo::xid_is_application_error(code);
+                let Ok(mut h) = health.lock() else { return };
+                *h.xid_count.entry(id.clone()).or_default() += 1;
+                if !app {
+                    h.bad.insert(id.clone(), code);
+                }
+                let reason = if app {
+                    format!("XID {code} (an application error; the device stays healthy)")
+                } else {
+                    format!("XID {code}")
+                };
+                push_event(&mut h, pb::HealthEvent { device: id, healthy: app, reason, code });
+            }
+            Err(NvmlError::Timeout) => {}
+            Err(e) => {
+                note(format!("nvmlEventSetWait: {}", topo::error_chain(&e)));
+                // Do not spin on a persistent error.
+                std::thread::sleep(Duration::from_millis(u64::from(EVENT_WAIT_MS)));
+            }
+        }
+    }
+}
+
+impl NvidiaPlugin {
+    /// Whether NVML was loaded.
+    pub fn nvml_loaded(&self) -> bool {
+        matches!(self.backend, Backend::Live(_))
+    }
+
+    fn absent_not_found(message: &str, ids: &[String]) -> Result<(), PluginError> {
+        match ids.first() {
+            None => Ok(()),
+            Some(id) => Err(PluginError::not_found(format!("device {id:?}: no NVIDIA devices ({message})"))),
+        }
+    }
+}
+
+impl DevicePlugin for NvidiaPlugin {
+    const NAME: &'static str = "nvidia";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+
+    fn init(config: pb::PluginConfig) -> Result<Self, PluginError> {
+        let lib = config.options.get("nvml_lib").cloned();
+        let loaded = match &lib {
+            Some(path) => Nvml::builder().lib_path(std::ffi::OsStr::new(path)).init(),
+            None => Nvml::init(),
+        };
+        let nvml = match loaded {
+            Ok(n) => Arc::new(n),
+            Err(e) => {
+                let what = lib.as_deref().unwrap_or("libnvidia-ml.so.1");
+                let message = format!("NVML not available: {what}: {}", topo::error_chain(&e));
+                eprintln!("suanli nvidia plugin: {message}");
+                return Ok(NvidiaPlugin { backend: Backend::Absent { message } });
+            }
+        };
+        let driver_version = nvml.sys_driver_version().unwrap_or_default();
+        let live = Live {
+            nvml: Arc::clone(&nvml),
+            driver_version,
+            health: Arc::new(Mutex::new(Health::default())),
+            stop: Arc::new(AtomicBool::new(false)),
+            watcher: Mutex::new(None),
+        };
+        let count = live.device_count().unwrap_or(0);
+        let mut ids_by_uuid = BTreeMap::new();
+        for i in 0..count {
+            if let Ok(u) = nvml.device_by_index(i).and_then(|d| d.uuid()) {
+                ids_by_uuid.insert(u, topo::gpu_id(i));
+            }
+        }
+        if count > 0 {
+            let (health, stop) = (Arc::clone(&live.health), Arc::clone(&live.stop));
+            let spawned = std::thread::Builder::new()
+                .name("suanli-nvidia-xid".into())
+                .spawn(move || watch_xids(nvml, ids_by_uuid, count, health, stop));
+            match spawned {
+                Ok(h) => {
+                    if let Ok(mut w) = live.watcher.lock() {
+                        *w = Some(h);
+                    }
+                }
+                Err(e) => {
+                    if let Ok(mut h) = live.health.lock() {
+                        h.watch_error = Some(format!("cannot start the XID watcher thread: {e}"));
+                    }
+                }
+            }
+        }
+        Ok(NvidiaPlugin { backend: Backend::Live(live) })
+    }
+
+    fn fingerprint(&self) -> Result<pb::Inventory, PluginError> {
+        match &self.backend {
+            Backend::Absent { message } => {
+                Ok(pb::Inventory { vendor: "nvidia".into(), message: message.clone(), ..Default::default() })
+            }
+            Backend::Live(l) => l.fingerprint(),
+        }
+    }
+
+    fn reserve(&self, req: pb::ReserveRequest) -> Result<pb::Reservation, PluginError> {
+        match &self.backend {
+            Backend::Absent { message } => {
+                Self::absent_not_found(message, &req.device_ids)?;
+                Ok(pb::Reservation::default())
+            }
+            Backend::Live(l) => l.reserve(&req),
+        }
+    }
+
+    fn stats(&self, req: pb::StatsRequest) -> Result<pb::StatsResponse, PluginError> {
+        match &self.backend {
+            Backend::Absent { message } => {
+                Self::absent_not_found(message, &req.device_ids)?;
+                Ok(pb::StatsResponse::default())
+            }
+            Backend::Live(l) => l.stats(&req),
+        }
+    }
+
+    fn health_events(&self) -> Result<pb::HealthEvents, PluginError> {
+        match &self.backend {
+            Backend::Absent { .. } => Ok(pb::HealthEvents::default()),
+            Backend::Live(l) => {
+                let mut h = l.health()?;
+                let mut events: Vec<pb::HealthEvent> = h.queue.drain(..).collect();
+                if h.dropped > 0 {
+                    if let Some(first) = events.first_mut() {
+                        first.reason.push_str(&format!(
+                            " ({} older events dropped: queue limit {MAX_QUEUED_EVENTS})",
+                            h.dropped
+                        ));
+                    }
+                    h.dropped = 0;
+                }
+                Ok(pb::HealthEvents { events })
+            }
+        }
+    }
+
+    fn shutdown(&self) {
+        if let Backend::Live(l) = &self.backend {
+            l.stop();
+        }
+    }
+}
+
+suanli_device_abi::export_plugin!(NvidiaPlugin);
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod plugin_nvidia_tests {
+    use super::*;
+
+    /// This machine has no NVIDIA driver: init succeeds, and every call reports zero devices and why.
+    #[test]
+    fn without_nvml_zero_devices_and_a_clear_message() {
+        let mut cfg = pb::PluginConfig::default();
+        cfg.options.insert("nvml_lib".into(), "/nonexistent/libnvidia-ml.so.1".into());
+        let p = NvidiaPlugin::init(cfg).unwrap();
+        assert!(!p.nvml_loaded());
+        let inv = p.fingerprint().unwrap();
+        assert_eq!(inv.vendor, "nvidia");
+        assert!(inv.devices.is_empty());
+        assert!(inv.message.starts_with("NVML not available: /nonexistent/libnvidia-ml.so.1"), "{}", inv.message);
+        // The dlopen cause is in the message, not just "dlopen failed".
+        assert!(inv.message.contains("No such file or directory"), "{}", inv.message);
+        assert!(p.stats(pb::StatsRequest::default()).unwrap().devices.is_empty());
+        assert!(p.health_events().unwrap().events.is_empty());
+        assert_eq!(p.reserve(pb::ReserveRequest::default()).unwrap(), pb::Reservation::default());
+        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu0".into()], alloc_id: 1 }).unwrap_err();
+        assert_eq!(e.code, Code::NotFound);
+        assert!(e.message.contains("NVML not available"), "{}", e.message);
+        p.shutdown();
+    }
+
+    /// The default library name, as production uses it. Where a driver is installed this takes
+    /// the live path, which must still answer every call.
+    #[test]
+    fn default_library() {
+        let p = NvidiaPlugin::init(pb::PluginConfig::default()).unwrap();
+        let inv = p.fingerprint().unwrap();
+        if p.nvml_loaded() {
+            assert!(inv.message.contains("NVIDIA GPU"), "{}", inv.message);
+            let s = p.stats(pb::StatsRequest::default()).unwrap();
+            assert_eq!(s.devices.len(), inv.devices.iter().filter(|d| d.partition_of.is_empty()).count());
+        } else {
+            assert!(inv.message.contains("NVML not available: libnvidia-ml.so.1"), "{}", inv.message);
+            assert!(inv.devices.is_empty());
+        }
+        p.health_events().unwrap();
+        p.shutdown();
+    }
+    /// A stub libnvidia-ml.so (there is no GPU here): 4 GPUs; gpu0 and gpu1 joined by two direct
+    /// NVLink-4 links; gpu2 and gpu3 each with one link to each of two NVSwitches; gpu1 in MIG
+    /// mode with MIG devices 0 and 2 (index 1 empty); minor numbers 100 + index; an XID event is
+    /// delivered when the file XID_FILE (replaced by a path at build time) holds "GPU CODE".
+    const NVML_STUB: &str = r#"
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+typedef struct { int index; int mig; } stub_dev;
+static stub_dev gpus[4] = {{0, -1}, {1, -1}, {2, -1}, {3, -1}};
+static stub_dev migs[3] = {{1, 0}, {1, 1}, {1, 2}};
+typedef struct { char busIdLegacy[16]; unsigned domain, bus, device, pciDeviceId, pciSubSystemId; char busId[32]; } pci_t;
+typedef struct { unsigned version; unsigned long long total, reserved, free, used; } mem2_t;
+typedef struct { unsigned gpu, memory; } util_t;
+typedef struct { void *device; unsigned long long eventType, eventData; unsigned gpuInstanceId, computeInstanceId; } event_t;
+int nvmlInit_v2(void) { return 0; }
+int nvmlShutdown(void) { return 0; }
+int nvmlSystemGetDriverVersion(char *v, unsigned n) { snprintf(v, n, "550.54.15"); return 0; }
+int nvmlDeviceGetCount_v2(unsigned *c) { *c = 4; return 0; }
+int nvmlDeviceGetHandleByIndex_v2(unsigned i, void **d) { if (i >= 4) return 2; *d = &gpus[i]; return 0; }
+int nvmlDeviceGetUUID(void *d, char *u, unsigned n) { stub_dev *x = d;
+  if (x->mig >= 0) snprintf(u, n, "MIG-stub-%d-%d", x->index, x->mig); else snprintf(u, n, "GPU-stub-%d", x->index); return 0; }
+int nvmlDeviceGetName(void *d, char *s, unsigned n) { stub_dev *x = d;
+  snprintf(s, n, x->mig >= 0 ? "NVIDIA A100-SXM4-80GB MIG 3g.40gb" : "NVIDIA A100-SXM4-80GB"); return 0; }
+int nvmlDeviceGetMemoryInfo_v2(void *d, mem2_t *m) { stub_dev *x = d; unsigned long long mib = 1024ULL * 1024;
+  m->total = (x->mig >= 0 ? 40960ULL : 81920ULL) * mib; m->used = (1000ULL + x->index) * mib; m->free = m->total - m->used; m->reserved = 0; return 0; }
+int nvmlDeviceGetPciInfo_v3(void *d, pci_t *p) { stub_dev *x = d; memset(p, 0, sizeof *p); p->bus = 0x10 + x->index;
+  snprintf(p->busId, 32, "00000000:%02X:00.0", 0x10 + x->index); snprintf(p->busIdLegacy, 16, "0000:%02X:00.0", 0x10 + x->index); return 0; }
+int nvmlDeviceGetNumaNodeId(void *d, unsigned *n) { *n = ((stub_dev *)d)->index / 2; return 0; }
+static int remote(stub_dev *x, unsigned link, char *bus) { if (x->mig >= 0 || link > 1) return 0;
+  if (x->index == 0) strcpy(bus, "00000000:11:00.0"); else if (x->index == 1) strcpy(bus, "00000000:10:00.0");
+  else sprintf(bus, "00000000:A%u:00.0", link); return 1; }
+int nvmlDeviceGetNvLinkState(void *d, unsigned link, int *active) { char b[32]; if (link >= 18) return 2; *active = remote(d, link, b); return 0; }
+int nvmlDeviceGetNvLinkRemotePciInfo_v2(void *d, unsigned link, pci_t *p) { memset(p, 0, sizeof *p); return remote(d, link, p->busId) ? 0 : 3; }
+int nvmlDeviceGetNvLinkVersion(void *d, unsigned link, unsigned *v) { *v = 4; return 0; }
+int nvmlDeviceGetMigMode(void *d, unsigned *cur, unsigned *pend) { stub_dev *x = d; if (x->mig >= 0) return 3; *cur = *pend = (x->index == 1); return 0; }
+int nvmlDeviceGetMaxMigDeviceCount(void *d, unsigned *c) { *c = 3; return 0; }
+int nvmlDeviceGetMigDeviceHandleByIndex(void *d, unsigned i, void **m) { stub_dev *x = d;
+  if (x->index != 1 || i >= 3) return 2; if (i == 1) return 6; *m = &migs[i]; return 0; }
+int nvmlDeviceGetMinorNumber(void *d, unsigned *m) { *m = ((stub_dev *)d)->index + 100; return 0; }
+int nvmlDeviceGetUtilizationRates(void *d, util_t *u) { stub_dev *x = d; if (x->mig >= 0) return 3; u->gpu = 10 * (x->index + 1); u->memory = 5; return 0; }
+int nvmlDeviceGetPowerUsage(void *d, unsigned *p) { *p = 123456; return 0; }
+int nvmlDeviceGetTemperature(void *d, int sensor, unsigned *t) { *t = 40 + ((stub_dev *)d)->index; return 0; }
+int nvmlDeviceGetTotalEccErrors(void *d, int type, int counter, unsigned long long *c) { *c = ((stub_dev *)d)->index == 2 ? 7 : 0; return 0; }
+int nvmlDeviceGetSupportedEventTypes(void *d, unsigned long long *t) { *t = 8; return 0; }
+static int the_set;
+int nvmlEventSetCreate(void **s) { *s = &the_set; return 0; }
+int nvmlDeviceRegisterEvents(void *d, unsigned long long t, void *s) { return 0; }
+int nvmlEventSetFree(void *s) { return 0; }
+int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
+  FILE *f = fopen("XID_FILE", "r");
+  if (f) { unsigned idx = 0; unsigned long long code = 0; int ok = fscanf(f, "%u %llu", &idx, &code) == 2; fclose(f); unlink("XID_FILE");
+    if (ok && idx < 4) { memset(e, 0, sizeof *e); e->device = &gpus[idx]; e->eventType = 8; e->eventData = code; return 0; } }
+  usleep((timeout < 20 ? timeout : 20) * 1000); return 10;
+}
+"#;
+
+    struct Stub(std::path::PathBuf);
+
+    impl Drop for Stub {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn build_stub() -> Stub {
+        let dir = std::env::temp_dir().join(format!("suanli-nvml-stub-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let c = dir.join("nvml_stub.c");
+        std::fs::write(&c, NVML_STUB.replace("XID_FILE", &dir.join("xid").display().to_string())).unwrap();
+        let out = std::process::Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+            .args(["-shared", "-fPIC", "-O1", "-o"])
+            .arg(dir.join("libnvidia-ml.so.1"))
+            .arg(&c)
+            .output()
+            .expect("a C compiler (cc) is needed to build the stub NVML library");
+        assert!(out.status.success(), "cc failed: {}", String::from_utf8_lossy(&out.stderr));
+        Stub(dir)
+    }
+
+    fn xid(stub: &Stub, gpu: u32, code: u64) {
+        let tmp = stub.0.join("xid.tmp");
+        std::fs::write(&tmp, format!("{gpu} {code}\n")).unwrap();
+        std::fs::rename(tmp, stub.0.join("xid")).unwrap();
+    }
+
+    /// Polls health_events until an event arrives (the watcher waits in 20 ms slices here).
+    fn next_events(p: &NvidiaPlugin) -> Vec<pb::HealthEvent> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let ev = p.health_events().unwrap().events;
+            if !ev.is_empty() {
+                return ev;
+            }
+            assert!(std::time::Instant::now() < deadline, "no health event within 10 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[test]
+    fn with_a_stub_nvml_library() {
+        let stub = build_stub();
+        let mut cfg = pb::PluginConfig::default();
+        cfg.options.insert("nvml_lib".into(), stub.0.join("libnvidia-ml.so.1").display().to_string());
+        let p = NvidiaPlugin::init(cfg).unwrap();
+        assert!(p.nvml_loaded());
+
+        let inv = p.fingerprint().unwrap();
+        assert_eq!(inv.driver_version, "550.54.15");
+        assert!(inv.message.starts_with("4 NVIDIA GPU(s)"), "{}", inv.message);
+        let ids: Vec<_> = inv.devices.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["gpu0", "gpu1", "gpu1-mig0", "gpu1-mig2", "gpu2", "gpu3"]);
+        let d = |id: &str| inv.devices.iter().find(|d| d.id == id).unwrap();
+        assert_eq!(
+            (d("gpu0").model.as_str(), d("gpu0").memory_mib, d("gpu0").uuid.as_str()),
+            ("NVIDIA A100-SXM4-80GB", 81920, "GPU-stub-0")
+        );
+        assert_eq!((d("gpu2").numa_node, d("gpu3").index), (1, 3));
+        assert!(inv.devices.iter().all(|d| d.healthy && d.vendor == "nvidia" && d.kind == "gpu"));
+        // Direct NVLink pair: two links of 50 GB/s.
+        assert_eq!(
+            d("gpu0").links,
+            vec![pb::PeerLink { peer: "gpu1".into(), kind: "nvlink".into(), bandwidth_mbps: 100_000 }]
+        );
+        assert_eq!((d("gpu0").peer_group, d("gpu1").peer_group), (Some(0), Some(0)));
+        // Through the NVSwitches.
+        assert_eq!(d("gpu2").links.iter().map(|l| l.peer.as_str()).collect::<Vec<_>>(), ["gpu3"]);
+        assert_eq!((d("gpu2").peer_group, d("gpu3").peer_group), (Some(1), Some(1)));
+        // MIG devices.
+        let m = d("gpu1-mig2");
+        assert_eq!((m.partition_of.as_str(), m.memory_mib, m.uuid.as_str()), ("gpu1", 40960, "MIG-stub-1-2"));
+        assert!(m.links.is_empty() && m.peer_group.is_none());
+
+        let r =
+            p.reserve(pb::ReserveRequest { device_ids: vec!["gpu1-mig2".into(), "gpu3".into()], alloc_id: 1 }).unwrap();
+        assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], "MIG-stub-1-2,GPU-stub-3");
+        let files: Vec<_> = r.device_files.iter().map(|f| f.host_path.as_str()).collect();
+        assert_eq!(
+            files,
+            ["/dev/nvidia101", "/dev/nvidia103", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+        );
+        for bad in ["gpu4", "gpu1-mig1", "cpu0"] {
+            let e = p.reserve(pb::ReserveRequest { device_ids: vec![bad.into()], alloc_id: 1 }).unwrap_err();
+            assert_eq!(e.code, Code::NotFound, "{bad}: {e}");
+        }
+
+        let s = p.stats(pb::StatsRequest::default()).unwrap();
+        assert_eq!(s.devices.len(), 4);
+        let s2 = &s.devices[2];
+        assert_eq!((s2.id.as_str(), s2.utilization_pct, s2.memory_used_mib, s2.ecc_errors), ("gpu2", 30.0, 1002, 7));
+        assert!((s2.power_w - 123.456).abs() < 1e-9 && s2.temperature_c == 42.0);
+        let s = p.stats(pb::StatsRequest { device_ids: vec!["gpu1-mig0".into()] }).unwrap();
+        assert_eq!((s.devices[0].utilization_pct, s.devices[0].memory_used_mib), (0.0, 1001));
+
+        // A device XID: an event, then unhealthy in fingerprint and refused by reserve.
+        assert!(p.health_events().unwrap().events.is_empty());
+        xid(&stub, 2, 79);
+        let ev = next_events(&p);
+        assert_eq!(ev.len(), 1);
+        assert_eq!(
+            (ev[0].device.as_str(), ev[0].healthy, ev[0].code, ev[0].reason.as_str()),
+            ("gpu2", false, 79, "XID 79")
+        );
+        let inv = p.fingerprint().unwrap();
+        let g2 = inv.devices.iter().find(|d| d.id == "gpu2").unwrap();
+        assert_eq!((g2.healthy, g2.health_reason.as_str()), (false, "XID 79"));
+        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu2".into()], alloc_id: 2 }).unwrap_err();
+        assert_eq!(e.code, Code::FailedPrecondition);
+        assert_eq!(p.stats(pb::StatsRequest { device_ids: vec!["gpu2".into()] }).unwrap().devices[0].xid_errors, 1);
+
+        // An application XID leaves the device healthy.
+        xid(&stub, 0, 13);
+        let ev = next_events(&p);
+        assert_eq!((ev[0].device.as_str(), ev[0].healthy, ev[0].code), ("gpu0", true, 13));
+        assert!(p.fingerprint().unwrap().devices[0].healthy);
+
+        // shutdown stops the watcher within one wait slice.
+        let t = std::time::Instant::now();
+        p.shutdown();
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+}
