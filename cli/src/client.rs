@@ -669,6 +669,11 @@ fn node_json(n: &pb::NodeInfo) -> Value {
         })).collect::<Vec<_>>(),
         "labels": labels, "updated_at": n.updated_at, "reason": n.reason, "allocations": n.allocations,
         "agent_addr": n.agent_addr,
+        "stats": n.stats.iter().map(|s| json!({
+            "id": s.id, "utilization_pct": s.utilization_pct, "memory_used_mib": s.memory_used_mib,
+            "power_w": s.power_w, "temperature_c": s.temperature_c, "ecc_errors": s.ecc_errors,
+            "xid_errors": s.xid_errors,
+        })).collect::<Vec<_>>(),
     })
 }
 
@@ -1272,6 +1277,7 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
                             .devices
                             .iter()
                             .map(|d| {
+                                let st = n.stats.iter().find(|s| s.id == d.id);
                                 vec![
                                     d.id.clone(),
                                     d.kind.clone(),
@@ -1282,12 +1288,27 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
                                     d.peer_group.map_or_else(|| "-".to_owned(), |g| g.to_string()),
                                     dash(&d.partition_of),
                                     milli(d.used_milli),
+                                    st.map_or_else(|| "-".to_owned(), |s| format!("{:.0}%", s.utilization_pct)),
+                                    st.map_or_else(|| "-".to_owned(), |s| mib(s.memory_used_mib)),
+                                    st.map_or_else(|| "-".to_owned(), |s| format!("{:.0}C", s.temperature_c)),
                                 ]
                             })
                             .collect();
                         println!("devices:");
-                        let h =
-                            ["DEVICE", "KIND", "MODEL", "MEMORY", "HEALTH", "NUMA", "PEERS", "PARTITION_OF", "USED"];
+                        let h = [
+                            "DEVICE",
+                            "KIND",
+                            "MODEL",
+                            "MEMORY",
+                            "HEALTH",
+                            "NUMA",
+                            "PEERS",
+                            "PARTITION_OF",
+                            "USED",
+                            "UTIL",
+                            "MEM_USED",
+                            "TEMP",
+                        ];
                         for l in table(&h, &rows).lines() {
                             println!("  {l}");
                         }

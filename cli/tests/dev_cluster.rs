@@ -103,4 +103,15 @@ fn dev_runs_an_example_job_on_fake_gpus() {
     assert!(out.contains(&format!("job {id} task main-0 attempt")), "logs: {out}");
     assert!(out.contains("CUDA_VISIBLE_DEVICES="), "logs: {out}");
     assert!(out.contains("on dev-gpu"), "the GPU job ran on the GPU node: {out}");
+
+    // Device statistics from the agents' heartbeats reach the leader and `node get`.
+    let stats = wait_for(Duration::from_secs(30), "device stats of dev-gpu", || {
+        let v = json(&suanli(&addr, &["node", "get", "dev-gpu", "--output", "json"]));
+        let s = v["stats"].as_array()?.clone();
+        (s.len() == 8).then_some(s)
+    });
+    for st in &stats {
+        let u = st["utilization_pct"].as_f64().unwrap();
+        assert!((0.0..=100.0).contains(&u), "{st}");
+    }
 }

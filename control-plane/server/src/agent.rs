@@ -65,6 +65,13 @@ impl Agent for AgentApi {
             return ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: false });
         }
         self.seen(&id);
+        if !r.stats.is_empty() {
+            // Bounded like a node's device list; only the latest report is kept.
+            let max = suanli_model::Limits::default().max_devices_per_node;
+            let stats: Vec<_> = r.stats.into_iter().take(max).collect();
+            let mut m = self.0.device_stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            m.insert(id.clone(), stats);
+        }
         for d in r.devices {
             let health = if d.healthy { Health::Healthy } else { Health::Unhealthy };
             let cmd = Command::DeviceHealth(DeviceHealth { node: id.clone(), device: d.device, health, now: now_s() });

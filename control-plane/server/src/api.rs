@@ -241,9 +241,16 @@ impl Nodes for Api {
                     .filter(|n| r.pool.is_empty() || n.node.pool.0 == r.pool)
                     .take(limit)
                     .map(|n| convert::node(s, n))
-                    .collect()
+                    .collect::<Vec<_>>()
             })
             .await?;
+        let nodes = nodes
+            .into_iter()
+            .map(|mut n| {
+                n.stats = self.0.stats_of(&NodeId(n.id.clone()));
+                n
+            })
+            .collect();
         ok(pb::ListNodesResponse { nodes })
     }
 
@@ -251,7 +258,9 @@ impl Nodes for Api {
         let r = req.into_inner();
         let id = NodeId(r.id.clone());
         let n = self.0.read(r.stale, |s| s.nodes().get(&id).map(|n| convert::node(s, n))).await?;
-        n.map_or_else(|| Err(Status::not_found(format!("id: unknown node {:?}", r.id))), ok)
+        let mut n = n.ok_or_else(|| Status::not_found(format!("id: unknown node {:?}", r.id)))?;
+        n.stats = self.0.stats_of(&id);
+        ok(n)
     }
 
     async fn set_mode(&self, req: Request<pb::SetNodeModeRequest>) -> Resp<pb::SetNodeModeResponse> {

@@ -172,6 +172,7 @@ pub fn node(s: &State, r: &NodeRecord) -> pb::NodeInfo {
         reason: r.reason.clone(),
         allocations: count,
         agent_addr: r.node.agent_addr.clone(),
+        stats: Vec::new(),
     }
 }
 

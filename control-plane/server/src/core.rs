@@ -47,6 +47,8 @@ pub struct Core {
     pub kick: Notify,
     /// Last heartbeat per node; meaningful on the leader only (never replicated).
     pub heartbeats: Mutex<HashMap<NodeId, Instant>>,
+    /// Latest device statistics per node from heartbeats; leader memory only, like `heartbeats`.
+    pub device_stats: Mutex<HashMap<NodeId, Vec<suanli_proto::v1::DeviceStats>>>,
     /// Bounds open watch streams.
     pub watchers: Arc<Semaphore>,
     channels: Mutex<HashMap<String, Channel>>,
@@ -63,8 +65,15 @@ impl Core {
             state,
             kick: Notify::new(),
             heartbeats: Mutex::new(HashMap::new()),
+            device_stats: Mutex::new(HashMap::new()),
             channels: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The latest device statistics of `node` this server holds (leader only).
+    pub fn stats_of(&self, node: &NodeId) -> Vec<suanli_proto::v1::DeviceStats> {
+        let m = self.device_stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        m.get(node).cloned().unwrap_or_default()
     }
 
     /// A slot for one more watch stream, or RESOURCE_EXHAUSTED naming the limit.
