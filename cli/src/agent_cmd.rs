@@ -2,7 +2,7 @@
 //! defaults, then the TOML file (`--config`), then `SUANLI_AGENT_*` environment variables and
 //! flags for the common fields.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use std::path::PathBuf;
 use suanli_agent::AgentConfig;
 
@@ -83,29 +83,12 @@ pub struct TaskShimArgs {
     pub command: Vec<String>,
 }
 
-async fn shutdown_signal() {
-    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
-    match term {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-}
-
 /// Runs the agent until SIGTERM or Ctrl-C.
 pub fn run(a: AgentArgs) -> Result<()> {
     let cfg = a.config()?;
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SUANLI_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
-    rt.block_on(suanli_agent::run(cfg, shutdown_signal()))?;
+    crate::serve::init_logging("info");
+    let rt = crate::serve::runtime()?;
+    rt.block_on(suanli_agent::run(cfg, crate::serve::shutdown_signal()))?;
     // Plugin hosts and in-flight calls may hold runtime threads; tasks are separate processes.
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     Ok(())

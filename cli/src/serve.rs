@@ -82,13 +82,15 @@ impl ServerArgs {
     }
 }
 
-fn init_logging(default: &str) {
+/// Logs to stderr, filtered by `SUANLI_LOG` (default `default`).
+pub(crate) fn init_logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("SUANLI_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
-async fn shutdown_signal() {
+/// Resolves on Ctrl-C or SIGTERM.
+pub(crate) async fn shutdown_signal() {
     #[cfg(unix)]
     {
         let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
@@ -110,7 +112,8 @@ async fn shutdown_signal() {
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+/// The multi-threaded runtime of the long-running commands.
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
 }
 
