@@ -11,22 +11,8 @@ fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("cli/ has a parent").to_path_buf()
 }
 
-/// Builds the C example plugin with extra `-D` flags; returns the library (mode 0755).
 fn build_example(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
-    let root = repo_root();
-    let out = dir.join(format!("lib{name}.so"));
-    let res = Command::new("cc")
-        .args(["-shared", "-fPIC", "-std=c99", "-Wall", "-Werror", "-I"])
-        .arg(root.join("device-plugins/abi/include"))
-        .args(defines)
-        .arg("-o")
-        .arg(&out)
-        .arg(root.join("device-plugins/examples/c/plugin.c"))
-        .output()
-        .expect("run the system C compiler `cc`");
-    assert!(res.status.success(), "cc {defines:?} failed:\n{}", String::from_utf8_lossy(&res.stderr));
-    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o755)).expect("chmod 0755");
-    out
+    suanli_device_abi::testing::build_c_example(dir, name, defines).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn check(lib: &Path, extra: &[&str]) -> (Output, String, String) {

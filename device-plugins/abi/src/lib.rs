@@ -27,6 +27,7 @@ pub mod frame;
 pub mod host;
 pub mod process;
 pub mod supervisor;
+pub mod testing;
 
 #[cfg(test)]
 mod tests;

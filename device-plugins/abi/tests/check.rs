@@ -2,7 +2,6 @@
 //! command-line side is tested in `cli/tests/plugin_check.rs`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use suanli_device_abi::check::{self, CheckOptions, Outcome, Report};
 use suanli_device_abi::pb;
@@ -10,19 +9,7 @@ use suanli_device_abi::pb;
 const HOST: &str = env!("CARGO_BIN_EXE_suanli-plugin-host");
 
 fn build_example(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = dir.join(format!("lib{name}.so"));
-    let res = Command::new("cc")
-        .args(["-shared", "-fPIC", "-std=c99", "-Wall", "-Werror", "-I"])
-        .arg(root.join("include"))
-        .args(defines)
-        .arg("-o")
-        .arg(&out)
-        .arg(root.join("../examples/c/plugin.c"))
-        .output()
-        .expect("run the system C compiler `cc`");
-    assert!(res.status.success(), "cc {defines:?} failed:\n{}", String::from_utf8_lossy(&res.stderr));
-    out
+    suanli_device_abi::testing::build_c_example(dir, name, defines).unwrap_or_else(|e| panic!("{e}"))
 }
 
 async fn run(lib: &Path) -> (Report, Vec<String>) {
