@@ -24,7 +24,7 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Run a local development cluster in one command (one server, embedded data directory).
+    /// Run a local development cluster in one command (a server and two agents with fake GPUs/NPUs).
     Dev(serve::DevArgs),
     /// Run a control-plane server (raft member; config file, environment and flags).
     Server(serve::ServerArgs),
@@ -34,7 +34,7 @@ enum Cmd {
     /// Benchmarks that print ratios against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
-    /// Submit, inspect, list, cancel and watch jobs; validate job spec files.
+    /// Submit, inspect, list, cancel, watch jobs and show their logs; validate job spec files.
     Job(client::JobArgs),
     /// Create, list, inspect and delete queues; validate queue files.
     Queue(client::QueueArgs),
