@@ -37,7 +37,12 @@ pub fn fake_so() -> PathBuf {
 
 /// `n` servers with a `default` queue of unlimited quota; the leader's address.
 pub async fn cluster(n: usize) -> (ProcessCluster, String) {
-    let c = ProcessCluster::start(&bin(), n, &[]).unwrap();
+    cluster_with(n, &[]).await
+}
+
+/// As [`cluster`], with `extra` flags for every server (e.g. `--config FILE`).
+pub async fn cluster_with(n: usize, extra: &[&str]) -> (ProcessCluster, String) {
+    let c = ProcessCluster::start(&bin(), n, extra).unwrap();
     let leader = c.wait_leader(Duration::from_secs(30)).await.unwrap();
     let addr = c.addrs[leader].clone();
     let q = serde_json::json!({"id": "default", "nominal": {"cpu_milli": u64::MAX, "memory_mib": u64::MAX,
@@ -161,6 +166,28 @@ config_path = "{fake}"
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// The agent's pid.
+    pub fn pid(&self) -> i32 {
+        i32::try_from(self.child.as_ref().expect("the agent runs").id()).unwrap()
+    }
+
+    /// Sends signal `name` (`STOP`, `CONT`, ...) to the agent process.
+    pub fn signal(&self, name: &str) {
+        let pid = self.pid();
+        let st = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status().unwrap();
+        assert!(st.success(), "kill -{name} {pid}");
+    }
+
+    /// The node's task journal so far.
+    pub fn journal(&self) -> Vec<suanli_agent::JournalEntry> {
+        suanli_agent::read_journal(&self.data_dir().join("journal.jsonl")).unwrap()
+    }
+
+    /// The node's lease file, when there is one.
+    pub fn lease(&self) -> Option<suanli_agent::Lease> {
+        suanli_agent::Lease::read(&self.data_dir().join("lease")).ok()
     }
 
     /// Whether the agent process still runs.

@@ -137,6 +137,20 @@ pub struct AgentConfig {
     pub inherit_env: Vec<String>,
     /// Concurrent `AgentLogs` streams.
     pub max_log_streams: usize,
+    /// Fence tasks: a shim stops its task when the node's lease (renewed by each acknowledged
+    /// heartbeat) expires, so a task never runs on after the control plane may have given its
+    /// allocation to another node. Off: tasks survive a long disconnect, and may then run
+    /// twice at once.
+    pub fence: bool,
+    /// F: a task gets SIGTERM when no heartbeat sent in the last F ms was acknowledged.
+    /// 0: half the server's heartbeat TTL.
+    pub fence_after_ms: u64,
+    /// G: and SIGKILL G ms after that. 0: a fifth of the server's heartbeat TTL. F + G must
+    /// stay below the TTL (a warning otherwise).
+    pub fence_kill_grace_ms: u64,
+    /// Follow a server's `suanli-leader` hint to another address of `servers`. Off: the agent
+    /// only moves round `servers` in order (a follower forwards to the leader).
+    pub follow_leader_hints: bool,
 }
 
 fn default_node_id() -> String {
@@ -184,6 +198,10 @@ impl Default for AgentConfig {
             alloc_retention_s: 24 * 3600,
             inherit_env: ["PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ"].map(String::from).to_vec(),
             max_log_streams: 64,
+            fence: true,
+            fence_after_ms: 0,
+            fence_kill_grace_ms: 0,
+            follow_leader_hints: true,
         }
     }
 }
@@ -337,6 +355,12 @@ impl AgentConfig {
             return Err(invalid("inherit_env", "at most 256 names"));
         }
         check_ms("max_log_streams", self.max_log_streams as u64, 1, 10_000)?;
+        if self.fence_after_ms != 0 {
+            check_ms("fence_after_ms", self.fence_after_ms, 100, 7 * 86_400_000)?;
+        }
+        if self.fence_kill_grace_ms != 0 {
+            check_ms("fence_kill_grace_ms", self.fence_kill_grace_ms, 10, 86_400_000)?;
+        }
         Ok(())
     }
 
@@ -376,6 +400,12 @@ mod tests {
         assert!(e.contains("plugins[0]"), "{e}");
         let e = AgentConfig::from_toml("stop_grace_min_ms = 10\nstop_grace_max_ms = 5").unwrap_err().to_string();
         assert!(e.contains("stop_grace_max_ms"), "{e}");
+        let e = AgentConfig::from_toml("fence_after_ms = 5").unwrap_err().to_string();
+        assert!(e.contains("fence_after_ms") && e.contains("between 100 and"), "{e}");
+        let e = AgentConfig::from_toml("fence_kill_grace_ms = 1").unwrap_err().to_string();
+        assert!(e.contains("fence_kill_grace_ms"), "{e}");
+        let c = AgentConfig::from_toml("fence = false\nfollow_leader_hints = false\nfence_after_ms = 0").unwrap();
+        assert!(!c.fence && !c.follow_leader_hints && c.fence_after_ms == 0);
     }
 
     #[test]

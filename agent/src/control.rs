@@ -3,10 +3,14 @@
 //! the next server with backoff when its stream fails.
 //!
 //! ```text
-//!  liveness: Register ─▶ Heartbeat every interval (health changes, stats)
+//!  liveness: Register ─▶ Heartbeat at once, then every interval (health changes, stats)
+//!            known=true ─▶ <data_dir>/lease {boot time before sending, F, G}
 //!            known=false / inventory changed / watch says NOT_FOUND ─▶ Register again
 //!  watch:    WatchAllocations(node) ─▶ full sets ─▶ task manager   (error ─▶ next server)
 //! ```
+//!
+//! Only the addresses in `servers` are ever dialed; a `suanli-leader` hint naming one of them
+//! makes it the current one, unless `follow_leader_hints = false`.
 
 use crate::Agent;
 use crate::config::AgentConfig;
@@ -48,6 +52,7 @@ impl Backoff {
 /// Connections to every configured server.
 pub(crate) struct Servers {
     addrs: Vec<String>,
+    follow_hints: bool,
     unary: Vec<Channel>,
     stream: Vec<Channel>,
     cur: AtomicUsize,
@@ -85,7 +90,13 @@ impl Servers {
                     .connect_lazy(),
             );
         }
-        Ok(Servers { addrs: cfg.servers.clone(), unary, stream, cur: AtomicUsize::new(0) })
+        Ok(Servers {
+            addrs: cfg.servers.clone(),
+            follow_hints: cfg.follow_leader_hints,
+            unary,
+            stream,
+            cur: AtomicUsize::new(0),
+        })
     }
 
     pub fn current(&self) -> usize {
@@ -102,9 +113,8 @@ impl Servers {
     }
 
     fn follow_leader_hint(&self, s: &Status) {
-        if let Some(v) = s.metadata().get(LEADER_HEADER).and_then(|v| v.to_str().ok())
-            && let Some(i) = self.addrs.iter().position(|a| a == v)
-        {
+        let hint = s.metadata().get(LEADER_HEADER).and_then(|v| v.to_str().ok());
+        if let Some(i) = hinted_server(&self.addrs, hint, self.follow_hints) {
             self.cur.store(i, Ordering::Relaxed);
         }
     }
@@ -136,6 +146,70 @@ impl Servers {
     }
 }
 
+/// The server to try next after a `suanli-leader` hint: its index in `addrs` when hints are
+/// followed and it names one of them. An address outside `addrs` is never dialed (the hint
+/// names a server's own address, which may sit behind a proxy or a load balancer).
+pub(crate) fn hinted_server(addrs: &[String], hint: Option<&str>, follow: bool) -> Option<usize> {
+    if !follow {
+        return None;
+    }
+    let hint = hint?;
+    addrs.iter().position(|a| a == hint)
+}
+
+/// F and G for a TTL, with a warning (once per TTL) when they break the fencing promise.
+fn fence_timing(cfg: &AgentConfig, ttl_ms: u64, interval_ms: u64, warned: &mut u64) -> (u64, u64) {
+    let (f, g) = crate::lease::timing(cfg.fence_after_ms, cfg.fence_kill_grace_ms, ttl_ms);
+    if cfg.fence && *warned != ttl_ms {
+        *warned = ttl_ms;
+        if let Some(p) = crate::lease::timing_problem(f, g, ttl_ms) {
+            tracing::warn!("{p}");
+        }
+        if f <= interval_ms.saturating_mul(2) {
+            tracing::warn!(
+                fence_after_ms = f,
+                heartbeat_interval_ms = interval_ms,
+                "fence_after_ms is at most two heartbeat intervals: one slow heartbeat fences every task of the node"
+            );
+        }
+        if ttl_ms == 0 {
+            tracing::warn!("the control plane gave no heartbeat TTL: fencing assumes 10000 ms");
+        }
+    }
+    (f, g)
+}
+
+/// Writes the lease after a heartbeat sent at boot time `sent_ms` was acknowledged.
+fn renew_lease(agent: &Agent, sent_ms: u64, f: u64, g: u64, failures: &mut u64) {
+    let lease = crate::lease::Lease {
+        sent_boottime_ms: sent_ms,
+        fence_after_ms: f,
+        kill_grace_ms: g,
+        boot_id: agent.boot_id.clone(),
+    };
+    if let Some(old) = agent.lease.borrow().as_ref()
+        && old.left_ms(sent_ms, &agent.boot_id).is_err()
+        && agent.cfg.fence
+    {
+        tracing::warn!(
+            lapsed_ms = sent_ms.saturating_sub(old.term_at_ms()),
+            "the lease had expired: tasks that ran under it were fenced by their shims"
+        );
+    }
+    match lease.write(&agent.cfg.data_dir.join(crate::lease::LEASE_FILE)) {
+        Ok(()) => {
+            *failures = 0;
+            agent.lease.send_replace(Some(lease));
+        }
+        Err(e) => {
+            *failures += 1;
+            if *failures == 1 || failures.is_power_of_two() {
+                tracing::error!(error = %e, failures = *failures, "writing the lease; tasks will be fenced if this goes on");
+            }
+        }
+    }
+}
+
 /// Sleeps `d` unless the agent stops first; false when it stopped.
 pub(crate) async fn pause(agent: &Agent, d: Duration) -> bool {
     let mut stop = agent.stop.clone();
@@ -154,6 +228,8 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
     let mut backoff =
         Backoff::new(AgentConfig::ms(cfg.retry_backoff_min_ms), AgentConfig::ms(cfg.retry_backoff_max_ms));
     let mut failures = 0u64;
+    let mut lease_failures = 0u64;
+    let mut warned_ttl = u64::MAX;
     'register: loop {
         if *agent.stop.borrow() {
             return;
@@ -188,6 +264,7 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
         failures = 0;
         backoff.reset();
         let interval = Duration::from_millis(resp.heartbeat_interval_ms.clamp(10, 600_000));
+        let mut ttl_ms = resp.heartbeat_ttl_ms;
         agent.plugins.stats_every_ms.store(resp.heartbeat_interval_ms.clamp(10, 600_000), Ordering::Relaxed);
         let mut reported: BTreeMap<String, bool> =
             node.devices.iter().map(|d| (d.id.clone(), d.health == suanli_model::Health::Healthy)).collect();
@@ -197,10 +274,13 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
         agent.registered.send_modify(|g| *g += 1);
         let mut seq = 0u64;
         let mut hb_failures = 0u64;
+        // The first heartbeat goes at once: the lease is renewed by heartbeats only (a
+        // registration answered by a follower does not reset the leader's TTL clock).
+        let mut wait = Duration::ZERO;
         loop {
             let mut stop = agent.stop.clone();
             tokio::select! {
-                () = tokio::time::sleep(interval) => {}
+                () = tokio::time::sleep(wait) => {}
                 () = agent.plugins.changed.notified() => {}
                 () = agent.reregister.notified() => continue 'register,
                 _ = stop.changed() => return,
@@ -221,6 +301,7 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
                     reason: d.reason.clone(),
                 })
                 .collect();
+            wait = interval;
             seq += 1;
             let req = pb::HeartbeatRequest {
                 node_id: agent.node_id.clone(),
@@ -228,6 +309,9 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
                 devices: changes.clone(),
                 stats: agent.plugins.stats(),
             };
+            // Taken before sending: the leader's TTL clock starts when it sees the heartbeat,
+            // which is no earlier.
+            let sent_ms = crate::sys::boottime_ms();
             let r = agent.servers.call(|mut c| {
                 let req = req.clone();
                 async move { c.heartbeat(req).await }
@@ -239,8 +323,14 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
                     );
                     continue 'register;
                 }
-                Ok(_) => {
+                Ok(r) => {
                     hb_failures = 0;
+                    if r.heartbeat_ttl_ms > 0 {
+                        ttl_ms = r.heartbeat_ttl_ms;
+                    }
+                    let interval_ms = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX);
+                    let (f, g) = fence_timing(&agent.cfg, ttl_ms, interval_ms, &mut warned_ttl);
+                    renew_lease(&agent, sent_ms, f, g, &mut lease_failures);
                     for c in changes {
                         if c.healthy {
                             tracing::info!(device = %c.device, "device reported healthy");
@@ -502,6 +592,16 @@ mod tests {
         let b = r.batch(10);
         assert_eq!(b.len(), 1);
         assert_eq!(b[0].1.status, pb::AllocReport::Succeeded);
+    }
+
+    #[test]
+    fn leader_hints_name_only_configured_servers() {
+        let addrs: Vec<String> = ["10.0.0.1:7400", "10.0.0.2:7400"].map(String::from).to_vec();
+        assert_eq!(hinted_server(&addrs, Some("10.0.0.2:7400"), true), Some(1));
+        assert_eq!(hinted_server(&addrs, Some("10.9.9.9:7400"), true), None, "never a server not configured");
+        assert_eq!(hinted_server(&addrs, None, true), None);
+        // follow_leader_hints = false: the hint is ignored, the agent moves round the list.
+        assert_eq!(hinted_server(&addrs, Some("10.0.0.2:7400"), false), None);
     }
 
     #[test]

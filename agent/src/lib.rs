@@ -17,10 +17,17 @@
 //! agent restart it is adopted, reported as ended, or reported lost). A plugin must never take
 //! it down (plugins live in child processes). Stopping the agent leaves tasks running; the
 //! next agent on the same data directory adopts them.
+//!
+//! Nor may a task run on after the control plane may have given its allocation to another
+//! node: every acknowledged heartbeat renews a lease (`<data_dir>/lease`), and the shims kill
+//! their tasks when it expires ([`lease`]). What ran, and when, is in the node's task journal
+//! (`<data_dir>/journal.jsonl`, [`journal`]).
 
 mod cgroup;
 pub mod config;
 mod control;
+pub mod journal;
+pub mod lease;
 mod logs;
 mod plugins;
 pub mod shim;
@@ -28,6 +35,8 @@ pub mod sys;
 mod tasks;
 
 pub use config::{AgentConfig, ConfigError, PluginSettings};
+pub use journal::{JournalDevice, JournalEntry, JournalEvent, read_journal};
+pub use lease::Lease;
 pub use shim::{ExitRecord, ShimArgs};
 pub use tasks::TaskRecord;
 
@@ -54,6 +63,10 @@ pub(crate) struct Agent {
     registered: watch::Sender<u64>,
     /// Asks the liveness loop to register again.
     reregister: Notify,
+    /// The lease last written (after an acknowledged heartbeat).
+    lease: watch::Sender<Option<lease::Lease>>,
+    /// This boot's id (leases carry it).
+    boot_id: String,
 }
 
 impl Agent {
@@ -113,8 +126,11 @@ fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
 
 /// Runs the agent until `shutdown` completes. Tasks keep running after it returns; the next
 /// agent on the same `data_dir` adopts them.
-pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     cfg.validate()?;
+    // The shims run in their allocation directories: every path they are given is absolute.
+    cfg.data_dir = std::path::absolute(&cfg.data_dir)
+        .with_context(|| format!("data_dir: resolving {}", cfg.data_dir.display()))?;
     std::fs::create_dir_all(cfg.allocs_dir())
         .with_context(|| format!("data_dir: creating {}", cfg.allocs_dir().display()))?;
     let _lock = lock_data_dir(&cfg.data_dir)?;
@@ -147,6 +163,11 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> anyhow
         tracing::warn!("cgroups = false: CPU and memory limits are not enforced");
         None
     };
+    if !cfg.fence {
+        tracing::warn!(
+            "fence = false: tasks keep running when this node loses the control plane, and may run twice at once if their allocations are given to another node"
+        );
+    }
     let node_id = cfg.node_id.clone();
     let plugins = Arc::new(plugins::Plugins::load(&cfg, &node_id).await);
     tracing::info!(node = %node_id, plugins = ?plugins.names(), devices = plugins.devices().len(), "plugins loaded");
@@ -163,6 +184,8 @@ pub async fn run(cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> anyhow
         stop: stop_rx.clone(),
         registered: watch::channel(0).0,
         reregister: Notify::new(),
+        lease: watch::channel(lease::Lease::read(&cfg.data_dir.join(lease::LEASE_FILE)).ok()).0,
+        boot_id: sys::boot_id(),
         cfg,
     });
     tasks::recover(&agent).context("reading the allocation directories")?;

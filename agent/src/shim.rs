@@ -4,12 +4,21 @@
 //! `exit.json` atomically before it exits. Because the shim, not the agent, is the task's
 //! parent, the agent can be restarted while tasks run and learn afterwards how each one ended.
 //!
+//! With `--journal` it appends a start and a stop line to the node's task journal (identity
+//! from `D/alloc.json`, see [`crate::journal`]); with `--lease` it fences the task: it does not
+//! start it without a fresh lease, and signals it when the lease expires (see [`crate::lease`]).
+//!
 //! ```text
-//!  agent ──spawn (setsid)──▶ task-shim --dir D ──spawn──▶ command args…
+//!  agent ──spawn (setsid)──▶ task-shim --dir D [--journal J] [--lease L] ──spawn──▶ command args…
+//!                               │  lease L stale? ──▶ not started: exit.json "fenced before start: …"
+//!                               │  started ──▶ J += start line
 //!                               │  stdout/stderr pipes ──▶ D/stdout.log, D/stderr.log (rotated)
-//!                               └─ on exit ──▶ D/exit.json {exit_code, signal, finished_at}
+//!                               │  every 200 ms: L older than F ──▶ SIGTERM group; F + G ──▶ SIGKILL
+//!                               └─ on exit ──▶ J += stop line ──▶ D/exit.json {exit_code, signal, fenced, …}
 //! ```
 
+use crate::journal::{JournalDevice, JournalEntry, JournalEvent};
+use crate::lease::{Fence, FenceAction, Lease};
 use crate::sys;
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
@@ -29,8 +38,11 @@ pub const SHIM_FILE: &str = "shim.json";
 /// afterwards (spawned by an agent that died right after) must not run the command.
 pub const ABANDONED_FILE: &str = "abandoned";
 
+/// The allocation file the agent writes before it spawns the shim (the task's identity).
+pub const ALLOC_FILE: &str = "alloc.json";
+
 /// How the task ended (`exit.json`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExitRecord {
     /// The command's exit code, when it exited.
     pub exit_code: Option<i32>,
@@ -38,9 +50,23 @@ pub struct ExitRecord {
     pub signal: Option<i32>,
     /// Seconds since the Unix epoch.
     pub finished_at: u64,
-    /// Set when the command could not be started at all (not found, bad workdir, cgroup).
+    /// Set when the command could not be started at all (not found, bad workdir, cgroup,
+    /// fenced before start).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// When the command was spawned, milliseconds since the Unix epoch (none: never started).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
+    /// When it ended (or the start failed), milliseconds since the Unix epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at_ms: Option<u64>,
+    /// The shim fenced the task: it did not start it, or signalled it, because the agent's
+    /// lease had expired.
+    #[serde(default)]
+    pub fenced: bool,
+    /// When the shim decided to fence a running task (its SIGTERM), ms since the Unix epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fenced_at_ms: Option<u64>,
 }
 
 impl ExitRecord {
@@ -71,10 +97,56 @@ pub struct ShimArgs {
     pub cgroup: Option<PathBuf>,
     /// Working directory of the command (default: `dir`).
     pub workdir: Option<PathBuf>,
+    /// The node's task journal: append a start and a stop line (identity from `dir/alloc.json`).
+    pub journal: Option<PathBuf>,
+    /// The agent's lease file: fence the task by it (none: never fenced).
+    pub lease: Option<PathBuf>,
     /// The program.
     pub command: String,
     /// Its arguments.
     pub args: Vec<String>,
+}
+
+/// The part of `alloc.json` the journal needs.
+#[derive(Debug, Clone, Deserialize)]
+struct Identity {
+    id: u64,
+    epoch: u64,
+    job_id: u64,
+    node: String,
+    task: String,
+    devices: Vec<JournalDevice>,
+}
+
+impl Identity {
+    fn read(dir: &Path) -> Result<Identity, String> {
+        let p = dir.join(ALLOC_FILE);
+        let data = std::fs::read(&p).map_err(|e| format!("reading {}: {e}", p.display()))?;
+        serde_json::from_slice(&data).map_err(|e| format!("{}: {e}", p.display()))
+    }
+
+    fn entry(&self, event: JournalEvent, at_ms: u64) -> JournalEntry {
+        JournalEntry {
+            event,
+            node: self.node.clone(),
+            alloc_id: self.id,
+            epoch: self.epoch,
+            job_id: self.job_id,
+            task: self.task.clone(),
+            devices: self.devices.clone(),
+            at_ms,
+        }
+    }
+}
+
+/// Appends to the journal when there is one; a failure is logged (to `shim.log`), the task
+/// goes on.
+fn journal(path: Option<&PathBuf>, id: Option<&Identity>, event: JournalEvent, at_ms: u64) {
+    if let (Some(p), Some(id)) = (path, id)
+        && let Err(e) = crate::journal::append(p, &id.entry(event, at_ms))
+    {
+        eprintln!("suanli task-shim: appending to the journal {}: {e}", p.display());
+    }
 }
 
 static CHILD: AtomicI32 = AtomicI32::new(0);
@@ -173,8 +245,22 @@ fn finish(dir: &Path, rec: &ExitRecord) -> ExitCode {
 }
 
 fn fail(dir: &Path, msg: String) -> ExitCode {
+    fail_as(dir, msg, false)
+}
+
+fn fail_as(dir: &Path, msg: String, fenced: bool) -> ExitCode {
     eprintln!("suanli task-shim: {msg}");
-    finish(dir, &ExitRecord { exit_code: Some(127), signal: None, finished_at: sys::now_s(), error: Some(msg) })
+    finish(
+        dir,
+        &ExitRecord {
+            exit_code: Some(127),
+            finished_at: sys::now_s(),
+            error: Some(msg),
+            finished_at_ms: Some(sys::now_ms()),
+            fenced,
+            ..ExitRecord::default()
+        },
+    )
 }
 
 /// The shim's `main`.
@@ -220,6 +306,21 @@ pub fn run(a: ShimArgs) -> ExitCode {
             return fail(&dir, format!("joining cgroup {}: {e}", procs.display()));
         }
     }
+    let identity = match &a.journal {
+        Some(_) => match Identity::read(&dir) {
+            Ok(i) => Some(i),
+            Err(e) => return fail(&dir, format!("the task's identity for the journal: {e}")),
+        },
+        None => None,
+    };
+    let mut fence = None;
+    if let Some(path) = &a.lease {
+        let mut f = Fence::new(sys::boot_id());
+        if let Err(why) = f.may_start(Lease::read(path), sys::boottime_ms()) {
+            return fail_as(&dir, format!("fenced before start: {why}"), true);
+        }
+        fence = Some((f, path.clone()));
+    }
     let workdir = a.workdir.clone().unwrap_or_else(|| dir.clone());
     let mut cmd = std::process::Command::new(&a.command);
     cmd.args(&a.args)
@@ -231,11 +332,14 @@ pub fn run(a: ShimArgs) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(&dir, format!("cannot start {:?} in {}: {e}", a.command, workdir.display())),
     };
-    CHILD.store(i32::try_from(child.id()).unwrap_or(0), Ordering::SeqCst);
+    let started_at_ms = sys::now_ms();
+    let pid = i32::try_from(child.id()).unwrap_or(0);
+    CHILD.store(pid, Ordering::SeqCst);
     let pending = PENDING.swap(0, Ordering::SeqCst);
     if pending != 0 {
         on_signal(pending);
     }
+    journal(a.journal.as_ref(), identity.as_ref(), JournalEvent::Start { pid }, started_at_ms);
     let (tx, rx) = std::sync::mpsc::channel();
     let mut copiers = 0;
     if let Some(out) = child.stdout.take()
@@ -249,10 +353,27 @@ pub fn run(a: ShimArgs) -> ExitCode {
         copiers += 1;
     }
     drop(tx);
-    let status = match child.wait() {
+    let mut fenced_at_ms = None;
+    let waited = match fence.as_mut() {
+        None => child.wait(),
+        Some((f, path)) => wait_fenced(&mut child, pid, f, path, &mut fenced_at_ms),
+    };
+    let status = match waited {
         Ok(s) => s,
         Err(e) => return fail(&dir, format!("waiting for the task: {e}")),
     };
+    let finished_at_ms = sys::now_ms();
+    let fenced = fenced_at_ms.is_some();
+    if fenced {
+        // No agent may be there to clean up: what the task left in its group goes now.
+        sys::signal_group_but_self(0, libc::SIGKILL);
+    }
+    journal(
+        a.journal.as_ref(),
+        identity.as_ref(),
+        JournalEvent::Stop { exit_code: status.code(), signal: status.signal(), fenced },
+        finished_at_ms,
+    );
     // A background process of the task may keep a pipe open: give the copiers a moment to
     // drain what was written, not forever.
     let deadline = std::time::Instant::now() + Duration::from_secs(2);
@@ -264,8 +385,48 @@ pub fn run(a: ShimArgs) -> ExitCode {
     }
     finish(
         &dir,
-        &ExitRecord { exit_code: status.code(), signal: status.signal(), finished_at: sys::now_s(), error: None },
+        &ExitRecord {
+            exit_code: status.code(),
+            signal: status.signal(),
+            finished_at: sys::now_s(),
+            error: None,
+            started_at_ms: Some(started_at_ms),
+            finished_at_ms: Some(finished_at_ms),
+            fenced,
+            fenced_at_ms,
+        },
     )
+}
+
+/// Waits for the command while reading the lease every [`crate::lease::CHECK_EVERY`]: SIGTERM
+/// to the task's group once the lease is older than F, SIGKILL once older than F + G.
+fn wait_fenced(
+    child: &mut std::process::Child,
+    pid: i32,
+    fence: &mut Fence,
+    lease: &Path,
+    fenced_at_ms: &mut Option<u64>,
+) -> std::io::Result<std::process::ExitStatus> {
+    let pidfd = sys::pidfd_open(pid);
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(s);
+        }
+        let now = sys::boottime_ms();
+        match fence.step(Lease::read(lease), now) {
+            FenceAction::Nothing => {}
+            FenceAction::Term => {
+                eprintln!("suanli task-shim: fencing the task: {}: SIGTERM", fence.why().unwrap_or("lease expired"));
+                *fenced_at_ms = Some(sys::now_ms());
+                sys::signal_group_but_self(pid, libc::SIGTERM);
+            }
+            FenceAction::Kill => {
+                eprintln!("suanli task-shim: the fenced task outlived its kill grace: SIGKILL");
+                sys::signal_group_but_self(pid, libc::SIGKILL);
+            }
+        }
+        sys::wait_exit(pidfd.as_ref(), fence.next_check(sys::boottime_ms()));
+    }
 }
 
 #[cfg(test)]
@@ -286,7 +447,7 @@ mod tests {
 
     #[test]
     fn exit_codes() {
-        let r = ExitRecord { exit_code: None, signal: Some(9), finished_at: 0, error: None };
+        let r = ExitRecord { signal: Some(9), ..ExitRecord::default() };
         assert_eq!(r.code(), 137);
     }
 }

@@ -105,6 +105,113 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// Like [`write_atomic`] without the fsyncs: a reader sees the old file or the whole new one,
+/// but the new one may not survive a machine crash. For state that is meaningless after a
+/// reboot (the lease).
+pub fn write_replace(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, data)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// `CLOCK_BOOTTIME` in milliseconds: monotonic, counts time suspended, and is the same clock
+/// in every process of the machine, so the agent and the shims can compare its readings.
+#[allow(unsafe_code)]
+pub fn boottime_ms() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime(2) writes one timespec into memory we own.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    if r != 0 {
+        // CLOCK_BOOTTIME exists since Linux 2.6.39; fall back on CLOCK_MONOTONIC, which is
+        // shared by all processes too.
+        // SAFETY: as above.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    }
+    let s = u64::try_from(ts.tv_sec).unwrap_or(0);
+    let ns = u64::try_from(ts.tv_nsec).unwrap_or(0);
+    s.saturating_mul(1000).saturating_add(ns / 1_000_000)
+}
+
+/// This boot's id (`/proc/sys/kernel/random/boot_id`), empty when unreadable: boot-time
+/// readings of another boot must not be compared with this one's.
+pub fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_owned()).unwrap_or_default()
+}
+
+/// The process group of `pid` (field 5 of `/proc/<pid>/stat`); `None` when it is gone.
+pub fn proc_pgrp(pid: i32) -> Option<i32> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &text[text.rfind(')')? + 1..];
+    // After comm: state (3), ppid (4), pgrp (5).
+    rest.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// Sends `sig` to `child` and, when this process leads its own process group, to every other
+/// member of that group but itself (found in /proc). A process cannot SIGKILL its own group
+/// without dying, and the shim must outlive its task to record how it ended.
+#[allow(unsafe_code)]
+pub fn signal_group_but_self(child: i32, sig: i32) {
+    if child > 1 {
+        // SAFETY: kill(2) takes plain integers; `child` is our unreaped child, so its pid
+        // cannot have been reused.
+        unsafe { libc::kill(child, sig) };
+    }
+    // SAFETY: getpid(2) and getpgrp(2) take no arguments.
+    let (me, group) = unsafe { (libc::getpid(), libc::getpgrp()) };
+    if me != group {
+        // Not a group leader (started by hand, not by the agent): the group is someone else's.
+        return;
+    }
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for e in rd.filter_map(Result::ok) {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        if pid != me && pid != child && proc_pgrp(pid) == Some(me) {
+            // SAFETY: as above; a pid that left the group meanwhile gets a signal meant for
+            // the task's group, a window of microseconds.
+            unsafe { libc::kill(pid, sig) };
+        }
+    }
+}
+
+/// Waits until child `pid` has exited or `timeout` passed, without reaping it: true when it
+/// exited (or may have: on error the caller checks with a non-blocking wait). Uses a pidfd
+/// (Linux 5.3) and falls back on sleeping for at most 50 ms.
+#[allow(unsafe_code)]
+pub fn wait_exit(pidfd: Option<&std::os::fd::OwnedFd>, timeout: Option<std::time::Duration>) -> bool {
+    use std::os::fd::AsRawFd as _;
+    match pidfd {
+        Some(fd) => {
+            let ms = timeout.map_or(-1, |t| i32::try_from(t.as_millis()).unwrap_or(i32::MAX));
+            let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: poll(2) on one pollfd we own, for a bounded time.
+            let r = unsafe { libc::poll(&mut p, 1, ms) };
+            r != 0
+        }
+        None => {
+            let t = timeout.unwrap_or(std::time::Duration::from_millis(50)).min(std::time::Duration::from_millis(50));
+            std::thread::sleep(t);
+            true
+        }
+    }
+}
+
+/// A pidfd for child `pid`, when the kernel offers them.
+#[allow(unsafe_code)]
+pub fn pidfd_open(pid: i32) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd as _;
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = i32::try_from(fd).ok().filter(|fd| *fd >= 0)?;
+    // SAFETY: the descriptor was just created for us and is owned by nobody else.
+    Some(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
 /// Seconds since the Unix epoch.
 pub fn now_s() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
@@ -140,6 +247,17 @@ mod tests {
         assert!(try_lock(&p).unwrap().is_none(), "a second open file description must not get it");
         drop(held);
         assert!(try_lock(&p).unwrap().is_some());
+    }
+
+    #[test]
+    fn boottime_moves_forward_and_groups_are_read() {
+        let a = boottime_ms();
+        assert!(a > 0);
+        assert!(boottime_ms() >= a);
+        let me = std::process::id() as i32;
+        assert!(proc_pgrp(me).is_some_and(|g| g > 0));
+        assert!(proc_pgrp(i32::MAX).is_none());
+        assert!(!boot_id().is_empty());
     }
 
     #[test]

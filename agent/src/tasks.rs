@@ -6,6 +6,7 @@
 //!
 //! | file | written by | meaning |
 //! | --- | --- | --- |
+//! | `alloc.json` | agent, before it spawns the shim | the allocation, the node, the task (the journal's identity) |
 //! | `task.json` | agent, before it reports RUNNING | the shim's pid and start time, the job, when |
 //! | `shim.lock` | shim | locked for the shim's whole life: held means the task runs |
 //! | `shim.json` | shim, before the command starts | the shim's pid and start time |
@@ -17,10 +18,10 @@
 //! | `reported` | agent | the final status was acknowledged by the control plane |
 //!
 //! ```text
-//!  set from the watch ─▶ reconcile ─┬─ new, desired run ─▶ reserve ─▶ mkdir ─▶ spawn shim ─▶ task.json ─▶ RUNNING
+//!  set from the watch ─▶ reconcile ─┬─ new, desired run ─▶ reserve ─▶ mkdir ─▶ fresh lease? ─▶ spawn shim ─▶ task.json ─▶ RUNNING
 //!                                   ├─ desired stop / gone ─▶ stop.json ─▶ SIGTERM group ─▶ grace ─▶ SIGKILL
 //!                                   └─ dir exists, not ours in memory ─▶ recover (below)
-//!  shim exits ─▶ exit.json ─▶ SUCCEEDED | FAILED (exit code N / killed by signal N) | STOPPED
+//!  shim exits ─▶ exit.json ─▶ SUCCEEDED | FAILED (exit code N / killed by signal N / fenced: …) | STOPPED
 //!  after a restart: exit.json ─▶ report it; shim.lock held ─▶ adopt; else `abandoned` + FAILED "lost: …"
 //! ```
 
@@ -77,7 +78,11 @@ pub struct TaskRecord {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct StopRecord {
     reason: String,
+    /// Seconds since the Unix epoch.
     at: u64,
+    /// Milliseconds since the Unix epoch (0 in records of older agents).
+    #[serde(default)]
+    at_ms: u64,
 }
 
 /// A request to stop a task.
@@ -229,11 +234,42 @@ fn recover_one(agent: &Arc<Agent>, k: Key, dir: &Path) -> Entry {
     ended_entry()
 }
 
-/// The final report for an ended task: a requested stop wins, then how it exited; `lost`
-/// is the message when nothing is known.
+/// The report message of a fenced task.
+fn fenced_message(e: &ExitRecord) -> String {
+    if let Some(err) = &e.error {
+        let why = err.strip_prefix("fenced before start: ").unwrap_or(err);
+        return format!("fenced: not started: {why}");
+    }
+    let how = match (e.exit_code, e.signal) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("killed by signal {s}"),
+        (None, None) => "ended".to_owned(),
+    };
+    format!("fenced: the node lost its lease (no heartbeat acknowledged by the control plane in time); {how}")
+}
+
+/// The final report for an ended task: a requested stop wins (unless the task was fenced
+/// before the stop was asked for), then a fence, then how it exited; `lost` is the message when
+/// nothing is known.
 fn final_report(k: Key, dir: &Path, exit: Option<&ExitRecord>, lost: &str) -> Report {
     let stop: Option<StopRecord> =
         std::fs::read(dir.join("stop.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    if let Some(e) = exit.filter(|e| e.fenced) {
+        let fenced_at = e.fenced_at_ms.or(e.finished_at_ms).unwrap_or(e.finished_at.saturating_mul(1000));
+        let stop_first = stop.as_ref().is_some_and(|s| {
+            let at = if s.at_ms > 0 { s.at_ms } else { s.at.saturating_mul(1000) };
+            e.error.is_none() && at <= fenced_at
+        });
+        if !stop_first {
+            return Report {
+                alloc: k.0,
+                epoch: k.1,
+                status: pb::AllocReport::Failed,
+                message: fenced_message(e),
+                exit_code: e.code(),
+            };
+        }
+    }
     let (status, message, exit_code) = match (stop, exit) {
         (Some(s), e) => {
             let how = match e {
@@ -409,7 +445,12 @@ fn set_ended(agent: &Agent, k: Key) {
 /// Records that the task could not start (as its exit record) and reports it.
 fn fail_start(agent: &Agent, k: Key, dir: &Path, msg: String) {
     tracing::warn!(alloc = k.0, epoch = k.1, error = %msg, "task could not start");
-    let rec = ExitRecord { exit_code: None, signal: None, finished_at: sys::now_s(), error: Some(msg) };
+    let rec = ExitRecord {
+        finished_at: sys::now_s(),
+        finished_at_ms: Some(sys::now_ms()),
+        error: Some(msg),
+        ..ExitRecord::default()
+    };
     if let Err(e) = sys::write_atomic(&dir.join(crate::shim::EXIT_FILE), &serde_json::to_vec(&rec).unwrap_or_default())
     {
         tracing::warn!(error = %e, "writing exit.json");
@@ -471,8 +512,44 @@ fn task_env(
     env
 }
 
-/// Starts one allocation: reservation, directory, cgroup, shim, `task.json`, RUNNING.
-async fn start(agent: Arc<Agent>, a: pb::AllocInfo, stop: watch::Receiver<Option<Stop>>) {
+/// Waits until the agent holds a lease good for at least half of F more (so the shim, which
+/// checks it again, finds it fresh), or a stop. `Err(why)` when the task must not start.
+async fn await_lease(agent: &Agent, stop: &mut watch::Receiver<Option<Stop>>) -> Result<(), String> {
+    let mut lease = agent.lease.subscribe();
+    let mut agent_stop = agent.stop.clone();
+    let mut stop_open = true;
+    let mut logged = false;
+    loop {
+        if let Some(s) = stop.borrow().clone() {
+            return Err(s.reason);
+        }
+        if *agent_stop.borrow() {
+            return Err("the agent stopped before it had a fresh lease".into());
+        }
+        let left = lease
+            .borrow_and_update()
+            .as_ref()
+            .map(|l| (l.left_ms(sys::boottime_ms(), &agent.boot_id), l.fence_after_ms / 2));
+        match left {
+            Some((Ok(ms), min)) if ms >= min => return Ok(()),
+            _ if !logged => {
+                tracing::info!(
+                    "waiting for a fresh lease (a heartbeat acknowledged by the control plane) to start the task"
+                );
+                logged = true;
+            }
+            _ => {}
+        }
+        tokio::select! {
+            r = lease.changed() => if r.is_err() { return Err("the agent is stopping".into()) },
+            r = stop.changed(), if stop_open => if r.is_err() { stop_open = false },
+            _ = agent_stop.changed() => {}
+        }
+    }
+}
+
+/// Starts one allocation: reservation, directory, cgroup, lease, shim, `task.json`, RUNNING.
+async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Option<Stop>>) {
     let k = (a.id, a.epoch);
     let dir = alloc_dir(&agent, k);
     // Reserve first: it has no effect on the node beyond the environment it returns, so an
@@ -497,7 +574,10 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, stop: watch::Receiver<Option
     if let Err(e) = sys::sync_dir(&agent.cfg.allocs_dir()) {
         tracing::warn!(error = %e, "fsync of the allocs directory");
     }
-    let _ = std::fs::write(dir.join("alloc.json"), serde_json::to_vec_pretty(&alloc_json(&a)).unwrap_or_default());
+    let alloc_file = serde_json::to_vec_pretty(&alloc_json(&a, &agent.node_id)).unwrap_or_default();
+    if let Err(e) = sys::write_atomic(&dir.join(crate::shim::ALLOC_FILE), &alloc_file) {
+        return fail_start(&agent, k, &dir, format!("agent: writing {}: {e}", crate::shim::ALLOC_FILE));
+    }
     let plugin_env = match reserved {
         Ok(env) => env,
         Err(e) => return fail_start(&agent, k, &dir, format!("cannot reserve its devices: {e}")),
@@ -510,6 +590,12 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, stop: watch::Receiver<Option
         },
         None => None,
     };
+    if agent.cfg.fence
+        && let Err(why) = await_lease(&agent, &mut stop).await
+        && stop.borrow().is_none()
+    {
+        return fail_start(&agent, k, &dir, format!("not started: {why}"));
+    }
     if let Some(s) = stop.borrow().clone() {
         write_stop(&dir, &s.reason);
         return fail_start(&agent, k, &dir, "stopped before it started".into());
@@ -523,6 +609,10 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, stop: watch::Receiver<Option
     }
     if !a.workdir.is_empty() {
         cmd.arg("--workdir").arg(dir.join(&a.workdir));
+    }
+    cmd.arg("--journal").arg(agent.cfg.data_dir.join(crate::journal::JOURNAL_FILE));
+    if agent.cfg.fence {
+        cmd.arg("--lease").arg(agent.cfg.data_dir.join(crate::lease::LEASE_FILE));
     }
     cmd.arg("--").arg(&a.command).args(&a.args);
     cmd.env_clear().envs(&env).current_dir(&dir).stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null());
@@ -565,17 +655,21 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, stop: watch::Receiver<Option
     supervise(agent, k, dir, Waiter::Child(child), pid, stop).await;
 }
 
-fn alloc_json(a: &pb::AllocInfo) -> serde_json::Value {
+/// `alloc.json`: the allocation as received, with the node and the task name (the shim reads
+/// its identity for the journal from it).
+fn alloc_json(a: &pb::AllocInfo, node: &str) -> serde_json::Value {
+    let group = if a.group_name.is_empty() { a.group.to_string() } else { a.group_name.clone() };
     serde_json::json!({
         "id": a.id, "job_id": a.job_id, "job_name": a.job_name, "group": a.group_name, "replica": a.replica,
-        "epoch": a.epoch, "cpu_milli": a.cpu_milli, "memory_mib": a.memory_mib,
+        "epoch": a.epoch, "node": node, "task": format!("{group}-{}", a.replica),
+        "cpu_milli": a.cpu_milli, "memory_mib": a.memory_mib,
         "devices": a.devices.iter().map(|d| serde_json::json!({"device": d.device, "milli": d.milli, "memory_mib": d.memory_mib})).collect::<Vec<_>>(),
         "command": a.command, "args": a.args, "workdir": a.workdir,
     })
 }
 
 fn write_stop(dir: &Path, reason: &str) {
-    let rec = StopRecord { reason: reason.to_owned(), at: sys::now_s() };
+    let rec = StopRecord { reason: reason.to_owned(), at: sys::now_s(), at_ms: sys::now_ms() };
     if let Err(e) = sys::write_atomic(&dir.join("stop.json"), &serde_json::to_vec(&rec).unwrap_or_default()) {
         tracing::warn!(error = %e, "writing stop.json");
     }
@@ -713,7 +807,7 @@ mod tests {
     #[test]
     fn final_reports() {
         let d = tempfile::tempdir().unwrap();
-        let ok = ExitRecord { exit_code: Some(0), signal: None, finished_at: 0, error: None };
+        let ok = ExitRecord { exit_code: Some(0), ..ExitRecord::default() };
         let r = final_report((1, 1), d.path(), Some(&ok), "");
         assert_eq!((r.status, r.exit_code), (pb::AllocReport::Succeeded, 0));
         let bad = ExitRecord { exit_code: Some(3), ..ok.clone() };
@@ -728,6 +822,33 @@ mod tests {
         let r = final_report((1, 1), d.path(), Some(&sig), "");
         assert_eq!(r.status, pb::AllocReport::Stopped);
         assert!(r.message.starts_with("stopped: preempted"), "{}", r.message);
+    }
+
+    #[test]
+    fn fenced_reports() {
+        let d = tempfile::tempdir().unwrap();
+        let now = sys::now_ms();
+        let fenced =
+            ExitRecord { signal: Some(15), fenced: true, fenced_at_ms: Some(now - 1000), ..ExitRecord::default() };
+        let r = final_report((1, 1), d.path(), Some(&fenced), "");
+        assert_eq!((r.status, r.exit_code), (pb::AllocReport::Failed, 143));
+        assert!(r.message.starts_with("fenced: ") && r.message.ends_with("killed by signal 15"), "{}", r.message);
+        let early = ExitRecord {
+            exit_code: Some(127),
+            error: Some("fenced before start: no lease at /x".into()),
+            fenced: true,
+            ..ExitRecord::default()
+        };
+        let r = final_report((1, 1), d.path(), Some(&early), "");
+        assert_eq!((r.status, r.message.as_str()), (pb::AllocReport::Failed, "fenced: not started: no lease at /x"));
+        // A stop asked for after the fence (the agent came back and found the allocation
+        // gone) does not hide the fence; one asked for before it wins.
+        write_stop(d.path(), "no longer assigned");
+        let r = final_report((1, 1), d.path(), Some(&fenced), "");
+        assert!(r.message.starts_with("fenced: "), "{}", r.message);
+        let later = ExitRecord { fenced_at_ms: Some(now + 60_000), ..fenced.clone() };
+        let r = final_report((1, 1), d.path(), Some(&later), "");
+        assert_eq!(r.status, pb::AllocReport::Stopped, "{}", r.message);
     }
 
     #[test]

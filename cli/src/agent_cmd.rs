@@ -78,6 +78,13 @@ pub struct TaskShimArgs {
     /// Working directory of the command (default: --dir).
     #[arg(long)]
     pub workdir: Option<PathBuf>,
+    /// The node's task journal: append a start and a stop line (identity from DIR/alloc.json).
+    #[arg(long)]
+    pub journal: Option<PathBuf>,
+    /// The agent's lease file: do not start without a fresh lease, and SIGTERM then SIGKILL the
+    /// task when it expires (absent: never fenced).
+    #[arg(long)]
+    pub lease: Option<PathBuf>,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -106,6 +113,8 @@ pub fn shim(a: TaskShimArgs) -> std::process::ExitCode {
         max_log_bytes: a.max_log_bytes,
         cgroup: a.cgroup,
         workdir: a.workdir,
+        journal: a.journal,
+        lease: a.lease,
         command,
         args: it.collect(),
     })

@@ -7,6 +7,11 @@
 //!   no device is ever shared beyond 1000 milli over the recorded run intervals.
 //! - An agent SIGKILLed while its tasks run and started again on the same data directory: no
 //!   task runs twice, and every job and allocation ends succeeded.
+//! - In both, each node's task journal holds exactly one start and one stop line per task it
+//!   ran, naming the allocation, its devices and the times in order.
+//! - The task shim on its own: exit records, SIGTERM forwarding, the abandoned marker, the
+//!   journal, and fencing by a lease (not started under a stale one; SIGTERM then SIGKILL when
+//!   it expires, even if it is renewed after SIGTERM).
 
 #![allow(clippy::unwrap_used)]
 
@@ -15,6 +20,8 @@ mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
+use suanli_agent::{JournalDevice, JournalEntry, JournalEvent};
+use suanli_proto::v1 as pb;
 use support::{
     AgentProc, Line, cluster, fake_config, read_lines, ready_healthy, record_job, submit, wait_nodes, wait_terminal,
 };
@@ -24,9 +31,9 @@ const NODES: [&str; 2] = ["node-a", "node-b"];
 /// A job shape: name, replicas, gang, devices (kind, count, milli).
 type Shape = (&'static str, u32, bool, Option<(&'static str, u32, u32)>);
 
-async fn two_agents(addr: &str) -> Vec<AgentProc> {
+async fn two_agents(addr: &str, extra: &str) -> Vec<AgentProc> {
     let mut agents: Vec<AgentProc> =
-        NODES.iter().map(|n| AgentProc::new(n, &[addr.to_owned()], &fake_config(8, 4, 4), "")).collect();
+        NODES.iter().map(|n| AgentProc::new(n, &[addr.to_owned()], &fake_config(8, 4, 4), extra)).collect();
     for a in &mut agents {
         a.start();
     }
@@ -65,14 +72,58 @@ fn assert_no_overcommit(lines: &[Line]) {
     }
 }
 
+/// Each node's journal holds one start and one stop line for every allocation placed on it,
+/// with its identity and devices, the start no later than the stop, a clean exit, no fence.
+fn assert_journals(agents: &[AgentProc], jobs: &BTreeMap<u64, pb::JobInfo>, t0_ms: u64) {
+    let now_ms = suanli_agent::sys::now_ms();
+    let mut lines: BTreeMap<&str, Vec<JournalEntry>> = BTreeMap::new();
+    for a in agents {
+        lines.insert(&a.node_id, a.journal());
+    }
+    let mut tasks = 0;
+    for j in jobs.values() {
+        for a in &j.allocs {
+            tasks += 1;
+            let journal = &lines[a.node.as_str()];
+            let mine: Vec<&JournalEntry> =
+                journal.iter().filter(|e| e.alloc_id == a.id && e.epoch == a.epoch).collect();
+            assert_eq!(mine.len(), 2, "job {} alloc {}: journal lines {mine:#?}", j.id, a.id);
+            let (start, stop) = (mine[0], mine[1]);
+            assert!(matches!(start.event, JournalEvent::Start { pid } if pid > 1), "{start:?}");
+            assert_eq!(
+                stop.event,
+                JournalEvent::Stop { exit_code: Some(0), signal: None, fenced: false },
+                "job {} alloc {}",
+                j.id,
+                a.id
+            );
+            let devices: Vec<JournalDevice> =
+                a.devices.iter().map(|d| JournalDevice { device: d.device.clone(), milli: d.milli }).collect();
+            for e in [start, stop] {
+                assert_eq!(
+                    (e.node.as_str(), e.job_id, e.task.clone(), &e.devices),
+                    (a.node.as_str(), j.id, format!("{}-{}", a.group_name, a.replica), &devices),
+                    "job {} alloc {}: {e:?}",
+                    j.id,
+                    a.id
+                );
+            }
+            assert!(t0_ms <= start.at_ms && start.at_ms <= stop.at_ms && stop.at_ms <= now_ms, "{start:?} {stop:?}");
+        }
+    }
+    let total: usize = lines.values().map(Vec::len).sum();
+    assert_eq!(total, 2 * tasks, "one start and one stop line per task, nothing else");
+}
+
 fn index_of(id: &str, prefix: &str) -> String {
     id.strip_prefix(prefix).unwrap_or_else(|| panic!("device id {id:?} lacks prefix {prefix}")).to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fifty_mixed_jobs_on_two_agents() {
+    let t0_ms = suanli_agent::sys::now_ms();
     let (c, addr) = cluster(1).await;
-    let agents = two_agents(&addr).await;
+    let agents = two_agents(&addr, "").await;
     let rec_dir = tempfile::tempdir().unwrap();
     let rec = rec_dir.path().join("record.txt");
     let shapes: [Shape; 7] = [
@@ -129,6 +180,7 @@ async fn fifty_mixed_jobs_on_two_agents() {
     let tasks: usize = jobs.values().map(|j| j.allocs.len()).sum();
     assert_eq!((starts, ends), (tasks, tasks), "one start and one end line per task");
     assert_no_overcommit(&lines);
+    assert_journals(&agents, &jobs, t0_ms);
     // Gang replicas of one job ran on their own devices, and the logs reach `suanli job logs`.
     let some = ids[0];
     let out = std::process::Command::new(support::bin())
@@ -146,8 +198,11 @@ async fn fifty_mixed_jobs_on_two_agents() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn agent_killed_and_restarted_mid_run() {
+    let t0_ms = suanli_agent::sys::now_ms();
     let (c, addr) = cluster(1).await;
-    let mut agents = two_agents(&addr).await;
+    // The agent is away for 2.5 s plus its restart; with the server's 10 s TTL the automatic
+    // fence (5 s) leaves little for a restart on a loaded machine: give it 7 s (F + G < TTL).
+    let mut agents = two_agents(&addr, "fence_after_ms = 7000\nfence_kill_grace_ms = 2000\n").await;
     let rec_dir = tempfile::tempdir().unwrap();
     let rec = rec_dir.path().join("record.txt");
     let mut ids = Vec::new();
@@ -199,6 +254,8 @@ async fn agent_killed_and_restarted_mid_run() {
     }
     assert!(killed_at >= 3);
     assert!(log_a.contains("adopting a running task"), "the restarted agent adopted nothing:\n{log_a}");
+    // The shims kept journaling while their agent was away.
+    assert_journals(&agents, &jobs, t0_ms);
     drop(agents);
 }
 
@@ -301,4 +358,120 @@ fn task_shim_records_exit_forwards_sigterm_and_refuses_an_abandoned_task() {
     let st = shim(&c, "touch ran").wait().unwrap();
     assert_eq!(st.code(), Some(3));
     assert!(!c.join("ran").exists() && !c.join("exit.json").exists());
+}
+
+#[test]
+fn task_shim_journals_and_fences_by_its_lease() {
+    use std::os::unix::process::CommandExt as _;
+    use suanli_agent::sys::{boot_id, boottime_ms, now_ms};
+    use suanli_agent::{ExitRecord, Lease, read_journal};
+    let d = tempfile::tempdir().unwrap();
+    let journal = d.path().join("journal.jsonl");
+    let lease_path = d.path().join("lease");
+    let lease = |sent: u64, f: u64, g: u64| Lease {
+        sent_boottime_ms: sent,
+        fence_after_ms: f,
+        kill_grace_ms: g,
+        boot_id: boot_id(),
+    };
+    let alloc_dir = |name: &str, id: u64| {
+        let dir = d.path().join(name);
+        std::fs::create_dir(&dir).unwrap();
+        let alloc = serde_json::json!({"id": id, "epoch": 2, "job_id": 9, "node": "n1", "task": "main-0",
+            "devices": [{"device": "gpu0", "milli": 500, "memory_mib": 0}]});
+        std::fs::write(dir.join("alloc.json"), alloc.to_string()).unwrap();
+        dir
+    };
+    // As the agent starts it: the leader of its own process group.
+    let shim = |dir: &std::path::Path, script: &str| {
+        std::process::Command::new(support::bin())
+            .args(["task-shim", "--dir"])
+            .arg(dir)
+            .arg("--journal")
+            .arg(&journal)
+            .arg("--lease")
+            .arg(&lease_path)
+            .args(["--", "/bin/sh", "-c", script])
+            .process_group(0)
+            .spawn()
+            .unwrap()
+    };
+    let exit_of = |dir: &std::path::Path| -> ExitRecord {
+        serde_json::from_slice(&std::fs::read(dir.join("exit.json")).unwrap()).unwrap()
+    };
+    // No lease, or a stale one: the command does not start, and nothing is journaled.
+    for (name, stale) in [("none", None), ("stale", Some(lease(boottime_ms().saturating_sub(5_000), 1_000, 500)))] {
+        let dir = alloc_dir(name, 1);
+        match stale {
+            Some(l) => l.write(&lease_path).unwrap(),
+            None => {
+                let _ = std::fs::remove_file(&lease_path);
+            }
+        }
+        assert_eq!(shim(&dir, "touch ran").wait().unwrap().code(), Some(127), "{name}");
+        let exit = exit_of(&dir);
+        let err = exit.error.clone().unwrap_or_default();
+        assert!(exit.fenced && err.starts_with("fenced before start: "), "{name}: {exit:?}");
+        assert!(!dir.join("ran").exists(), "{name}: the command ran");
+        assert!(read_journal(&journal).unwrap().is_empty(), "{name}: journaled");
+    }
+    // A fresh lease: the command runs; one start and one stop line.
+    let dir = alloc_dir("fresh", 2);
+    lease(boottime_ms(), 60_000, 1_000).write(&lease_path).unwrap();
+    let t0 = now_ms();
+    assert_eq!(shim(&dir, "exit 3").wait().unwrap().code(), Some(3));
+    let lines = read_journal(&journal).unwrap();
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    assert!(matches!(lines[0].event, JournalEvent::Start { pid } if pid > 1), "{lines:#?}");
+    assert_eq!(lines[1].event, JournalEvent::Stop { exit_code: Some(3), signal: None, fenced: false });
+    for l in &lines {
+        assert_eq!((l.node.as_str(), l.alloc_id, l.epoch, l.job_id, l.task.as_str()), ("n1", 2, 2, 9, "main-0"));
+        assert_eq!(l.devices, vec![JournalDevice { device: "gpu0".into(), milli: 500 }]);
+    }
+    assert!(t0 <= lines[0].at_ms && lines[0].at_ms <= lines[1].at_ms && lines[1].at_ms <= now_ms());
+    let exit = exit_of(&dir);
+    assert_eq!((exit.exit_code, exit.fenced, exit.started_at_ms), (Some(3), false, Some(lines[0].at_ms)));
+    assert_eq!(exit.finished_at_ms, Some(lines[1].at_ms));
+    // A lease that expires while the task runs: SIGTERM after F, SIGKILL after F + G, even
+    // though the lease is renewed after SIGTERM (the task ignores SIGTERM but records it).
+    let dir = alloc_dir("expiring", 3);
+    let (f, g) = (2_000, 1_000);
+    let sent = boottime_ms();
+    let sent_wall = now_ms() - (boottime_ms() - sent);
+    lease(sent, f, g).write(&lease_path).unwrap();
+    let mut child = shim(&dir, "trap 'echo term >> got_term' TERM; echo up; while :; do sleep 0.05; done");
+    let shim_pid = i32::try_from(child.id()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !dir.join("got_term").exists() {
+        assert!(Instant::now() < deadline, "no SIGTERM reached the task");
+        assert!(child.try_wait().unwrap().is_none(), "the shim ended before SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    lease(boottime_ms(), 60_000, 1_000).write(&lease_path).unwrap();
+    assert_eq!(child.wait().unwrap().code(), Some(128 + 9), "the shim exits as its task did: SIGKILL");
+    let lines: Vec<JournalEntry> = read_journal(&journal).unwrap().into_iter().filter(|l| l.alloc_id == 3).collect();
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    assert_eq!(lines[1].event, JournalEvent::Stop { exit_code: None, signal: Some(9), fenced: true });
+    assert!(lines[1].at_ms + 50 >= sent_wall + f + g, "killed before F + G: {lines:#?} sent at {sent_wall}");
+    let exit = exit_of(&dir);
+    assert!(exit.fenced && exit.signal == Some(9), "{exit:?}");
+    let term_at = exit.fenced_at_ms.unwrap();
+    assert!(term_at + 50 >= sent_wall + f && term_at < sent_wall + f + g, "SIGTERM at {term_at}, sent {sent_wall}");
+    // Nothing of the task's process group is left running.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: Vec<i32> = std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|p| {
+                suanli_agent::sys::proc_pgrp(*p) == Some(shim_pid)
+                    && suanli_agent::sys::proc_stat(*p).is_some_and(|(_, s)| s != 'Z' && s != 'X')
+            })
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "processes of the fenced task still run: {left:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

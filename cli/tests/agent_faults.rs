@@ -3,6 +3,10 @@
 //! the plugin host): the agent process stays up, the node's devices turn unhealthy at the
 //! control plane, the job running on them is stopped and rescheduled on the other agent's
 //! healthy devices; once the fault is gone the devices are healthy again.
+//!
+//! An agent frozen (SIGSTOP) while its task runs: the task's shim kills it once the lease
+//! expires, before the control plane could declare the node down, and the agent, once
+//! resumed, reports the allocation FAILED `fenced: ...`.
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,7 +17,10 @@ use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::jobs_client::JobsClient;
 use suanli_proto::v1::nodes_client::NodesClient;
-use support::{AgentProc, channel, cluster, fake_config, read_lines, ready_healthy, record_job, submit, wait_nodes};
+use support::{
+    AgentProc, channel, cluster, cluster_with, fake_config, read_lines, ready_healthy, record_job, submit, wait_nodes,
+    wait_terminal,
+};
 
 async fn set_mode(addr: &str, id: &str, mode: pb::NodeMode) {
     NodesClient::new(channel(addr).await.unwrap())
@@ -89,4 +96,80 @@ async fn plugins_that_panic_hang_and_segfault() {
     let log = a.log();
     assert!(log.contains("device plugin down"), "{log}");
     drop((a, b));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_agent_has_its_tasks_fenced() {
+    use suanli_agent::sys::{boottime_ms, now_ms, proc_stat};
+    const TTL_MS: u64 = 4_000;
+    const F_MS: u64 = 1_000;
+    const G_MS: u64 = 500;
+    let cfg_dir = tempfile::tempdir().unwrap();
+    let server_cfg = cfg_dir.path().join("server.toml");
+    std::fs::write(&server_cfg, format!("heartbeat_interval_ms = 200\nheartbeat_ttl_ms = {TTL_MS}\n")).unwrap();
+    let (c, addr) = cluster_with(1, &["--config", server_cfg.to_str().unwrap()]).await;
+    let fence = format!("fence_after_ms = {F_MS}\nfence_kill_grace_ms = {G_MS}\n");
+    let mut a = AgentProc::new("node-a", std::slice::from_ref(&addr), &fake_config(2, 0, 0), &fence);
+    a.start();
+    wait_nodes(&addr, Duration::from_secs(30), "the agent registered", |n| ready_healthy(n, "node-a", 2)).await;
+    let spec = serde_json::json!({"name": "long", "queue": "default", "groups": [{"name": "main", "replicas": 1,
+        "resources": {"cpu_milli": 100, "memory_mib": 64, "devices": {"kind": "gpu", "count": 1, "milli": 1000}},
+        "task": {"command": "/bin/sh", "args": ["-c", "sleep 600"]}}]});
+    let req = pb::SubmitJobRequest {
+        client_request_id: "long".into(),
+        spec_json: spec.to_string(),
+        retry: Some(pb::RetryPolicy { max_attempts: 1, backoff_base_s: 0, backoff_max_s: 0 }),
+    };
+    let id = JobsClient::new(channel(&addr).await.unwrap()).submit(req).await.unwrap().into_inner().job_id;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let start = loop {
+        if let Some(e) = a.journal().into_iter().find(|e| e.job_id == id && e.is_start()) {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "job {id} never started:\n{}", a.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // Freeze the agent; once it is stopped its lease no longer changes.
+    a.signal("STOP");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proc_stat(a.pid()).is_none_or(|(_, s)| s != 'T') {
+        assert!(Instant::now() < deadline, "the agent did not stop");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let lease = a.lease().expect("a lease");
+    assert_eq!((lease.fence_after_ms, lease.kill_grace_ms), (F_MS, G_MS));
+    let lease_wall_ms = now_ms() - (boottime_ms() - lease.sent_boottime_ms);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let stop = loop {
+        if let Some(e) = a.journal().into_iter().find(|e| e.alloc_id == start.alloc_id && !e.is_start()) {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "the task was not fenced:\n{}", a.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    a.signal("CONT");
+    let after = stop.at_ms.saturating_sub(lease_wall_ms);
+    eprintln!("fenced {after} ms after the lease was sent (F {F_MS}, F + G {}, TTL {TTL_MS})", F_MS + G_MS);
+    assert!(stop.fenced(), "{stop:?}");
+    assert!(stop.at_ms + 50 >= lease_wall_ms + F_MS, "fenced before the lease expired: {after} ms");
+    assert!(stop.at_ms < lease_wall_ms + TTL_MS, "the task outlived the TTL: {after} ms");
+    let dir = a.data_dir().join("allocs").join(format!("{}-{}", start.alloc_id, start.epoch));
+    let exit: suanli_agent::ExitRecord =
+        serde_json::from_slice(&std::fs::read(dir.join("exit.json")).unwrap()).unwrap();
+    assert!(exit.fenced, "{exit:?}");
+    // Back, the agent reports the fence; the job has no retries left.
+    let jobs = wait_terminal(&addr, &[id], Duration::from_secs(20)).await;
+    let j = &jobs[&id];
+    let alloc = j.allocs.iter().find(|x| x.id == start.alloc_id).unwrap();
+    assert_eq!(
+        (j.state.as_str(), alloc.state.as_str()),
+        ("failed", "failed"),
+        "{j:#?}\n--- agent:\n{}\n--- server:\n{}",
+        a.log(),
+        c.log(0)
+    );
+    assert!(alloc.message.starts_with("fenced: "), "{}", alloc.message);
+    let lines: Vec<_> = a.journal().into_iter().filter(|e| e.job_id == id).collect();
+    assert_eq!(lines.len(), 2, "one start and one stop: {lines:#?}");
+    assert!(a.alive());
 }
