@@ -35,7 +35,7 @@ mod store;
 pub use machine::Machine;
 pub use network::{GrpcNetwork, GrpcNetworkFactory, RaftService};
 pub use settings::{RaftSettings, SettingsError};
-pub use store::{Applied, LogStore, MachineHandle, SnapshotBuilder, StateMachineStore, StoreConfig, open_db};
+pub use store::{Applied, LogStore, MachineHandle, SnapshotBuilder, StateMachineStore, StoreConfig, fnv1a, open_db};
 
 use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
 use openraft::{BasicNode, Raft};
@@ -85,11 +85,14 @@ pub enum OpenError {
 /// Opens (creating if needed) a raft node of any group: storage in `dir`, gRPC network to
 /// peers. A fresh cluster still needs `raft.initialize(members)` on one node; a restarted node
 /// recovers its log, vote and snapshot and rejoins on its own.
+///
+/// Besides the node and its applied state it returns a second handle on the log store, for
+/// reading only ([`LogStore::digests`]: the consistency checks of the chaos harness).
 pub async fn open_group<C, M>(
     dir: &Path,
     id: u64,
     settings: &RaftSettings,
-) -> Result<(Raft<C>, MachineHandle<M>), OpenError>
+) -> Result<(Raft<C>, MachineHandle<M>, LogStore<C>), OpenError>
 where
     C: StoreConfig,
     M: Machine<Command = C::D, Response = C::R>,
@@ -97,15 +100,20 @@ where
     let config = settings.openraft_config()?;
     let db = open_db(dir).map_err(|source| OpenError::Db { dir: dir.display().to_string(), source })?;
     let log = LogStore::<C>::new(db.clone());
+    let reader = log.clone();
     let sm = StateMachineStore::<C, M>::open(db)?;
     let handle = sm.handle();
     let net = GrpcNetworkFactory::<C>::new(id, settings.clone());
     let raft = Raft::new(id, config, net, log, sm).await?;
-    Ok((raft, handle))
+    Ok((raft, handle, reader))
 }
 
 /// Opens a region's control-plane raft node (see [`open_group`]).
-pub async fn open(dir: &Path, id: u64, settings: &RaftSettings) -> Result<(SuanliRaft, StateHandle), OpenError> {
+pub async fn open(
+    dir: &Path,
+    id: u64,
+    settings: &RaftSettings,
+) -> Result<(SuanliRaft, StateHandle, LogStore<TypeConfig>), OpenError> {
     open_group::<TypeConfig, State>(dir, id, settings).await
 }
 

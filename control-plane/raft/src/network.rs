@@ -54,7 +54,7 @@ impl<C: StoreConfig> RaftNetworkFactory<C> for GrpcNetworkFactory<C> {
         GrpcNetwork {
             id: self.id,
             target,
-            addr: node.addr.clone(),
+            addr: self.settings.dial_addr(&node.addr).to_owned(),
             settings: self.settings.clone(),
             client: None,
             _c: PhantomData,

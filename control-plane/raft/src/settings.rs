@@ -1,6 +1,7 @@
 //! Raft timing, snapshot and transport limits, validated.
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
@@ -36,6 +37,11 @@ pub struct RaftSettings {
     pub max_entries_per_append: u64,
     /// Largest raft message a server accepts or a client sends, in bytes.
     pub max_message_bytes: usize,
+    /// Address rewrites for dialing peers: `advertised address -> address to dial`. For NAT, a
+    /// proxy in front of a peer, or the chaos harness's fault-injecting links (one proxy per
+    /// directed link). Applies to raft RPCs and to forwarded writes and reads. Empty: dial the
+    /// advertised address.
+    pub dial: BTreeMap<String, String>,
 }
 
 impl Default for RaftSettings {
@@ -54,6 +60,7 @@ impl Default for RaftSettings {
             snapshot_chunk_bytes: 1024 * 1024,
             max_entries_per_append: 8,
             max_message_bytes: 64 * 1024 * 1024,
+            dial: BTreeMap::new(),
         }
     }
 }
@@ -77,6 +84,11 @@ pub enum SettingsError {
 }
 
 impl RaftSettings {
+    /// The address to dial for a peer advertised at `addr` (see [`RaftSettings::dial`]).
+    pub fn dial_addr<'a>(&'a self, addr: &'a str) -> &'a str {
+        self.dial.get(addr).map_or(addr, String::as_str)
+    }
+
     /// Checks bounds.
     pub fn validate(&self) -> Result<(), SettingsError> {
         let bad = |field: &'static str, value: u64, expected: String| {
@@ -105,6 +117,18 @@ impl RaftSettings {
             if v < min || v > max {
                 return bad(field, v, format!("must be between {min} and {max}"));
             }
+        }
+        if self.dial.len() > 4096 {
+            return bad("dial", self.dial.len() as u64, "at most 4096 address rewrites".into());
+        }
+        if let Some((from, to)) =
+            self.dial.iter().find(|(f, t)| f.is_empty() || t.is_empty() || f.len() > 256 || t.len() > 256)
+        {
+            return Err(SettingsError::Field {
+                field: "dial",
+                value: format!("{from:?} = {to:?}"),
+                expected: "addresses must be 1 to 256 bytes".into(),
+            });
         }
         if self.election_timeout_min_ms <= self.heartbeat_interval_ms {
             return bad(

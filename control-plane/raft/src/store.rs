@@ -63,10 +63,46 @@ pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
     Ok(Arc::new(DB::open_cf_descriptors(&opts, dir, cfs)?))
 }
 
+/// FNV-1a, 64 bits: a stable hash (the same on every server and build) for comparing log
+/// entries and state snapshots across servers. Not for security.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
 fn synced() -> WriteOptions {
     let mut w = WriteOptions::default();
     w.set_sync(true);
     w
+}
+
+/// The options of a write raft relies on, after the disk failpoints (feature `failpoints`;
+/// without it this is [`synced`]):
+///
+/// - `raft::fsync`: `return` / `return(msg)` fails the write as a disk error would (openraft
+///   then stops the node, and the server exits); `sleep(ms)` delays it as a slow fsync would.
+/// - `raft::skip-fsync` (BROKEN on purpose, for proving the chaos checker): `return` makes log
+///   appends (`lie = true`) neither synced nor logged ahead, so acknowledged entries live only
+///   in memory, as on a disk whose cache lies about fsync, and die with the process.
+fn durable(lie: bool) -> Result<WriteOptions, std::io::Error> {
+    #[cfg(feature = "failpoints")]
+    {
+        if let Some(msg) = fail::eval("raft::fsync", |arg| arg.unwrap_or_else(|| "injected fsync error".into())) {
+            return Err(std::io::Error::other(msg));
+        }
+        if lie && fail::eval("raft::skip-fsync", |_| ()).is_some() {
+            let mut w = WriteOptions::default();
+            w.set_sync(false);
+            w.disable_wal(true);
+            return Ok(w);
+        }
+    }
+    let _ = lie;
+    Ok(synced())
 }
 
 fn cf<'a>(db: &'a DB, name: &str) -> Result<&'a rocksdb::ColumnFamily, SErr> {
@@ -112,6 +148,47 @@ impl<C: StoreConfig> LogStore<C> {
     /// A log store over an open database (see [`open_db`]).
     pub fn new(db: Arc<DB>) -> Self {
         Self { db, _c: PhantomData }
+    }
+
+    /// `(index, term, hash of the stored entry)` for the entries kept in `from..=to`, at most
+    /// `max` of them, in index order: what a consistency check compares across servers (a
+    /// committed index must hold the same entry everywhere). Blocking; a short range read.
+    pub fn digests(&self, from: u64, to: u64, max: usize) -> Result<Vec<(u64, u64, u64)>, SErr> {
+        let logs = cf(&self.db, CF_LOGS)?;
+        let mut out = Vec::new();
+        for r in self.db.iterator_cf(logs, IteratorMode::From(&from.to_be_bytes(), Direction::Forward)) {
+            let (k, v) = r.map_err(|e| StorageIOError::read_logs(&e))?;
+            let idx = u64::from_be_bytes(
+                k.as_ref()
+                    .try_into()
+                    .map_err(|_| StorageIOError::read_logs(&std::io::Error::other("log key is not 8 bytes")))?,
+            );
+            if idx > to || out.len() >= max {
+                break;
+            }
+            let e: Entry<C> = from_json(&v)?;
+            out.push((idx, e.log_id.leader_id.term, fnv1a(&v)));
+        }
+        Ok(out)
+    }
+
+    /// The last index this node persisted as committed (0 when none).
+    pub fn committed_index(&self) -> Result<u64, SErr> {
+        let c: Option<Option<LogId<u64>>> = get_meta(&self.db, KEY_COMMITTED)?;
+        Ok(c.flatten().map_or(0, |l| l.index))
+    }
+
+    /// The first and last index in the log (`None` when empty).
+    pub fn bounds(&self) -> Result<Option<(u64, u64)>, SErr> {
+        let logs = cf(&self.db, CF_LOGS)?;
+        let first = match self.db.iterator_cf(logs, IteratorMode::Start).next() {
+            None => return Ok(None),
+            Some(r) => {
+                let (_, v) = r.map_err(|e| StorageIOError::read_logs(&e))?;
+                from_json::<Entry<C>>(&v)?.log_id.index
+            }
+        };
+        Ok(self.last_entry()?.map(|l| (first, l.index)))
     }
 
     fn last_entry(&self) -> Result<Option<LogId<u64>>, SErr> {
@@ -178,7 +255,8 @@ where
         let db = self.db.clone();
         let bytes = to_json(vote)?;
         blocking(move || {
-            db.put_cf_opt(cf(&db, CF_META)?, KEY_VOTE, bytes, &synced()).map_err(|e| StorageIOError::write_vote(&e))?;
+            let w = durable(false).map_err(|e| StorageIOError::write_vote(&e))?;
+            db.put_cf_opt(cf(&db, CF_META)?, KEY_VOTE, bytes, &w).map_err(|e| StorageIOError::write_vote(&e))?;
             Ok(())
         })
         .await
@@ -191,7 +269,13 @@ where
     async fn save_committed(&mut self, committed: Option<LogId<u64>>) -> Result<(), SErr> {
         // Not synced: losing it only means re-applying a little more of the log at start.
         let bytes = to_json(&committed)?;
-        self.db.put_cf(cf(&self.db, CF_META)?, KEY_COMMITTED, bytes).map_err(|e| StorageIOError::write(&e))?;
+        #[allow(unused_mut)]
+        let mut w = WriteOptions::default();
+        #[cfg(feature = "failpoints")]
+        if fail::eval("raft::skip-fsync", |_| ()).is_some() {
+            w.disable_wal(true); // the lying disk of `durable` loses this pointer with the entries
+        }
+        self.db.put_cf_opt(cf(&self.db, CF_META)?, KEY_COMMITTED, bytes, &w).map_err(|e| StorageIOError::write(&e))?;
         Ok(())
     }
 
@@ -211,7 +295,8 @@ where
         }
         let db = self.db.clone();
         let res = blocking(move || {
-            db.write_opt(batch, &synced()).map_err(|e| StorageIOError::write_logs(&e))?;
+            let w = durable(true).map_err(|e| StorageIOError::write_logs(&e))?;
+            db.write_opt(batch, &w).map_err(|e| StorageIOError::write_logs(&e))?;
             Ok(())
         })
         .await;
@@ -279,6 +364,13 @@ impl<M> MachineHandle<M> {
     /// first).
     pub fn read<R>(&self, f: impl FnOnce(&M) -> R) -> R {
         f(&read_lock(&self.shared).machine)
+    }
+
+    /// Reads the local state together with the index it was applied up to (one lock, so the
+    /// two belong together).
+    pub fn read_applied<R>(&self, f: impl FnOnce(u64, &M) -> R) -> R {
+        let g = read_lock(&self.shared);
+        f(g.last_applied.map_or(0, |l| l.index), &g.machine)
     }
 
     /// Last applied log index (0 before any).

@@ -64,6 +64,8 @@ impl Agent for AgentApi {
             // Unknown, or declared down: the agent registers again with its inventory.
             return ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: false });
         }
+        // Only a leader a quorum still follows may renew the agent's lease.
+        self.0.confirm_leader(Duration::from_millis(self.0.cfg.raft.heartbeat_interval_ms.max(50) * 2)).await?;
         self.seen(&id);
         if !r.stats.is_empty() {
             // Bounded like a node's device list; only the latest report is kept.

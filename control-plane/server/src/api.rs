@@ -419,4 +419,41 @@ impl Internal for Api {
         }
         ok(pb::ReadIndexResponse { index: self.0.local_read_index().await? })
     }
+
+    async fn inspect(&self, req: Request<pb::InspectRequest>) -> Resp<pb::InspectResponse> {
+        let r = req.into_inner();
+        if r.group != self.0.cfg.raft.group {
+            return Err(Status::not_found(format!("group: {:?} is not served here", r.group)));
+        }
+        const MAX_DIGESTS: usize = 10_000;
+        let (applied_index, state_hash) = self.0.state.read_applied(|index, s| {
+            let hash = s.snapshot().map(|b| suanli_raft::fnv1a(&b)).map_err(|e| Status::internal(e.to_string()));
+            hash.map(|h| (index, h))
+        })?;
+        let term = self.0.raft.metrics().borrow().current_term;
+        let log = self.0.log.clone();
+        let (from, to) = (r.log_from, r.log_to);
+        let (bounds, committed, digests) = tokio::task::spawn_blocking(move || {
+            let err = |e: openraft::StorageError<u64>| format!("reading the log: {e}");
+            let bounds = log.bounds().map_err(err)?;
+            let committed = log.committed_index().map_err(err)?;
+            let digests = if to == 0 { Vec::new() } else { log.digests(from, to, MAX_DIGESTS).map_err(err)? };
+            Ok::<_, String>((bounds, committed, digests))
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(Status::internal)?;
+        let (first_log_index, last_log_index) = bounds.unwrap_or((0, 0));
+        ok(pb::InspectResponse {
+            id: self.0.id,
+            leader: self.0.is_leader(),
+            term,
+            applied_index,
+            state_hash,
+            committed_index: committed.max(applied_index),
+            first_log_index,
+            last_log_index,
+            entries: digests.into_iter().map(|(index, term, hash)| pb::LogDigest { index, term, hash }).collect(),
+        })
+    }
 }

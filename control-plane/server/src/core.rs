@@ -52,11 +52,20 @@ pub struct Core {
     /// Bounds open watch streams.
     pub watchers: Arc<Semaphore>,
     channels: Mutex<HashMap<String, Channel>>,
+    /// A read-only handle on the raft log (consistency checks: `Internal.Inspect`).
+    pub log: suanli_raft::LogStore<suanli_raft::TypeConfig>,
+    /// When a quorum last confirmed this server's leadership (taken before the round).
+    confirmed: tokio::sync::Mutex<Option<Instant>>,
 }
 
 impl Core {
     /// A core over an opened raft node.
-    pub fn new(cfg: ServerConfig, raft: SuanliRaft, state: StateHandle) -> Self {
+    pub fn new(
+        cfg: ServerConfig,
+        raft: SuanliRaft,
+        state: StateHandle,
+        log: suanli_raft::LogStore<suanli_raft::TypeConfig>,
+    ) -> Self {
         Self {
             id: cfg.id,
             watchers: Arc::new(Semaphore::new(cfg.max_watchers)),
@@ -67,6 +76,8 @@ impl Core {
             heartbeats: Mutex::new(HashMap::new()),
             device_stats: Mutex::new(HashMap::new()),
             channels: Mutex::new(HashMap::new()),
+            log,
+            confirmed: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -104,6 +115,7 @@ impl Core {
 
     /// A (cached, lazily connected) channel to another server.
     pub fn channel(&self, addr: &str) -> Result<Channel, Status> {
+        let addr = self.cfg.raft.dial_addr(addr);
         let mut map = self.channels.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
@@ -218,6 +230,25 @@ impl Core {
             }
             Ok(Err(e)) => Err(Status::unavailable(e.to_string())),
         }
+    }
+
+    /// Confirms with a quorum that this server still leads, at most `max_age` ago. Heartbeat
+    /// answers use it: an agent's lease (docs/agent.md) must only be renewed by a leader whose
+    /// term a quorum still follows, never by a deposed leader cut off from the others, whose
+    /// own view (`is_leader`) would say yes until it hears of the new term. Concurrent callers
+    /// share one confirmation round.
+    pub async fn confirm_leader(&self, max_age: Duration) -> Result<(), Status> {
+        let mut last = self.confirmed.lock().await;
+        if let Some(t) = *last
+            && t.elapsed() < max_age
+            && self.is_leader()
+        {
+            return Ok(());
+        }
+        let start = Instant::now();
+        self.local_read_index().await?;
+        *last = Some(start);
+        Ok(())
     }
 
     /// The read index, from this server when it leads or from the leader otherwise. Retries

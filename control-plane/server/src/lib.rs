@@ -24,6 +24,7 @@ mod batch;
 pub mod config;
 mod convert;
 mod core;
+mod failpoints;
 pub mod local;
 mod loops;
 mod status;
@@ -71,6 +72,11 @@ pub enum ServerError {
     /// The gRPC server failed.
     #[error("grpc: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// Raft stopped on its own (a storage error such as a failed fsync): the server exits
+    /// rather than serve from a node that can no longer persist; a supervisor restarts it and
+    /// it recovers from what is on disk.
+    #[error("raft stopped: {0}")]
+    RaftStopped(String),
 }
 
 macro_rules! bounded {
@@ -87,12 +93,13 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|source| ServerError::Io { what: format!("data_dir {}", cfg.data_dir.display()), source })?;
     let settings = cfg.raft.clone();
-    let (raft, state) = suanli_raft::open(&cfg.data_dir, cfg.id, &settings).await?;
+    failpoints::arm();
+    let (raft, state, log) = suanli_raft::open(&cfg.data_dir, cfg.id, &settings).await?;
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|source| ServerError::Io { what: format!("listen {}", cfg.listen), source })?;
     let max = cfg.max_request_bytes;
-    let core = Arc::new(Core::new(cfg.clone(), raft.clone(), state));
+    let core = Arc::new(Core::new(cfg.clone(), raft.clone(), state, log));
     let api = Api(core.clone(), batch::Batcher::start(core.clone()));
     let router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
@@ -115,7 +122,21 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     ];
     tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), data_dir = %cfg.data_dir.display(), "suanli server listening");
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let served = router.serve_with_incoming_shutdown(incoming, shutdown).await;
+    let fatal = Arc::new(std::sync::Mutex::new(None::<String>));
+    let until = {
+        let fatal = fatal.clone();
+        let mut metrics = raft.metrics();
+        async move {
+            tokio::select! {
+                () = shutdown => {}
+                why = raft_stopped(&mut metrics) => {
+                    tracing::error!(error = %why, "raft stopped; the server exits");
+                    *fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
+                }
+            }
+        }
+    };
+    let served = router.serve_with_incoming_shutdown(incoming, until).await;
     let _ = stop_tx.send(true);
     for t in tasks.drain(..) {
         let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
@@ -124,7 +145,23 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         tracing::warn!(error = %e, "raft shutdown");
     }
     served?;
-    Ok(())
+    let why = fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+    match why {
+        Some(why) => Err(ServerError::RaftStopped(why)),
+        None => Ok(()),
+    }
+}
+
+/// Resolves when raft reports a fatal error (or its metrics end).
+async fn raft_stopped(m: &mut watch::Receiver<openraft::RaftMetrics<u64, BasicNode>>) -> String {
+    loop {
+        if let Err(e) = &m.borrow().running_state {
+            return e.to_string();
+        }
+        if m.changed().await.is_err() {
+            return "raft's metrics channel closed".into();
+        }
+    }
 }
 
 /// First start: initialize a new cluster (single server, or the smallest id of `peers`), or

@@ -903,6 +903,7 @@ impl State {
     /// cordoned), every queue, jobs pending and out of backoff at `now`, and live allocations
     /// (those already stopping are not offered as preemption victims again).
     pub fn cluster_view(&self, now: u64) -> ClusterView {
+        let victim = self.double_assign_victim();
         let nodes = self
             .nodes
             .values()
@@ -928,6 +929,9 @@ impl State {
                 if a.desired != Desired::Run {
                     x.preemptible = false;
                 }
+                if victim == Some(x.id) {
+                    x.devices.clear();
+                }
                 x
             })
             .collect();
@@ -940,7 +944,24 @@ impl State {
     }
 
     pub(crate) fn usage(&self) -> Usage {
-        Usage::of(self.allocs.values())
+        let mut u = Usage::of(self.allocs.values());
+        if let Some(a) = self.double_assign_victim().and_then(|id| self.allocs.get(&id)) {
+            u.add(&a.alloc.node, 0, 0, &a.alloc.devices, -1);
+        }
+        u
+    }
+
+    /// Failpoint `state::double-assign` (feature `failpoints`; BROKEN on purpose, only for
+    /// proving that the chaos harness catches an over-committed device): while armed, the live
+    /// allocation with the smallest id that holds a device share is left out of device
+    /// accounting, in the scheduler's view and in the plan re-check alike, so its share is
+    /// handed to a second task. Apply depends on it: arm it on every server or none.
+    fn double_assign_victim(&self) -> Option<AllocId> {
+        #[cfg(feature = "failpoints")]
+        if fail::eval("state::double-assign", |_| ()).is_some() {
+            return self.allocs.values().find(|a| a.is_live() && !a.alloc.devices.is_empty()).map(|a| a.alloc.id);
+        }
+        None
     }
 }
 

@@ -1,0 +1,317 @@
+//! The invariants, checked at the end of a run from the history, the agents' journals and the
+//! servers' own views. Each gives a verdict and, when it fails, the evidence.
+//!
+//! 1. **acknowledged writes**: every submission a client saw acknowledged exists in the final
+//!    state, under the id it was acknowledged with; no client request id made two jobs.
+//! 2. **no over-commit**: from the journals (what agents ran, not what servers believed), the
+//!    shares running on one device never sum past a whole device.
+//! 3. **no double run**: two runs of one task (any epoch, any node) never overlap in time.
+//! 4. **recovery**: after the faults heal, every job is running or finished (or waiting out
+//!    its own retry backoff) within the stated bound.
+//! 5. **convergence**: every server's state machine has the same hash at the same applied
+//!    index.
+//! 6. **log agreement**: where two servers both keep a committed index, they hold the same
+//!    entry there.
+//! 7. **isolated leader** (scenarios that isolate one): it acknowledged nothing invoked after
+//!    it was cut off.
+
+use crate::history::{Op, OpKind, Outcome};
+use crate::nemesis::Isolation;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use suanli_proto::v1 as pb;
+
+/// One verdict.
+#[derive(Debug, Clone, Serialize)]
+pub struct Verdict {
+    /// The invariant.
+    pub name: &'static str,
+    /// Held.
+    pub ok: bool,
+    /// Numbers or evidence.
+    pub detail: String,
+}
+
+/// A task start or stop from an agent's journal (`<data_dir>/journal.jsonl`, written by the
+/// task shim; format in docs/agent.md).
+#[derive(Debug, Clone, Deserialize)]
+pub struct JournalLine {
+    /// `start` or `stop`.
+    pub event: String,
+    /// Node id.
+    pub node: String,
+    /// Allocation id.
+    pub alloc_id: u64,
+    /// Epoch.
+    pub epoch: u64,
+    /// Job id.
+    pub job_id: u64,
+    /// `<group>-<replica>`.
+    pub task: String,
+    /// Device shares.
+    #[serde(default)]
+    pub devices: Vec<JournalShare>,
+    /// Unix ms.
+    pub at_ms: u64,
+    /// Killed by the shim's fencing.
+    #[serde(default)]
+    pub fenced: bool,
+}
+
+/// A device share in a journal line.
+#[derive(Debug, Clone, Deserialize)]
+pub struct JournalShare {
+    /// Device id.
+    pub device: String,
+    /// 1000 = the whole device.
+    pub milli: u64,
+}
+
+/// Parses a journal; a torn last line (the writer died mid-write) is skipped.
+pub fn parse_journal(text: &str) -> Vec<JournalLine> {
+    text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+/// One task run reconstructed from the journals: start to stop (or still running at `now`).
+#[derive(Debug, Clone)]
+pub struct Run {
+    /// Node.
+    pub node: String,
+    /// Allocation and epoch.
+    pub alloc: (u64, u64),
+    /// Job.
+    pub job: u64,
+    /// Task.
+    pub task: String,
+    /// Device shares.
+    pub devices: Vec<(String, u64)>,
+    /// Start (ms).
+    pub from_ms: u64,
+    /// Stop (ms), `u64::MAX` while running.
+    pub until_ms: u64,
+    /// Ended by fencing.
+    pub fenced: bool,
+}
+
+/// Pairs starts and stops into runs.
+pub fn runs(lines: &[JournalLine]) -> Vec<Run> {
+    let mut open: BTreeMap<(String, u64, u64), Run> = BTreeMap::new();
+    let mut out = Vec::new();
+    for l in lines {
+        let key = (l.node.clone(), l.alloc_id, l.epoch);
+        match l.event.as_str() {
+            "start" => {
+                open.insert(
+                    key,
+                    Run {
+                        node: l.node.clone(),
+                        alloc: (l.alloc_id, l.epoch),
+                        job: l.job_id,
+                        task: l.task.clone(),
+                        devices: l.devices.iter().map(|d| (d.device.clone(), d.milli)).collect(),
+                        from_ms: l.at_ms,
+                        until_ms: u64::MAX,
+                        fenced: false,
+                    },
+                );
+            }
+            "stop" => {
+                if let Some(mut r) = open.remove(&key) {
+                    r.until_ms = l.at_ms;
+                    r.fenced = l.fenced;
+                    out.push(r);
+                }
+            }
+            _ => {}
+        }
+    }
+    out.extend(open.into_values());
+    out
+}
+
+/// Invariant 2: over-committed device episodes (a device whose running shares passed 1000).
+pub fn over_commits(runs: &[Run]) -> Vec<String> {
+    let mut events: BTreeMap<(String, String), Vec<(u64, i64, u64)>> = BTreeMap::new();
+    for r in runs {
+        for (d, m) in &r.devices {
+            let e = events.entry((r.node.clone(), d.clone())).or_default();
+            e.push((r.from_ms, 1, *m));
+            if r.until_ms != u64::MAX {
+                e.push((r.until_ms, -1, *m));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for ((node, dev), mut ev) in events {
+        // At one instant, stops count before starts: a device handed over in the same
+        // millisecond is not shared.
+        ev.sort_by_key(|(t, sign, _)| (*t, *sign));
+        let mut used: i64 = 0;
+        let mut over = false;
+        for (t, sign, m) in ev {
+            used += sign * m as i64;
+            if used > 1000 && !over {
+                out.push(format!("{node}/{dev}: {used} milli in use at {t} ms"));
+            }
+            over = used > 1000;
+        }
+    }
+    out
+}
+
+/// Invariant 3: tasks with two overlapping runs.
+pub fn double_runs(runs: &[Run]) -> Vec<String> {
+    let mut by_task: BTreeMap<(u64, String), Vec<&Run>> = BTreeMap::new();
+    for r in runs {
+        by_task.entry((r.job, r.task.clone())).or_default().push(r);
+    }
+    let mut out = Vec::new();
+    for ((job, task), mut rs) in by_task {
+        rs.sort_by_key(|r| r.from_ms);
+        for w in rs.windows(2) {
+            if w[1].from_ms < w[0].until_ms {
+                out.push(format!(
+                    "job {job} task {task}: alloc {:?} on {} ({}..{}) overlaps alloc {:?} on {} (from {})",
+                    w[0].alloc,
+                    w[0].node,
+                    w[0].from_ms,
+                    if w[0].until_ms == u64::MAX { "running".into() } else { w[0].until_ms.to_string() },
+                    w[1].alloc,
+                    w[1].node,
+                    w[1].from_ms
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Invariant 1: acknowledged submissions missing from the final state (or under another
+/// request id), and request ids that made more than one job.
+pub fn lost_writes(ops: &[Op], jobs: &[pb::JobInfo]) -> (Vec<String>, Vec<String>) {
+    let by_id: BTreeMap<u64, &pb::JobInfo> = jobs.iter().map(|j| (j.id, j)).collect();
+    let mut lost = Vec::new();
+    for op in ops {
+        if let (OpKind::Submit { request_id }, Outcome::Ok { job: Some(id) }) = (&op.kind, &op.outcome) {
+            match by_id.get(id) {
+                None => lost.push(format!("{request_id}: acknowledged as job {id} at {} ms, absent", op.completed_ms)),
+                Some(j) if &j.client_request_id != request_id => lost.push(format!(
+                    "{request_id}: acknowledged as job {id}, which is {:?} now",
+                    j.client_request_id
+                )),
+                Some(_) => {}
+            }
+        }
+    }
+    let mut count: BTreeMap<&str, u32> = BTreeMap::new();
+    for j in jobs.iter().filter(|j| !j.client_request_id.is_empty()) {
+        *count.entry(&j.client_request_id).or_default() += 1;
+    }
+    let dups = count.into_iter().filter(|(_, n)| *n > 1).map(|(r, n)| format!("{r}: {n} jobs")).collect();
+    (lost, dups)
+}
+
+/// Invariant 7: acknowledgements by an isolated server of operations invoked after it was cut off.
+pub fn isolated_acks(ops: &[Op], isolations: &[Isolation]) -> Vec<String> {
+    let mut out = Vec::new();
+    for iso in isolations {
+        for op in ops {
+            let write = !matches!(op.kind, OpKind::Read { .. });
+            if write
+                && matches!(op.outcome, Outcome::Ok { .. })
+                && op.server == iso.server
+                && op.invoked_ms >= iso.from_ms
+                && op.completed_ms <= iso.until_ms
+            {
+                out.push(format!(
+                    "server index {} acknowledged {:?} (invoked {} ms, done {} ms) while isolated",
+                    iso.server, op.kind, op.invoked_ms, op.completed_ms
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Whether a job has settled for invariant 4: running, finished, or pending only while it waits
+/// out its own retry backoff.
+pub fn settled(j: &pb::JobInfo, now_s: u64) -> bool {
+    match j.state.as_str() {
+        "running" | "succeeded" | "failed" | "cancelled" => true,
+        "pending" | "requeuing" => j.attempt > 0 && j.not_before > now_s,
+        _ => false,
+    }
+}
+
+/// Invariant 6: entries that differ between servers at one committed index.
+pub fn log_disagreements(views: &[(u64, Vec<pb::LogDigest>)]) -> Vec<String> {
+    let mut at: BTreeMap<u64, BTreeMap<(u64, u64), BTreeSet<u64>>> = BTreeMap::new();
+    for (server, entries) in views {
+        for e in entries {
+            at.entry(e.index).or_default().entry((e.term, e.hash)).or_default().insert(*server);
+        }
+    }
+    at.into_iter()
+        .filter(|(_, v)| v.len() > 1)
+        .map(|(i, v)| format!("index {i}: {:?}", v.into_iter().map(|((t, h), s)| (t, format!("{h:016x}"), s)).collect::<Vec<_>>()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(event: &str, node: &str, alloc: u64, job: u64, dev: &str, milli: u64, at: u64) -> JournalLine {
+        JournalLine {
+            event: event.into(),
+            node: node.into(),
+            alloc_id: alloc,
+            epoch: 1,
+            job_id: job,
+            task: "main-0".into(),
+            devices: vec![JournalShare { device: dev.into(), milli }],
+            at_ms: at,
+            fenced: false,
+        }
+    }
+
+    #[test]
+    fn shares_that_fit_pass_and_an_over_commit_fails() {
+        let ok = [
+            line("start", "n1", 1, 1, "gpu0", 500, 10),
+            line("start", "n1", 2, 2, "gpu0", 500, 11),
+            line("stop", "n1", 1, 1, "gpu0", 500, 20),
+            line("start", "n1", 3, 3, "gpu0", 500, 20),
+        ];
+        assert!(over_commits(&runs(&ok)).is_empty());
+        let bad = [line("start", "n1", 1, 1, "gpu0", 1000, 10), line("start", "n1", 2, 2, "gpu0", 500, 15)];
+        assert_eq!(over_commits(&runs(&bad)).len(), 1);
+    }
+
+    #[test]
+    fn overlapping_runs_of_one_task_are_double_runs() {
+        let ok = [
+            line("start", "n1", 1, 7, "gpu0", 1000, 10),
+            line("stop", "n1", 1, 7, "gpu0", 1000, 20),
+            line("start", "n2", 2, 7, "gpu0", 1000, 21),
+        ];
+        assert!(double_runs(&runs(&ok)).is_empty());
+        let bad = [line("start", "n1", 1, 7, "gpu0", 1000, 10), line("start", "n2", 2, 7, "gpu0", 1000, 21)];
+        assert_eq!(double_runs(&runs(&bad)).len(), 1, "a run that never stopped overlaps the next");
+    }
+
+    #[test]
+    fn a_torn_journal_line_is_skipped() {
+        let text = "{\"event\":\"start\",\"node\":\"n\",\"alloc_id\":1,\"epoch\":1,\"job_id\":1,\"task\":\"t\",\"at_ms\":5}\n{\"event\":\"st";
+        assert_eq!(parse_journal(text).len(), 1);
+    }
+
+    #[test]
+    fn log_views_that_differ_are_reported() {
+        let d = |index, term, hash| pb::LogDigest { index, term, hash };
+        let same = [(1, vec![d(1, 1, 9), d(2, 1, 8)]), (2, vec![d(2, 1, 8)])];
+        assert!(log_disagreements(&same).is_empty());
+        let differ = [(1, vec![d(2, 1, 8)]), (2, vec![d(2, 2, 7)])];
+        assert_eq!(log_disagreements(&differ).len(), 1);
+    }
+}

@@ -1,0 +1,596 @@
+//! The cluster under test: real `suanli server` and `suanli agent` processes on loopback, each
+//! with its own data directory, and a fault-injecting [`Proxy`] on every directed link.
+//!
+//! ```text
+//!   client c ──proxy(c→j)──▶ server j ◀──proxy(i→j)── server i      (raft, forwarding, join)
+//!   agent a  ──proxy(a→j)──▶ server j                                (register, heartbeat, watch)
+//!   harness  ─────direct───▶ server j                                (observer: leader, Inspect)
+//! ```
+//!
+//! Servers dial each other through `raft.dial` rewrites (advertised address → the proxy of
+//! that directed link); agents only know their proxies and never follow leader hints; the
+//! harness's own observer connects directly so it can always look.
+
+use crate::proxy::{Fault, Proxy};
+use anyhow::{Context as _, bail};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::os::unix::process::CommandExt as _;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use suanli_proto::v1 as pb;
+use suanli_proto::v1::cluster_client::ClusterClient;
+use suanli_proto::v1::internal_client::InternalClient;
+use tonic::transport::{Channel, Endpoint};
+
+/// One end of a link (the dialing side); the other end is always a server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum From {
+    /// Server `i` (raft, forwarded writes).
+    Server(usize),
+    /// Workload client `c`.
+    Client(usize),
+    /// Agent `a`.
+    Agent(usize),
+}
+
+/// How the cluster is built.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    /// Voters at start (3 or 5).
+    pub servers: usize,
+    /// Agents, each with the fake plugin.
+    pub agents: usize,
+    /// GPUs per agent.
+    pub gpus_per_agent: u32,
+    /// Workload clients.
+    pub clients: usize,
+    /// Server heartbeat TTL for agents (ms); the agents' fencing derives from it.
+    pub heartbeat_ttl_ms: u64,
+    /// Extra environment for every server (e.g. `SUANLI_FAILPOINTS` for a broken build).
+    pub server_env: Vec<(String, String)>,
+}
+
+/// A server process slot.
+pub struct ServerProc {
+    /// Raft id (index + 1).
+    pub id: u64,
+    /// Listen and advertised address.
+    pub addr: String,
+    dir: PathBuf,
+    child: Option<Child>,
+    /// SIGSTOPped now.
+    pub paused: bool,
+}
+
+/// An agent process slot.
+pub struct AgentProc {
+    /// Its node id.
+    pub node: String,
+    dir: PathBuf,
+    child: Option<Child>,
+    /// SIGSTOPped now.
+    pub paused: bool,
+}
+
+/// The running cluster.
+pub struct Cluster {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    /// Server slots (index i is raft id i + 1).
+    pub servers: Vec<ServerProc>,
+    /// Agent slots.
+    pub agents: Vec<AgentProc>,
+    links: BTreeMap<(From, usize), Proxy>,
+    shape: Shape,
+}
+
+/// A connected channel with short timeouts (the harness must not hang on a paused server).
+pub async fn channel(addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
+    let ep = Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(timeout)
+        .tcp_nodelay(true);
+    Ok(tokio::time::timeout(Duration::from_secs(1), ep.connect()).await.context("connect timed out")??)
+}
+
+/// A lazily connected channel (never blocks; fails at the first request).
+pub fn lazy_channel(addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
+    Ok(Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(timeout)
+        .tcp_nodelay(true)
+        .connect_lazy())
+}
+
+/// The `suanli` binary: `$SUANLI_BIN`, or next to this executable (`target/debug/suanli`).
+pub fn default_bin() -> anyhow::Result<PathBuf> {
+    if let Some(b) = std::env::var_os("SUANLI_BIN") {
+        return Ok(PathBuf::from(b));
+    }
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent().context("executable without a directory")?.to_owned();
+    // Test executables live in target/debug/deps.
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let bin = dir.join("suanli");
+    if !bin.exists() {
+        bail!("{} is missing: build the workspace first (cargo build --workspace) or set SUANLI_BIN", bin.display());
+    }
+    Ok(bin)
+}
+
+fn fake_plugin(bin: &Path) -> anyhow::Result<PathBuf> {
+    let dir = bin.parent().context("binary without a directory")?;
+    for p in [dir.join("libsuanli_plugin_fake.so"), dir.join("deps").join("libsuanli_plugin_fake.so")] {
+        if p.exists() {
+            return Ok(p);
+        }
+    }
+    bail!("libsuanli_plugin_fake.so is not next to {}: build the workspace first", bin.display())
+}
+
+impl Cluster {
+    /// Starts `shape.servers` servers (one initial cluster), `shape.agents` agents and every
+    /// link's proxy; returns once a leader is known and the `default` queue exists.
+    pub async fn start(bin: &Path, shape: Shape, seed: u64, keep: bool) -> anyhow::Result<Cluster> {
+        let dir = tempfile::Builder::new().prefix("suanli-chaos-").disable_cleanup(keep).tempdir()?;
+        let ports = suanli_server::local::free_ports(shape.servers)?;
+        let servers: Vec<ServerProc> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| ServerProc {
+                id: i as u64 + 1,
+                addr: format!("127.0.0.1:{p}"),
+                dir: dir.path().join(format!("s{}", i + 1)),
+                child: None,
+                paused: false,
+            })
+            .collect();
+        let mut links = BTreeMap::new();
+        let mut n = 0u64;
+        let mut link = async |from: From, to: usize, target: &str| -> anyhow::Result<(From, usize, Proxy)> {
+            n += 1;
+            Ok((from, to, Proxy::start(target.to_owned(), seed.wrapping_add(n)).await?))
+        };
+        for to in 0..servers.len() {
+            let target = servers[to].addr.clone();
+            for i in (0..servers.len()).filter(|i| *i != to) {
+                let (f, t, p) = link(From::Server(i), to, &target).await?;
+                links.insert((f, t), p);
+            }
+            for c in 0..shape.clients {
+                let (f, t, p) = link(From::Client(c), to, &target).await?;
+                links.insert((f, t), p);
+            }
+            for a in 0..shape.agents {
+                let (f, t, p) = link(From::Agent(a), to, &target).await?;
+                links.insert((f, t), p);
+            }
+        }
+        let agents = (0..shape.agents)
+            .map(|a| AgentProc {
+                node: format!("node-{}", a + 1),
+                dir: dir.path().join(format!("a{}", a + 1)),
+                child: None,
+                paused: false,
+            })
+            .collect();
+        let mut c = Cluster { dir, bin: bin.to_owned(), servers, agents, links, shape };
+        let plugin_dir = c.dir.path().join("plugins");
+        std::fs::create_dir_all(&plugin_dir)?;
+        let so = plugin_dir.join("libsuanli_plugin_fake.so");
+        std::fs::copy(fake_plugin(bin)?, &so)?;
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&so, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::set_permissions(&plugin_dir, std::fs::Permissions::from_mode(0o755))?;
+        for i in 0..c.servers.len() {
+            c.write_server_config(i, None)?;
+            c.start_server(i)?;
+        }
+        c.wait_leader(Duration::from_secs(30)).await?;
+        c.ensure_default_queue().await?;
+        for a in 0..c.agents.len() {
+            c.write_agent_config(a)?;
+            c.start_agent(a)?;
+        }
+        Ok(c)
+    }
+
+    /// GPUs each agent's fake plugin reports.
+    pub fn gpus_per_agent(&self) -> u32 {
+        self.shape.gpus_per_agent
+    }
+
+    /// The run's directory (data, configs, logs).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The address a dialer uses to reach server `to`.
+    pub fn link_addr(&self, from: From, to: usize) -> String {
+        self.links.get(&(from, to)).map_or_else(|| self.servers[to].addr.clone(), |p| p.addr.clone())
+    }
+
+    /// Sets the fault of one directed link.
+    pub fn set_link(&self, from: From, to: usize, f: Fault) {
+        if let Some(p) = self.links.get(&(from, to)) {
+            p.set(f);
+        }
+    }
+
+    /// Every link's fault back to none.
+    pub fn heal_links(&self) {
+        for p in self.links.values() {
+            p.set(Fault::default());
+        }
+    }
+
+    /// Links currently faulty.
+    pub fn faulty_links(&self) -> usize {
+        self.links.values().filter(|p| p.fault() != Fault::default()).count()
+    }
+
+    /// Cuts (or restores) both directions between servers `a` and `b`.
+    pub fn cut_servers(&self, a: usize, b: usize, blocked: bool) {
+        let f = Fault { blocked, ..Fault::default() };
+        self.set_link(From::Server(a), b, f);
+        self.set_link(From::Server(b), a, f);
+    }
+
+    fn server_config_path(&self, i: usize) -> PathBuf {
+        self.dir.path().join(format!("s{}.toml", i + 1))
+    }
+
+    /// The failpoints file server `i` watches.
+    pub fn failpoints_path(&self, i: usize) -> PathBuf {
+        self.dir.path().join(format!("s{}.failpoints", i + 1))
+    }
+
+    /// Writes server `i`'s config: an initial voter (`peers`), or a new member joining
+    /// through server `via` (`join`).
+    pub fn write_server_config(&self, i: usize, join_via: impl Into<Option<usize>>) -> anyhow::Result<()> {
+        let join_via: Option<usize> = join_via.into();
+        let mut cfg = suanli_server::ServerConfig {
+            id: self.servers[i].id,
+            data_dir: self.servers[i].dir.clone(),
+            listen: self.servers[i].addr.clone(),
+            heartbeat_interval_ms: (self.shape.heartbeat_ttl_ms / 10).max(50),
+            heartbeat_ttl_ms: self.shape.heartbeat_ttl_ms,
+            request_timeout_ms: 3_000,
+            ..suanli_server::ServerConfig::default()
+        };
+        match join_via {
+            Some(v) => cfg.join = Some(self.link_addr(From::Server(i), v)),
+            None => {
+                cfg.peers = self
+                    .servers
+                    .iter()
+                    .take(self.shape.servers)
+                    .map(|s| suanli_server::Peer { id: s.id, addr: s.addr.clone() })
+                    .collect();
+            }
+        }
+        cfg.raft.snapshot_after_entries = 2_000;
+        cfg.raft.keep_entries_after_snapshot = 500;
+        for (j, s) in self.servers.iter().enumerate().filter(|(j, _)| *j != i) {
+            cfg.raft.dial.insert(s.addr.clone(), self.link_addr(From::Server(i), j));
+        }
+        let text = toml::to_string(&cfg).context("encoding a server config")?;
+        std::fs::write(self.server_config_path(i), text)?;
+        Ok(())
+    }
+
+    /// Starts (or restarts) server `i` on its data directory.
+    pub fn start_server(&mut self, i: usize) -> anyhow::Result<()> {
+        if self.servers[i].child.is_some() {
+            return Ok(());
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join(format!("s{}.log", i + 1)))?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("server")
+            .arg("--config")
+            .arg(self.server_config_path(i))
+            .env("SUANLI_LOG", std::env::var("SUANLI_CHAOS_SERVER_LOG").unwrap_or_else(|_| "warn".into()))
+            .env("SUANLI_FAILPOINTS_FILE", self.failpoints_path(i))
+            .env_remove("SUANLI_CONFIG")
+            .env_remove("SUANLI_FAILPOINTS")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .process_group(0);
+        for (k, v) in &self.shape.server_env {
+            cmd.env(k, v);
+        }
+        self.servers[i].child = Some(cmd.spawn().context("starting suanli server")?);
+        self.servers[i].paused = false;
+        Ok(())
+    }
+
+    /// SIGKILL server `i` (continued first if paused, so it dies at once) and reap it.
+    pub fn kill_server(&mut self, i: usize) {
+        let s = &mut self.servers[i];
+        if let Some(mut c) = s.child.take() {
+            signal(c.id(), libc::SIGKILL);
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        s.paused = false;
+    }
+
+    /// Whether server `i` has a live process (a server that exited on its own is reaped).
+    pub fn server_alive(&mut self, i: usize) -> bool {
+        let s = &mut self.servers[i];
+        match s.child.as_mut().map(Child::try_wait) {
+            Some(Ok(None)) => true,
+            Some(_) => {
+                s.child = None;
+                s.paused = false;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// SIGSTOP / SIGCONT server `i`.
+    pub fn pause_server(&mut self, i: usize, stop: bool) {
+        let s = &mut self.servers[i];
+        if let Some(c) = &s.child {
+            signal(c.id(), if stop { libc::SIGSTOP } else { libc::SIGCONT });
+            s.paused = stop;
+        }
+    }
+
+    /// Removes server `i`'s data (after a membership removal, before it joins again).
+    pub fn wipe_server(&mut self, i: usize) -> anyhow::Result<()> {
+        self.kill_server(i);
+        let d = &self.servers[i].dir;
+        if d.exists() {
+            std::fs::remove_dir_all(d)?;
+        }
+        Ok(())
+    }
+
+    fn agent_fault_file(&self, a: usize) -> PathBuf {
+        self.agents[a].dir.join("fake.faults.toml")
+    }
+
+    fn write_agent_config(&self, a: usize) -> anyhow::Result<()> {
+        let ag = &self.agents[a];
+        std::fs::create_dir_all(&ag.dir)?;
+        let fake = ag.dir.join("fake.toml");
+        std::fs::write(
+            &fake,
+            format!(
+                "[[groups]]\ncount = {}\nkind = \"gpu\"\nmodel = \"A100-80G\"\nmemory_mib = 81920\nid_prefix = \"gpu\"\n",
+                self.shape.gpus_per_agent
+            ),
+        )?;
+        let servers: Vec<String> =
+            (0..self.servers.len()).map(|j| format!("{:?}", self.link_addr(From::Agent(a), j))).collect();
+        let toml = format!(
+            r#"servers = [{servers}]
+node_id = "{node}"
+data_dir = "{data}"
+plugin_dir = "{plugins}"
+plugins = ["fake"]
+listen = "127.0.0.1:0"
+cpu_milli = 32000
+memory_mib = 65536
+stop_grace_min_ms = 500
+stop_grace_max_ms = 2000
+rpc_timeout_ms = 2000
+connect_timeout_ms = 500
+retry_backoff_min_ms = 50
+retry_backoff_max_ms = 500
+cgroups = false
+follow_leader_hints = false
+
+[plugin_config.fake]
+config_path = "{fake}"
+"#,
+            servers = servers.join(", "),
+            node = ag.node,
+            data = ag.dir.join("data").display(),
+            plugins = self.dir.path().join("plugins").display(),
+            fake = fake.display(),
+        );
+        std::fs::write(ag.dir.join("agent.toml"), toml)?;
+        Ok(())
+    }
+
+    /// Starts (or restarts) agent `a`.
+    pub fn start_agent(&mut self, a: usize) -> anyhow::Result<()> {
+        if self.agents[a].child.is_some() {
+            return Ok(());
+        }
+        let ag = &self.agents[a];
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(ag.dir.join("agent.log"))?;
+        let child = Command::new(&self.bin)
+            .arg("agent")
+            .arg("--config")
+            .arg(ag.dir.join("agent.toml"))
+            .env("SUANLI_LOG", std::env::var("SUANLI_CHAOS_AGENT_LOG").unwrap_or_else(|_| "warn".into()))
+            .env_remove("SUANLI_AGENT_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .process_group(0)
+            .spawn()
+            .context("starting suanli agent")?;
+        self.agents[a].child = Some(child);
+        self.agents[a].paused = false;
+        Ok(())
+    }
+
+    /// SIGKILL agent `a` (its tasks' shims live on and fence themselves).
+    pub fn kill_agent(&mut self, a: usize) {
+        if let Some(mut c) = self.agents[a].child.take() {
+            signal(c.id(), libc::SIGKILL); // with its plugin hosts
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.agents[a].paused = false;
+    }
+
+    /// SIGSTOP / SIGCONT agent `a`.
+    pub fn pause_agent(&mut self, a: usize, stop: bool) {
+        if let Some(c) = &self.agents[a].child {
+            signal(c.id(), if stop { libc::SIGSTOP } else { libc::SIGCONT });
+            self.agents[a].paused = stop;
+        }
+    }
+
+    /// Writes agent `a`'s fake-plugin fault file (atomically); empty text clears it.
+    pub fn set_plugin_faults(&self, a: usize, text: &str) -> anyhow::Result<()> {
+        let path = self.agent_fault_file(a);
+        if text.is_empty() {
+            let _ = std::fs::remove_file(&path);
+            let _ = std::fs::remove_file(path.with_extension("toml.crashed"));
+            return Ok(());
+        }
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, &path)?;
+        Ok(())
+    }
+
+    /// Agent `a`'s task journal.
+    pub fn journal_path(&self, a: usize) -> PathBuf {
+        self.agents[a].dir.join("data").join("journal.jsonl")
+    }
+
+    /// Server indices with a live, running (not paused) process.
+    pub fn up_servers(&mut self) -> Vec<usize> {
+        (0..self.servers.len()).filter(|i| self.server_alive(*i) && !self.servers[*i].paused).collect()
+    }
+
+    /// The leader as the running servers see it: the leader named in the highest term, when
+    /// that server is up. Asked directly, not through the proxies.
+    pub async fn leader(&mut self) -> Option<usize> {
+        let mut best: Option<(u64, u64)> = None;
+        for i in self.up_servers() {
+            let Ok(ch) = channel(&self.servers[i].addr, Duration::from_millis(500)).await else { continue };
+            if let Ok(r) = ClusterClient::new(ch).leader(pb::LeaderRequest {}).await {
+                let r = r.into_inner();
+                if r.leader_id != 0 && best.is_none_or(|(t, _)| r.term > t) {
+                    best = Some((r.term, r.leader_id));
+                }
+            }
+        }
+        let (_, id) = best?;
+        let i = self.servers.iter().position(|s| s.id == id)?;
+        self.up_servers().contains(&i).then_some(i)
+    }
+
+    /// Waits for a leader.
+    pub async fn wait_leader(&mut self, within: Duration) -> anyhow::Result<usize> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(l) = self.leader().await {
+                return Ok(l);
+            }
+            if Instant::now() > deadline {
+                bail!("no leader within {within:?} (logs in {})", self.dir.path().display());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn ensure_default_queue(&mut self) -> anyhow::Result<()> {
+        let q = serde_json::json!({"id": "default", "nominal": {"cpu_milli": u64::MAX, "memory_mib": u64::MAX,
+            "gpu_milli": u64::MAX, "npu_milli": u64::MAX}});
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            for i in self.up_servers() {
+                let Ok(ch) = channel(&self.servers[i].addr, Duration::from_secs(3)).await else { continue };
+                let r = suanli_proto::v1::queues_client::QueuesClient::new(ch)
+                    .upsert(pb::UpsertQueueRequest { queue_json: q.to_string() })
+                    .await;
+                if r.is_ok() {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("could not create the default queue within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Raft members as the leader sees them: `(id, voter)`.
+    pub async fn members(&mut self) -> anyhow::Result<Vec<(u64, bool)>> {
+        let l = self.wait_leader(Duration::from_secs(10)).await?;
+        let ch = channel(&self.servers[l].addr, Duration::from_secs(3)).await?;
+        let r = ClusterClient::new(ch).members(pb::MembersRequest {}).await?.into_inner();
+        Ok(r.members.iter().map(|m| (m.id, m.voter)).collect())
+    }
+
+    /// Asks the cluster (through its leader) to remove server `i` from the membership.
+    pub async fn remove_member(&mut self, i: usize) -> anyhow::Result<()> {
+        let l = self.wait_leader(Duration::from_secs(10)).await?;
+        let ch = channel(&self.servers[l].addr, Duration::from_secs(10)).await?;
+        ClusterClient::new(ch).remove_server(pb::RemoveServerRequest { id: self.servers[i].id }).await?;
+        Ok(())
+    }
+
+    /// `Internal.Inspect` of server `i`, directly.
+    pub async fn inspect(&self, i: usize, from: u64, to: u64) -> anyhow::Result<pb::InspectResponse> {
+        let ch = channel(&self.servers[i].addr, Duration::from_secs(5)).await?;
+        let mut c = InternalClient::new(ch).max_decoding_message_size(64 << 20);
+        let r = c.inspect(pb::InspectRequest { group: "region".into(), log_from: from, log_to: to }).await?;
+        Ok(r.into_inner())
+    }
+
+    /// Stops every process: SIGCONT first for paused ones, then SIGKILL. Tasks' shims of the
+    /// agents are killed too, by their process groups recorded in the journals.
+    pub fn stop_all(&mut self) {
+        for i in 0..self.servers.len() {
+            self.pause_server(i, false);
+            self.kill_server(i);
+        }
+        for a in 0..self.agents.len() {
+            self.pause_agent(a, false);
+            self.kill_agent(a);
+            kill_tasks(&self.agents[a].dir.join("data"));
+        }
+    }
+
+    /// A server's log (for failure reports).
+    pub fn server_log(&self, i: usize) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("s{}.log", i + 1))).unwrap_or_default()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+/// Signals a process the harness started: each is the leader of its own process group
+/// (`process_group(0)`), so its helpers (an agent's plugin hosts) share its fate. Tasks run in
+/// sessions of their own and are not touched.
+fn signal(pid: u32, sig: i32) {
+    if let Ok(pid) = i32::try_from(pid) {
+        let _ = suanli_agent::sys::kill_group(pid, sig);
+    }
+}
+
+/// Kills whatever tasks an agent's data directory says still run (harness teardown).
+fn kill_tasks(data: &Path) {
+    let Ok(rd) = std::fs::read_dir(data.join("allocs")) else { return };
+    for e in rd.filter_map(Result::ok) {
+        let rec: Option<suanli_agent::TaskRecord> =
+            std::fs::read(e.path().join("task.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+        if let Some(r) = rec
+            && r.shim.alive()
+        {
+            let _ = suanli_agent::sys::kill_group(r.shim.pid, libc::SIGKILL);
+        }
+    }
+}

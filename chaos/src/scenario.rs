@@ -1,0 +1,141 @@
+//! The named scenarios (documented in chaos/README.md).
+
+use crate::nemesis::{Kind, Role};
+
+/// A scenario: a cluster shape and the faults its nemesis draws from.
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    /// Name (`--scenario`).
+    pub name: &'static str,
+    /// One line on what it exercises.
+    pub about: &'static str,
+    /// Servers (3 or 5).
+    pub servers: usize,
+    /// The faults drawn from.
+    pub kinds: &'static [Kind],
+    /// Hold range of one fault (ms).
+    pub hold_ms: (u64, u64),
+    /// In the short suite.
+    pub short: bool,
+}
+
+/// Every scenario.
+pub const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "leader-kill",
+        about: "SIGKILL the leader, restart it; again and again",
+        servers: 3,
+        kinds: &[Kind::KillServer(Role::Leader)],
+        hold_ms: (500, 2_500),
+        short: true,
+    },
+    Scenario {
+        name: "follower-kill-pause",
+        about: "SIGKILL a follower or SIGSTOP any server (a GC-like pause), then restore it",
+        servers: 3,
+        kinds: &[Kind::KillServer(Role::Follower), Kind::PauseServer(Role::Follower), Kind::PauseServer(Role::Leader)],
+        hold_ms: (500, 3_000),
+        short: true,
+    },
+    Scenario {
+        name: "partition",
+        about: "a random minority cut from the majority, or the leader isolated",
+        servers: 3,
+        kinds: &[Kind::PartitionMinority, Kind::IsolateLeader],
+        hold_ms: (1_000, 4_000),
+        short: true,
+    },
+    Scenario {
+        name: "leader-isolated",
+        about: "the leader cut from the other servers while half the clients still reach only it",
+        servers: 3,
+        kinds: &[Kind::IsolateLeader],
+        hold_ms: (2_000, 4_000),
+        short: true,
+    },
+    Scenario {
+        name: "bridge",
+        about: "five servers: two sides joined by one bridge server, or the leader in a minority of two",
+        servers: 5,
+        kinds: &[Kind::Bridge, Kind::LeaderMinority, Kind::PartitionMinority],
+        hold_ms: (1_500, 4_000),
+        short: true,
+    },
+    Scenario {
+        name: "agents",
+        about: "agents cut off past the heartbeat TTL (node down, tasks fenced), killed, or paused",
+        servers: 3,
+        kinds: &[Kind::PartitionAgent, Kind::KillAgent, Kind::PauseAgent],
+        hold_ms: (1_000, 5_000),
+        short: true,
+    },
+    Scenario {
+        name: "plugin-faults",
+        about: "the fake device plugin segfaults (the supervisor restarts it) or reports a device unhealthy",
+        servers: 3,
+        kinds: &[Kind::PluginCrash, Kind::DeviceUnhealthy],
+        hold_ms: (1_000, 3_000),
+        short: true,
+    },
+    Scenario {
+        name: "membership",
+        about: "a follower removed, wiped and added back (catching up from a snapshot), and follower kills",
+        servers: 3,
+        kinds: &[Kind::Membership, Kind::KillServer(Role::Follower)],
+        hold_ms: (500, 2_000),
+        short: true,
+    },
+    Scenario {
+        name: "disk",
+        about: "slow fsync on the leader; a failed fsync that stops a server (it restarts with a healthy disk)",
+        servers: 3,
+        kinds: &[Kind::SlowDisk(Role::Leader), Kind::DiskError(Role::Follower), Kind::DiskError(Role::Leader)],
+        hold_ms: (1_000, 3_000),
+        short: true,
+    },
+    Scenario {
+        name: "flaky-net",
+        about: "every server link delayed and resetting connections",
+        servers: 3,
+        kinds: &[Kind::FlakyNet],
+        hold_ms: (2_000, 5_000),
+        short: true,
+    },
+    Scenario {
+        name: "power-loss",
+        about: "every server SIGKILLed at the same instant, then all restarted",
+        servers: 3,
+        kinds: &[Kind::PowerLoss],
+        hold_ms: (300, 1_500),
+        short: true,
+    },
+    Scenario {
+        name: "mixed",
+        about: "five servers and every fault above, one at a time (the soak's default)",
+        servers: 5,
+        kinds: &[
+            Kind::KillServer(Role::Leader),
+            Kind::KillServer(Role::Follower),
+            Kind::PauseServer(Role::Leader),
+            Kind::IsolateLeader,
+            Kind::PartitionMinority,
+            Kind::Bridge,
+            Kind::PartitionAgent,
+            Kind::KillAgent,
+            Kind::PluginCrash,
+            Kind::DeviceUnhealthy,
+            Kind::Membership,
+            Kind::SlowDisk(Role::Follower),
+            Kind::DiskError(Role::Follower),
+            Kind::FlakyNet,
+            Kind::PowerLoss,
+        ],
+        hold_ms: (1_000, 3_000),
+        short: false,
+    },
+];
+
+/// The scenario called `name`.
+pub fn find(name: &str) -> Option<&'static Scenario> {
+    SCENARIOS.iter().find(|s| s.name == name)
+}

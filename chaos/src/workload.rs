@@ -1,0 +1,260 @@
+//! The workload: clients that submit, cancel, read jobs and change queue quotas while the
+//! nemesis works, each through its own proxies, recording every operation in the history.
+//!
+//! A submission whose outcome is unknown (timeout, unavailable) is retried with the same client
+//! request id, on another server, a few times: the control plane promises that a retry never
+//! creates a second job, and the checker verifies it. An operation that stays unknown is
+//! recorded as `info`; one refused for good as `fail`.
+
+use crate::cluster::{From, lazy_channel};
+use crate::history::{History, Op, OpKind, Outcome, now_ms};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+use suanli_proto::v1 as pb;
+use suanli_proto::v1::jobs_client::JobsClient;
+use suanli_proto::v1::queues_client::QueuesClient;
+use suanli_scheduler::DetRng;
+use tonic::Code;
+use tonic::transport::Channel;
+
+/// What each client does.
+#[derive(Debug, Clone)]
+pub struct WorkloadSpec {
+    /// Pause between a client's operations (ms).
+    pub think_ms: u64,
+    /// Task run time range (ms) for submitted jobs.
+    pub task_ms: (u64, u64),
+    /// Percent of operations that are submissions (the rest: cancel, queue, read).
+    pub submit_pct: u64,
+    /// Deadline of one request (ms); past it the outcome is unknown and the request is retried.
+    pub request_timeout_ms: u64,
+}
+
+impl Default for WorkloadSpec {
+    fn default() -> Self {
+        Self { think_ms: 40, task_ms: (500, 2500), submit_pct: 70, request_timeout_ms: 2000 }
+    }
+}
+
+/// One client: a channel per server through its own links.
+pub struct Client {
+    id: usize,
+    chans: Vec<Channel>,
+    /// Advertised address → server index (to follow leader hints through our own links).
+    by_addr: BTreeMap<String, usize>,
+    rng: DetRng,
+    spec: WorkloadSpec,
+    seq: u64,
+    jobs: Vec<u64>,
+    history: History,
+}
+
+impl Client {
+    /// A client `id` of a cluster whose servers are reached at `links[j]` (advertised as
+    /// `advertised[j]`).
+    pub fn new(
+        id: usize,
+        links: &[String],
+        advertised: &[String],
+        seed: u64,
+        spec: WorkloadSpec,
+        history: History,
+    ) -> anyhow::Result<Client> {
+        let t = Duration::from_millis(spec.request_timeout_ms);
+        let chans = links.iter().map(|a| lazy_channel(a, t)).collect::<anyhow::Result<Vec<_>>>()?;
+        let by_addr = advertised.iter().enumerate().map(|(i, a)| (a.clone(), i)).collect();
+        Ok(Client { id, chans, by_addr, rng: DetRng::new(seed), spec, seq: 0, jobs: Vec::new(), history })
+    }
+
+    fn pick_server(&mut self) -> usize {
+        self.rng.below(self.chans.len() as u64) as usize
+    }
+
+    fn job_spec(&mut self, name: &str) -> String {
+        let (lo, hi) = self.spec.task_ms;
+        let ms = lo + self.rng.below(hi.saturating_sub(lo).max(1));
+        let devices = match self.rng.below(10) {
+            0..=4 => serde_json::json!({"kind": "gpu", "count": 1, "milli": 1000}),
+            5..=7 => serde_json::json!({"kind": "gpu", "count": 1, "milli": 500, "memory_mib": 20480}),
+            _ => serde_json::Value::Null,
+        };
+        let mut resources = serde_json::json!({"cpu_milli": 100, "memory_mib": 64});
+        if !devices.is_null() {
+            resources["devices"] = devices;
+        }
+        serde_json::json!({
+            "name": name,
+            "queue": "default",
+            "kind": "batch",
+            "groups": [{
+                "name": "main",
+                "replicas": 1,
+                "resources": resources,
+                "task": {"command": "/bin/sh", "args": ["-c", format!("sleep {}.{:03}", ms / 1000, ms % 1000)]}
+            }]
+        })
+        .to_string()
+    }
+
+    /// Runs operations until `stop` is set.
+    pub async fn run(mut self, stop: Arc<AtomicBool>) {
+        while !stop.load(Ordering::Relaxed) {
+            let roll = self.rng.below(100);
+            if roll < self.spec.submit_pct || self.jobs.is_empty() {
+                self.submit().await;
+            } else if roll < self.spec.submit_pct + 10 {
+                let job = self.jobs[self.rng.below(self.jobs.len() as u64) as usize];
+                self.cancel(job).await;
+            } else if roll < self.spec.submit_pct + 20 {
+                self.queue().await;
+            } else {
+                let job = self.jobs[self.rng.below(self.jobs.len() as u64) as usize];
+                self.read(job).await;
+            }
+            tokio::time::sleep(Duration::from_millis(self.spec.think_ms)).await;
+        }
+    }
+
+    /// Runs `f` against a server, retrying unknown outcomes up to 3 more times (following a
+    /// leader hint through our own link, else another server). Returns the last server asked,
+    /// the attempts and the final result.
+    async fn attempt<T, F, Fut>(&mut self, mut f: F) -> (usize, u32, Result<T, tonic::Status>)
+    where
+        F: FnMut(Channel) -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    {
+        let mut server = self.pick_server();
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let r = f(self.chans[server].clone()).await;
+            match &r {
+                Err(s) if unknown(s.code()) && attempts < 4 => {
+                    let hint = s
+                        .metadata()
+                        .get(suanli_server::LEADER_HEADER)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|a| self.by_addr.get(a).copied());
+                    server = match hint {
+                        Some(h) if h != server => h,
+                        _ => (server + 1 + self.rng.below(self.chans.len() as u64 - 1) as usize) % self.chans.len(),
+                    };
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                _ => return (server, attempts, r),
+            }
+        }
+    }
+
+    fn record(&self, kind: OpKind, invoked_ms: u64, server: usize, attempts: u32, outcome: Outcome) {
+        self.history.op(Op { client: self.id, kind, invoked_ms, completed_ms: now_ms(), server, attempts, outcome });
+    }
+
+    async fn submit(&mut self) {
+        self.seq += 1;
+        let request_id = format!("c{}-{}", self.id, self.seq);
+        let spec_json = self.job_spec(&request_id);
+        let retry = Some(pb::RetryPolicy { max_attempts: 3, backoff_base_s: 1, backoff_max_s: 2 });
+        let invoked = now_ms();
+        let (server, attempts, r) = self
+            .attempt(|ch| {
+                let req = pb::SubmitJobRequest {
+                    client_request_id: request_id.clone(),
+                    spec_json: spec_json.clone(),
+                    retry: retry.clone(),
+                };
+                async move { JobsClient::new(ch).submit(req).await.map(tonic::Response::into_inner) }
+            })
+            .await;
+        let outcome = match r {
+            Ok(resp) => {
+                self.jobs.push(resp.job_id);
+                Outcome::Ok { job: Some(resp.job_id) }
+            }
+            Err(s) => classify(&s),
+        };
+        self.record(OpKind::Submit { request_id }, invoked, server, attempts, outcome);
+    }
+
+    async fn cancel(&mut self, job: u64) {
+        let invoked = now_ms();
+        let (server, attempts, r) = self
+            .attempt(|ch| async move {
+                JobsClient::new(ch)
+                    .cancel(pb::CancelJobRequest { job_id: job, reason: "chaos workload".into() })
+                    .await
+                    .map(|_| ())
+            })
+            .await;
+        let outcome = match r {
+            Ok(()) => Outcome::Ok { job: None },
+            Err(s) => classify(&s),
+        };
+        self.record(OpKind::Cancel { job }, invoked, server, attempts, outcome);
+    }
+
+    async fn queue(&mut self) {
+        let queue = format!("team-{}", self.rng.below(3));
+        let gpu_milli = 1000 * (1 + self.rng.below(8));
+        let q = serde_json::json!({"id": queue, "nominal": {"cpu_milli": 64000, "memory_mib": 1 << 20, "gpu_milli": gpu_milli}})
+            .to_string();
+        let invoked = now_ms();
+        let (server, attempts, r) = self
+            .attempt(|ch| {
+                let q = q.clone();
+                async move { QueuesClient::new(ch).upsert(pb::UpsertQueueRequest { queue_json: q }).await.map(|_| ()) }
+            })
+            .await;
+        let outcome = match r {
+            Ok(()) => Outcome::Ok { job: None },
+            Err(s) => classify(&s),
+        };
+        self.record(OpKind::Queue { queue, gpu_milli }, invoked, server, attempts, outcome);
+    }
+
+    async fn read(&mut self, job: u64) {
+        let invoked = now_ms();
+        let (server, attempts, r) = self
+            .attempt(|ch| async move {
+                JobsClient::new(ch).get(pb::GetJobRequest { job_id: job, stale: false }).await.map(|_| ())
+            })
+            .await;
+        let outcome = match r {
+            Ok(()) => Outcome::Ok { job: Some(job) },
+            Err(s) => classify(&s),
+        };
+        self.record(OpKind::Read { job }, invoked, server, attempts, outcome);
+    }
+}
+
+/// Whether a status leaves the outcome unknown (the write may have committed).
+fn unknown(c: Code) -> bool {
+    matches!(c, Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled | Code::Internal | Code::Aborted)
+}
+
+fn classify(s: &tonic::Status) -> Outcome {
+    let why = format!("{:?}: {}", s.code(), s.message().chars().take(160).collect::<String>());
+    if unknown(s.code()) { Outcome::Info { why } } else { Outcome::Fail { why } }
+}
+
+/// Starts `n` clients of a cluster; they run until `stop` is set.
+pub fn start(
+    cluster: &crate::cluster::Cluster,
+    clients: usize,
+    seed: u64,
+    spec: &WorkloadSpec,
+    history: &History,
+    stop: &Arc<AtomicBool>,
+) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
+    let advertised: Vec<String> = cluster.servers.iter().map(|s| s.addr.clone()).collect();
+    let mut handles = Vec::new();
+    for c in 0..clients {
+        let links: Vec<String> = (0..advertised.len()).map(|j| cluster.link_addr(From::Client(c), j)).collect();
+        let client =
+            Client::new(c, &links, &advertised, seed ^ (c as u64 + 1) * 0x2545_F491_4F6C_DD1D, spec.clone(), history.clone())?;
+        handles.push(tokio::spawn(client.run(stop.clone())));
+    }
+    Ok(handles)
+}
