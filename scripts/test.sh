@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one gate: formatting, clippy with warnings denied, and every test of the workspace.
+# The one gate: formatting, clippy with warnings denied, every test of the workspace, and the
+# chaos harness's short suite (chaos/README.md) against real clusters.
 # Tests that replay the public Alibaba trace read it from $SUANLI_TRACES (default: the copy
 # beside this checkout, ../shared/traces/alibaba-gpu-v2023, when present).
 set -euo pipefail
@@ -19,3 +20,5 @@ echo "== cargo build (the device plugin .so files and the binary the end-to-end 
 cargo build --workspace --quiet
 echo "== cargo test"
 cargo test --workspace --quiet
+echo "== suanli-chaos suite --short (every short scenario once; seed base ${SUANLI_CHAOS_SEED:-1})"
+target/debug/suanli-chaos suite --short --seed "${SUANLI_CHAOS_SEED:-1}" --duration-s 15

@@ -131,7 +131,9 @@ pub fn runs(lines: &[JournalLine]) -> Vec<Run> {
 
 /// Invariant 2: over-committed device episodes (a device whose running shares passed 1000).
 pub fn over_commits(runs: &[Run]) -> Vec<String> {
-    let mut events: BTreeMap<(String, String), Vec<(u64, i64, u64)>> = BTreeMap::new();
+    // (node, device) → (at ms, +1 start / -1 stop, milli)
+    type Events = BTreeMap<(String, String), Vec<(u64, i64, u64)>>;
+    let mut events = Events::new();
     for r in runs {
         for (d, m) in &r.devices {
             let e = events.entry((r.node.clone(), d.clone())).or_default();
@@ -195,10 +197,9 @@ pub fn lost_writes(ops: &[Op], jobs: &[pb::JobInfo]) -> (Vec<String>, Vec<String
         if let (OpKind::Submit { request_id }, Outcome::Ok { job: Some(id) }) = (&op.kind, &op.outcome) {
             match by_id.get(id) {
                 None => lost.push(format!("{request_id}: acknowledged as job {id} at {} ms, absent", op.completed_ms)),
-                Some(j) if &j.client_request_id != request_id => lost.push(format!(
-                    "{request_id}: acknowledged as job {id}, which is {:?} now",
-                    j.client_request_id
-                )),
+                Some(j) if &j.client_request_id != request_id => {
+                    lost.push(format!("{request_id}: acknowledged as job {id}, which is {:?} now", j.client_request_id))
+                }
                 Some(_) => {}
             }
         }
@@ -253,7 +254,9 @@ pub fn log_disagreements(views: &[(u64, Vec<pb::LogDigest>)]) -> Vec<String> {
     }
     at.into_iter()
         .filter(|(_, v)| v.len() > 1)
-        .map(|(i, v)| format!("index {i}: {:?}", v.into_iter().map(|((t, h), s)| (t, format!("{h:016x}"), s)).collect::<Vec<_>>()))
+        .map(|(i, v)| {
+            format!("index {i}: {:?}", v.into_iter().map(|((t, h), s)| (t, format!("{h:016x}"), s)).collect::<Vec<_>>())
+        })
         .collect()
 }
 

@@ -14,8 +14,8 @@
 use crate::proxy::{Fault, Proxy};
 use anyhow::{Context as _, bail};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;

@@ -75,8 +75,8 @@ pub struct Op {
     pub completed_ms: u64,
     /// The server (index) whose answer ended it.
     pub server: usize,
-    /// Attempts made (retries of an unknown outcome reuse the request id).
-    pub attempts: u32,
+    /// Every server (index) asked, in order: retries of an unknown outcome reuse the request id.
+    pub asked: Vec<usize>,
     /// How it ended.
     #[serde(flatten)]
     pub outcome: Outcome,

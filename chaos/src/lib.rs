@@ -120,8 +120,14 @@ pub struct Report {
     pub double_runs: usize,
     /// Time from the heal until every job was running or finished (ms); None past the bound.
     pub recovery_ms: Option<u64>,
+    /// Time from the heal until a write succeeded again (ms).
+    pub writable_ms: Option<u64>,
     /// Task runs in the agents' journals.
     pub task_runs: usize,
+    /// Windows during which the leader was isolated from the other servers.
+    pub isolations: usize,
+    /// Write operations invoked during an isolation that asked the isolated leader.
+    pub isolated_writes: usize,
     /// Every invariant's verdict.
     pub verdicts: Vec<Verdict>,
     /// The run's directory, when kept.
@@ -138,7 +144,10 @@ impl Report {
     pub fn reproduce(&self) -> String {
         let mut s = format!("suanli-chaos --scenario {} --seed {}", self.scenario, self.seed);
         if let Some(b) = self.broken {
-            s += &format!(" --break {}", clap::ValueEnum::to_possible_value(&b).map_or_else(String::new, |v| v.get_name().to_owned()));
+            s += &format!(
+                " --break {}",
+                clap::ValueEnum::to_possible_value(&b).map_or_else(String::new, |v| v.get_name().to_owned())
+            );
         }
         s
     }
@@ -147,18 +156,18 @@ impl Report {
 /// The header of [`Report::row`].
 pub fn table_header() -> String {
     format!(
-        "{:<20} {:>20} {:>6} {:>6} {:>6} {:>5} {:>5} {:>5} {:>6} {:>10}  {}",
-        "scenario", "seed", "faults", "ops", "acked", "lost", "over", "dbl", "runs", "recovery", "verdict"
+        "{:<20} {:>10} {:>6} {:>6} {:>6} {:>5} {:>5} {:>5} {:>6} {:>9} {:>9}  {}",
+        "scenario", "seed", "faults", "ops", "acked", "lost", "over", "dbl", "runs", "writable", "recovery", "verdict"
     )
 }
 
 impl Report {
     /// One row of the suite's table.
     pub fn row(&self) -> String {
-        let recovery = self.recovery_ms.map_or_else(|| "> bound".to_owned(), |ms| format!("{:.1} s", ms as f64 / 1000.0));
+        let secs = |v: Option<u64>| v.map_or_else(|| "> bound".to_owned(), |ms| format!("{:.1} s", ms as f64 / 1000.0));
         let failed: Vec<&str> = self.verdicts.iter().filter(|v| !v.ok).map(|v| v.name).collect();
         format!(
-            "{:<20} {:>20} {:>6} {:>6} {:>6} {:>5} {:>5} {:>5} {:>6} {:>10}  {}",
+            "{:<20} {:>10} {:>6} {:>6} {:>6} {:>5} {:>5} {:>5} {:>6} {:>9} {:>9}  {}",
             self.scenario,
             self.seed,
             self.faults,
@@ -168,7 +177,8 @@ impl Report {
             self.over_commits,
             self.double_runs,
             self.task_runs,
-            recovery,
+            secs(self.writable_ms),
+            secs(self.recovery_ms),
             if failed.is_empty() { "pass".to_owned() } else { format!("FAIL: {}", failed.join(", ")) }
         )
     }
@@ -210,12 +220,16 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
     let (isolations, faults) = nemesis::run(&mut cluster, &steps, opts.clients, seed, &history).await?;
     tokio::time::sleep_until(phase_end.into()).await;
 
-    // Heal, and let the clients see a healthy cluster for a moment.
+    // Heal; the clients stop (the operations in flight complete or time out).
     let exited = heal(&mut cluster)?;
-    history.fault(format!("heal everything{}", if exited.is_empty() { String::new() } else { format!(" (restarted {exited:?})") }));
+    history.fault(format!(
+        "heal everything{}",
+        if exited.is_empty() { String::new() } else { format!(" (restarted {exited:?})") }
+    ));
     let healed = Instant::now();
-    tokio::time::sleep(Duration::from_secs(2)).await;
     stop.store(true, Ordering::Relaxed);
+    let bound = Duration::from_millis(opts.settle_bound_ms);
+    let writable = probe_write(&mut cluster, healed, bound).await;
     for c in clients {
         let _ = c.await;
     }
@@ -228,14 +242,32 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
         .count();
 
     // (4) recovery, and the final jobs.
-    let bound = Duration::from_millis(opts.settle_bound_ms);
+    verdicts.push(Verdict {
+        name: "writable after heal",
+        ok: writable.is_ok(),
+        detail: match &writable {
+            Ok(ms) => format!("a write through the leader succeeded {:.2} s after the heal", *ms as f64 / 1000.0),
+            Err(e) => format!("no write succeeded within {} s of the heal: {e}", bound.as_secs()),
+        },
+    });
     let (jobs, recovery_ms, unsettled) = recover(&mut cluster, healed, bound).await;
     verdicts.push(Verdict {
         name: "recovery",
         ok: recovery_ms.is_some(),
         detail: match recovery_ms {
-            Some(ms) => format!("{} jobs running or finished {:.1} s after the heal (bound {} s)", jobs.len(), ms as f64 / 1000.0, bound.as_secs()),
-            None => format!("{} of {} jobs not running or finished {} s after the heal: {}", unsettled.len(), jobs.len(), bound.as_secs(), unsettled.join("; ")),
+            Some(ms) => format!(
+                "{} jobs running or finished {:.1} s after the heal (bound {} s)",
+                jobs.len(),
+                ms as f64 / 1000.0,
+                bound.as_secs()
+            ),
+            None => format!(
+                "{} of {} jobs not running or finished {} s after the heal: {}",
+                unsettled.len(),
+                jobs.len(),
+                bound.as_secs(),
+                unsettled.join("; ")
+            ),
         },
     });
 
@@ -243,7 +275,9 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
     let (lost, dups) = checker::lost_writes(&ops, &jobs);
     let submits_acked = ops
         .iter()
-        .filter(|o| matches!(o.kind, history::OpKind::Submit { .. }) && matches!(o.outcome, history::Outcome::Ok { .. }))
+        .filter(|o| {
+            matches!(o.kind, history::OpKind::Submit { .. }) && matches!(o.outcome, history::Outcome::Ok { .. })
+        })
         .count();
     verdicts.push(Verdict {
         name: "acknowledged writes",
@@ -290,17 +324,25 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
 
     // (7) the isolated leader.
     let iso = checker::isolated_acks(&ops, &isolations);
+    let isolated_writes = ops
+        .iter()
+        .filter(|o| {
+            !matches!(o.kind, history::OpKind::Read { .. })
+                && isolations
+                    .iter()
+                    .any(|i| o.asked.contains(&i.server) && o.invoked_ms >= i.from_ms && o.invoked_ms < i.until_ms)
+        })
+        .count();
     verdicts.push(Verdict {
         name: "isolated leader",
         ok: iso.is_empty(),
         detail: if isolations.is_empty() {
             "no leader was isolated in this run".to_owned()
         } else if iso.is_empty() {
-            let tried = ops
-                .iter()
-                .filter(|o| isolations.iter().any(|i| o.server == i.server && o.invoked_ms >= i.from_ms && o.completed_ms <= i.until_ms))
-                .count();
-            format!("{} isolation(s); {tried} operations ended at the isolated leader, none acknowledged", isolations.len())
+            format!(
+                "{} isolation(s); {isolated_writes} writes sent to the isolated leader while it was cut off, none acknowledged by it",
+                isolations.len()
+            )
         } else {
             format!("{} acknowledged while isolated: {}", iso.len(), sample(&iso))
         },
@@ -323,7 +365,10 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
         over_commits: over.len(),
         double_runs: double.len(),
         recovery_ms,
+        writable_ms: writable.ok(),
         task_runs: runs.len(),
+        isolations: isolations.len(),
+        isolated_writes,
         verdicts,
         dir,
     })
@@ -339,7 +384,10 @@ fn sample<'a>(items: impl IntoIterator<Item = &'a String>) -> String {
 }
 
 fn devices(runs: &[checker::Run]) -> usize {
-    runs.iter().flat_map(|r| r.devices.iter().map(|(d, _)| (r.node.as_str(), d.as_str()))).collect::<std::collections::BTreeSet<_>>().len()
+    runs.iter()
+        .flat_map(|r| r.devices.iter().map(|(d, _)| (r.node.as_str(), d.as_str())))
+        .collect::<std::collections::BTreeSet<_>>()
+        .len()
 }
 
 /// Heals every fault: links, pauses, dead processes, failpoints, plugin faults. Returns the
@@ -361,6 +409,29 @@ fn heal(cluster: &mut Cluster) -> anyhow::Result<Vec<u64>> {
         cluster.start_agent(a)?;
     }
     Ok(restarted)
+}
+
+/// Time from `healed` until a write (a quota upsert of the `chaos-probe` queue, sent to the
+/// leader directly) succeeds, within `bound`.
+async fn probe_write(cluster: &mut Cluster, healed: Instant, bound: Duration) -> Result<u64, String> {
+    let q = serde_json::json!({"id": "chaos-probe", "nominal": {"cpu_milli": 1000, "memory_mib": 1024}}).to_string();
+    let mut last = String::from("no leader");
+    while healed.elapsed() < bound {
+        if let Some(l) = cluster.leader().await {
+            match cluster::channel(&cluster.servers[l].addr, Duration::from_secs(2)).await {
+                Ok(ch) => match suanli_proto::v1::queues_client::QueuesClient::new(ch)
+                    .upsert(pb::UpsertQueueRequest { queue_json: q.clone() })
+                    .await
+                {
+                    Ok(_) => return Ok(healed.elapsed().as_millis() as u64),
+                    Err(e) => last = format!("{:?}: {}", e.code(), e.message()),
+                },
+                Err(e) => last = e.to_string(),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Err(last)
 }
 
 /// Every job, read linearizably from the leader (directly, not through the proxies).
@@ -385,7 +456,11 @@ async fn list_jobs(cluster: &mut Cluster) -> anyhow::Result<Vec<pb::JobInfo>> {
 
 /// Waits until every job is running or finished (invariant 4); returns the last listing, the
 /// time it took since `healed`, and the jobs still unsettled when the bound passed.
-async fn recover(cluster: &mut Cluster, healed: Instant, bound: Duration) -> (Vec<pb::JobInfo>, Option<u64>, Vec<String>) {
+async fn recover(
+    cluster: &mut Cluster,
+    healed: Instant,
+    bound: Duration,
+) -> (Vec<pb::JobInfo>, Option<u64>, Vec<String>) {
     let mut last = Vec::new();
     loop {
         match list_jobs(cluster).await {
@@ -440,19 +515,29 @@ async fn converge(cluster: &mut Cluster) -> Verdict {
             if seen.iter().all(|s| s.1 == index) {
                 let hashes: std::collections::BTreeSet<u64> = seen.iter().map(|s| s.2).collect();
                 return if hashes.len() == 1 {
-                    Verdict { name, ok: true, detail: format!("{} servers at index {index}, state hash {:016x}", seen.len(), seen[0].2) }
+                    Verdict {
+                        name,
+                        ok: true,
+                        detail: format!("{} servers at index {index}, state hash {:016x}", seen.len(), seen[0].2),
+                    }
                 } else {
                     Verdict {
                         name,
                         ok: false,
                         detail: format!(
                             "different state at index {index}: {}",
-                            seen.iter().map(|(id, _, h)| format!("server {id} {h:016x}")).collect::<Vec<_>>().join(", ")
+                            seen.iter()
+                                .map(|(id, _, h)| format!("server {id} {h:016x}"))
+                                .collect::<Vec<_>>()
+                                .join(", ")
                         ),
                     }
                 };
             }
-            last = format!("applied: {}", seen.iter().map(|(id, i, _)| format!("server {id} at {i}")).collect::<Vec<_>>().join(", "));
+            last = format!(
+                "applied: {}",
+                seen.iter().map(|(id, i, _)| format!("server {id} at {i}")).collect::<Vec<_>>().join(", ")
+            );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -473,7 +558,11 @@ async fn log_agreement(cluster: &mut Cluster) -> Verdict {
     let from = bounds.iter().map(|b| b.1).max().unwrap_or(0).max(1);
     let to = bounds.iter().map(|b| b.2).min().unwrap_or(0);
     if bounds.len() < 2 || to < from {
-        return Verdict { name, ok: true, detail: format!("no committed range kept by every server ({from}..={to}); nothing to compare") };
+        return Verdict {
+            name,
+            ok: true,
+            detail: format!("no committed range kept by every server ({from}..={to}); nothing to compare"),
+        };
     }
     let to = to.min(from + 9_999);
     let mut views = Vec::new();
@@ -486,7 +575,11 @@ async fn log_agreement(cluster: &mut Cluster) -> Verdict {
     let compared: usize = views.iter().map(|(_, e)| e.len()).min().unwrap_or(0);
     let bad = checker::log_disagreements(&views);
     if bad.is_empty() {
-        Verdict { name, ok: true, detail: format!("entries {from}..={to} agree on {} servers ({compared} each)", views.len()) }
+        Verdict {
+            name,
+            ok: true,
+            detail: format!("entries {from}..={to} agree on {} servers ({compared} each)", views.len()),
+        }
     } else {
         Verdict { name, ok: false, detail: format!("{} indexes differ: {}", bad.len(), sample(&bad)) }
     }

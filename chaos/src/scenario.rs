@@ -50,7 +50,7 @@ pub const SCENARIOS: &[Scenario] = &[
         about: "the leader cut from the other servers while half the clients still reach only it",
         servers: 3,
         kinds: &[Kind::IsolateLeader],
-        hold_ms: (2_000, 4_000),
+        hold_ms: (3_000, 6_000),
         short: true,
     },
     Scenario {

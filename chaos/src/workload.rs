@@ -34,7 +34,7 @@ pub struct WorkloadSpec {
 
 impl Default for WorkloadSpec {
     fn default() -> Self {
-        Self { think_ms: 40, task_ms: (500, 2500), submit_pct: 70, request_timeout_ms: 2000 }
+        Self { think_ms: 150, task_ms: (300, 1500), submit_pct: 70, request_timeout_ms: 1000 }
     }
 }
 
@@ -118,20 +118,20 @@ impl Client {
     }
 
     /// Runs `f` against a server, retrying unknown outcomes up to 3 more times (following a
-    /// leader hint through our own link, else another server). Returns the last server asked,
-    /// the attempts and the final result.
-    async fn attempt<T, F, Fut>(&mut self, mut f: F) -> (usize, u32, Result<T, tonic::Status>)
+    /// leader hint through our own link, else another server). Returns every server asked, in
+    /// order, and the final result.
+    async fn attempt<T, F, Fut>(&mut self, mut f: F) -> (Vec<usize>, Result<T, tonic::Status>)
     where
         F: FnMut(Channel) -> Fut,
         Fut: std::future::Future<Output = Result<T, tonic::Status>>,
     {
         let mut server = self.pick_server();
-        let mut attempts = 0;
+        let mut asked = Vec::new();
         loop {
-            attempts += 1;
+            asked.push(server);
             let r = f(self.chans[server].clone()).await;
             match &r {
-                Err(s) if unknown(s.code()) && attempts < 4 => {
+                Err(s) if unknown(s.code()) && asked.len() < 4 => {
                     let hint = s
                         .metadata()
                         .get(suanli_server::LEADER_HEADER)
@@ -143,13 +143,14 @@ impl Client {
                     };
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                _ => return (server, attempts, r),
+                _ => return (asked, r),
             }
         }
     }
 
-    fn record(&self, kind: OpKind, invoked_ms: u64, server: usize, attempts: u32, outcome: Outcome) {
-        self.history.op(Op { client: self.id, kind, invoked_ms, completed_ms: now_ms(), server, attempts, outcome });
+    fn record(&self, kind: OpKind, invoked_ms: u64, asked: Vec<usize>, outcome: Outcome) {
+        let server = asked.last().copied().unwrap_or(0);
+        self.history.op(Op { client: self.id, kind, invoked_ms, completed_ms: now_ms(), server, asked, outcome });
     }
 
     async fn submit(&mut self) {
@@ -158,13 +159,10 @@ impl Client {
         let spec_json = self.job_spec(&request_id);
         let retry = Some(pb::RetryPolicy { max_attempts: 3, backoff_base_s: 1, backoff_max_s: 2 });
         let invoked = now_ms();
-        let (server, attempts, r) = self
+        let (asked, r) = self
             .attempt(|ch| {
-                let req = pb::SubmitJobRequest {
-                    client_request_id: request_id.clone(),
-                    spec_json: spec_json.clone(),
-                    retry: retry.clone(),
-                };
+                let req =
+                    pb::SubmitJobRequest { client_request_id: request_id.clone(), spec_json: spec_json.clone(), retry };
                 async move { JobsClient::new(ch).submit(req).await.map(tonic::Response::into_inner) }
             })
             .await;
@@ -175,12 +173,12 @@ impl Client {
             }
             Err(s) => classify(&s),
         };
-        self.record(OpKind::Submit { request_id }, invoked, server, attempts, outcome);
+        self.record(OpKind::Submit { request_id }, invoked, asked, outcome);
     }
 
     async fn cancel(&mut self, job: u64) {
         let invoked = now_ms();
-        let (server, attempts, r) = self
+        let (asked, r) = self
             .attempt(|ch| async move {
                 JobsClient::new(ch)
                     .cancel(pb::CancelJobRequest { job_id: job, reason: "chaos workload".into() })
@@ -192,7 +190,7 @@ impl Client {
             Ok(()) => Outcome::Ok { job: None },
             Err(s) => classify(&s),
         };
-        self.record(OpKind::Cancel { job }, invoked, server, attempts, outcome);
+        self.record(OpKind::Cancel { job }, invoked, asked, outcome);
     }
 
     async fn queue(&mut self) {
@@ -201,7 +199,7 @@ impl Client {
         let q = serde_json::json!({"id": queue, "nominal": {"cpu_milli": 64000, "memory_mib": 1 << 20, "gpu_milli": gpu_milli}})
             .to_string();
         let invoked = now_ms();
-        let (server, attempts, r) = self
+        let (asked, r) = self
             .attempt(|ch| {
                 let q = q.clone();
                 async move { QueuesClient::new(ch).upsert(pb::UpsertQueueRequest { queue_json: q }).await.map(|_| ()) }
@@ -211,12 +209,12 @@ impl Client {
             Ok(()) => Outcome::Ok { job: None },
             Err(s) => classify(&s),
         };
-        self.record(OpKind::Queue { queue, gpu_milli }, invoked, server, attempts, outcome);
+        self.record(OpKind::Queue { queue, gpu_milli }, invoked, asked, outcome);
     }
 
     async fn read(&mut self, job: u64) {
         let invoked = now_ms();
-        let (server, attempts, r) = self
+        let (asked, r) = self
             .attempt(|ch| async move {
                 JobsClient::new(ch).get(pb::GetJobRequest { job_id: job, stale: false }).await.map(|_| ())
             })
@@ -225,13 +223,16 @@ impl Client {
             Ok(()) => Outcome::Ok { job: Some(job) },
             Err(s) => classify(&s),
         };
-        self.record(OpKind::Read { job }, invoked, server, attempts, outcome);
+        self.record(OpKind::Read { job }, invoked, asked, outcome);
     }
 }
 
 /// Whether a status leaves the outcome unknown (the write may have committed).
 fn unknown(c: Code) -> bool {
-    matches!(c, Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled | Code::Internal | Code::Aborted)
+    matches!(
+        c,
+        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled | Code::Internal | Code::Aborted
+    )
 }
 
 fn classify(s: &tonic::Status) -> Outcome {
@@ -252,8 +253,14 @@ pub fn start(
     let mut handles = Vec::new();
     for c in 0..clients {
         let links: Vec<String> = (0..advertised.len()).map(|j| cluster.link_addr(From::Client(c), j)).collect();
-        let client =
-            Client::new(c, &links, &advertised, seed ^ (c as u64 + 1) * 0x2545_F491_4F6C_DD1D, spec.clone(), history.clone())?;
+        let client = Client::new(
+            c,
+            &links,
+            &advertised,
+            seed ^ ((c as u64 + 1) * 0x2545_F491_4F6C_DD1D),
+            spec.clone(),
+            history.clone(),
+        )?;
         handles.push(tokio::spawn(client.run(stop.clone())));
     }
     Ok(handles)
