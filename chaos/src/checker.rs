@@ -34,7 +34,7 @@ pub struct Verdict {
 
 /// A task start or stop from an agent's journal (`<data_dir>/journal.jsonl`, written by the
 /// task shim; format in docs/agent.md).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct JournalLine {
     /// `start` or `stop`.
     pub event: String,
@@ -59,7 +59,7 @@ pub struct JournalLine {
 }
 
 /// A device share in a journal line.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct JournalShare {
     /// Device id.
     pub device: String,

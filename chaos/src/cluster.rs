@@ -370,35 +370,33 @@ impl Cluster {
                 self.shape.gpus_per_agent
             ),
         )?;
-        let servers: Vec<String> =
-            (0..self.servers.len()).map(|j| format!("{:?}", self.link_addr(From::Agent(a), j))).collect();
-        let toml = format!(
-            r#"servers = [{servers}]
-node_id = "{node}"
-data_dir = "{data}"
-plugin_dir = "{plugins}"
-plugins = ["fake"]
-listen = "127.0.0.1:0"
-cpu_milli = 32000
-memory_mib = 65536
-stop_grace_min_ms = 500
-stop_grace_max_ms = 2000
-rpc_timeout_ms = 2000
-connect_timeout_ms = 500
-retry_backoff_min_ms = 50
-retry_backoff_max_ms = 500
-cgroups = false
-follow_leader_hints = false
-
-[plugin_config.fake]
-config_path = "{fake}"
-"#,
-            servers = servers.join(", "),
-            node = ag.node,
-            data = ag.dir.join("data").display(),
-            plugins = self.dir.path().join("plugins").display(),
-            fake = fake.display(),
+        let mut plugin_config = BTreeMap::new();
+        plugin_config.insert(
+            "fake".to_owned(),
+            suanli_agent::PluginSettings { config_path: Some(fake), options: BTreeMap::new() },
         );
+        let cfg = suanli_agent::AgentConfig {
+            servers: (0..self.servers.len()).map(|j| self.link_addr(From::Agent(a), j)).collect(),
+            node_id: ag.node.clone(),
+            data_dir: ag.dir.join("data"),
+            plugin_dir: self.dir.path().join("plugins"),
+            plugins: Some(vec!["fake".to_owned()]),
+            plugin_config,
+            listen: "127.0.0.1:0".into(),
+            cpu_milli: Some(32_000),
+            memory_mib: Some(65_536),
+            stop_grace_min_ms: 500,
+            stop_grace_max_ms: 2_000,
+            rpc_timeout_ms: 2_000,
+            connect_timeout_ms: 500,
+            retry_backoff_min_ms: 50,
+            retry_backoff_max_ms: 500,
+            cgroups: false,
+            // Agents talk only through their own proxies, so a partition cuts them for real.
+            follow_leader_hints: false,
+            ..suanli_agent::AgentConfig::default()
+        };
+        let toml = toml::to_string(&cfg).context("encoding an agent config")?;
         std::fs::write(ag.dir.join("agent.toml"), toml)?;
         Ok(())
     }

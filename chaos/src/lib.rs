@@ -350,7 +350,7 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
 
     let dir = opts.keep.then(|| cluster.dir().to_owned());
     if let Some(d) = &dir {
-        let dump = serde_json::json!({"ops": ops, "faults": history.faults(), "steps": steps});
+        let dump = serde_json::json!({"ops": ops, "faults": history.faults(), "steps": steps, "tasks": lines});
         std::fs::write(d.join("history.json"), serde_json::to_vec_pretty(&dump)?)?;
     }
     cluster.stop_all();

@@ -202,7 +202,7 @@ async fn inject(
         }
         Kind::PartitionMinority => {
             let mut ids: Vec<usize> = (0..n).collect();
-            shuffle(&mut ids, rng);
+            rng.shuffle(&mut ids);
             let (minority, majority) = ids.split_at((n - 1) / 2);
             cut(cluster, minority, majority, true);
             h.fault(format!("partition {minority:?} | {majority:?} (indices)"));
@@ -213,7 +213,7 @@ async fn inject(
         Kind::LeaderMinority => {
             let Some(l) = role(cluster, Role::Leader, rng).await else { return Ok(None) };
             let mut rest: Vec<usize> = (0..n).filter(|i| *i != l).collect();
-            shuffle(&mut rest, rng);
+            rng.shuffle(&mut rest);
             let k = (n - 1) / 2;
             let mut minority = vec![l];
             minority.extend(rest.drain(..k.saturating_sub(1)));
@@ -225,7 +225,7 @@ async fn inject(
         }
         Kind::Bridge => {
             let mut ids: Vec<usize> = (0..n).collect();
-            shuffle(&mut ids, rng);
+            rng.shuffle(&mut ids);
             let half = n / 2;
             let (a, rest) = ids.split_at(half);
             let (bridge, b) = rest.split_at(1);
@@ -358,13 +358,6 @@ async fn inject(
 
 fn cluster_gpus(c: &Cluster) -> u32 {
     c.gpus_per_agent()
-}
-
-fn shuffle(v: &mut [usize], rng: &mut DetRng) {
-    for i in (1..v.len()).rev() {
-        let j = rng.below(i as u64 + 1) as usize;
-        v.swap(i, j);
-    }
 }
 
 #[cfg(test)]

@@ -74,7 +74,13 @@ impl Client {
 
     fn job_spec(&mut self, name: &str) -> String {
         let (lo, hi) = self.spec.task_ms;
-        let ms = lo + self.rng.below(hi.saturating_sub(lo).max(1));
+        // One task in ten runs long (4-8 s), so faults catch tasks mid-run: fenced by their
+        // shims, lost with their node, requeued and started again elsewhere.
+        let ms = if self.rng.below(10) == 0 {
+            4_000 + self.rng.below(4_000)
+        } else {
+            lo + self.rng.below(hi.saturating_sub(lo).max(1))
+        };
         let devices = match self.rng.below(10) {
             0..=4 => serde_json::json!({"kind": "gpu", "count": 1, "milli": 1000}),
             5..=7 => serde_json::json!({"kind": "gpu", "count": 1, "milli": 500, "memory_mib": 20480}),
