@@ -153,9 +153,16 @@ async fn a_frozen_agent_has_its_tasks_fenced() {
     assert!(stop.fenced(), "{stop:?}");
     assert!(stop.at_ms + 50 >= lease_wall_ms + F_MS, "fenced before the lease expired: {after} ms");
     assert!(stop.at_ms < lease_wall_ms + TTL_MS, "the task outlived the TTL: {after} ms");
+    // The shim journals the stop first, then writes exit.json.
     let dir = a.data_dir().join("allocs").join(format!("{}-{}", start.alloc_id, start.epoch));
-    let exit: suanli_agent::ExitRecord =
-        serde_json::from_slice(&std::fs::read(dir.join("exit.json")).unwrap()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let exit: suanli_agent::ExitRecord = loop {
+        if let Some(e) = std::fs::read(dir.join("exit.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()) {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "no exit.json after the journaled stop:\n{}", a.log());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     assert!(exit.fenced, "{exit:?}");
     // Back, the agent reports the fence; the job has no retries left.
     let jobs = wait_terminal(&addr, &[id], Duration::from_secs(20)).await;
