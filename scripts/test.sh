@@ -21,4 +21,4 @@ cargo build --workspace --quiet
 echo "== cargo test"
 cargo test --workspace --quiet
 echo "== suanli-chaos suite --short (every short scenario once; seed base ${SUANLI_CHAOS_SEED:-1})"
-target/debug/suanli-chaos suite --short --seed "${SUANLI_CHAOS_SEED:-1}" --duration-s 15
+"${CARGO_TARGET_DIR:-target}/debug/suanli-chaos" suite --short --seed "${SUANLI_CHAOS_SEED:-1}" --duration-s 15

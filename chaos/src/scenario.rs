@@ -131,7 +131,7 @@ pub const SCENARIOS: &[Scenario] = &[
             Kind::PowerLoss,
         ],
         hold_ms: (1_000, 3_000),
-        short: false,
+        short: true,
     },
 ];
 
