@@ -234,6 +234,19 @@ pub fn isolated_acks(ops: &[Op], isolations: &[Isolation]) -> Vec<String> {
     out
 }
 
+/// Writes invoked during an isolation that asked the isolated server (what invariant 7 had to
+/// judge: with none, the check proved nothing).
+pub fn isolated_writes(ops: &[Op], isolations: &[Isolation]) -> usize {
+    ops.iter()
+        .filter(|o| {
+            !matches!(o.kind, OpKind::Read { .. })
+                && isolations
+                    .iter()
+                    .any(|i| o.asked.contains(&i.server) && o.invoked_ms >= i.from_ms && o.invoked_ms < i.until_ms)
+        })
+        .count()
+}
+
 /// Whether a job has settled for invariant 4: running, finished, or pending only while it waits
 /// out its own retry backoff.
 pub fn settled(j: &pb::JobInfo, now_s: u64) -> bool {

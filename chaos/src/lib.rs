@@ -326,15 +326,7 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
 
     // (7) the isolated leader.
     let iso = checker::isolated_acks(&ops, &isolations);
-    let isolated_writes = ops
-        .iter()
-        .filter(|o| {
-            !matches!(o.kind, history::OpKind::Read { .. })
-                && isolations
-                    .iter()
-                    .any(|i| o.asked.contains(&i.server) && o.invoked_ms >= i.from_ms && o.invoked_ms < i.until_ms)
-        })
-        .count();
+    let isolated_writes = checker::isolated_writes(&ops, &isolations);
     verdicts.push(Verdict {
         name: "isolated leader",
         ok: iso.is_empty(),

@@ -105,6 +105,13 @@ fn durable(lie: bool) -> Result<WriteOptions, std::io::Error> {
     Ok(synced())
 }
 
+/// The index a key of the logs column family names (big-endian u64).
+fn log_index(key: &[u8]) -> Result<u64, SErr> {
+    let bytes =
+        key.try_into().map_err(|_| StorageIOError::read_logs(&std::io::Error::other("log key is not 8 bytes")))?;
+    Ok(u64::from_be_bytes(bytes))
+}
+
 fn cf<'a>(db: &'a DB, name: &str) -> Result<&'a rocksdb::ColumnFamily, SErr> {
     db.cf_handle(name)
         .ok_or_else(|| StorageIOError::read(&std::io::Error::other(format!("column family {name} is missing"))).into())
@@ -158,11 +165,7 @@ impl<C: StoreConfig> LogStore<C> {
         let mut out = Vec::new();
         for r in self.db.iterator_cf(logs, IteratorMode::From(&from.to_be_bytes(), Direction::Forward)) {
             let (k, v) = r.map_err(|e| StorageIOError::read_logs(&e))?;
-            let idx = u64::from_be_bytes(
-                k.as_ref()
-                    .try_into()
-                    .map_err(|_| StorageIOError::read_logs(&std::io::Error::other("log key is not 8 bytes")))?,
-            );
+            let idx = log_index(&k)?;
             if idx > to || out.len() >= max {
                 break;
             }
@@ -183,10 +186,7 @@ impl<C: StoreConfig> LogStore<C> {
         let logs = cf(&self.db, CF_LOGS)?;
         let first = match self.db.iterator_cf(logs, IteratorMode::Start).next() {
             None => return Ok(None),
-            Some(r) => {
-                let (_, v) = r.map_err(|e| StorageIOError::read_logs(&e))?;
-                from_json::<Entry<C>>(&v)?.log_id.index
-            }
+            Some(r) => log_index(&r.map_err(|e| StorageIOError::read_logs(&e))?.0)?,
         };
         Ok(self.last_entry()?.map(|l| (first, l.index)))
     }
@@ -221,11 +221,7 @@ where
         let mut out = Vec::new();
         for r in self.db.iterator_cf(logs, IteratorMode::From(&start.to_be_bytes(), Direction::Forward)) {
             let (k, v) = r.map_err(|e| StorageIOError::read_logs(&e))?;
-            let idx = u64::from_be_bytes(
-                k.as_ref()
-                    .try_into()
-                    .map_err(|_| StorageIOError::read_logs(&std::io::Error::other("log key is not 8 bytes")))?,
-            );
+            let idx = log_index(&k)?;
             if !range.contains(&idx) {
                 break;
             }
