@@ -233,29 +233,35 @@ macro_rules! commands {
 
         impl Serialize for Command {
             fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                use serde::ser::Error as _;
-                let (version, body) = match self {
-                    $( Command::$variant(b) => (
-                        COMMAND_VERSION,
-                        serde_json::to_value(b).map_err(S::Error::custom)?,
-                    ), )*
-                    Command::Unknown { version, body, .. } => (*version, body.clone()),
-                };
-                Envelope { v: version, kind: self.kind().to_owned(), ignorable: self.ignorable(), body }
-                    .serialize(s)
+                // The body is written straight into the envelope (no intermediate JSON value).
+                match self {
+                    $( Command::$variant(b) => EnvelopeRef { v: COMMAND_VERSION, kind: $kind, ignorable: $ign, body: b }
+                        .serialize(s), )*
+                    Command::Unknown { kind, ignorable, version, body } => {
+                        EnvelopeRef { v: *version, kind, ignorable: *ignorable, body }.serialize(s)
+                    }
+                }
             }
         }
 
-        impl<'de> Deserialize<'de> for Command {
-            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                let e = Envelope::deserialize(d)?;
-                Ok(match e.kind.as_str() {
-                    $( $kind => Command::$variant(serde_json::from_value(e.body).map_err(|err| {
-                        D::Error::custom(format!("command {}: {err}", $kind))
-                    })?), )*
-                    _ => Command::Unknown { kind: e.kind, ignorable: e.ignorable, version: e.v, body: e.body },
-                })
-            }
+        /// Reads a known kind's body straight into its type when `kind` comes before `body`
+        /// (as this build writes it); otherwise, or for an unknown kind, through a JSON value.
+        fn typed_body<'de, A: serde::de::MapAccess<'de>>(kind: &str, m: &mut A) -> Result<Body, A::Error> {
+            Ok(match kind {
+                $( $kind => Body::Typed(Command::$variant(m.next_value().map_err(|err| {
+                    A::Error::custom(format!("command {}: {err}", $kind))
+                })?)), )*
+                _ => Body::Raw(m.next_value()?),
+            })
+        }
+
+        fn from_raw<E: serde::de::Error>(kind: String, ignorable: bool, v: u32, body: serde_json::Value) -> Result<Command, E> {
+            Ok(match kind.as_str() {
+                $( $kind => Command::$variant(serde_json::from_value(body).map_err(|err| {
+                    E::custom(format!("command {}: {err}", $kind))
+                })?), )*
+                _ => Command::Unknown { kind, ignorable, version: v, body },
+            })
         }
     };
 }
@@ -289,14 +295,71 @@ commands! {
     Batch(Batch) = "batch", ignorable: false;
 }
 
-#[derive(Serialize, Deserialize)]
-struct Envelope {
+/// The envelope as written: `{"v", "kind", "ignorable", "body"}` in that order.
+#[derive(Serialize)]
+struct EnvelopeRef<'a, B: Serialize> {
     v: u32,
-    kind: String,
-    #[serde(default)]
+    kind: &'a str,
     ignorable: bool,
-    #[serde(default)]
-    body: serde_json::Value,
+    body: &'a B,
+}
+
+enum Body {
+    Typed(Command),
+    Raw(serde_json::Value),
+}
+
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "lowercase")]
+enum Field {
+    V,
+    Kind,
+    Ignorable,
+    Body,
+    #[serde(other)]
+    Other,
+}
+
+struct EnvelopeVisitor;
+
+impl<'de> serde::de::Visitor<'de> for EnvelopeVisitor {
+    type Value = Command;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a command envelope {v, kind, ignorable, body}")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<Command, A::Error> {
+        let (mut v, mut kind, mut ignorable, mut body) = (None, None::<String>, false, None);
+        while let Some(key) = m.next_key::<Field>()? {
+            match key {
+                Field::V => v = Some(m.next_value::<u32>()?),
+                Field::Kind => kind = Some(m.next_value()?),
+                Field::Ignorable => ignorable = m.next_value()?,
+                Field::Body => {
+                    body = Some(match &kind {
+                        Some(k) => typed_body(k, &mut m)?,
+                        None => Body::Raw(m.next_value()?),
+                    })
+                }
+                Field::Other => {
+                    m.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        let v = v.ok_or_else(|| A::Error::missing_field("v"))?;
+        let kind = kind.ok_or_else(|| A::Error::missing_field("kind"))?;
+        match body.unwrap_or(Body::Raw(serde_json::Value::Null)) {
+            Body::Typed(c) => Ok(c),
+            Body::Raw(raw) => from_raw(kind, ignorable, v, raw),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Command {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(EnvelopeVisitor)
+    }
 }
 
 /// Encodes a command as JSON bytes (the format the raft log stores).
@@ -505,5 +568,24 @@ mod tests {
         let text = r#"{"v":1,"kind":"cancel_job","body":{"job":"seven"}}"#;
         let e = serde_json::from_str::<Command>(text).expect_err("bad body");
         assert!(e.to_string().contains("cancel_job"), "{e}");
+    }
+
+    #[test]
+    fn field_order_does_not_matter_and_extra_fields_are_ignored() {
+        let cmd = Command::CancelJob(CancelJob { job: JobId(7), reason: "x".into(), now: 3 });
+        let text =
+            r#"{"body":{"job":7,"reason":"x","now":3},"later":[1,2],"ignorable":false,"kind":"cancel_job","v":1}"#;
+        assert_eq!(serde_json::from_str::<Command>(text).expect("body first decodes"), cmd);
+        let batch = Command::Batch(Batch { commands: vec![cmd.clone(), cmd] });
+        let back: Command = serde_json::from_slice(&encode_command(&batch).expect("encodes")).expect("decodes");
+        assert_eq!(back, batch);
+    }
+
+    #[test]
+    fn a_missing_version_or_kind_is_named() {
+        let e = serde_json::from_str::<Command>(r#"{"kind":"cancel_job","body":{"job":1,"now":1}}"#).expect_err("no v");
+        assert!(e.to_string().contains("`v`"), "{e}");
+        let e = serde_json::from_str::<Command>(r#"{"v":1,"body":{}}"#).expect_err("no kind");
+        assert!(e.to_string().contains("`kind`"), "{e}");
     }
 }

@@ -36,6 +36,8 @@ impl State {
     ///   being stopped; the live-job index matches the jobs' states.
     /// - `quota`: per queue, live usage not declared borrowed fits its nominal quota.
     /// - `requests`: every remembered client request id points at the job it created.
+    /// - `live-index`: the usage index kept up to date as allocations start and end equals a
+    ///   fresh count over every live allocation.
     pub fn invariants(&self) -> Result<(), Violation> {
         let usage = self.usage();
         for (id, u) in &usage.nodes {
@@ -139,6 +141,16 @@ impl State {
                     format!("queue {q}: {dim} used without borrowing exceeds nominal ({own} > {})", queue.nominal),
                 );
             }
+        }
+        let fresh = crate::usage::LiveIndex::build(&self.allocs, &self.nodes);
+        if !self.live.same_as(&fresh) {
+            return fail(
+                "live-index",
+                format!(
+                    "the maintained index of live allocations disagrees with a fresh count ({} vs {} live, queues {:?} vs {:?})",
+                    self.live.count, fresh.count, self.live.queues, fresh.queues
+                ),
+            );
         }
         for (rid, id) in &self.requests {
             if self.jobs.get(id).is_none_or(|j| &j.client_request_id != rid) {

@@ -14,7 +14,7 @@
 use crate::command::{ApplyPlan, CommandError, PlanOutcome, Response};
 use crate::records::{Alloc, AllocState, Desired, JobState, StopReason};
 use crate::state::{Applied, Effect, State, cut};
-use crate::usage::{Usage, alloc_resvec};
+use crate::usage::Usage;
 use std::collections::{BTreeMap, BTreeSet};
 use suanli_model::{
     AllocId, Allocation, DeviceKind, Health, JobId, Placement, Preemption, PreemptionReason, ResVec, WHOLE_DEVICE_MILLI,
@@ -51,12 +51,18 @@ impl State {
         for p in &plan.placements {
             by_job.entry(p.job).or_default().push(p);
         }
-        let mut usage = self.usage();
-        let mut quota = QuotaBook::new(&self.queues.values().cloned().collect::<Vec<_>>());
-        for a in self.allocs.values().filter(|a| a.is_live()) {
-            quota.charge(&a.alloc.queue, alloc_resvec(a, &self.nodes));
+        // The live index's usage is the working copy: a placement that holds stays reserved in
+        // it (it is now a live allocation), one that does not is taken out again.
+        let mut usage = std::mem::take(&mut self.live.usage);
+        let victim = self.double_assign_victim().and_then(|id| self.allocs.get(&id)).map(|a| a.alloc.clone());
+        if let Some(v) = &victim {
+            usage.add(&v.node, 0, 0, &v.devices, -1);
         }
-        let mut live_allocs = self.allocs.values().filter(|a| a.is_live()).count();
+        let mut quota = QuotaBook::new(&self.queues.values().cloned().collect::<Vec<_>>());
+        for (q, (_, v)) in &self.live.queues {
+            quota.charge(q, *v);
+        }
+        let mut live_allocs = self.live.count;
         for (job, ps) in by_job {
             match self.check_job_placements(job, &ps, &mut usage, &mut quota, now, live_allocs) {
                 Ok(borrowed) => {
@@ -77,6 +83,11 @@ impl State {
                 }
             }
         }
+
+        if let Some(v) = &victim {
+            usage.add(&v.node, 0, 0, &v.devices, 1);
+        }
+        self.live.usage = usage;
 
         let max = self.config.max_message_len;
         for u in &plan.unplaced {
@@ -357,16 +368,17 @@ impl State {
                 borrowed: borrowed || p.borrowed,
                 gang: spec.gang,
             };
-            self.allocs.insert(
-                id,
-                Alloc {
-                    alloc,
-                    state: AllocState::Pending,
-                    desired: Desired::Run,
-                    updated_at: now,
-                    message: String::new(),
-                },
-            );
+            let rec = Alloc {
+                alloc,
+                state: AllocState::Pending,
+                desired: Desired::Run,
+                updated_at: now,
+                message: String::new(),
+            };
+            // Node and device usage was reserved by the re-check.
+            self.live.account(&rec, &self.nodes, 1);
+            self.live.retain(&rec);
+            self.allocs.insert(id, rec);
         }
         if let Some(j) = self.jobs.get_mut(&job) {
             j.allocs = ids.clone();

@@ -6,7 +6,7 @@ use crate::command::{
 };
 use crate::config::StateConfig;
 use crate::records::{Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason};
-use crate::usage::Usage;
+use crate::usage::{LiveIndex, Usage};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use suanli_model::{AllocId, Health, JobId, NodeId, Queue, QueueId};
@@ -65,6 +65,10 @@ pub struct State {
     pub(crate) live_jobs: BTreeSet<JobId>,
     /// Finished jobs in finishing order (finish sequence -> job), oldest forgotten first.
     pub(crate) finished: BTreeMap<u64, JobId>,
+    /// What live allocations use: derived from `allocs` and `nodes`, never serialized (so
+    /// neither in snapshots nor in the state hash), rebuilt on restore.
+    #[serde(skip)]
+    pub(crate) live: LiveIndex,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -110,6 +114,7 @@ impl State {
             requests: BTreeMap::new(),
             live_jobs: BTreeSet::new(),
             finished: BTreeMap::new(),
+            live: LiveIndex::default(),
         }
     }
 
@@ -149,9 +154,9 @@ impl State {
     pub fn allocs(&self) -> &BTreeMap<AllocId, Alloc> {
         &self.allocs
     }
-    /// Allocations on one node (live and recently ended), for the node's agent.
+    /// Allocations on one node (live and recently ended), for the node's agent, in id order.
     pub fn allocs_on(&self, node: &NodeId) -> impl Iterator<Item = &Alloc> {
-        self.allocs.values().filter(move |a| &a.alloc.node == node)
+        self.live.by_node.get(node).into_iter().flatten().filter_map(|id| self.allocs.get(id))
     }
     /// Jobs that are not finished.
     pub fn live_job_count(&self) -> usize {
@@ -175,7 +180,9 @@ impl State {
         }
         let e: SnapshotEnvelope<State> = serde_json::from_slice(bytes)?;
         e.state.config.validate()?;
-        Ok(e.state)
+        let mut s = e.state;
+        s.live = LiveIndex::build(&s.allocs, &s.nodes);
+        Ok(s)
     }
 
     /// A digest of the whole state: equal states hash equal on every replica and build.
@@ -366,6 +373,8 @@ impl State {
             NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new() },
         );
         self.reconcile_node(&id, &old_kinds, now, rev);
+        // The node's device kinds decide the quota vector of its allocations: count afresh.
+        self.live = LiveIndex::build(&self.allocs, &self.nodes);
         Ok((Response::Done, Effect::Changed))
     }
 
@@ -383,8 +392,7 @@ impl State {
             return;
         };
         let node = rec.node.clone();
-        let live: Vec<AllocId> =
-            self.allocs.values().filter(|a| a.is_live() && &a.alloc.node == id).map(|a| a.alloc.id).collect();
+        let live: Vec<AllocId> = self.allocs_on(id).filter(|a| a.is_live()).map(|a| a.alloc.id).collect();
         let mut lost = Vec::new();
         let mut keep = Vec::new();
         let mut dev_use: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
@@ -451,8 +459,7 @@ impl State {
             r.updated_at = now;
         }
         if c.mode == NodeMode::Draining {
-            let live: Vec<AllocId> =
-                self.allocs.values().filter(|a| a.is_live() && a.alloc.node == c.node).map(|a| a.alloc.id).collect();
+            let live: Vec<AllocId> = self.allocs_on(&c.node).filter(|a| a.is_live()).map(|a| a.alloc.id).collect();
             for aid in live {
                 self.stop_for_requeue(aid, StopReason::Drain, now, rev);
             }
@@ -469,8 +476,7 @@ impl State {
             r.updated_at = now;
             r.reason = reason.clone();
         }
-        let live: Vec<AllocId> =
-            self.allocs.values().filter(|a| a.is_live() && a.alloc.node == c.node).map(|a| a.alloc.id).collect();
+        let live: Vec<AllocId> = self.allocs_on(&c.node).filter(|a| a.is_live()).map(|a| a.alloc.id).collect();
         let msg = if reason.is_empty() { "node down".to_owned() } else { format!("node down: {reason}") };
         for aid in live {
             self.end_alloc(aid, AllocState::Lost, &msg, now, rev);
@@ -492,11 +498,8 @@ impl State {
         }
         if c.health == Health::Unhealthy {
             let hit: Vec<AllocId> = self
-                .allocs
-                .values()
-                .filter(|a| {
-                    a.is_live() && a.alloc.node == c.node && a.alloc.devices.iter().any(|s| s.device == c.device)
-                })
+                .allocs_on(&c.node)
+                .filter(|a| a.is_live() && a.alloc.devices.iter().any(|s| s.device == c.device))
                 .map(|a| a.alloc.id)
                 .collect();
             for aid in hit {
@@ -633,7 +636,9 @@ impl State {
             self.finished.remove(&seq);
             if let Some(job) = self.jobs.remove(&id) {
                 for a in &job.allocs {
-                    self.allocs.remove(a);
+                    if let Some(x) = self.allocs.remove(a) {
+                        self.live.forget(&x);
+                    }
                 }
                 if self.requests.get(&job.client_request_id) == Some(&id) {
                     self.requests.remove(&job.client_request_id);
@@ -688,6 +693,7 @@ impl State {
         if !a.is_live() {
             return;
         }
+        self.live.add(a, &self.nodes, -1);
         a.state = state;
         a.updated_at = now;
         a.message = cut(message, max);
@@ -807,7 +813,9 @@ impl State {
         // allocation as one to stop.
         let old = std::mem::take(&mut job.allocs);
         for a in old {
-            self.allocs.remove(&a);
+            if let Some(x) = self.allocs.remove(&a) {
+                self.live.forget(&x);
+            }
         }
     }
 
@@ -943,6 +951,8 @@ impl State {
         crate::usage::alloc_resvec(a, &self.nodes)
     }
 
+    /// Node and device usage counted afresh from every live allocation (the invariants'
+    /// reference for [`State::live`]).
     pub(crate) fn usage(&self) -> Usage {
         let mut u = Usage::of(self.allocs.values());
         if let Some(a) = self.double_assign_victim().and_then(|id| self.allocs.get(&id)) {
@@ -956,7 +966,7 @@ impl State {
     /// allocation with the smallest id that holds a device share is left out of device
     /// accounting, in the scheduler's view and in the plan re-check alike, so its share is
     /// handed to a second task. Apply depends on it: arm it on every server or none.
-    fn double_assign_victim(&self) -> Option<AllocId> {
+    pub(crate) fn double_assign_victim(&self) -> Option<AllocId> {
         #[cfg(feature = "failpoints")]
         if fail::eval("state::double-assign", |_| ()).is_some() {
             return self.allocs.values().find(|a| a.is_live() && !a.alloc.devices.is_empty()).map(|a| a.alloc.id);

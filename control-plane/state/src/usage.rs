@@ -1,7 +1,7 @@
 //! Resource usage derived from live allocations: per node, per device, per queue.
 
 use crate::records::{Alloc, NodeRecord};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use suanli_model::{AllocId, DeviceKind, NodeId, QueueId, ResVec};
 
 /// CPU and memory in use on one node.
@@ -19,7 +19,7 @@ pub(crate) struct DevUse {
 }
 
 /// Usage of every node and device by live allocations.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Usage {
     pub nodes: BTreeMap<NodeId, NodeUse>,
     pub devices: BTreeMap<NodeId, BTreeMap<String, DevUse>>,
@@ -43,7 +43,13 @@ impl Usage {
         devices: &[suanli_model::DeviceShare],
         sign: i8,
     ) {
-        let n = self.nodes.entry(node.clone()).or_default();
+        // Look up before inserting: the key is cloned only the first time a node is seen.
+        if !self.nodes.contains_key(node) {
+            self.nodes.insert(node.clone(), NodeUse::default());
+        }
+        let Some(n) = self.nodes.get_mut(node) else {
+            return;
+        };
         if sign > 0 {
             n.cpu_milli = n.cpu_milli.saturating_add(cpu_milli);
             n.memory_mib = n.memory_mib.saturating_add(memory_mib);
@@ -51,9 +57,22 @@ impl Usage {
             n.cpu_milli = n.cpu_milli.saturating_sub(cpu_milli);
             n.memory_mib = n.memory_mib.saturating_sub(memory_mib);
         }
-        let devs = self.devices.entry(node.clone()).or_default();
+        if devices.is_empty() {
+            return;
+        }
+        if !self.devices.contains_key(node) {
+            self.devices.insert(node.clone(), BTreeMap::new());
+        }
+        let Some(devs) = self.devices.get_mut(node) else {
+            return;
+        };
         for s in devices {
-            let d = devs.entry(s.device.clone()).or_default();
+            if !devs.contains_key(&s.device) {
+                devs.insert(s.device.clone(), DevUse::default());
+            }
+            let Some(d) = devs.get_mut(&s.device) else {
+                continue;
+            };
             if sign > 0 {
                 d.milli = d.milli.saturating_add(u64::from(s.milli));
                 d.memory_mib = d.memory_mib.saturating_add(s.memory_mib);
@@ -62,6 +81,24 @@ impl Usage {
                 d.memory_mib = d.memory_mib.saturating_sub(s.memory_mib);
             }
         }
+    }
+
+    /// The same usage with nodes and devices that use nothing left out (an index that saw
+    /// allocations come and go keeps zero entries a fresh count never creates).
+    pub fn nonzero(&self) -> Usage {
+        let nodes =
+            self.nodes.iter().filter(|(_, u)| **u != NodeUse::default()).map(|(k, u)| (k.clone(), *u)).collect();
+        let devices = self
+            .devices
+            .iter()
+            .map(|(k, d)| {
+                let d: BTreeMap<String, DevUse> =
+                    d.iter().filter(|(_, u)| **u != DevUse::default()).map(|(k, u)| (k.clone(), *u)).collect();
+                (k.clone(), d)
+            })
+            .filter(|(_, d)| !d.is_empty())
+            .collect();
+        Usage { nodes, devices }
     }
 
     pub fn node(&self, node: &NodeId) -> NodeUse {
@@ -105,4 +142,100 @@ pub(crate) fn queue_usage(
         }
     }
     out
+}
+
+/// What live allocations use, maintained as allocations start ([`LiveIndex::add`] with sign 1)
+/// and end (sign -1), so applying a plan costs O(plan) instead of O(live allocations). It is
+/// derived state: never serialized, rebuilt by [`LiveIndex::build`] after a restore and after
+/// a node's inventory changes (device kinds decide the quota vector), and checked against a
+/// fresh count by the `live-index` invariant.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct LiveIndex {
+    /// Node and device usage.
+    pub usage: Usage,
+    /// Per queue: live allocations and their summed quota vector (borrowed or not).
+    pub queues: BTreeMap<QueueId, (usize, ResVec)>,
+    /// Live allocations.
+    pub count: usize,
+    /// Every retained allocation (live or ended) by node, for agents' watches and node and
+    /// pool listings.
+    pub by_node: BTreeMap<NodeId, BTreeSet<AllocId>>,
+}
+
+impl LiveIndex {
+    /// Counts every live allocation afresh.
+    pub fn build(allocs: &BTreeMap<AllocId, Alloc>, nodes: &BTreeMap<NodeId, NodeRecord>) -> Self {
+        let mut x = LiveIndex::default();
+        for a in allocs.values() {
+            x.retain(a);
+            if a.is_live() {
+                x.add(a, nodes, 1);
+            }
+        }
+        x
+    }
+
+    /// Adds (`sign` = 1) or removes (`sign` = -1) one live allocation.
+    pub fn add(&mut self, a: &Alloc, nodes: &BTreeMap<NodeId, NodeRecord>, sign: i8) {
+        self.usage.add(&a.alloc.node, a.alloc.cpu_milli, a.alloc.memory_mib, &a.alloc.devices, sign);
+        self.account(a, nodes, sign);
+    }
+
+    /// Like [`LiveIndex::add`] without node and device usage (a plan being applied reserves
+    /// that itself while it re-checks placements).
+    pub fn account(&mut self, a: &Alloc, nodes: &BTreeMap<NodeId, NodeRecord>, sign: i8) {
+        let v = alloc_resvec(a, nodes);
+        let q = &a.alloc.queue;
+        if sign > 0 {
+            self.count += 1;
+            match self.queues.get_mut(q) {
+                Some(e) => {
+                    e.0 += 1;
+                    e.1 += v;
+                }
+                None => {
+                    self.queues.insert(q.clone(), (1, v));
+                }
+            }
+        } else {
+            self.count = self.count.saturating_sub(1);
+            if let Some(e) = self.queues.get_mut(q) {
+                e.0 = e.0.saturating_sub(1);
+                e.1 = e.1.saturating_sub(&v);
+                if e.0 == 0 {
+                    self.queues.remove(q);
+                }
+            }
+        }
+    }
+
+    /// Records a new allocation (live or not) under its node.
+    pub fn retain(&mut self, a: &Alloc) {
+        match self.by_node.get_mut(&a.alloc.node) {
+            Some(set) => {
+                set.insert(a.alloc.id);
+            }
+            None => {
+                self.by_node.insert(a.alloc.node.clone(), BTreeSet::from([a.alloc.id]));
+            }
+        }
+    }
+
+    /// Forgets an allocation removed from the state.
+    pub fn forget(&mut self, a: &Alloc) {
+        if let Some(set) = self.by_node.get_mut(&a.alloc.node) {
+            set.remove(&a.alloc.id);
+            if set.is_empty() {
+                self.by_node.remove(&a.alloc.node);
+            }
+        }
+    }
+
+    /// Equal to `other` once zero entries are left out.
+    pub fn same_as(&self, other: &LiveIndex) -> bool {
+        self.count == other.count
+            && self.queues == other.queues
+            && self.by_node == other.by_node
+            && self.usage.nonzero() == other.usage.nonzero()
+    }
 }
