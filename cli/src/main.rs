@@ -14,6 +14,12 @@ mod spec;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc instead of the system allocator: the control plane allocates many small, short-lived
+/// objects (specs, log entries, gRPC frames) from several threads, where glibc's malloc spent a
+/// fifth of the leader's CPU in `bench submit` (docs/control-plane.md, "Performance").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// suanli (算力): a fault-tolerant scheduler for shared GPU, NPU and CPU capacity.
 #[derive(Parser, Debug)]
 #[command(name = "suanli", version, about, long_about = None)]

@@ -20,7 +20,7 @@ use tonic::Status;
 /// Most commands in one batch.
 pub const MAX_BATCH: usize = 256;
 /// Batches proposed concurrently.
-pub const IN_FLIGHT: usize = 4;
+pub const IN_FLIGHT: usize = 2;
 /// Requests waiting for a batch (a full queue answers RESOURCE_EXHAUSTED).
 pub const QUEUE: usize = 16 * 1024;
 

@@ -142,15 +142,9 @@ impl State {
                 );
             }
         }
-        let fresh = crate::usage::LiveIndex::build(&self.allocs, &self.nodes);
-        if !self.live.same_as(&fresh) {
-            return fail(
-                "live-index",
-                format!(
-                    "the maintained index of live allocations disagrees with a fresh count ({} vs {} live, queues {:?} vs {:?})",
-                    self.live.count, fresh.count, self.live.queues, fresh.queues
-                ),
-            );
+        let fresh = crate::usage::LiveIndex::build(&self.allocs, &self.nodes, &self.jobs);
+        if let Some(part) = self.live.differs_from(&fresh) {
+            return fail("live-index", format!("the maintained {part} disagree with a fresh count"));
         }
         for (rid, id) in &self.requests {
             if self.jobs.get(id).is_none_or(|j| &j.client_request_id != rid) {

@@ -337,6 +337,7 @@ impl State {
         };
         j.attempt += 1;
         j.state = JobState::Placed;
+        self.live.pending.remove(&job);
         j.reason.clear();
         j.updated_at = now;
         j.revision = rev;

@@ -181,7 +181,7 @@ impl State {
         let e: SnapshotEnvelope<State> = serde_json::from_slice(bytes)?;
         e.state.config.validate()?;
         let mut s = e.state;
-        s.live = LiveIndex::build(&s.allocs, &s.nodes);
+        s.live = LiveIndex::build(&s.allocs, &s.nodes, &s.jobs);
         Ok(s)
     }
 
@@ -374,7 +374,7 @@ impl State {
         );
         self.reconcile_node(&id, &old_kinds, now, rev);
         // The node's device kinds decide the quota vector of its allocations: count afresh.
-        self.live = LiveIndex::build(&self.allocs, &self.nodes);
+        self.live = LiveIndex::build(&self.allocs, &self.nodes, &self.jobs);
         Ok((Response::Done, Effect::Changed))
     }
 
@@ -570,6 +570,7 @@ impl State {
         );
         self.requests.insert(c.client_request_id, id);
         self.live_jobs.insert(id);
+        self.live.pending.insert(id);
         Ok((Response::JobSubmitted { job: id, created: true }, Effect::Changed))
     }
 
@@ -604,6 +605,7 @@ impl State {
         job.revision = rev;
         let allocs = job.allocs.clone();
         self.live_jobs.remove(&id);
+        self.live.pending.remove(&id);
         self.finished.insert(self.next_finish, id);
         self.next_finish += 1;
         for aid in allocs {
@@ -809,6 +811,7 @@ impl State {
         job.state = JobState::Pending;
         job.updated_at = now;
         job.revision = rev;
+        self.live.pending.insert(id);
         // The ended attempt's allocations are not needed any more: agents treat an unknown
         // allocation as one to stop.
         let old = std::mem::take(&mut job.allocs);
@@ -922,7 +925,8 @@ impl State {
             })
             .collect();
         let pending = self
-            .live_jobs
+            .live
+            .pending
             .iter()
             .filter_map(|id| self.jobs.get(id))
             .filter(|j| j.state == JobState::Pending && j.not_before <= now)

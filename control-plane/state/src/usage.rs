@@ -1,8 +1,8 @@
 //! Resource usage derived from live allocations: per node, per device, per queue.
 
-use crate::records::{Alloc, NodeRecord};
+use crate::records::{Alloc, Job, JobState, NodeRecord};
 use std::collections::{BTreeMap, BTreeSet};
-use suanli_model::{AllocId, DeviceKind, NodeId, QueueId, ResVec};
+use suanli_model::{AllocId, DeviceKind, JobId, NodeId, QueueId, ResVec};
 
 /// CPU and memory in use on one node.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -160,12 +160,20 @@ pub(crate) struct LiveIndex {
     /// Every retained allocation (live or ended) by node, for agents' watches and node and
     /// pool listings.
     pub by_node: BTreeMap<NodeId, BTreeSet<AllocId>>,
+    /// Jobs in the pending state (the scheduler's candidates), so a pass does not walk every
+    /// live job.
+    pub pending: BTreeSet<JobId>,
 }
 
 impl LiveIndex {
     /// Counts every live allocation afresh.
-    pub fn build(allocs: &BTreeMap<AllocId, Alloc>, nodes: &BTreeMap<NodeId, NodeRecord>) -> Self {
+    pub fn build(
+        allocs: &BTreeMap<AllocId, Alloc>,
+        nodes: &BTreeMap<NodeId, NodeRecord>,
+        jobs: &BTreeMap<JobId, Job>,
+    ) -> Self {
         let mut x = LiveIndex::default();
+        x.pending = jobs.values().filter(|j| j.state == JobState::Pending).map(|j| j.id).collect();
         for a in allocs.values() {
             x.retain(a);
             if a.is_live() {
@@ -231,11 +239,20 @@ impl LiveIndex {
         }
     }
 
-    /// Equal to `other` once zero entries are left out.
-    pub fn same_as(&self, other: &LiveIndex) -> bool {
-        self.count == other.count
-            && self.queues == other.queues
-            && self.by_node == other.by_node
-            && self.usage.nonzero() == other.usage.nonzero()
+    /// Which part differs from `other` (zero entries left out), if any.
+    pub fn differs_from(&self, other: &LiveIndex) -> Option<&'static str> {
+        if self.count != other.count {
+            Some("live allocation count")
+        } else if self.queues != other.queues {
+            Some("per-queue usage")
+        } else if self.by_node != other.by_node {
+            Some("allocations by node")
+        } else if self.pending != other.pending {
+            Some("pending jobs")
+        } else if self.usage.nonzero() != other.usage.nonzero() {
+            Some("node and device usage")
+        } else {
+            None
+        }
     }
 }
