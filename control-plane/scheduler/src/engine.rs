@@ -19,6 +19,7 @@ use crate::workload::{Profile, TypicalKey};
 use rustc_hash::FxHashMap as HashMap;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use suanli_model::{
     Allocation, DeviceKind, JobId, JobSpec, Limits, Node, NodeId, Placement, Plan, Preemption, PreemptionReason, Queue,
     QueueId, ResVec, Reservation, TaskResources, Unplaced,
@@ -60,8 +61,8 @@ pub struct ClusterView {
     pub queues: Vec<Queue>,
     /// Jobs waiting.
     pub pending: Vec<PendingJob>,
-    /// Running allocations.
-    pub running: Vec<Allocation>,
+    /// Running allocations (shared with the state they come from: a view is cheap to take).
+    pub running: Vec<Arc<Allocation>>,
     /// Recent workload for fragmentation-aware placement. Empty: derived from pending and
     /// running work.
     pub workload: Vec<WorkloadSample>,
@@ -128,7 +129,7 @@ struct Kinds<'a> {
 }
 
 impl<'a> Kinds<'a> {
-    fn new(nodes: &'a [Node], running: &[Allocation]) -> Self {
+    fn new(nodes: &'a [Node], running: &[Arc<Allocation>]) -> Self {
         let used: rustc_hash::FxHashSet<&str> = running.iter().map(|a| a.node.as_str()).collect();
         Self { nodes: nodes.iter().filter(|n| used.contains(n.id.as_str())).map(|n| (n.id.as_str(), n)).collect() }
     }
@@ -187,7 +188,7 @@ struct Pass<'a> {
     quota: QuotaBook,
     rng: DetRng,
     kinds: Kinds<'a>,
-    running: &'a [Allocation],
+    running: &'a [Arc<Allocation>],
     /// Indices into `running` already chosen as victims.
     evicted: BTreeSet<usize>,
     plan: Plan,
@@ -548,7 +549,7 @@ impl Pass<'_> {
         let reclaim_allowed = self.quota.within_nominal(&spec.queue, need);
         // Within its own queue a job may displace lower-priority work even when the queue is
         // at its quota: that frees the queue's own usage.
-        let own_lower = |a: &Allocation| a.queue == spec.queue && a.preemptible && a.priority < spec.priority;
+        let own_lower = |a: &Arc<Allocation>| a.queue == spec.queue && a.preemptible && a.priority < spec.priority;
         if quota_blocked && !reclaim_allowed && !self.running.iter().any(own_lower) {
             return false;
         }
@@ -888,8 +889,13 @@ mod tests {
     }
 
     fn victims(queues: Vec<Queue>, alloc: Allocation, job: PendingJob) -> Vec<PreemptionReason> {
-        let view =
-            ClusterView { nodes: vec![node()], queues, pending: vec![job], running: vec![alloc], workload: vec![] };
+        let view = ClusterView {
+            nodes: vec![node()],
+            queues,
+            pending: vec![job],
+            running: vec![Arc::new(alloc)],
+            workload: vec![],
+        };
         let plan = schedule(&view, 100, 1, &SchedulerConfig::default()).expect("plan");
         plan.preemptions.iter().map(|p| p.reason).collect()
     }

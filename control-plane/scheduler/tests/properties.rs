@@ -508,7 +508,7 @@ fn build_case(
             });
             next_alloc += 1;
         }
-        running.extend(allocs);
+        running.extend(allocs.into_iter().map(std::sync::Arc::new));
     }
 
     // Queues sized around the running work so that it is valid: non-borrowed work within
@@ -691,7 +691,7 @@ impl<'a> Inputs<'a> {
             view,
             nodes: view.nodes.iter().map(|n| (&n.id, n)).collect(),
             pending: view.pending.iter().map(|p| (p.id, p)).collect(),
-            running: view.running.iter().map(|a| (a.id, a)).collect(),
+            running: view.running.iter().map(|a| (a.id, &**a)).collect(),
             queues: view.queues.iter().map(|q| (&q.id, q)).collect(),
             kinds: device_kinds(&view.nodes),
         }
@@ -703,7 +703,7 @@ impl<'a> Inputs<'a> {
 
     fn surviving(&self, plan: &Plan) -> impl Iterator<Item = &'a Allocation> {
         let victims = self.victims(plan);
-        self.view.running.iter().filter(move |a| !victims.contains(&a.id))
+        self.view.running.iter().map(|a| &**a).filter(move |a| !victims.contains(&a.id))
     }
 
     fn ancestors(&self, q: &QueueId) -> Vec<&'a Queue> {
@@ -1334,6 +1334,7 @@ fn checkers_reject_broken_plans() {
     let mut view = case.view.clone();
     for a in &mut view.running {
         if a.id == victim {
+            let a = std::sync::Arc::make_mut(a);
             a.priority = prio;
             a.borrowed = false;
         }
@@ -1342,7 +1343,7 @@ fn checkers_reject_broken_plans() {
     let mut view = case.view.clone();
     for a in &mut view.running {
         if a.id == victim {
-            a.preemptible = false;
+            std::sync::Arc::make_mut(a).preemptible = false;
         }
     }
     assert!(check_preemptions(&Inputs::new(&view), &plan, &case.cfg).is_err());

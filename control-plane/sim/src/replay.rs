@@ -1200,7 +1200,10 @@ impl Sim<'_> {
                 let job = &self.jobs[a.job.0 as usize];
                 let from = job.run_start.saturating_add(job.run_restore_s);
                 let k = t.saturating_sub(from) / cp.interval_s.max(1);
-                a.last_checkpoint_at = (k > 0).then(|| from + k * cp.interval_s);
+                let at = (k > 0).then(|| from + k * cp.interval_s);
+                if a.last_checkpoint_at != at {
+                    std::sync::Arc::make_mut(a).last_checkpoint_at = at;
+                }
             }
         }
         let seed = pass_seed(self.opts.seed, pass);
@@ -1305,7 +1308,7 @@ impl Sim<'_> {
                 }
                 allocs.push(a);
             }
-            self.view.running.extend(allocs);
+            self.view.running.extend(allocs.into_iter().map(std::sync::Arc::new));
             let pos = self.view.pending.partition_point(|p| p.id.0 < j);
             if self.view.pending.get(pos).is_some_and(|p| p.id.0 == j) {
                 self.view.pending.remove(pos);

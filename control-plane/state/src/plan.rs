@@ -370,7 +370,7 @@ impl State {
                 gang: spec.gang,
             };
             let rec = Alloc {
-                alloc,
+                alloc: std::sync::Arc::new(alloc),
                 state: AllocState::Pending,
                 desired: Desired::Run,
                 updated_at: now,

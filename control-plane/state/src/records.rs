@@ -183,7 +183,9 @@ pub enum Desired {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Alloc {
     /// The placement as the scheduler sees it (id, job, task, epoch, node, resources, ...).
-    pub alloc: Allocation,
+    /// Shared with the scheduler's views (a pass takes a reference, not a copy); changed
+    /// copy-on-write through `Arc::make_mut`.
+    pub alloc: std::sync::Arc<Allocation>,
     /// Reported state.
     pub state: AllocState,
     /// What the agent should do.

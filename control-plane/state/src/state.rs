@@ -307,7 +307,7 @@ impl State {
                 None => continue,
             };
             if let Some(a) = self.allocs.get_mut(&id) {
-                a.alloc.borrowed = true;
+                std::sync::Arc::make_mut(&mut a.alloc).borrowed = true;
             }
             used = used.saturating_sub(&v);
         }
@@ -857,7 +857,7 @@ impl State {
                 a.state = AllocState::Running;
                 a.updated_at = now;
                 a.message = cut(&c.message, max);
-                a.alloc.started_at = now;
+                std::sync::Arc::make_mut(&mut a.alloc).started_at = now;
             }
             if let Some(j) = self.jobs.get_mut(&job_id)
                 && j.state == JobState::Placed
@@ -889,7 +889,7 @@ impl State {
         let job_id = a.alloc.job;
         let now = self.tick(c.now);
         if let Some(a) = self.allocs.get_mut(&c.alloc) {
-            a.alloc.last_checkpoint_at = Some(now);
+            std::sync::Arc::make_mut(&mut a.alloc).last_checkpoint_at = Some(now);
             a.updated_at = now;
         }
         if let Some(j) = self.jobs.get_mut(&job_id) {
@@ -939,10 +939,10 @@ impl State {
             .map(|a| {
                 let mut x = a.alloc.clone();
                 if a.desired != Desired::Run {
-                    x.preemptible = false;
+                    std::sync::Arc::make_mut(&mut x).preemptible = false;
                 }
                 if victim == Some(x.id) {
-                    x.devices.clear();
+                    std::sync::Arc::make_mut(&mut x).devices.clear();
                 }
                 x
             })
