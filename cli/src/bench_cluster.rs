@@ -35,6 +35,12 @@ pub struct SubmitArgs {
     /// Nodes registered for the scheduling loop to place on (64 cores each).
     #[arg(long, default_value_t = 500)]
     pub nodes: usize,
+    /// Jobs per `SubmitMany` call in the batched phase (0 skips that phase).
+    #[arg(long, default_value_t = 100)]
+    pub batch_size: usize,
+    /// Concurrent clients in the batched phase.
+    #[arg(long, default_value_t = 32)]
+    pub batch_clients: usize,
 }
 
 /// Flags of `suanli bench failover`.
@@ -177,8 +183,16 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
             "scheduling loop: {placed_during} placements committed during the concurrent run = {:.0}/s",
             placed_during as f64 / took.as_secs_f64()
         );
+        // Batched clients: `SubmitMany` calls of --batch-size jobs, each job acknowledged alone.
+        let mut batched = 0;
+        if a.batch_size > 0 {
+            batched = a.jobs;
+            let (rate_b, placed_b) = submit_batched(&a, &chans, &ch).await?;
+            println!("ratio batched/synchronous: {:.1}x", rate_b / sync_rate);
+            println!("scheduling loop: {placed_b} placements committed during the batched run");
+        }
         let t2 = Instant::now();
-        let total = (a.sync_jobs + a.jobs) as u64;
+        let total = (a.sync_jobs + a.jobs + batched) as u64;
         let cap = (a.nodes as u64) * 640;
         let want = total.min(cap);
         while placed(&ch).await < want && t2.elapsed() < Duration::from_secs(120) {
@@ -192,6 +206,52 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         );
         Ok(())
     })
+}
+
+/// The batched phase of `bench submit`: acknowledged jobs per second and placements made.
+async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Channel) -> Result<(f64, u64)> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let placed_before = placed(ch).await;
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for k in 0..a.batch_clients.max(1) {
+        let mut jc = JobsClient::new(chans[k % chans.len()].clone());
+        let (next, total, size, base) = (next.clone(), a.jobs, a.batch_size, a.sync_jobs + a.jobs);
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            loop {
+                let from = next.fetch_add(size, Ordering::Relaxed);
+                if from >= total {
+                    return Ok::<_, anyhow::Error>(lat);
+                }
+                let jobs = (from..(from + size).min(total))
+                    .map(|i| pb::SubmitJobRequest {
+                        client_request_id: format!("batch-{i}"),
+                        spec_json: job(base + i),
+                        retry: None,
+                    })
+                    .collect();
+                let t = Instant::now();
+                let r = jc
+                    .submit_many(pb::SubmitJobsRequest { jobs })
+                    .await
+                    .map_err(|s| anyhow!("{}: {}", s.code(), s.message()))?
+                    .into_inner();
+                if let Some(bad) = r.results.iter().find(|x| x.code != 0) {
+                    bail!("a batched submission was refused: {}", bad.message);
+                }
+                lat.push(t.elapsed());
+            }
+        }));
+    }
+    let mut lat = Vec::new();
+    for t in tasks {
+        lat.extend(t.await??);
+    }
+    let took = t.elapsed();
+    let placed_during = placed(ch).await.saturating_sub(placed_before);
+    report(&format!("{} clients x {} jobs per call", a.batch_clients.max(1), a.batch_size), a.jobs, took, &mut lat);
+    Ok((a.jobs as f64 / took.as_secs_f64(), placed_during))
 }
 
 /// `suanli bench failover`.

@@ -108,3 +108,45 @@ async fn bad_requests_name_the_field_and_change_nothing() {
     assert_eq!(state_of(&addr).await, before, "a refused request changed the state");
     jobs.submit(submit("ok-2", cpu_job("ok2", "q", 100))).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_many_answers_each_job_on_its_own() {
+    let c = common::start(1, &[]);
+    c.wait_leader(Duration::from_secs(30)).await.unwrap();
+    let addr = c.addrs[0].clone();
+    let ch = channel(&addr).await.unwrap();
+    let queue = serde_json::json!({"id": "q", "nominal": {"cpu_milli": 64000, "memory_mib": 256000}});
+    QueuesClient::new(ch.clone()).upsert(pb::UpsertQueueRequest { queue_json: queue.to_string() }).await.unwrap();
+    let mut jobs = JobsClient::new(ch);
+    let req = pb::SubmitJobsRequest {
+        jobs: vec![
+            submit("m-1", cpu_job("a", "q", 100)),
+            submit("m-2", "{not json".into()),
+            submit("m-3", cpu_job("b", "nope", 100)),
+            submit("m-4", cpu_job("c", "q", 100)),
+        ],
+    };
+    let r = jobs.submit_many(req.clone()).await.unwrap().into_inner().results;
+    assert_eq!(r.len(), 4, "{r:?}");
+    assert_eq!((r[0].code, r[0].created), (0, true), "{r:?}");
+    assert_eq!(r[1].code, Code::InvalidArgument as i32, "{r:?}");
+    assert!(r[1].message.contains("jobs[1]") && r[1].message.contains("spec_json"), "{r:?}");
+    assert_eq!(r[2].code, Code::NotFound as i32, "{r:?}");
+    assert!(r[2].message.contains("jobs[2]") && r[2].message.contains("nope"), "{r:?}");
+    assert_eq!((r[3].code, r[3].created), (0, true), "{r:?}");
+    assert_ne!(r[3].job_id, r[0].job_id);
+    // The whole call retried (say after a timeout): the same jobs, nothing created twice.
+    let again = jobs.submit_many(req).await.unwrap().into_inner().results;
+    assert_eq!((again[0].job_id, again[0].created), (r[0].job_id, false));
+    assert_eq!((again[3].job_id, again[3].created), (r[3].job_id, false));
+    assert_eq!(all_jobs(&addr, false).await.unwrap().len(), 2);
+    // Bounds: at least one job, at most 1024, each named with its limit.
+    let s = jobs.submit_many(pb::SubmitJobsRequest { jobs: vec![] }).await.expect_err("empty");
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(s.message().contains("jobs"), "{s:?}");
+    let many = (0..1025).map(|i| submit(&format!("x-{i}"), cpu_job("x", "q", 1))).collect();
+    let s = jobs.submit_many(pb::SubmitJobsRequest { jobs: many }).await.expect_err("too many");
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    assert!(s.message().contains("jobs") && s.message().contains("1024"), "{s:?}");
+    assert_eq!(all_jobs(&addr, false).await.unwrap().len(), 2, "a refused call changed nothing");
+}

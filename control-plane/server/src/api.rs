@@ -32,36 +32,87 @@ fn ok<T>(v: T) -> Resp<T> {
 #[derive(Clone)]
 pub struct Api(pub Arc<Core>, pub crate::batch::Batcher);
 
+/// Most jobs in one `SubmitMany` call.
+pub const MAX_JOBS_PER_CALL: usize = 1024;
+
+/// A refused job of a `SubmitMany` call: its status, the field path prefixed with its place.
+fn refused(s: &Status, i: usize) -> pb::SubmitJobResult {
+    pb::SubmitJobResult {
+        code: s.code() as i32,
+        message: format!("jobs[{i}]: {}", s.message()),
+        job_id: 0,
+        created: false,
+        revision: 0,
+    }
+}
+
+/// The answer to one committed submission (a refusal becomes its status).
+fn submitted(resp: Response, index: u64) -> Result<pb::SubmitJobResponse, Status> {
+    if let Some(e) = resp.rejection() {
+        return Err(crate::status::rejection(e));
+    }
+    match resp {
+        Response::JobSubmitted { job, created } => {
+            Ok(pb::SubmitJobResponse { job_id: job.0, created, revision: index })
+        }
+        other => Err(Status::internal(format!("unexpected answer to a submission: {other:?}"))),
+    }
+}
+
 const JOB_STATES: [&str; 8] =
     ["pending", "placed", "running", "preempted", "requeuing", "succeeded", "failed", "cancelled"];
 
 #[tonic::async_trait]
 impl Jobs for Api {
     async fn submit(&self, req: Request<pb::SubmitJobRequest>) -> Resp<pb::SubmitJobResponse> {
-        let r = req.into_inner();
-        if r.client_request_id.is_empty() {
-            return Err(invalid("client_request_id", "must not be empty (reuse one id when retrying a submission)"));
-        }
-        let spec: JobSpec = decode_json("spec_json", &r.spec_json, self.0.cfg.max_request_bytes)?;
-        let retry = r.retry.map(|p| suanli_state::RetryPolicy {
-            max_attempts: p.max_attempts,
-            backoff_base_s: p.backoff_base_s,
-            backoff_max_s: p.backoff_max_s,
-        });
-        let cmd = Command::SubmitJob(SubmitJob { client_request_id: r.client_request_id, spec, retry, now: now_s() });
+        let cmd = self.submit_command(req.into_inner())?;
         let (resp, index) = self.1.propose(cmd).await?;
-        if let Some(e) = resp.rejection() {
-            return Err(crate::status::rejection(e));
+        let answer = submitted(resp, index)?;
+        if answer.created {
+            self.0.kick.notify_one();
         }
-        match resp {
-            Response::JobSubmitted { job, created } => {
-                if created {
-                    self.0.kick.notify_one();
+        ok(answer)
+    }
+
+    async fn submit_many(&self, req: Request<pb::SubmitJobsRequest>) -> Resp<pb::SubmitJobsResponse> {
+        let jobs = req.into_inner().jobs;
+        if jobs.is_empty() {
+            return Err(invalid("jobs", "must hold at least one job"));
+        }
+        if jobs.len() > MAX_JOBS_PER_CALL {
+            return Err(invalid("jobs", format!("{} jobs; the limit is {MAX_JOBS_PER_CALL} per call", jobs.len())));
+        }
+        let mut results: Vec<Option<pb::SubmitJobResult>> = vec![None; jobs.len()];
+        let (mut at, mut cmds) = (Vec::new(), Vec::new());
+        for (i, j) in jobs.into_iter().enumerate() {
+            match self.submit_command(j) {
+                Ok(c) => {
+                    at.push(i);
+                    cmds.push(c);
                 }
-                ok(pb::SubmitJobResponse { job_id: job.0, created, revision: index })
+                Err(s) => results[i] = Some(refused(&s, i)),
             }
-            other => Err(Status::internal(format!("unexpected answer to a submission: {other:?}"))),
         }
+        let mut created = false;
+        for (i, a) in at.into_iter().zip(self.1.propose_many(cmds).await) {
+            results[i] = Some(match a.and_then(|(resp, index)| submitted(resp, index)) {
+                Ok(r) => {
+                    created |= r.created;
+                    pb::SubmitJobResult {
+                        code: 0,
+                        message: String::new(),
+                        job_id: r.job_id,
+                        created: r.created,
+                        revision: r.revision,
+                    }
+                }
+                Err(s) => refused(&s, i),
+            });
+        }
+        if created {
+            self.0.kick.notify_one();
+        }
+        ok(pb::SubmitJobsResponse { results: results.into_iter().flatten().collect() })
     }
 
     async fn get(&self, req: Request<pb::GetJobRequest>) -> Resp<pb::JobInfo> {
@@ -285,6 +336,20 @@ impl Api {
 
     fn voters(&self) -> BTreeSet<u64> {
         self.0.raft.metrics().borrow().membership_config.membership().voter_ids().collect()
+    }
+
+    /// Checks one submission and turns it into its command.
+    fn submit_command(&self, r: pb::SubmitJobRequest) -> Result<Command, Status> {
+        if r.client_request_id.is_empty() {
+            return Err(invalid("client_request_id", "must not be empty (reuse one id when retrying a submission)"));
+        }
+        let spec: JobSpec = decode_json("spec_json", &r.spec_json, self.0.cfg.max_request_bytes)?;
+        let retry = r.retry.map(|p| suanli_state::RetryPolicy {
+            max_attempts: p.max_attempts,
+            backoff_base_s: p.backoff_base_s,
+            backoff_max_s: p.backoff_max_s,
+        });
+        Ok(Command::SubmitJob(SubmitJob { client_request_id: r.client_request_id, spec, retry, now: now_s() }))
     }
 }
 

@@ -51,6 +51,29 @@ impl Batcher {
         })?;
         rx.await.map_err(|_| Status::unavailable("the server is shutting down"))?
     }
+
+    /// Queues every command at once (so they share batches), then answers each in order.
+    pub async fn propose_many(&self, cmds: Vec<Command>) -> Vec<Result<(Response, u64), Status>> {
+        let mut waiting = Vec::with_capacity(cmds.len());
+        for cmd in cmds {
+            let (tx, rx) = oneshot::channel();
+            waiting.push(match self.tx.try_send((cmd, tx)) {
+                Ok(()) => Ok(rx),
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    Err(Status::resource_exhausted(format!("too many submissions waiting: the limit is {QUEUE}")))
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => Err(Status::unavailable("the server is shutting down")),
+            });
+        }
+        let mut out = Vec::with_capacity(waiting.len());
+        for w in waiting {
+            out.push(match w {
+                Ok(rx) => rx.await.unwrap_or_else(|_| Err(Status::unavailable("the server is shutting down"))),
+                Err(s) => Err(s),
+            });
+        }
+        out
+    }
 }
 
 async fn run(core: Arc<Core>, mut rx: mpsc::Receiver<(Command, Reply)>) {
