@@ -248,9 +248,9 @@ macro_rules! commands {
         /// (as this build writes it); otherwise, or for an unknown kind, through a JSON value.
         fn typed_body<'de, A: serde::de::MapAccess<'de>>(kind: &str, m: &mut A) -> Result<Body, A::Error> {
             Ok(match kind {
-                $( $kind => Body::Typed(Command::$variant(m.next_value().map_err(|err| {
+                $( $kind => Body::Typed(Box::new(Command::$variant(m.next_value().map_err(|err| {
                     A::Error::custom(format!("command {}: {err}", $kind))
-                })?)), )*
+                })?))), )*
                 _ => Body::Raw(m.next_value()?),
             })
         }
@@ -305,7 +305,7 @@ struct EnvelopeRef<'a, B: Serialize> {
 }
 
 enum Body {
-    Typed(Command),
+    Typed(Box<Command>),
     Raw(serde_json::Value),
 }
 
@@ -350,7 +350,7 @@ impl<'de> serde::de::Visitor<'de> for EnvelopeVisitor {
         let v = v.ok_or_else(|| A::Error::missing_field("v"))?;
         let kind = kind.ok_or_else(|| A::Error::missing_field("kind"))?;
         match body.unwrap_or(Body::Raw(serde_json::Value::Null)) {
-            Body::Typed(c) => Ok(c),
+            Body::Typed(c) => Ok(*c),
             Body::Raw(raw) => from_raw(kind, ignorable, v, raw),
         }
     }

@@ -172,8 +172,10 @@ impl LiveIndex {
         nodes: &BTreeMap<NodeId, NodeRecord>,
         jobs: &BTreeMap<JobId, Job>,
     ) -> Self {
-        let mut x = LiveIndex::default();
-        x.pending = jobs.values().filter(|j| j.state == JobState::Pending).map(|j| j.id).collect();
+        let mut x = LiveIndex {
+            pending: jobs.values().filter(|j| j.state == JobState::Pending).map(|j| j.id).collect(),
+            ..LiveIndex::default()
+        };
         for a in allocs.values() {
             x.retain(a);
             if a.is_live() {
