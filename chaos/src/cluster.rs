@@ -136,7 +136,10 @@ impl Cluster {
     /// link's proxy; returns once a leader is known and the `default` queue exists.
     pub async fn start(bin: &Path, shape: Shape, seed: u64, keep: bool) -> anyhow::Result<Cluster> {
         let dir = tempfile::Builder::new().prefix("suanli-chaos-").disable_cleanup(keep).tempdir()?;
-        let ports = suanli_server::local::free_ports(shape.servers)?;
+        // The servers' ports stay bound until the proxies (which bind ports of their own) are
+        // up: released first, one could be handed to a proxy, and that server never starts.
+        let reserved = suanli_server::local::reserve_ports(shape.servers)?;
+        let ports = reserved.iter().map(|l| l.local_addr().map(|a| a.port())).collect::<Result<Vec<_>, _>>()?;
         let servers: Vec<ServerProc> = ports
             .iter()
             .enumerate()
@@ -185,11 +188,26 @@ impl Cluster {
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(&so, std::fs::Permissions::from_mode(0o755))?;
         std::fs::set_permissions(&plugin_dir, std::fs::Permissions::from_mode(0o755))?;
+        drop(reserved);
         for i in 0..c.servers.len() {
             c.write_server_config(i, None)?;
             c.start_server(i)?;
         }
-        c.wait_leader(Duration::from_secs(30)).await?;
+        if let Err(e) = c.wait_leader(Duration::from_secs(30)).await {
+            // The directory goes with the cluster: say what the servers said.
+            let tails: Vec<String> = (0..c.servers.len())
+                .map(|i| {
+                    let log = c.server_log(i);
+                    let tail: Vec<&str> = log.lines().rev().take(8).collect();
+                    format!(
+                        "server {} log (last lines):\n{}",
+                        i + 1,
+                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    )
+                })
+                .collect();
+            anyhow::bail!("{e}\n{}", tails.join("\n"));
+        }
         c.ensure_default_queue().await?;
         for a in 0..c.agents.len() {
             c.write_agent_config(a)?;

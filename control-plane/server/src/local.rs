@@ -11,8 +11,15 @@ use tonic::transport::{Channel, Endpoint};
 
 /// Loopback ports nobody listens on right now.
 pub fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
-    let ls = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<Vec<_>, _>>()?;
+    let ls = reserve_ports(n)?;
     ls.iter().map(|l| l.local_addr().map(|a| a.port())).collect()
+}
+
+/// `n` loopback ports held open until the listeners are dropped: a caller that binds other
+/// sockets first (proxies, say) drops them just before starting the servers, so no other
+/// `bind(0)` of its own can be handed a server's port in between.
+pub fn reserve_ports(n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
+    (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect()
 }
 
 /// A connected channel (connect within 5 s, requests within 15 s: generous, because the
