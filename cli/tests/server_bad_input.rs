@@ -12,7 +12,9 @@ use suanli_proto::v1::agent_client::AgentClient;
 use suanli_proto::v1::jobs_client::JobsClient;
 use suanli_proto::v1::nodes_client::NodesClient;
 use suanli_proto::v1::queues_client::QueuesClient;
+use suanli_server::local::ProcessCluster;
 use tonic::Code;
+use tonic::transport::Channel;
 
 fn submit(rid: &str, spec: String) -> pb::SubmitJobRequest {
     pb::SubmitJobRequest { client_request_id: rid.into(), spec_json: spec, retry: None }
@@ -23,14 +25,21 @@ async fn state_of(addr: &str) -> (Vec<pb::JobInfo>, Vec<pb::QueueInfo>) {
     (all_jobs(addr, false).await.unwrap(), q.unwrap().into_inner().queues)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_requests_name_the_field_and_change_nothing() {
+/// One server with queue `q` (64 cores): the cluster (stops when dropped), its address and a
+/// channel to it.
+async fn one_server_with_queue() -> (ProcessCluster, String, Channel) {
     let c = common::start(1, &[]);
     c.wait_leader(Duration::from_secs(30)).await.unwrap();
     let addr = c.addrs[0].clone();
     let ch = channel(&addr).await.unwrap();
     let queue = serde_json::json!({"id": "q", "nominal": {"cpu_milli": 64000, "memory_mib": 256000}});
     QueuesClient::new(ch.clone()).upsert(pb::UpsertQueueRequest { queue_json: queue.to_string() }).await.unwrap();
+    (c, addr, ch)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_name_the_field_and_change_nothing() {
+    let (_c, addr, ch) = one_server_with_queue().await;
     let mut jobs = JobsClient::new(ch.clone());
     jobs.submit(submit("ok-1", cpu_job("ok", "q", 100))).await.unwrap();
     // The scheduler records why the job waits (no nodes); wait for that so the only writer
@@ -111,12 +120,7 @@ async fn bad_requests_name_the_field_and_change_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submit_many_answers_each_job_on_its_own() {
-    let c = common::start(1, &[]);
-    c.wait_leader(Duration::from_secs(30)).await.unwrap();
-    let addr = c.addrs[0].clone();
-    let ch = channel(&addr).await.unwrap();
-    let queue = serde_json::json!({"id": "q", "nominal": {"cpu_milli": 64000, "memory_mib": 256000}});
-    QueuesClient::new(ch.clone()).upsert(pb::UpsertQueueRequest { queue_json: queue.to_string() }).await.unwrap();
+    let (_c, addr, ch) = one_server_with_queue().await;
     let mut jobs = JobsClient::new(ch);
     let req = pb::SubmitJobsRequest {
         jobs: vec![

@@ -372,9 +372,16 @@ impl State {
             id.clone(),
             NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new() },
         );
+        let kinds_changed = self.nodes.get(&id).is_some_and(|r| {
+            r.node.devices.iter().map(|d| (d.id.clone(), d.kind)).collect::<BTreeMap<_, _>>() != old_kinds
+        });
         self.reconcile_node(&id, &old_kinds, now, rev);
-        // The node's device kinds decide the quota vector of its allocations: count afresh.
-        self.live = LiveIndex::build(&self.allocs, &self.nodes, &self.jobs);
+        // The node's device kinds decide the quota vector of its allocations: when they changed
+        // (a device added, gone or of another kind), count afresh. A plain re-registration
+        // (an agent restart) leaves the index as it is.
+        if kinds_changed {
+            self.live = LiveIndex::build(&self.allocs, &self.nodes, &self.jobs);
+        }
         Ok((Response::Done, Effect::Changed))
     }
 
