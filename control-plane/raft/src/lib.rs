@@ -32,7 +32,7 @@ mod network;
 mod settings;
 mod store;
 
-pub use machine::Machine;
+pub use machine::{LogCommand, Machine};
 pub use network::{GrpcNetwork, GrpcNetworkFactory, RaftService};
 pub use settings::{RaftSettings, SettingsError};
 pub use store::{Applied, LogStore, MachineHandle, SnapshotBuilder, StateMachineStore, StoreConfig, fnv1a, open_db};
@@ -46,7 +46,7 @@ use thiserror::Error;
 openraft::declare_raft_types!(
     /// The type configuration of a region's control plane.
     pub TypeConfig:
-        D = Command,
+        D = LogCommand,
         R = Response,
         NodeId = u64,
         Node = BasicNode,
@@ -95,7 +95,7 @@ pub async fn open_group<C, M>(
 ) -> Result<(Raft<C>, MachineHandle<M>, LogStore<C>), OpenError>
 where
     C: StoreConfig,
-    M: Machine<Command = C::D, Response = C::R>,
+    M: Machine<Response = C::R>,
 {
     let config = settings.openraft_config()?;
     let db = open_db(dir).map_err(|source| OpenError::Db { dir: dir.display().to_string(), source })?;
@@ -133,8 +133,22 @@ pub enum WriteError {
 /// The returned [`Response`] may still be [`Response::Rejected`]: committed, but refused by
 /// the state machine with the state unchanged.
 pub async fn write(raft: &SuanliRaft, state: &StateHandle, cmd: Command) -> Result<(Response, u64), WriteError> {
-    let config = state.read(|s| s.config().clone());
-    suanli_state::check_command_size(&cmd, &config)?;
+    write_encoded(raft, state, encode(&cmd)?).await
+}
+
+/// Encodes a command for [`write_encoded`] (once: a proposer that may retry keeps the result).
+pub fn encode(cmd: &Command) -> Result<LogCommand, CommandError> {
+    LogCommand::encode(cmd).map_err(|e| CommandError::Invalid { field: "command".into(), message: e.to_string() })
+}
+
+/// [`write`] of a command already encoded. The size check reads the encoded length.
+pub async fn write_encoded(
+    raft: &SuanliRaft,
+    state: &StateHandle,
+    cmd: LogCommand,
+) -> Result<(Response, u64), WriteError> {
+    let limit = state.read(|s| s.config().max_command_bytes);
+    suanli_state::check_encoded_size(cmd.len(), limit)?;
     let r = raft.client_write(cmd).await?;
     Ok((r.data, r.log_id.index))
 }
@@ -148,7 +162,7 @@ pub async fn linearizable_read<C, M, R>(
 ) -> Result<R, RaftError<u64, CheckIsLeaderError<u64, BasicNode>>>
 where
     C: StoreConfig,
-    M: Machine<Command = C::D, Response = C::R>,
+    M: Machine<Response = C::R>,
 {
     let read_log_id = raft.ensure_linearizable().await?;
     if let Some(l) = read_log_id {

@@ -2,13 +2,57 @@
 //!
 //! `suanli-raft` is generic over [`Machine`], so another raft group (the federation's) reuses the
 //! storage, the network and [`crate::open_group`] with its own command and state types.
+//!
+//! The log does not carry the machine's command type but [`LogCommand`]: the command's JSON,
+//! made once by the proposer. Storing, reading back, replicating and receiving an entry copy
+//! those bytes (serde_json embeds them verbatim and only scans them when reading); the command
+//! is parsed once per server, when it is applied. The bytes are exactly what serializing the
+//! command inside the entry produced before, so the stored format did not change.
 
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use std::fmt::Debug;
+use std::sync::Arc;
+
+/// A command as the raft log carries it: its JSON encoding, shared (cloning is a reference
+/// count). Only ever serialized with serde_json (the log store and the raft transport), which
+/// writes it verbatim.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct LogCommand(Arc<RawValue>);
+
+impl LogCommand {
+    /// Encodes a command (once; every copy after this shares the bytes).
+    pub fn encode<T: Serialize>(cmd: &T) -> Result<Self, serde_json::Error> {
+        Ok(Self(Arc::from(serde_json::value::to_raw_value(cmd)?)))
+    }
+
+    /// Parses the command back.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_str(self.0.get())
+    }
+
+    /// The encoded JSON.
+    pub fn json(&self) -> &str {
+        self.0.get()
+    }
+
+    /// Encoded size in bytes (what `max_command_bytes` limits).
+    pub fn len(&self) -> usize {
+        self.0.get().len()
+    }
+
+    /// Never true for an encoded value; for clippy's `len_without_is_empty`.
+    pub fn is_empty(&self) -> bool {
+        self.0.get().is_empty()
+    }
+}
 
 /// A deterministic state machine replicated by raft.
 pub trait Machine: Send + Sync + Sized + 'static {
-    /// What the log carries.
-    type Command: openraft::AppData + Debug;
+    /// The commands it applies; the log carries them encoded ([`LogCommand`]).
+    type Command: Serialize + DeserializeOwned + Debug + Send + Sync + 'static;
     /// What applying a command returns to the proposer.
     type Response: openraft::AppDataResponse + Debug;
 

@@ -15,7 +15,7 @@
 // openraft's storage traits fix the (large) `StorageError` type for every fallible call.
 #![allow(clippy::result_large_err)]
 
-use crate::machine::Machine;
+use crate::machine::{LogCommand, Machine};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
 use openraft::{
     BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftLogReader, RaftSnapshotBuilder, RaftTypeConfig,
@@ -40,15 +40,15 @@ const KEY_LAST_PURGED: &[u8] = b"last_purged";
 const KEY_SNAP_META: &[u8] = b"meta";
 const KEY_SNAP_DATA: &[u8] = b"data";
 
-/// The type configurations our storage serves: node ids are `u64`, nodes carry an address,
-/// snapshots are byte buffers.
+/// The type configurations our storage serves: the log carries encoded commands, node ids are
+/// `u64`, nodes carry an address, snapshots are byte buffers.
 pub trait StoreConfig:
-    RaftTypeConfig<NodeId = u64, Node = BasicNode, Entry = Entry<Self>, SnapshotData = Cursor<Vec<u8>>>
+    RaftTypeConfig<D = LogCommand, NodeId = u64, Node = BasicNode, Entry = Entry<Self>, SnapshotData = Cursor<Vec<u8>>>
 {
 }
 
 impl<C> StoreConfig for C where
-    C: RaftTypeConfig<NodeId = u64, Node = BasicNode, Entry = Entry<C>, SnapshotData = Cursor<Vec<u8>>>
+    C: RaftTypeConfig<D = LogCommand, NodeId = u64, Node = BasicNode, Entry = Entry<C>, SnapshotData = Cursor<Vec<u8>>>
 {
 }
 
@@ -204,10 +204,7 @@ impl<C: StoreConfig> LogStore<C> {
     }
 }
 
-impl<C: StoreConfig> RaftLogReader<C> for LogStore<C>
-where
-    C::D: Serialize + DeserializeOwned,
-{
+impl<C: StoreConfig> RaftLogReader<C> for LogStore<C> {
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
         range: RB,
@@ -231,10 +228,7 @@ where
     }
 }
 
-impl<C: StoreConfig> RaftLogStorage<C> for LogStore<C>
-where
-    C::D: Serialize + DeserializeOwned,
-{
+impl<C: StoreConfig> RaftLogStorage<C> for LogStore<C> {
     type LogReader = Self;
 
     async fn get_log_state(&mut self) -> Result<LogState<C>, SErr> {
@@ -419,7 +413,7 @@ pub struct StateMachineStore<C, M> {
     _c: PhantomData<C>,
 }
 
-impl<C: StoreConfig, M: Machine<Command = C::D, Response = C::R>> StateMachineStore<C, M> {
+impl<C: StoreConfig, M: Machine<Response = C::R>> StateMachineStore<C, M> {
     /// Opens the state machine over a database: restores the latest persisted snapshot, if
     /// any. The log after it is re-applied by openraft at start.
     pub fn open(db: Arc<DB>) -> Result<Self, SErr> {
@@ -480,7 +474,7 @@ pub struct SnapshotBuilder<C, M> {
     _c: PhantomData<C>,
 }
 
-impl<C: StoreConfig, M: Machine<Command = C::D, Response = C::R>> RaftSnapshotBuilder<C> for SnapshotBuilder<C, M> {
+impl<C: StoreConfig, M: Machine<Response = C::R>> RaftSnapshotBuilder<C> for SnapshotBuilder<C, M> {
     async fn build_snapshot(&mut self) -> Result<Snapshot<C>, SErr> {
         let (data, last_log_id, membership) = {
             let a = read_lock(&self.shared);
@@ -500,7 +494,7 @@ impl<C: StoreConfig, M: Machine<Command = C::D, Response = C::R>> RaftSnapshotBu
     }
 }
 
-impl<C: StoreConfig, M: Machine<Command = C::D, Response = C::R>> RaftStateMachine<C> for StateMachineStore<C, M> {
+impl<C: StoreConfig, M: Machine<Response = C::R>> RaftStateMachine<C> for StateMachineStore<C, M> {
     type SnapshotBuilder = SnapshotBuilder<C, M>;
 
     async fn applied_state(&mut self) -> Result<(Option<LogId<u64>>, StoredMembership<u64, BasicNode>), SErr> {
@@ -520,7 +514,14 @@ impl<C: StoreConfig, M: Machine<Command = C::D, Response = C::R>> RaftStateMachi
                 a.last_applied = Some(e.log_id);
                 let resp = match e.payload {
                     EntryPayload::Blank => M::internal_response(),
-                    EntryPayload::Normal(cmd) => {
+                    EntryPayload::Normal(raw) => {
+                        // Bytes a server of this group encoded; failing to parse them is a
+                        // corrupt log (a kind too new for this build still parses, and its
+                        // apply answers `fatal`).
+                        let cmd = raw.decode::<M::Command>().map_err(|err| {
+                            tracing::error!(index = e.log_id.index, error = %err, "cannot decode a log entry");
+                            SErr::from(StorageIOError::apply(e.log_id, &err))
+                        })?;
                         let r = a.machine.apply(cmd);
                         if let Some(why) = M::fatal(&r) {
                             tracing::error!(index = e.log_id.index, %why, "cannot apply the log");

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use suanli_model::NodeId;
 use suanli_proto::v1::internal_client::InternalClient;
 use suanli_proto::v1::{ProposeRequest, ReadIndexRequest};
-use suanli_raft::{StateHandle, SuanliRaft, WriteError};
+use suanli_raft::{LogCommand, StateHandle, SuanliRaft, WriteError};
 use suanli_state::{Command, Response, State};
 use tokio::sync::{Notify, Semaphore};
 use tonic::Status;
@@ -161,9 +161,11 @@ impl Core {
 
     /// Like [`Core::propose`] but returns a refusal as a [`Response::Rejected`].
     pub async fn propose_raw(&self, cmd: Command) -> Result<(Response, u64), Status> {
+        // Encoded once: the log, the transport and a retry all share these bytes.
+        let cmd = suanli_raft::encode(&cmd).map_err(|e| rejection(&e))?;
         for _ in 0..3 {
-            let r =
-                tokio::time::timeout(self.timeout(), suanli_raft::write(&self.raft, &self.state, cmd.clone())).await;
+            let r = tokio::time::timeout(self.timeout(), suanli_raft::write_encoded(&self.raft, &self.state, cmd.clone()))
+                .await;
             let r = match r {
                 Err(_) => return Err(Status::deadline_exceeded("the write did not commit within the request timeout")),
                 Ok(r) => r,
@@ -188,8 +190,8 @@ impl Core {
         Err(unavailable("leadership kept changing; retry", self.leader().map(|l| l.1)))
     }
 
-    async fn forward(&self, addr: &str, cmd: &Command) -> Result<(Response, u64), Status> {
-        let json = suanli_state::encode_command(cmd).map_err(|e| Status::internal(format!("encoding: {e}")))?;
+    async fn forward(&self, addr: &str, cmd: &LogCommand) -> Result<(Response, u64), Status> {
+        let json = cmd.json().as_bytes().to_vec();
         let mut client = InternalClient::new(self.channel(addr)?)
             .max_decoding_message_size(self.cfg.max_request_bytes)
             .max_encoding_message_size(self.cfg.max_request_bytes.saturating_mul(2));

@@ -373,10 +373,16 @@ pub fn check_command_size(cmd: &Command, config: &StateConfig) -> Result<usize, 
     let n = encode_command(cmd)
         .map_err(|e| CommandError::Invalid { field: "command".into(), message: e.to_string() })?
         .len();
-    if n > config.max_command_bytes {
-        return Err(CommandError::TooLarge { bytes: n, limit: config.max_command_bytes });
+    check_encoded_size(n, config.max_command_bytes)
+}
+
+/// Checks an encoded command's size (`bytes`) against `limit` (`max_command_bytes`), for a
+/// proposer that encoded the command already.
+pub fn check_encoded_size(bytes: usize, limit: usize) -> Result<usize, CommandError> {
+    if bytes > limit {
+        return Err(CommandError::TooLarge { bytes, limit });
     }
-    Ok(n)
+    Ok(bytes)
 }
 
 /// Why a command was refused. A refused command leaves the state unchanged.
