@@ -17,15 +17,16 @@ use std::sync::Arc;
 
 /// A command as the raft log carries it: its JSON encoding, shared (cloning is a reference
 /// count). Only ever serialized with serde_json (the log store and the raft transport), which
-/// writes it verbatim.
+/// writes it verbatim. (`Arc<Box<..>>` rather than `Arc<RawValue>`: wrapping the decoded box
+/// moves a pointer where `Arc::from` would copy the bytes once more.)
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct LogCommand(Arc<RawValue>);
+pub struct LogCommand(Arc<Box<RawValue>>);
 
 impl LogCommand {
     /// Encodes a command (once; every copy after this shares the bytes).
     pub fn encode<T: Serialize>(cmd: &T) -> Result<Self, serde_json::Error> {
-        Ok(Self(Arc::from(serde_json::value::to_raw_value(cmd)?)))
+        Ok(Self(Arc::new(serde_json::value::to_raw_value(cmd)?)))
     }
 
     /// Parses the command back.

@@ -14,7 +14,7 @@
 #![allow(clippy::result_large_err)]
 
 use crate::settings::RaftSettings;
-use crate::store::StoreConfig;
+use crate::store::{StoreConfig, entry_size_hint};
 use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Timeout, Unreachable};
 use openraft::network::{RPCOption, RPCTypes, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
@@ -134,8 +134,9 @@ impl<C: StoreConfig> GrpcNetwork<C> {
         result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
     }
 
-    fn message<T: Serialize, E: std::error::Error>(&self, v: &T) -> Result<RaftMessage, RpcErr<E>> {
-        let json = serde_json::to_vec(v).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+    fn message<T: Serialize, E: std::error::Error>(&self, v: &T, size_hint: usize) -> Result<RaftMessage, RpcErr<E>> {
+        let mut json = Vec::with_capacity(size_hint);
+        serde_json::to_writer(&mut json, v).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
         Ok(RaftMessage { group: self.settings.group.clone(), json: json.into() })
     }
 }
@@ -152,7 +153,8 @@ impl<C: StoreConfig> RaftNetwork<C> for GrpcNetwork<C> {
         rpc: AppendEntriesRequest<C>,
         _option: RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RpcErr> {
-        let msg = self.message(&rpc)?;
+        let size = 256 + rpc.entries.iter().map(entry_size_hint).sum::<usize>();
+        let msg = self.message(&rpc, size)?;
         let limit = self.settings.append_timeout();
         // openraft's TTL for AppendEntries is about one heartbeat interval; a large batch to a
         // follower that is fsyncing under load legitimately takes longer, and cutting it off
@@ -185,7 +187,7 @@ impl<C: StoreConfig> RaftNetwork<C> for GrpcNetwork<C> {
     }
 
     async fn vote(&mut self, rpc: VoteRequest<u64>, option: RPCOption) -> Result<VoteResponse<u64>, RpcErr> {
-        let msg = self.message(&rpc)?;
+        let msg = self.message(&rpc, 256)?;
         let limit = self.settings.vote_timeout();
         self.call(
             RPCTypes::Vote,
