@@ -154,3 +154,34 @@ async fn submit_many_answers_each_job_on_its_own() {
     assert!(s.message().contains("jobs") && s.message().contains("1024"), "{s:?}");
     assert_eq!(all_jobs(&addr, false).await.unwrap().len(), 2, "a refused call changed nothing");
 }
+
+/// Jobs near the task size limit (64 KiB each) submitted together: each fits the 4 MiB
+/// command limit alone, but a group commit of them would not, so the server splits the group
+/// (before, every job of the group was refused as "command is N bytes").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_specs_submitted_together_are_each_accepted() {
+    let (_c, _addr, ch) = one_server_with_queue().await;
+    let env: serde_json::Map<String, serde_json::Value> =
+        (0..60).map(|i| (format!("V{i}"), serde_json::Value::String("x".repeat(1000)))).collect();
+    let spec = |i: usize| {
+        serde_json::json!({
+            "name": format!("big-{i}"), "queue": "q",
+            "groups": [{"name": "main", "replicas": 1, "resources": {"cpu_milli": 1, "memory_mib": 1},
+                        "task": {"command": "true", "env": env}}]
+        })
+        .to_string()
+    };
+    let calls = (0..4).map(|c| {
+        let jobs = (0..40).map(|i| submit(&format!("big-{c}-{i}"), spec(c * 40 + i))).collect();
+        let mut client = JobsClient::new(ch.clone());
+        tokio::spawn(async move { client.submit_many(pb::SubmitJobsRequest { jobs }).await })
+    });
+    let mut ids = std::collections::BTreeSet::new();
+    for call in calls.collect::<Vec<_>>() {
+        for r in call.await.unwrap().unwrap().into_inner().results {
+            assert_eq!((r.code, r.created), (0, true), "{r:?}");
+            ids.insert(r.job_id);
+        }
+    }
+    assert_eq!(ids.len(), 160);
+}

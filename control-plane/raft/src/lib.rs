@@ -99,7 +99,7 @@ where
 {
     let config = settings.openraft_config()?;
     let db = open_db(dir).map_err(|source| OpenError::Db { dir: dir.display().to_string(), source })?;
-    let log = LogStore::<C>::new(db.clone());
+    let log = LogStore::<C>::new(db.clone()).with_append_bytes(settings.append_bytes());
     let reader = log.clone();
     let sm = StateMachineStore::<C, M>::open(db)?;
     let handle = sm.handle();

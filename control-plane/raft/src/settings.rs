@@ -35,6 +35,10 @@ pub struct RaftSettings {
     pub snapshot_chunk_bytes: u64,
     /// Most entries in one AppendEntries.
     pub max_entries_per_append: u64,
+    /// Most bytes of stored entries in one AppendEntries (one entry is always sent, however
+    /// large). openraft 0.9 gives an AppendEntries one heartbeat interval to complete, so a
+    /// follower catching up must receive and fsync this much within it.
+    pub max_append_bytes: u64,
     /// Largest raft message a server accepts or a client sends, in bytes.
     pub max_message_bytes: usize,
     /// Address rewrites for dialing peers: `advertised address -> address to dial`. For NAT, a
@@ -58,7 +62,8 @@ impl Default for RaftSettings {
             snapshot_after_entries: 10_000,
             keep_entries_after_snapshot: 1000,
             snapshot_chunk_bytes: 1024 * 1024,
-            max_entries_per_append: 8,
+            max_entries_per_append: 64,
+            max_append_bytes: 1024 * 1024,
             max_message_bytes: 64 * 1024 * 1024,
             dial: BTreeMap::new(),
         }
@@ -113,6 +118,7 @@ impl RaftSettings {
             ("keep_entries_after_snapshot", self.keep_entries_after_snapshot, 0, 1 << 40),
             ("snapshot_chunk_bytes", self.snapshot_chunk_bytes, 1024, 1 << 30),
             ("max_entries_per_append", self.max_entries_per_append, 1, 1 << 20),
+            ("max_append_bytes", self.max_append_bytes, 4096, 1 << 30),
         ] {
             if v < min || v > max {
                 return bad(field, v, format!("must be between {min} and {max}"));
@@ -145,11 +151,15 @@ impl RaftSettings {
             );
         }
         let chunk_room = usize::try_from(self.snapshot_chunk_bytes).unwrap_or(usize::MAX).saturating_mul(2);
-        if self.max_message_bytes < chunk_room || self.max_message_bytes > 1 << 31 {
+        let append_room = usize::try_from(self.max_append_bytes).unwrap_or(usize::MAX).saturating_mul(2);
+        if self.max_message_bytes < append_room.max(chunk_room) || self.max_message_bytes > 1 << 31 {
             return Err(SettingsError::Field {
                 field: "max_message_bytes",
                 value: self.max_message_bytes.to_string(),
-                expected: format!("must be between 2 x snapshot_chunk_bytes ({chunk_room}) and 2 GiB"),
+                expected: format!(
+                    "must be between 2 x snapshot_chunk_bytes and 2 x max_append_bytes ({}) and 2 GiB",
+                    append_room.max(chunk_room)
+                ),
             });
         }
         Ok(())
@@ -181,6 +191,10 @@ impl RaftSettings {
     }
     pub(crate) fn snapshot_timeout(&self) -> Duration {
         Duration::from_millis(self.snapshot_chunk_timeout_ms)
+    }
+    /// [`RaftSettings::max_append_bytes`] as a size.
+    pub fn append_bytes(&self) -> usize {
+        usize::try_from(self.max_append_bytes).unwrap_or(usize::MAX)
     }
     /// Deadline for opening a connection to a peer.
     pub fn connect_timeout(&self) -> Duration {

@@ -157,19 +157,52 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, SErr> + Send 
 /// The raft log in RocksDB.
 pub struct LogStore<C> {
     db: Arc<DB>,
+    /// Byte budget of one replication read ([`crate::RaftSettings::max_append_bytes`]).
+    append_bytes: usize,
     _c: PhantomData<C>,
 }
 
 impl<C> Clone for LogStore<C> {
     fn clone(&self) -> Self {
-        Self { db: self.db.clone(), _c: PhantomData }
+        Self { db: self.db.clone(), append_bytes: self.append_bytes, _c: PhantomData }
     }
 }
 
 impl<C: StoreConfig> LogStore<C> {
-    /// A log store over an open database (see [`open_db`]).
+    /// A log store over an open database (see [`open_db`]); replication reads are bounded by
+    /// entry count only.
     pub fn new(db: Arc<DB>) -> Self {
-        Self { db, _c: PhantomData }
+        Self { db, append_bytes: usize::MAX, _c: PhantomData }
+    }
+
+    /// Bounds what one replication read returns to about `bytes` of stored entries (at least
+    /// one entry), so one AppendEntries stays small whatever the entries' size.
+    pub fn with_append_bytes(mut self, bytes: usize) -> Self {
+        self.append_bytes = bytes;
+        self
+    }
+
+    /// Entries with index in `range`, in order, stopping early once `budget` bytes are read
+    /// (never before the first entry).
+    fn read_entries(&self, range: impl RangeBounds<u64>, budget: usize) -> Result<Vec<Entry<C>>, SErr> {
+        let start = match range.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s.saturating_add(1),
+            Bound::Unbounded => 0,
+        };
+        let logs = cf(&self.db, CF_LOGS)?;
+        let mut out = Vec::new();
+        let mut bytes = 0usize;
+        for r in self.db.iterator_cf(logs, IteratorMode::From(&start.to_be_bytes(), Direction::Forward)) {
+            let (k, v) = r.map_err(|e| StorageIOError::read_logs(&e))?;
+            let idx = log_index(&k)?;
+            if !range.contains(&idx) || (!out.is_empty() && bytes.saturating_add(v.len()) > budget) {
+                break;
+            }
+            bytes = bytes.saturating_add(v.len());
+            out.push(from_json(&v)?);
+        }
+        Ok(out)
     }
 
     /// `(index, term, hash of the stored entry)` for the entries kept in `from..=to`, at most
@@ -224,22 +257,14 @@ impl<C: StoreConfig> RaftLogReader<C> for LogStore<C> {
         &mut self,
         range: RB,
     ) -> Result<Vec<Entry<C>>, SErr> {
-        let start = match range.start_bound() {
-            Bound::Included(&s) => s,
-            Bound::Excluded(&s) => s.saturating_add(1),
-            Bound::Unbounded => 0,
-        };
-        let logs = cf(&self.db, CF_LOGS)?;
-        let mut out = Vec::new();
-        for r in self.db.iterator_cf(logs, IteratorMode::From(&start.to_be_bytes(), Direction::Forward)) {
-            let (k, v) = r.map_err(|e| StorageIOError::read_logs(&e))?;
-            let idx = log_index(&k)?;
-            if !range.contains(&idx) {
-                break;
-            }
-            out.push(from_json(&v)?);
-        }
-        Ok(out)
+        self.read_entries(range, usize::MAX)
+    }
+
+    /// What replication sends in one AppendEntries: openraft 0.9 lets this return a prefix of
+    /// the range, and the byte budget keeps a catching-up follower's batch inside the RPC's
+    /// deadline even when every entry is a large group commit.
+    async fn limited_get_log_entries(&mut self, start: u64, end: u64) -> Result<Vec<Entry<C>>, SErr> {
+        self.read_entries(start..end, self.append_bytes)
     }
 }
 

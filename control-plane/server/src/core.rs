@@ -163,9 +163,16 @@ impl Core {
     pub async fn propose_raw(&self, cmd: Command) -> Result<(Response, u64), Status> {
         // Encoded once: the log, the transport and a retry all share these bytes.
         let cmd = suanli_raft::encode(&cmd).map_err(|e| rejection(&e))?;
+        self.propose_encoded(cmd).await
+    }
+
+    /// Like [`Core::propose_raw`] for a command already encoded (the batcher sizes its batches
+    /// by the encoding).
+    pub async fn propose_encoded(&self, cmd: LogCommand) -> Result<(Response, u64), Status> {
         for _ in 0..3 {
-            let r = tokio::time::timeout(self.timeout(), suanli_raft::write_encoded(&self.raft, &self.state, cmd.clone()))
-                .await;
+            let r =
+                tokio::time::timeout(self.timeout(), suanli_raft::write_encoded(&self.raft, &self.state, cmd.clone()))
+                    .await;
             let r = match r {
                 Err(_) => return Err(Status::deadline_exceeded("the write did not commit within the request timeout")),
                 Ok(r) => r,
@@ -204,6 +211,11 @@ impl Core {
         // Let a read on this server that follows see its own write.
         let _ = tokio::time::timeout(self.timeout(), self.state.wait_applied(r.index)).await;
         Ok((resp, r.index))
+    }
+
+    /// The replicated limit on one command's encoded size (`max_command_bytes`).
+    pub fn max_command_bytes(&self) -> usize {
+        self.state.read(|s| s.config().max_command_bytes)
     }
 
     /// Proposes on this server only (the `Internal.Propose` handler): never forwards again.
