@@ -41,6 +41,11 @@ pub struct SubmitArgs {
     /// Concurrent clients in the batched phase.
     #[arg(long, default_value_t = 32)]
     pub batch_clients: usize,
+    /// Spread the concurrent and batched clients' connections over every server (followers
+    /// group their clients' submissions and forward each group to the leader as one proposal)
+    /// instead of connecting them all to the leader.
+    #[arg(long)]
+    pub spread: bool,
 }
 
 /// Flags of `suanli bench failover`.
@@ -148,8 +153,12 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
 
         // Many concurrent clients over a few connections.
         let mut chans = Vec::new();
-        for _ in 0..a.connections {
-            chans.push(channel(&addr).await?);
+        for k in 0..a.connections {
+            let to = if a.spread { &c.addrs[(leader + k) % c.addrs.len()] } else { &addr };
+            chans.push(channel(to).await?);
+        }
+        if a.spread {
+            println!("clients spread over all {} servers ({} connections)", c.addrs.len(), a.connections);
         }
         let next = Arc::new(AtomicUsize::new(0));
         let placed_before = placed(&ch).await;

@@ -13,6 +13,8 @@ use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use suanli_proto::v1 as pb;
+use suanli_proto::v1::jobs_client::JobsClient;
 
 fn example(rel: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples").join(rel).display().to_string()
@@ -239,6 +241,23 @@ fn client_commands_against_a_real_cluster() {
     assert_eq!(o.status.code(), Some(2));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.starts_with("error: UNAVAILABLE: no server answered") && err.contains(&dead), "{err}");
+
+    // A group commit through a follower: the follower proposes its queued submissions to the
+    // leader as one batch command and answers each job from the leader's batch answer (which
+    // once failed to encode, so every batched submission through a follower was refused).
+    let results = rt.block_on(async {
+        let ch = common::channel(&fol).await.unwrap();
+        let jobs = (0..20)
+            .map(|i| pb::SubmitJobRequest {
+                client_request_id: format!("fwd-{i}"),
+                spec_json: common::cpu_job(&format!("fwd-{i}"), "team-nlp", 100),
+                retry: None,
+            })
+            .collect();
+        JobsClient::new(ch).submit_many(pb::SubmitJobsRequest { jobs }).await.unwrap().into_inner().results
+    });
+    assert_eq!(results.len(), 20);
+    assert!(results.iter().all(|r| r.code == 0 && r.created), "{results:?}");
 
     eprintln!("client commands against 3 servers: {:?}", t0.elapsed());
 }

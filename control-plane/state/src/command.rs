@@ -515,14 +515,40 @@ pub enum Response {
     },
     /// Refused; the state is unchanged.
     Rejected(CommandError),
-    /// The responses of a [`Batch`], in order.
-    Batch(Vec<Response>),
+    /// The responses of a [`Batch`], in order. (Encoded as `{"result": "batch", "responses":
+    /// [...]}`: an internally tagged variant cannot hold a bare sequence, and a follower that
+    /// forwards a batch to the leader gets this back as JSON.)
+    Batch(#[serde(with = "batch_responses")] Vec<Response>),
     /// A non-ignorable command of an unknown kind: this server is too old to apply the log.
     /// The raft layer must stop applying (see [`Response::is_fatal`]).
     Unsupported {
         /// Its kind.
         kind: String,
     },
+}
+
+/// [`Response::Batch`]'s field as a map (`responses`), which internal tagging can carry.
+mod batch_responses {
+    use super::Response;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize)]
+    struct Ref<'a> {
+        responses: &'a [Response],
+    }
+
+    #[derive(Deserialize)]
+    struct Owned {
+        responses: Vec<Response>,
+    }
+
+    pub fn serialize<S: Serializer>(rs: &[Response], s: S) -> Result<S::Ok, S::Error> {
+        Ref { responses: rs }.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Response>, D::Error> {
+        Ok(Owned::deserialize(d)?.responses)
+    }
 }
 
 impl Response {
@@ -556,6 +582,20 @@ mod tests {
         assert!(text.contains(r#""v":1"#), "{text}");
         let back: Command = serde_json::from_str(&text).expect("decodes");
         assert_eq!(back, cmd);
+    }
+
+    #[test]
+    fn every_response_round_trips_through_json() {
+        // A follower gets the leader's answer to a forwarded write as JSON; a batch's answer
+        // once failed to encode ("cannot serialize tagged newtype variant").
+        let r = Response::Batch(vec![
+            Response::JobSubmitted { job: JobId(1), created: true },
+            Response::Rejected(CommandError::UnknownJob { job: 9 }),
+            Response::Batch(vec![Response::Done]),
+        ]);
+        let text = serde_json::to_string(&r).expect("encodes");
+        assert!(text.starts_with(r#"{"result":"batch","responses":["#), "{text}");
+        assert_eq!(serde_json::from_str::<Response>(&text).expect("decodes"), r);
     }
 
     #[test]
