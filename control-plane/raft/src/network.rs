@@ -156,9 +156,9 @@ impl<C: StoreConfig> RaftNetwork<C> for GrpcNetwork<C> {
         let size = 256 + rpc.entries.iter().map(entry_size_hint).sum::<usize>();
         let msg = self.message(&rpc, size)?;
         let limit = self.settings.append_timeout();
-        // openraft's TTL for AppendEntries is about one heartbeat interval; a large batch to a
-        // follower that is fsyncing under load legitimately takes longer, and cutting it off
-        // only makes the leader resend it. The configured deadline bounds it instead.
+        // openraft 0.9 wraps this call in its own timeout of one heartbeat interval, so the
+        // configured deadline can only shorten it; what keeps a large batch inside that
+        // timeout is the byte budget of replication reads (`RaftSettings::max_append_bytes`).
         self.call(RPCTypes::AppendEntries, limit, limit, |mut c, d| async move {
             c.append_entries(with_deadline(msg, d)).await
         })
