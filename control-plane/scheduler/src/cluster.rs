@@ -928,6 +928,42 @@ impl Cluster {
         dev: Option<DevReq>,
     ) -> bool {
         let Some(idx) = self.node_index(node) else { return false };
+        let ok = self.take_running(idx, cpu_milli, memory_mib, shares, dev);
+        self.reclass(idx);
+        ok
+    }
+
+    /// [`Cluster::occupy`] for every running allocation of a pass at once: each touched node is
+    /// moved to its class once at the end instead of once per allocation (a pass starts from
+    /// tens of thousands of allocations on a few hundred nodes). The classes end up the same;
+    /// only the order of a class's members can differ, which the fixed-order tie-break ignores.
+    pub fn occupy_all<'x>(
+        &mut self,
+        allocs: impl IntoIterator<Item = (&'x NodeId, u64, u64, &'x [DeviceShare], Option<DevReq>)>,
+    ) {
+        let mut touched = vec![false; self.nodes.len()];
+        for (node, cpu_milli, memory_mib, shares, dev) in allocs {
+            if let Some(idx) = self.node_index(node) {
+                self.take_running(idx, cpu_milli, memory_mib, shares, dev);
+                touched[idx as usize] = true;
+            }
+        }
+        for (idx, t) in touched.into_iter().enumerate() {
+            if t {
+                self.reclass(idx as u32);
+            }
+        }
+    }
+
+    /// The bookkeeping of [`Cluster::occupy`] without the class move.
+    fn take_running(
+        &mut self,
+        idx: u32,
+        cpu_milli: u64,
+        memory_mib: u64,
+        shares: &[DeviceShare],
+        dev: Option<DevReq>,
+    ) -> bool {
         let n = &mut self.nodes[idx as usize];
         let mut ok = n.cpu_free >= cpu_milli && n.mem_free >= memory_mib;
         n.cpu_free = n.cpu_free.saturating_sub(cpu_milli);
@@ -947,7 +983,6 @@ impl Cluster {
             let b = t.trailing_zeros() as usize;
             n.tag_counts[b] = n.tag_counts[b].saturating_add(1);
         }
-        self.reclass(idx);
         ok
     }
 

@@ -223,8 +223,10 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
     let mut cluster = Cluster::new(&view.nodes, &cfg.limits, probe.needs_tags(), probe.tie_break())?;
     let kinds = Kinds::new(&view.nodes, &view.running);
     let mut quota = QuotaBook::new(&view.queues);
+    cluster.occupy_all(
+        view.running.iter().map(|a| (&a.node, a.cpu_milli, a.memory_mib, a.devices.as_slice(), dev_req_of(a, &kinds))),
+    );
     for a in &view.running {
-        cluster.occupy(&a.node, a.cpu_milli, a.memory_mib, &a.devices, dev_req_of(a, &kinds));
         quota.charge(&a.queue, alloc_resvec(a, &kinds));
     }
     let samples: Vec<WorkloadSample> = if view.workload.is_empty() {
