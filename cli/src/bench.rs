@@ -109,11 +109,8 @@ fn engine(a: EngineArgs) -> Result<()> {
     // allocations of the full pass above, reserved one at a time (each moving its node to a
     // new class) against all at once (each touched node moved once).
     let plan = schedule(&full, 0, a.seed, &cfg)?;
-    let running: Vec<_> = plan
-        .placements
-        .iter()
-        .map(|p| (&p.node, p.cpu_milli, p.memory_mib, p.devices.as_slice(), None))
-        .collect();
+    let running: Vec<_> =
+        plan.placements.iter().map(|p| (&p.node, p.cpu_milli, p.memory_mib, p.devices.as_slice(), None)).collect();
     let limits = suanli_model::Limits::default();
     let tie = suanli_scheduler::policy::TieBreak::FixedOrder;
     let time_best = |f: &dyn Fn(&mut suanli_scheduler::Cluster)| -> Result<f64> {
