@@ -118,10 +118,7 @@ async fn propose_batch(core: &Core, batch: Vec<(Command, Reply)>) {
         let encoded = match suanli_raft::encode(&cmd) {
             Ok(e) => e,
             Err(e) => {
-                let s = Status::internal(format!("encoding a batch: {e}"));
-                for reply in replies {
-                    let _ = reply.send(Err(s.clone()));
-                }
+                fail_all(replies, &Status::internal(format!("encoding a batch: {e}")));
                 continue;
             }
         };
@@ -139,17 +136,15 @@ async fn propose_batch(core: &Core, batch: Vec<(Command, Reply)>) {
                     let _ = reply.send(Ok((r, index)));
                 }
             }
-            Ok((other, _)) => {
-                let s = Status::internal(format!("unexpected answer to a batch: {other:?}"));
-                for reply in replies {
-                    let _ = reply.send(Err(s.clone()));
-                }
-            }
-            Err(s) => {
-                for reply in replies {
-                    let _ = reply.send(Err(s.clone()));
-                }
-            }
+            Ok((other, _)) => fail_all(replies, &Status::internal(format!("unexpected answer to a batch: {other:?}"))),
+            Err(s) => fail_all(replies, &s),
         }
+    }
+}
+
+/// Answers every request of a batch with the same error.
+fn fail_all(replies: Vec<Reply>, s: &Status) {
+    for reply in replies {
+        let _ = reply.send(Err(s.clone()));
     }
 }

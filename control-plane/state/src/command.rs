@@ -367,17 +367,9 @@ pub fn encode_command(cmd: &Command) -> Result<Vec<u8>, serde_json::Error> {
     serde_json::to_vec(cmd)
 }
 
-/// Checks a command's encoded size against `config.max_command_bytes`. Servers call this
-/// before proposing, so one request cannot bloat the log.
-pub fn check_command_size(cmd: &Command, config: &StateConfig) -> Result<usize, CommandError> {
-    let n = encode_command(cmd)
-        .map_err(|e| CommandError::Invalid { field: "command".into(), message: e.to_string() })?
-        .len();
-    check_encoded_size(n, config.max_command_bytes)
-}
-
-/// Checks an encoded command's size (`bytes`) against `limit` (`max_command_bytes`), for a
-/// proposer that encoded the command already.
+/// Checks an encoded command's size (`bytes`) against `limit` (`max_command_bytes`). Servers
+/// call this (through `suanli_raft::write_encoded`) before proposing, so one request cannot
+/// bloat the log.
 pub fn check_encoded_size(bytes: usize, limit: usize) -> Result<usize, CommandError> {
     if bytes > limit {
         return Err(CommandError::TooLarge { bytes, limit });

@@ -88,7 +88,7 @@ pub struct StateConfig {
     pub max_message_len: usize,
     /// Longest checkpoint URI, in bytes.
     pub max_uri_len: usize,
-    /// Largest serialized command accepted, in bytes (checked by [`crate::check_command_size`]).
+    /// Largest serialized command accepted, in bytes (checked by [`crate::check_encoded_size`]).
     pub max_command_bytes: usize,
     /// Retry policy of jobs submitted without one.
     pub default_retry: RetryPolicy,

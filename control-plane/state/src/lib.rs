@@ -28,7 +28,7 @@ mod usage;
 pub use command::{
     AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth,
     NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob,
-    UpdateConfig, UpsertQueue, check_command_size, check_encoded_size, encode_command,
+    UpdateConfig, UpsertQueue, check_encoded_size, encode_command,
 };
 pub use config::{ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;
