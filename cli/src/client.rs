@@ -13,7 +13,7 @@
 //! ([`crate::spec`]); the `validate` commands do only that and need no server.
 
 use crate::spec;
-use anyhow::{Context, anyhow};
+use anyhow::{Context, anyhow, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use serde_json::{Value, json};
 use std::future::Future;
@@ -73,12 +73,16 @@ pub enum JobCmd {
         /// The spec file.
         file: PathBuf,
     },
-    /// Submit a job spec file (.toml or .json).
+    /// Submit job spec files (.toml or .json). Several files are all validated first, then
+    /// sent together (`SubmitMany`, up to 1,024 jobs per call); each is accepted or refused on
+    /// its own.
     Submit {
-        /// The spec file.
-        file: PathBuf,
+        /// The spec files.
+        #[arg(required = true, num_args = 1..)]
+        files: Vec<PathBuf>,
         /// De-duplication key: submitting again with the same id returns the first job.
-        /// Generated when absent.
+        /// Generated when absent. With several files, the k-th file's job (k from 1, in the
+        /// order given) uses `ID-k`.
         #[arg(long)]
         request_id: Option<String>,
     },
@@ -693,6 +697,121 @@ fn new_request_id() -> String {
     format!("cli-{nanos:x}-{:x}-{random:016x}", std::process::id())
 }
 
+/// Calls `f` like [`Conn::call`], retrying transport failures ([`retryable`]) up to
+/// [`SUBMIT_ATTEMPTS`] times with backoff. `f` must resend the same request ids (`what` names
+/// them in the warning), so a retry never creates a second job.
+async fn call_retrying<T, F, Fut>(conn: &mut Conn, what: &str, mut f: F) -> anyhow::Result<T>
+where
+    F: FnMut(Channel) -> Fut,
+    Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+{
+    let mut attempt = 1;
+    loop {
+        match conn.call(&mut f).await {
+            Ok(r) => return Ok(r),
+            Err(st) if retryable(st.code()) && attempt < SUBMIT_ATTEMPTS => {
+                let wait = Duration::from_millis(250 << attempt);
+                eprintln!(
+                    "warning: {}: {}; retrying in {:?} with the same {what}",
+                    code_name(st.code()),
+                    st.message(),
+                    wait,
+                );
+                tokio::time::sleep(wait).await;
+                attempt += 1;
+            }
+            Err(st) => return Err(status_err(st)),
+        }
+    }
+}
+
+/// Spec JSON sent in one `SubmitMany` call at most (besides the server's job count limit),
+/// well inside the servers' default 4 MiB message limit.
+const SUBMIT_CALL_BYTES: usize = 2 << 20;
+
+/// `job submit` of several files: every file is loaded and validated before anything is sent
+/// (a bad file names itself and nothing is submitted), then the jobs go in `SubmitMany` calls.
+/// Fails (after printing every result) when any job was refused.
+async fn submit_files(
+    conn: &mut Conn,
+    out: Output,
+    files: &[PathBuf],
+    request_id: Option<String>,
+) -> anyhow::Result<()> {
+    let base = request_id.unwrap_or_else(new_request_id);
+    let mut reqs = Vec::with_capacity(files.len());
+    for (k, f) in files.iter().enumerate() {
+        let spec = spec::load_job(f)?;
+        reqs.push(pb::SubmitJobRequest {
+            client_request_id: format!("{base}-{}", k + 1),
+            spec_json: serde_json::to_string(&spec)?,
+            retry: None,
+        });
+    }
+    let mut results: Vec<pb::SubmitJobResult> = Vec::with_capacity(reqs.len());
+    let mut rest = &reqs[..];
+    while !rest.is_empty() {
+        let mut n = 0;
+        let mut bytes = 0;
+        while n < rest.len() && n < suanli_server::MAX_JOBS_PER_CALL {
+            bytes += rest[n].spec_json.len();
+            if n > 0 && bytes > SUBMIT_CALL_BYTES {
+                break;
+            }
+            n += 1;
+        }
+        let (chunk, tail) = rest.split_at(n);
+        rest = tail;
+        let what = format!("request ids {base}-{}..", results.len() + 1);
+        let resp = call_retrying(conn, &what, |ch| {
+            let jobs = chunk.to_vec();
+            async move { pb::jobs_client::JobsClient::new(ch).submit_many(pb::SubmitJobsRequest { jobs }).await }
+        })
+        .await?;
+        if resp.results.len() != chunk.len() {
+            bail!("the server answered {} results for {} jobs", resp.results.len(), chunk.len());
+        }
+        results.extend(resp.results);
+    }
+    let refused = results.iter().filter(|r| r.code != 0).count();
+    match out {
+        Output::Json => {
+            let rows: Vec<Value> = files
+                .iter()
+                .zip(&reqs)
+                .zip(&results)
+                .map(|((f, q), r)| {
+                    if r.code == 0 {
+                        json!({"file": f.display().to_string(), "client_request_id": q.client_request_id,
+                               "job_id": r.job_id, "created": r.created, "revision": r.revision})
+                    } else {
+                        json!({"file": f.display().to_string(), "client_request_id": q.client_request_id,
+                               "error": {"code": code_name(Code::from(r.code)), "message": r.message}})
+                    }
+                })
+                .collect();
+            print_value(&Value::Array(rows))?;
+        }
+        Output::Table => {
+            for ((f, q), r) in files.iter().zip(&reqs).zip(&results) {
+                let f = f.display();
+                let rid = &q.client_request_id;
+                if r.code != 0 {
+                    println!("{f}: refused: {}: {}", code_name(Code::from(r.code)), r.message);
+                } else if r.created {
+                    println!("{f}: job {} submitted (request id {rid})", r.job_id);
+                } else {
+                    println!("{f}: job {} already submitted with request id {rid} (not created again)", r.job_id);
+                }
+            }
+        }
+    }
+    if refused > 0 {
+        bail!("{refused} of {} jobs refused", results.len());
+    }
+    Ok(())
+}
+
 /// Codes after which a submission is retried with the same request id.
 fn retryable(c: Code) -> bool {
     matches!(c, Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown | Code::Aborted)
@@ -789,38 +908,23 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
     let out = args.output;
     match cmd {
         JobCmd::Validate { file } => print_json(&spec::load_job(&file)?),
-        JobCmd::Submit { file, request_id } => {
-            let spec = spec::load_job(&file)?;
+        JobCmd::Submit { files, request_id } if files.len() > 1 => {
+            submit_files(&mut conn, out, &files, request_id).await
+        }
+        JobCmd::Submit { files, request_id } => {
+            let file = files.first().context("no spec file given")?;
+            let spec = spec::load_job(file)?;
             let req = pb::SubmitJobRequest {
                 client_request_id: request_id.unwrap_or_else(new_request_id),
                 spec_json: serde_json::to_string(&spec)?,
                 retry: None,
             };
-            let mut attempt = 1;
-            let resp = loop {
-                let r = conn
-                    .call(|ch| {
-                        let req = req.clone();
-                        async move { pb::jobs_client::JobsClient::new(ch).submit(req).await }
-                    })
-                    .await;
-                match r {
-                    Ok(r) => break r,
-                    Err(st) if retryable(st.code()) && attempt < SUBMIT_ATTEMPTS => {
-                        let wait = Duration::from_millis(250 << attempt);
-                        eprintln!(
-                            "warning: {}: {}; retrying in {:?} with the same request id {}",
-                            code_name(st.code()),
-                            st.message(),
-                            wait,
-                            req.client_request_id
-                        );
-                        tokio::time::sleep(wait).await;
-                        attempt += 1;
-                    }
-                    Err(st) => return Err(status_err(st)),
-                }
-            };
+            let what = format!("request id {}", req.client_request_id);
+            let resp = call_retrying(&mut conn, &what, |ch| {
+                let req = req.clone();
+                async move { pb::jobs_client::JobsClient::new(ch).submit(req).await }
+            })
+            .await?;
             match out {
                 Output::Json => print_value(&json!({
                     "job_id": resp.job_id, "created": resp.created, "revision": resp.revision,

@@ -259,5 +259,31 @@ fn client_commands_against_a_real_cluster() {
     assert_eq!(results.len(), 20);
     assert!(results.iter().all(|r| r.code == 0 && r.created), "{results:?}");
 
+    // Several files in one `job submit`: all validated first, sent together, each answered.
+    let batch = example("jobs/cpu-batch.toml");
+    let s = json(&["job", "submit", &batch, &batch, "--request-id", "cli-m", "--server", &fol, "--output", "json"]);
+    let rows = s.as_array().unwrap_or_else(|| panic!("one result per file: {s:#}"));
+    assert_eq!(rows.len(), 2, "{s:#}");
+    assert!(rows.iter().all(|r| r["created"] == true), "{s:#}");
+    assert_eq!(rows[0]["client_request_id"], "cli-m-1");
+    assert_eq!(rows[1]["client_request_id"], "cli-m-2");
+    assert_ne!(rows[0]["job_id"], rows[1]["job_id"], "{s:#}");
+    let out = ok(&["job", "submit", &batch, &batch, "--request-id", "cli-m", "--server", &all]);
+    assert_eq!(out.lines().count(), 2, "{out}");
+    assert!(out.lines().all(|l| l.contains("already submitted with request id cli-m-")), "{out}");
+    // A bad file among good ones: the error names it and nothing is sent (the good file's
+    // request id is still unused afterwards).
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let bad = tmp.path().join("bad.toml");
+    std::fs::write(&bad, "name = \"x\"\nqueue = \"team-nlp\"\n[[groups]]\nname = \"g\"\nreplicas = -1\n")
+        .expect("write");
+    let bad = bad.display().to_string();
+    let o = run(&["job", "submit", &batch, &bad, "--request-id", "cli-bad", "--server", &fol]);
+    assert_ne!(o.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("bad.toml"), "{err}");
+    let s = json(&["job", "submit", &batch, "--request-id", "cli-bad-1", "--server", &fol, "--output", "json"]);
+    assert_eq!(s["created"], true, "{s:#}");
+
     eprintln!("client commands against 3 servers: {:?}", t0.elapsed());
 }

@@ -29,6 +29,7 @@ pub mod local;
 mod loops;
 mod status;
 
+pub use api::MAX_JOBS_PER_CALL;
 pub use config::{ConfigError, Peer, ServerConfig};
 pub use core::LEADER_HEADER;
 
