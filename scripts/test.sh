@@ -14,9 +14,9 @@ export SUANLI_TRACES="${SUANLI_TRACES:-}"
 # (disk, not time, is what a CI machine ran out of). Set CARGO_INCREMENTAL=1 to keep them.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 target_dir="${CARGO_TARGET_DIR:-target}"
-disk() { echo "   disk: $(df -h --output=avail "$1" 2>/dev/null | tail -1 | tr -d ' ') free; target dir $(du -sh "$target_dir" 2>/dev/null | cut -f1)"; }
+disk() { echo "   disk: $(df -h --output=avail "$target_dir" 2>/dev/null | tail -1 | tr -d ' ') free; target dir $(du -sh "$target_dir" 2>/dev/null | cut -f1)"; }
 mkdir -p "$target_dir"
-disk "$target_dir"
+disk
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -D warnings"
@@ -27,6 +27,6 @@ echo "== cargo build (the device plugin .so files and the binary the end-to-end 
 cargo build --workspace --quiet
 echo "== cargo test"
 cargo test --workspace --quiet
-disk "$target_dir"
+disk
 echo "== suanli-chaos suite --short (every short scenario once; seed base ${SUANLI_CHAOS_SEED:-1})"
 "$target_dir/debug/suanli-chaos" suite --short --seed "${SUANLI_CHAOS_SEED:-1}" --duration-s 15

@@ -908,11 +908,10 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
     let out = args.output;
     match cmd {
         JobCmd::Validate { file } => print_json(&spec::load_job(&file)?),
-        JobCmd::Submit { files, request_id } if files.len() > 1 => {
-            submit_files(&mut conn, out, &files, request_id).await
-        }
         JobCmd::Submit { files, request_id } => {
-            let file = files.first().context("no spec file given")?;
+            let [file] = files.as_slice() else {
+                return submit_files(&mut conn, out, &files, request_id).await;
+            };
             let spec = spec::load_job(file)?;
             let req = pb::SubmitJobRequest {
                 client_request_id: request_id.unwrap_or_else(new_request_id),
