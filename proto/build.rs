@@ -14,7 +14,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc);
     config.bytes([
-        ".suanli.v1.RaftMessage.json",
+        ".suanli.v1.RaftMessage.body",
         ".suanli.v1.SnapshotChunk.data",
         ".suanli.v1.ProposeRequest.command_json",
         ".suanli.v1.ProposeResponse.response_json",

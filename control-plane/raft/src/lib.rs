@@ -27,11 +27,13 @@
 //! state machine's job), acknowledge a write before it is synced, or block the async runtime on
 //! disk writes (they run on the blocking pool).
 
+mod frame;
 mod machine;
 mod network;
 mod settings;
 mod store;
 
+pub use frame::FrameError;
 pub use machine::{LogCommand, Machine};
 pub use network::{GrpcNetwork, GrpcNetworkFactory, RaftService};
 pub use settings::{RaftSettings, SettingsError};

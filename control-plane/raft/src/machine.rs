@@ -5,48 +5,75 @@
 //!
 //! The log does not carry the machine's command type but [`LogCommand`]: the command's JSON,
 //! made once by the proposer. Storing, reading back, replicating and receiving an entry copy
-//! those bytes (serde_json embeds them verbatim and only scans them when reading); the command
-//! is parsed once per server, when it is applied. The bytes are exactly what serializing the
-//! command inside the entry produced before, so the stored format did not change.
+//! or share those bytes inside a binary frame ([`crate::frame`]); the command is parsed once
+//! per server, when it is applied.
 
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use bytes::Bytes;
+use serde::de::{DeserializeOwned, Error as _};
+use serde::ser::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::value::RawValue;
 use std::fmt::Debug;
-use std::sync::Arc;
 
 /// A command as the raft log carries it: its JSON encoding, shared (cloning is a reference
-/// count). Only ever serialized with serde_json (the log store and the raft transport), which
-/// writes it verbatim. (`Arc<Box<..>>` rather than `Arc<RawValue>`: wrapping the decoded box
-/// moves a pointer where `Arc::from` would copy the bytes once more.)
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct LogCommand(Arc<Box<RawValue>>);
+/// count, and an entry read back from storage or from a peer's message slices it out of that
+/// buffer without a copy).
+///
+/// The log store and the raft transport write it verbatim inside their frames. Its serde
+/// form (openraft requires one; the JSON entries of earlier builds use it) is the JSON value
+/// itself, embedded as is.
+#[derive(Clone, Debug)]
+pub struct LogCommand(Bytes);
 
 impl LogCommand {
     /// Encodes a command (once; every copy after this shares the bytes).
     pub fn encode<T: Serialize>(cmd: &T) -> Result<Self, serde_json::Error> {
-        Ok(Self(Arc::new(serde_json::value::to_raw_value(cmd)?)))
+        Ok(Self(serde_json::to_vec(cmd)?.into()))
+    }
+
+    /// Bytes that already hold a command's JSON (from a frame); parsed only by [`Self::decode`].
+    pub(crate) fn from_bytes(b: Bytes) -> Self {
+        Self(b)
     }
 
     /// Parses the command back.
     pub fn decode<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
-        serde_json::from_str(self.0.get())
+        serde_json::from_slice(&self.0)
     }
 
     /// The encoded JSON.
-    pub fn json(&self) -> &str {
-        self.0.get()
+    pub fn bytes(&self) -> &Bytes {
+        &self.0
     }
 
     /// Encoded size in bytes (what `max_command_bytes` limits).
     pub fn len(&self) -> usize {
-        self.0.get().len()
+        self.0.len()
     }
 
     /// Never true for an encoded value; for clippy's `len_without_is_empty`.
     pub fn is_empty(&self) -> bool {
-        self.0.get().is_empty()
+        self.0.is_empty()
+    }
+}
+
+impl Serialize for LogCommand {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // Checked (one scan): this path only serves JSON entries and messages, never the
+        // store's or the transport's frames.
+        let text = std::str::from_utf8(&self.0).map_err(S::Error::custom)?;
+        RawValue::from_string(text.to_owned()).map_err(S::Error::custom)?.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for LogCommand {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = Box::<RawValue>::deserialize(d)?;
+        let text: Box<str> = raw.into();
+        if text.is_empty() {
+            return Err(D::Error::custom("a log command is empty"));
+        }
+        Ok(Self(Bytes::from(String::from(text).into_bytes())))
     }
 }
 

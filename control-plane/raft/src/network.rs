@@ -3,7 +3,8 @@
 //!
 //! ```text
 //!  openraft ──RaftNetwork──▶ GrpcNetwork ──tonic (deadline per RPC)──▶ RaftService ──▶ Raft<C>
-//!             JSON of AppendEntries / Vote; snapshot chunks as raw bytes
+//!             AppendEntries as a binary frame (`crate::frame`: the entries as stored), Vote and
+//!             replies as JSON; snapshot chunks as raw bytes
 //! ```
 //!
 //! Each RPC gets a deadline: the smaller of the configured one and openraft's TTL, enforced on
@@ -13,8 +14,9 @@
 // openraft's `RaftNetwork` fixes the (large) error type; boxing it here would not help.
 #![allow(clippy::result_large_err)]
 
+use crate::frame::{decode_append, encode_append};
 use crate::settings::RaftSettings;
-use crate::store::{StoreConfig, entry_size_hint};
+use crate::store::StoreConfig;
 use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Timeout, Unreachable};
 use openraft::network::{RPCOption, RPCTypes, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
@@ -130,14 +132,14 @@ impl<C: StoreConfig> GrpcNetwork<C> {
             Ok(Ok(r)) => r.into_inner(),
         };
         let result: Result<T, RaftError<u64, E>> =
-            serde_json::from_slice(&reply.json).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+            serde_json::from_slice(&reply.body).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
         result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
     }
 
     fn message<T: Serialize, E: std::error::Error>(&self, v: &T, size_hint: usize) -> Result<RaftMessage, RpcErr<E>> {
         let mut json = Vec::with_capacity(size_hint);
         serde_json::to_writer(&mut json, v).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
-        Ok(RaftMessage { group: self.settings.group.clone(), json: json.into() })
+        Ok(RaftMessage { group: self.settings.group.clone(), body: json.into() })
     }
 }
 
@@ -153,8 +155,8 @@ impl<C: StoreConfig> RaftNetwork<C> for GrpcNetwork<C> {
         rpc: AppendEntriesRequest<C>,
         _option: RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RpcErr> {
-        let size = 256 + rpc.entries.iter().map(entry_size_hint).sum::<usize>();
-        let msg = self.message(&rpc, size)?;
+        let frame = encode_append(&rpc).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        let msg = RaftMessage { group: self.settings.group.clone(), body: frame.into() };
         let limit = self.settings.append_timeout();
         // openraft 0.9 wraps this call in its own timeout of one heartbeat interval, so the
         // configured deadline can only shorten it; what keeps a large batch inside that
@@ -236,7 +238,7 @@ fn decode<T: DeserializeOwned>(what: &str, b: &[u8]) -> Result<T, Status> {
 
 fn reply<T: Serialize>(v: &T, group: &str) -> Result<tonic::Response<RaftMessage>, Status> {
     let json = serde_json::to_vec(v).map_err(|e| Status::internal(format!("encoding reply: {e}")))?;
-    Ok(tonic::Response::new(RaftMessage { group: group.to_owned(), json: json.into() }))
+    Ok(tonic::Response::new(RaftMessage { group: group.to_owned(), body: json.into() }))
 }
 
 #[tonic::async_trait]
@@ -244,14 +246,15 @@ impl<C: StoreConfig> RaftTransport for RaftService<C> {
     async fn append_entries(&self, req: Request<RaftMessage>) -> Result<tonic::Response<RaftMessage>, Status> {
         let m = req.into_inner();
         self.check_group(&m.group)?;
-        let rpc: AppendEntriesRequest<C> = decode("append_entries", &m.json)?;
+        let rpc: AppendEntriesRequest<C> =
+            decode_append(m.body).map_err(|e| Status::invalid_argument(e.to_string()))?;
         reply(&self.raft.append_entries(rpc).await, &self.group)
     }
 
     async fn vote(&self, req: Request<RaftMessage>) -> Result<tonic::Response<RaftMessage>, Status> {
         let m = req.into_inner();
         self.check_group(&m.group)?;
-        let rpc: VoteRequest<u64> = decode("vote", &m.json)?;
+        let rpc: VoteRequest<u64> = decode("vote", &m.body)?;
         reply(&self.raft.vote(rpc).await, &self.group)
     }
 

@@ -2,7 +2,8 @@
 //! snapshots ([`StateMachineStore`]), in column families of one database.
 //!
 //! ```text
-//!  cf "logs"      index (u64, big endian) -> JSON Entry          append/truncate/purge: fsync
+//!  cf "logs"      index (u64, big endian) -> entry frame (`crate::frame`; earlier builds'
+//!                 JSON entries still read)                    append/truncate/purge: fsync
 //!  cf "meta"      "vote" -> Vote (fsync) | "committed" -> LogId | "last_purged" -> LogId
 //!  cf "snapshot"  "meta" -> SnapshotMeta | "data" -> Machine::snapshot bytes      (fsync)
 //! ```
@@ -15,7 +16,9 @@
 // openraft's storage traits fix the (large) `StorageError` type for every fallible call.
 #![allow(clippy::result_large_err)]
 
+use crate::frame::{FrameError, canonical, decode_entry, entry_frame};
 use crate::machine::{LogCommand, Machine};
+use bytes::Bytes;
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
 use openraft::{
     BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftLogReader, RaftSnapshotBuilder, RaftTypeConfig,
@@ -121,19 +124,17 @@ fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>, SErr> {
     serde_json::to_vec(v).map_err(|e| StorageIOError::write(&e).into())
 }
 
-/// A guess of an entry's encoded size, to allocate its buffer once (a large batch's buffer
-/// grown by doubling costs several copies and fresh pages).
-pub(crate) fn entry_size_hint<C: StoreConfig>(e: &Entry<C>) -> usize {
-    128 + match &e.payload {
-        EntryPayload::Normal(c) => c.len(),
-        _ => 256,
-    }
+fn encode_entry<C: StoreConfig>(e: &Entry<C>) -> Result<Vec<u8>, SErr> {
+    entry_frame(e).map_err(|err| StorageIOError::write_logs(&err).into())
 }
 
-fn entry_json<C: StoreConfig>(e: &Entry<C>) -> Result<Vec<u8>, SErr> {
-    let mut out = Vec::with_capacity(entry_size_hint(e));
-    serde_json::to_writer(&mut out, e).map_err(|err| StorageIOError::write(&err))?;
-    Ok(out)
+fn read_error(e: FrameError) -> SErr {
+    StorageIOError::read_logs(&e).into()
+}
+
+/// An entry as stored (a frame, or an earlier build's JSON).
+fn decode<C: StoreConfig>(v: Box<[u8]>) -> Result<Entry<C>, SErr> {
+    decode_entry(Bytes::from(Vec::from(v))).map_err(read_error)
 }
 
 fn from_json<T: DeserializeOwned>(b: &[u8]) -> Result<T, SErr> {
@@ -200,14 +201,15 @@ impl<C: StoreConfig> LogStore<C> {
                 break;
             }
             bytes = bytes.saturating_add(v.len());
-            out.push(from_json(&v)?);
+            out.push(decode(v)?);
         }
         Ok(out)
     }
 
-    /// `(index, term, hash of the stored entry)` for the entries kept in `from..=to`, at most
+    /// `(index, term, hash of the entry's frame)` for the entries kept in `from..=to`, at most
     /// `max` of them, in index order: what a consistency check compares across servers (a
-    /// committed index must hold the same entry everywhere). Blocking; a short range read.
+    /// committed index must hold the same entry everywhere, whichever build stored it).
+    /// Blocking; a short range read.
     pub fn digests(&self, from: u64, to: u64, max: usize) -> Result<Vec<(u64, u64, u64)>, SErr> {
         let logs = cf(&self.db, CF_LOGS)?;
         let mut out = Vec::new();
@@ -217,8 +219,9 @@ impl<C: StoreConfig> LogStore<C> {
             if idx > to || out.len() >= max {
                 break;
             }
-            let e: Entry<C> = from_json(&v)?;
-            out.push((idx, e.log_id.leader_id.term, fnv1a(&v)));
+            let frame = canonical::<C>(Bytes::from(Vec::from(v))).map_err(read_error)?;
+            let e: Entry<C> = decode_entry(frame.clone()).map_err(read_error)?;
+            out.push((idx, e.log_id.leader_id.term, fnv1a(&frame)));
         }
         Ok(out)
     }
@@ -245,7 +248,7 @@ impl<C: StoreConfig> LogStore<C> {
             None => Ok(None),
             Some(r) => {
                 let (_, v) = r.map_err(|e| StorageIOError::read_logs(&e))?;
-                let e: Entry<C> = from_json(&v)?;
+                let e: Entry<C> = decode(v)?;
                 Ok(Some(e.log_id))
             }
         }
@@ -326,7 +329,7 @@ impl<C: StoreConfig> RaftLogStorage<C> for LogStore<C> {
         let mut lie = true;
         for e in entries {
             lie &= !matches!(e.payload, EntryPayload::Membership(_));
-            batch.put_cf(logs, e.log_id.index.to_be_bytes(), entry_json(&e)?);
+            batch.put_cf(logs, e.log_id.index.to_be_bytes(), encode_entry(&e)?);
         }
         let db = self.db.clone();
         let res = blocking(move || {
@@ -651,7 +654,7 @@ mod tests {
                 log_id: LogId::new(CommittedLeaderId::new(1, 1), i),
                 payload: EntryPayload::Normal(cmd),
             };
-            db.put_cf(logs, i.to_be_bytes(), entry_json(&e).expect("json")).expect("put");
+            db.put_cf(logs, i.to_be_bytes(), encode_entry(&e).expect("frame")).expect("put");
         }
         (dir, log)
     }
@@ -661,7 +664,7 @@ mod tests {
         let (_d, log) = log_of(10, 1000);
         // Unbounded: the whole range, as before.
         assert_eq!(log.clone().limited_get_log_entries(1, 11).await.expect("read").len(), 10);
-        // ~1,100 bytes stored per entry: a 3,500-byte budget holds 3 of them.
+        // ~1,030 bytes stored per entry: a 3,500-byte budget holds 3 of them.
         let mut small = log.clone().with_append_bytes(3500);
         let got = small.limited_get_log_entries(2, 11).await.expect("read");
         assert_eq!(got.iter().map(|e| e.log_id.index).collect::<Vec<_>>(), vec![2, 3, 4]);

@@ -198,12 +198,13 @@ impl Core {
     }
 
     async fn forward(&self, addr: &str, cmd: &LogCommand) -> Result<(Response, u64), Status> {
-        let json = cmd.json().as_bytes().to_vec();
         let mut client = InternalClient::new(self.channel(addr)?)
             .max_decoding_message_size(self.cfg.max_request_bytes)
             .max_encoding_message_size(self.cfg.max_request_bytes.saturating_mul(2));
-        let mut req =
-            tonic::Request::new(ProposeRequest { group: self.cfg.raft.group.clone(), command_json: json.into() });
+        let mut req = tonic::Request::new(ProposeRequest {
+            group: self.cfg.raft.group.clone(),
+            command_json: cmd.bytes().clone(),
+        });
         req.set_timeout(self.timeout());
         let r = client.propose(req).await.map_err(|s| forwarded_error(s, addr))?.into_inner();
         let resp: Response =
