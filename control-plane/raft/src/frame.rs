@@ -269,26 +269,26 @@ mod tests {
             E {
                 log_id: lid(7, 3, u64::MAX),
                 payload: EntryPayload::Normal(
-                    LogCommand::encode(&serde_json::json!({"k": "v\"\n", "n": [1, 2]})).unwrap(),
+                    LogCommand::encode(&serde_json::json!({"k": "v\"\n", "n": [1, 2]})).expect("ok"),
                 ),
             },
         ]
     }
 
     fn same(a: &E, b: &E) -> bool {
-        serde_json::to_string(a).unwrap() == serde_json::to_string(b).unwrap()
+        serde_json::to_string(a).expect("ok") == serde_json::to_string(b).expect("ok")
     }
 
     #[test]
     fn entries_round_trip_through_frames_and_legacy_json_still_reads() {
         for e in entries() {
-            let f = Bytes::from(entry_frame(&e).unwrap());
-            assert!(same(&decode_entry::<TypeConfig>(f.clone()).unwrap(), &e));
+            let f = Bytes::from(entry_frame(&e).expect("ok"));
+            assert!(same(&decode_entry::<TypeConfig>(f.clone()).expect("ok"), &e));
             // An earlier build stored JSON: it decodes to the same entry, and its digest form
             // is this build's frame.
-            let legacy = Bytes::from(serde_json::to_vec(&e).unwrap());
-            assert!(same(&decode_entry::<TypeConfig>(legacy.clone()).unwrap(), &e));
-            assert_eq!(canonical::<TypeConfig>(legacy).unwrap(), f);
+            let legacy = Bytes::from(serde_json::to_vec(&e).expect("ok"));
+            assert!(same(&decode_entry::<TypeConfig>(legacy.clone()).expect("ok"), &e));
+            assert_eq!(canonical::<TypeConfig>(legacy).expect("ok"), f);
         }
     }
 
@@ -300,28 +300,28 @@ mod tests {
             entries: entries(),
             leader_commit: None,
         };
-        let framed = Bytes::from(encode_append(&rpc).unwrap());
-        let legacy = Bytes::from(serde_json::to_vec(&rpc).unwrap());
+        let framed = Bytes::from(encode_append(&rpc).expect("ok"));
+        let legacy = Bytes::from(serde_json::to_vec(&rpc).expect("ok"));
         for b in [framed, legacy] {
-            let back = decode_append::<TypeConfig>(b).unwrap();
-            assert_eq!(serde_json::to_string(&back).unwrap(), serde_json::to_string(&rpc).unwrap());
+            let back = decode_append::<TypeConfig>(b).expect("ok");
+            assert_eq!(serde_json::to_string(&back).expect("ok"), serde_json::to_string(&rpc).expect("ok"));
         }
         let empty = AppendEntriesRequest::<TypeConfig> { entries: vec![], ..rpc };
-        let back = decode_append::<TypeConfig>(encode_append(&empty).unwrap().into()).unwrap();
+        let back = decode_append::<TypeConfig>(encode_append(&empty).expect("ok").into()).expect("ok");
         assert!(back.entries.is_empty());
     }
 
     #[test]
     fn damaged_frames_are_errors_that_say_where() {
-        let f = entry_frame(&entries()[2]).unwrap();
+        let f = entry_frame(&entries()[2]).expect("ok");
         for cut in [0, 1, 5, ENTRY_HEADER - 1] {
-            let err = decode_entry::<TypeConfig>(Bytes::copy_from_slice(&f[..cut])).unwrap_err();
+            let err = decode_entry::<TypeConfig>(Bytes::copy_from_slice(&f[..cut])).expect_err("refused");
             assert!(matches!(err, FrameError::Truncated { .. }), "{cut}: {err}");
         }
         let mut bad = f.clone();
         bad[1] = 9;
         assert!(matches!(decode_entry::<TypeConfig>(bad.into()), Err(FrameError::Kind(9))));
-        let err = decode_entry::<TypeConfig>(Bytes::from_static(b"\x00abc")).unwrap_err();
+        let err = decode_entry::<TypeConfig>(Bytes::from_static(b"\x00abc")).expect_err("refused");
         assert!(err.to_string().contains("0x00"), "{err}");
 
         let rpc = AppendEntriesRequest::<TypeConfig> {
@@ -330,11 +330,11 @@ mod tests {
             entries: entries(),
             leader_commit: None,
         };
-        let a = encode_append(&rpc).unwrap();
+        let a = encode_append(&rpc).expect("ok");
         // Cut anywhere, even between two entries, the frame is refused.
         let last = entry_len(&rpc.entries[2]) + 4;
         for cut in [1, 3, 10, a.len() - last, a.len() - 1] {
-            let err = decode_append::<TypeConfig>(Bytes::copy_from_slice(&a[..cut])).unwrap_err();
+            let err = decode_append::<TypeConfig>(Bytes::copy_from_slice(&a[..cut])).expect_err("refused");
             assert!(err.to_string().contains("append_entries"), "{cut}: {err}");
         }
         let mut long = a.clone();
