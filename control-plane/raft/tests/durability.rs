@@ -54,7 +54,7 @@ async fn oversize_commands_are_refused_before_the_log() -> anyhow::Result<()> {
     n.raft.initialize(members(&[&n])).await?;
     n.raft.wait(WAIT).current_leader(1, "leader").await?;
     let cfg = StateConfig { max_command_bytes: 1000, ..StateConfig::default() };
-    write(&n.raft, &n.state, Command::UpdateConfig(UpdateConfig { config: cfg })).await?;
+    write(&n.raft, &n.state, Command::UpdateConfig(Box::new(UpdateConfig { config: cfg }))).await?;
     write(&n.raft, &n.state, queue_cmd()).await?;
     let last = n.state.applied_index();
     let big = {

@@ -44,7 +44,7 @@ impl Agent for AgentApi {
     async fn register(&self, req: Request<pb::RegisterNodeRequest>) -> Resp<pb::RegisterNodeResponse> {
         let node: Node = decode_json("node_json", &req.into_inner().node_json, self.0.cfg.max_request_bytes)?;
         let id = node.id.clone();
-        self.0.propose(Command::RegisterNode(RegisterNode { node, now: now_s() })).await?;
+        self.0.propose(Command::RegisterNode(Box::new(RegisterNode { node, now: now_s() }))).await?;
         if self.0.is_leader() {
             self.seen(&id);
         }

@@ -349,7 +349,12 @@ impl Api {
             backoff_base_s: p.backoff_base_s,
             backoff_max_s: p.backoff_max_s,
         });
-        Ok(Command::SubmitJob(SubmitJob { client_request_id: r.client_request_id, spec, retry, now: now_s() }))
+        Ok(Command::SubmitJob(Box::new(SubmitJob {
+            client_request_id: r.client_request_id,
+            spec,
+            retry,
+            now: now_s(),
+        })))
     }
 }
 

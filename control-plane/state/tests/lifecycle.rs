@@ -92,7 +92,7 @@ fn bad_input_is_refused_naming_the_field_and_leaves_state_unchanged() {
         Response::Rejected(CommandError::UnknownJob { job: 99 })
     ));
     let cfg = StateConfig { max_live_jobs: 0, ..StateConfig::default() };
-    match apply_ok(&mut s, Command::UpdateConfig(UpdateConfig { config: cfg })) {
+    match apply_ok(&mut s, Command::UpdateConfig(Box::new(UpdateConfig { config: cfg }))) {
         Response::Rejected(CommandError::Invalid { field, .. }) => {
             assert_eq!(field, "max_live_jobs")
         }
@@ -216,7 +216,7 @@ fn failures_retry_with_backoff_then_fail() {
     let mut s = cluster(1);
     let retry = RetryPolicy { max_attempts: 2, backoff_base_s: 30, backoff_max_s: 60 };
     let sub = SubmitJob { client_request_id: "a".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 1 };
-    apply_ok(&mut s, Command::SubmitJob(sub));
+    apply_ok(&mut s, Command::SubmitJob(Box::new(sub)));
     schedule_once(&mut s, 2);
     let (a, e) = allocs_of(&s, 1)[0];
     apply_ok(&mut s, report(a, e, ReportedStatus::Running, 3));
@@ -364,7 +364,7 @@ fn cancel_stops_running_work_and_is_idempotent() {
 fn finished_jobs_are_forgotten_beyond_the_retention_limit() {
     let mut s = cluster(1);
     let cfg = StateConfig { max_retained_jobs: 2, max_live_jobs: 3, ..StateConfig::default() };
-    apply_ok(&mut s, Command::UpdateConfig(UpdateConfig { config: cfg }));
+    apply_ok(&mut s, Command::UpdateConfig(Box::new(UpdateConfig { config: cfg })));
     for i in 0..3 {
         apply_ok(&mut s, submit(&format!("r{i}"), spec("q", 1, 1, 0), 1));
     }

@@ -69,7 +69,12 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
                 sp.groups[0].min_replicas = Some(1);
             }
             let retry = Some(RetryPolicy { max_attempts: *attempts, backoff_base_s: 5, backoff_max_s: 20 });
-            Command::SubmitJob(SubmitJob { client_request_id: format!("rid-{rid}"), spec: sp, retry, now: *now })
+            Command::SubmitJob(Box::new(SubmitJob {
+                client_request_id: format!("rid-{rid}"),
+                spec: sp,
+                retry,
+                now: *now,
+            }))
         }
         Op::Schedule { seed } => {
             let view = s.cluster_view(*now);

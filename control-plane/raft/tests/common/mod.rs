@@ -99,7 +99,7 @@ pub fn node_cmd() -> Command {
         schedulable: true,
         agent_addr: String::new(),
     };
-    Command::RegisterNode(RegisterNode { node, now: 1 })
+    Command::RegisterNode(Box::new(RegisterNode { node, now: 1 }))
 }
 
 pub fn submit_cmd(i: usize) -> Command {
@@ -109,5 +109,10 @@ pub fn submit_cmd(i: usize) -> Command {
         "groups": [{"name": "w", "replicas": 1, "resources": {"cpu_milli": 1000, "memory_mib": 512}}]
     }))
     .expect("a valid spec");
-    Command::SubmitJob(SubmitJob { client_request_id: format!("req-{i}"), spec, retry: None, now: 10 + i as u64 })
+    Command::SubmitJob(Box::new(SubmitJob {
+        client_request_id: format!("req-{i}"),
+        spec,
+        retry: None,
+        now: 10 + i as u64,
+    }))
 }

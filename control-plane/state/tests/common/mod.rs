@@ -70,11 +70,11 @@ pub fn upsert_queue(q: Queue) -> Command {
 }
 
 pub fn register(n: Node, now: u64) -> Command {
-    Command::RegisterNode(RegisterNode { node: n, now })
+    Command::RegisterNode(Box::new(RegisterNode { node: n, now }))
 }
 
 pub fn submit(rid: &str, spec: JobSpec, now: u64) -> Command {
-    Command::SubmitJob(SubmitJob { client_request_id: rid.into(), spec, retry: None, now })
+    Command::SubmitJob(Box::new(SubmitJob { client_request_id: rid.into(), spec, retry: None, now }))
 }
 
 pub fn report(alloc: suanli_model::AllocId, epoch: u64, status: ReportedStatus, now: u64) -> Command {
