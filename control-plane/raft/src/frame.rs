@@ -91,6 +91,17 @@ fn take<const N: usize>(what: &'static str, b: &[u8], at: usize) -> Result<[u8; 
     })
 }
 
+/// True for a frame, false for an earlier build's JSON (`{`); anything else is an error.
+/// `need` is the smallest frame, reported when `b` is empty.
+fn is_frame(what: &'static str, b: &[u8], need: usize) -> Result<bool, FrameError> {
+    match b.first() {
+        Some(&FRAME_V1) => Ok(true),
+        Some(b'{') => Ok(false),
+        Some(&byte) => Err(FrameError::Magic { what, byte }),
+        None => Err(FrameError::Truncated { what, at: 0, need, have: 0 }),
+    }
+}
+
 /// Encoded size of `e`'s frame, exactly for blank and normal entries.
 pub(crate) fn entry_len<C: StoreConfig>(e: &Entry<C>) -> usize {
     ENTRY_HEADER
@@ -133,11 +144,8 @@ pub(crate) fn entry_frame<C: StoreConfig>(e: &Entry<C>) -> Result<Vec<u8>, serde
 /// of an earlier build.
 pub(crate) fn decode_entry<C: StoreConfig>(b: Bytes) -> Result<Entry<C>, FrameError> {
     const WHAT: &str = "log entry";
-    match b.first() {
-        Some(&FRAME_V1) => {}
-        Some(b'{') => return json(WHAT, &b),
-        Some(&byte) => return Err(FrameError::Magic { what: WHAT, byte }),
-        None => return Err(FrameError::Truncated { what: WHAT, at: 0, need: ENTRY_HEADER, have: 0 }),
+    if !is_frame(WHAT, &b, ENTRY_HEADER)? {
+        return json(WHAT, &b);
     }
     let [kind] = take::<1>(WHAT, &b, 1)?;
     let term = u64::from_be_bytes(take(WHAT, &b, 2)?);
@@ -208,11 +216,8 @@ fn put_len(out: &mut Vec<u8>, len: usize) {
 /// commands share `b`'s memory.
 pub(crate) fn decode_append<C: StoreConfig>(b: Bytes) -> Result<AppendEntriesRequest<C>, FrameError> {
     const WHAT: &str = "append_entries";
-    match b.first() {
-        Some(&FRAME_V1) => {}
-        Some(b'{') => return json(WHAT, &b),
-        Some(&byte) => return Err(FrameError::Magic { what: WHAT, byte }),
-        None => return Err(FrameError::Truncated { what: WHAT, at: 0, need: 5, have: 0 }),
+    if !is_frame(WHAT, &b, 5)? {
+        return json(WHAT, &b);
     }
     let mut at = 1;
     let next = |at: &mut usize| -> Result<Bytes, FrameError> {
