@@ -2,14 +2,15 @@
 //! with its own data directory, and a fault-injecting [`Proxy`] on every directed link.
 //!
 //! ```text
-//!   client c ──proxy(c→j)──▶ server j ◀──proxy(i→j)── server i      (raft, forwarding, join)
-//!   agent a  ──proxy(a→j)──▶ server j                                (register, heartbeat, watch)
-//!   harness  ─────direct───▶ server j                                (observer: leader, Inspect)
+//!   client c ──proxy(c→j)──▶ server j client port
+//!   agent a  ──proxy(a→j)──▶ server j client port                    (register, heartbeat, watch)
+//!   server i ──proxy(i→j)──▶ server j peer port                      (raft, forwarding)
+//!   harness  ─────direct───▶ server j, either port                   (observer: leader, Inspect; join)
 //! ```
 //!
-//! Servers dial each other through `raft.dial` rewrites (advertised address → the proxy of
-//! that directed link); agents only know their proxies and never follow leader hints; the
-//! harness's own observer connects directly so it can always look.
+//! Servers dial each other's peer listeners through `raft.dial` rewrites (advertised peer
+//! address → the proxy of that directed link); agents only know their proxies and never
+//! follow leader hints; the harness's own observer connects directly so it can always look.
 
 use crate::proxy::{Fault, Proxy};
 use anyhow::{Context as _, bail};
@@ -55,8 +56,10 @@ pub struct Shape {
 pub struct ServerProc {
     /// Raft id (index + 1).
     pub id: u64,
-    /// Listen and advertised address.
+    /// Client listener (listen and advertised address).
     pub addr: String,
+    /// Peer listener (raft, `Internal`).
+    pub peer_addr: String,
     dir: PathBuf,
     child: Option<Child>,
     /// SIGSTOPped now.
@@ -138,14 +141,17 @@ impl Cluster {
         let dir = tempfile::Builder::new().prefix("suanli-chaos-").disable_cleanup(keep).tempdir()?;
         // The servers' ports stay bound until the proxies (which bind ports of their own) are
         // up: released first, one could be handed to a proxy, and that server never starts.
-        let reserved = suanli_server::local::reserve_ports(shape.servers)?;
+        let reserved = suanli_server::local::reserve_ports(2 * shape.servers)?;
         let ports = reserved.iter().map(|l| l.local_addr().map(|a| a.port())).collect::<Result<Vec<_>, _>>()?;
+        let (ports, peer_ports) = ports.split_at(shape.servers);
         let servers: Vec<ServerProc> = ports
             .iter()
+            .zip(peer_ports)
             .enumerate()
-            .map(|(i, p)| ServerProc {
+            .map(|(i, (p, pp))| ServerProc {
                 id: i as u64 + 1,
                 addr: format!("127.0.0.1:{p}"),
+                peer_addr: format!("127.0.0.1:{pp}"),
                 dir: dir.path().join(format!("s{}", i + 1)),
                 child: None,
                 paused: false,
@@ -159,8 +165,9 @@ impl Cluster {
         };
         for to in 0..servers.len() {
             let target = servers[to].addr.clone();
+            let peer_target = servers[to].peer_addr.clone();
             for i in (0..servers.len()).filter(|i| *i != to) {
-                let (f, t, p) = link(From::Server(i), to, &target).await?;
+                let (f, t, p) = link(From::Server(i), to, &peer_target).await?;
                 links.insert((f, t), p);
             }
             for c in 0..shape.clients {
@@ -226,9 +233,14 @@ impl Cluster {
         self.dir.path()
     }
 
-    /// The address a dialer uses to reach server `to`.
+    /// The address a dialer uses to reach server `to` (a server reaches its peer listener,
+    /// a client or an agent its client listener).
     pub fn link_addr(&self, from: From, to: usize) -> String {
-        self.links.get(&(from, to)).map_or_else(|| self.servers[to].addr.clone(), |p| p.addr.clone())
+        let direct = || match from {
+            From::Server(_) => self.servers[to].peer_addr.clone(),
+            _ => self.servers[to].addr.clone(),
+        };
+        self.links.get(&(from, to)).map_or_else(direct, |p| p.addr.clone())
     }
 
     /// Sets the fault of one directed link.
@@ -274,26 +286,32 @@ impl Cluster {
             id: self.servers[i].id,
             data_dir: self.servers[i].dir.clone(),
             listen: self.servers[i].addr.clone(),
+            peer_listen: Some(self.servers[i].peer_addr.clone()),
             heartbeat_interval_ms: (self.shape.heartbeat_ttl_ms / 10).max(50),
             heartbeat_ttl_ms: self.shape.heartbeat_ttl_ms,
             request_timeout_ms: 3_000,
             ..suanli_server::ServerConfig::default()
         };
         match join_via {
-            Some(v) => cfg.join = Some(self.link_addr(From::Server(i), v)),
+            // Joining is a client call (Cluster.AddServer), made directly.
+            Some(v) => cfg.join = Some(self.servers[v].addr.clone()),
             None => {
                 cfg.peers = self
                     .servers
                     .iter()
                     .take(self.shape.servers)
-                    .map(|s| suanli_server::Peer { id: s.id, addr: s.addr.clone() })
+                    .map(|s| suanli_server::Peer {
+                        id: s.id,
+                        addr: s.addr.clone(),
+                        peer_addr: Some(s.peer_addr.clone()),
+                    })
                     .collect();
             }
         }
         cfg.raft.snapshot_after_entries = 2_000;
         cfg.raft.keep_entries_after_snapshot = 500;
         for (j, s) in self.servers.iter().enumerate().filter(|(j, _)| *j != i) {
-            cfg.raft.dial.insert(s.addr.clone(), self.link_addr(From::Server(i), j));
+            cfg.raft.dial.insert(s.peer_addr.clone(), self.link_addr(From::Server(i), j));
         }
         let text = toml::to_string(&cfg).context("encoding a server config")?;
         std::fs::write(self.server_config_path(i), text)?;
@@ -554,9 +572,9 @@ impl Cluster {
         Ok(())
     }
 
-    /// `Internal.Inspect` of server `i`, directly.
+    /// `Internal.Inspect` of server `i`, directly (its peer listener).
     pub async fn inspect(&self, i: usize, from: u64, to: u64) -> anyhow::Result<pb::InspectResponse> {
-        let ch = channel(&self.servers[i].addr, Duration::from_secs(5)).await?;
+        let ch = channel(&self.servers[i].peer_addr, Duration::from_secs(5)).await?;
         let mut c = InternalClient::new(ch).max_decoding_message_size(64 << 20);
         let r = c.inspect(pb::InspectRequest { group: "region".into(), log_from: from, log_to: to }).await?;
         Ok(r.into_inner())

@@ -291,9 +291,12 @@ pub enum ClusterCmd {
         /// Its raft node id.
         #[arg(long)]
         id: u64,
-        /// Its address, host:port.
+        /// Its client address, host:port.
         #[arg(long)]
         addr: String,
+        /// Its peer address, host:port (default: --addr's port + 1).
+        #[arg(long, default_value = "")]
+        peer_addr: String,
         /// Keep it a non-voting learner.
         #[arg(long)]
         learner_only: bool,
@@ -306,6 +309,19 @@ pub enum ClusterCmd {
     },
     /// Build a snapshot now.
     Snapshot,
+    /// The server's build, the command kinds it applies, and whether it halted at a log
+    /// entry it cannot apply (then the group is read-only there).
+    Version,
+    /// Skip the log entry the group halted at (a command no server can apply); every server
+    /// applies again after it. Give the index and kind `cluster version` shows.
+    SkipEntry {
+        /// The halted entry's index.
+        #[arg(long)]
+        index: u64,
+        /// Its command kind, as `cluster version` names it.
+        #[arg(long)]
+        kind: String,
+    },
 }
 
 /// One client command group.
@@ -1504,7 +1520,7 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
                 Output::Json => print_value(&json!({
                     "term": r.term, "commit_index": r.commit_index,
                     "members": r.members.iter().map(|m| json!({
-                        "id": m.id, "addr": m.addr, "voter": m.voter, "leader": m.leader, "matched_index": m.matched_index,
+                        "id": m.id, "addr": m.addr, "peer_addr": m.peer_addr, "voter": m.voter, "leader": m.leader, "matched_index": m.matched_index,
                     })).collect::<Vec<_>>(),
                 })),
                 Output::Table => {
@@ -1519,10 +1535,16 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
                             } else {
                                 "learner"
                             };
-                            vec![m.id.to_string(), m.addr.clone(), role.to_owned(), m.matched_index.to_string()]
+                            vec![
+                                m.id.to_string(),
+                                m.addr.clone(),
+                                dash(&m.peer_addr),
+                                role.to_owned(),
+                                m.matched_index.to_string(),
+                            ]
                         })
                         .collect();
-                    println!("{}", table(&["ID", "ADDR", "ROLE", "MATCHED"], &rows));
+                    println!("{}", table(&["ID", "ADDR", "PEER", "ROLE", "MATCHED"], &rows));
                     println!("term {}, commit index {}", r.term, r.commit_index);
                     Ok(())
                 }
@@ -1545,10 +1567,10 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
                 }
             }
         }
-        ClusterCmd::AddServer { id, addr, learner_only } => {
+        ClusterCmd::AddServer { id, addr, peer_addr, learner_only } => {
             conn.call(|ch| {
-                let addr = addr.clone();
-                async move { cc(ch).add_server(pb::AddServerRequest { id, addr, learner_only }).await }
+                let (addr, peer_addr) = (addr.clone(), peer_addr.clone());
+                async move { cc(ch).add_server(pb::AddServerRequest { id, addr, learner_only, peer_addr }).await }
             })
             .await
             .map_err(status_err)?;
@@ -1584,6 +1606,46 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
                 Output::Json => print_value(&json!({"last_log_index": r.last_log_index})),
                 Output::Table => {
                     println!("snapshot built up to log index {}", r.last_log_index);
+                    Ok(())
+                }
+            }
+        }
+        ClusterCmd::Version => {
+            let r =
+                conn.call(|ch| async move { cc(ch).version(pb::VersionRequest {}).await }).await.map_err(status_err)?;
+            let halt =
+                r.halt.as_ref().map(|h| json!({"index": h.index, "term": h.term, "kind": h.kind, "reason": h.reason}));
+            match out {
+                Output::Json => print_value(&json!({
+                    "id": r.id, "version": r.version, "command_version": r.command_version,
+                    "command_kinds": r.command_kinds, "halt": halt,
+                })),
+                Output::Table => {
+                    println!("server {}: suanli {} (commands v{})", r.id, r.version, r.command_version);
+                    println!("applies: {}", r.command_kinds.join(", "));
+                    match &r.halt {
+                        None => println!("applying the log (not halted)"),
+                        Some(h) => println!(
+                            "HALTED at log entry {} (term {}, kind {:?}): {}\nread-only until a build that applies it restarts this server, or `suanli cluster skip-entry --index {} --kind {:?}`",
+                            h.index, h.term, h.kind, h.reason, h.index, h.kind
+                        ),
+                    }
+                    Ok(())
+                }
+            }
+        }
+        ClusterCmd::SkipEntry { index, kind } => {
+            let r = conn
+                .call(|ch| {
+                    let kind = kind.clone();
+                    async move { cc(ch).skip_entry(pb::SkipEntryRequest { index, kind }).await }
+                })
+                .await
+                .map_err(status_err)?;
+            match out {
+                Output::Json => print_value(&json!({"skipped": index, "at": r.index})),
+                Output::Table => {
+                    println!("entry {index} skipped by the order committed at {}; the group applies again", r.index);
                     Ok(())
                 }
             }

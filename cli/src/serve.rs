@@ -16,16 +16,24 @@ pub struct ServerArgs {
     /// This server's raft id (>= 1, unique, never reused).
     #[arg(long, env = "SUANLI_ID")]
     pub id: Option<u64>,
-    /// Address to listen on (IP:PORT) for clients, agents and other servers.
+    /// The client listener (IP:PORT): the public API and agents.
     #[arg(long, env = "SUANLI_LISTEN")]
     pub listen: Option<String>,
-    /// Address the others reach this server at (default: --listen).
+    /// Address clients and agents reach this server at (default: --listen).
     #[arg(long, env = "SUANLI_ADVERTISE")]
     pub advertise: Option<String>,
+    /// The peer listener (IP:PORT): raft and server-to-server calls only (default: --listen's
+    /// port + 1). Keep it on a network only the servers reach.
+    #[arg(long, env = "SUANLI_PEER_LISTEN")]
+    pub peer_listen: Option<String>,
+    /// Address the other servers reach the peer listener at (default: --peer-listen).
+    #[arg(long, env = "SUANLI_PEER_ADVERTISE")]
+    pub peer_advertise: Option<String>,
     /// Where the raft log, snapshots and state live.
     #[arg(long, env = "SUANLI_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
-    /// Initial voters of a new cluster, ID=HOST:PORT, comma-separated (this server included).
+    /// Initial voters of a new cluster, ID=HOST:PORT[/PEER_HOST:PEER_PORT], comma-separated
+    /// (this server included; the peer address defaults to the client port + 1).
     #[arg(long, env = "SUANLI_PEERS", value_delimiter = ',')]
     pub peers: Vec<String>,
     /// Join a running cluster through this server instead.
@@ -57,6 +65,12 @@ impl ServerArgs {
         }
         if let Some(v) = &self.advertise {
             c.advertise = Some(v.clone());
+        }
+        if let Some(v) = &self.peer_listen {
+            c.peer_listen = Some(v.clone());
+        }
+        if let Some(v) = &self.peer_advertise {
+            c.peer_advertise = Some(v.clone());
         }
         if let Some(v) = &self.data_dir {
             c.data_dir = v.clone();

@@ -259,14 +259,16 @@ pub(crate) fn decode_append<C: StoreConfig>(b: Bytes) -> Result<AppendEntriesReq
 mod tests {
     use super::*;
     use crate::TypeConfig;
-    use openraft::{BasicNode, Membership};
+    use crate::node::ServerNode;
+    use openraft::Membership;
     use std::collections::{BTreeMap, BTreeSet};
 
     type E = Entry<TypeConfig>;
 
     fn entries() -> Vec<E> {
         let lid = |t, n, i| LogId::new(CommittedLeaderId::new(t, n), i);
-        let nodes: BTreeMap<u64, BasicNode> = [(1, BasicNode::new("127.0.0.1:1")), (2, BasicNode::new("h:2"))].into();
+        let nodes: BTreeMap<u64, ServerNode> =
+            [(1, ServerNode::new("127.0.0.1:1", "")), (2, ServerNode::new("h:2", ""))].into();
         let m = Membership::new(vec![BTreeSet::from([1, 2])], nodes);
         vec![
             E { log_id: lid(1, 1, 1), payload: EntryPayload::Blank },

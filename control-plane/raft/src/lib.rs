@@ -30,17 +30,21 @@
 mod frame;
 mod machine;
 mod network;
+mod node;
 mod settings;
 mod store;
 
 pub use frame::FrameError;
 pub use machine::{LogCommand, Machine};
 pub use network::{GrpcNetwork, GrpcNetworkFactory, RaftService};
+pub use node::ServerNode;
 pub use settings::{RaftSettings, SettingsError};
-pub use store::{Applied, LogStore, MachineHandle, SnapshotBuilder, StateMachineStore, StoreConfig, fnv1a, open_db};
+pub use store::{
+    Applied, Halt, LogStore, MachineHandle, SnapshotBuilder, StateMachineStore, StoreConfig, fnv1a, open_db,
+};
 
+use openraft::Raft;
 use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
-use openraft::{BasicNode, Raft};
 use std::path::Path;
 use suanli_state::{Command, CommandError, Response, State};
 use thiserror::Error;
@@ -51,7 +55,7 @@ openraft::declare_raft_types!(
         D = LogCommand,
         R = Response,
         NodeId = u64,
-        Node = BasicNode,
+        Node = ServerNode,
         Entry = openraft::Entry<TypeConfig>,
         SnapshotData = std::io::Cursor<Vec<u8>>,
         AsyncRuntime = openraft::TokioRuntime,
@@ -127,7 +131,7 @@ pub enum WriteError {
     Refused(#[from] CommandError),
     /// Not the leader (the error names the leader when known), or raft stopped.
     #[error(transparent)]
-    Raft(#[from] RaftError<u64, ClientWriteError<u64, BasicNode>>),
+    Raft(#[from] RaftError<u64, ClientWriteError<u64, ServerNode>>),
 }
 
 /// Proposes a command and waits until it is committed on a quorum (each member fsynced it)
@@ -161,7 +165,7 @@ pub async fn linearizable_read<C, M, R>(
     raft: &Raft<C>,
     handle: &MachineHandle<M>,
     f: impl FnOnce(&M) -> R,
-) -> Result<R, RaftError<u64, CheckIsLeaderError<u64, BasicNode>>>
+) -> Result<R, RaftError<u64, CheckIsLeaderError<u64, ServerNode>>>
 where
     C: StoreConfig,
     M: Machine<Response = C::R>,

@@ -93,9 +93,24 @@ pub trait Machine: Send + Sync + Sized + 'static {
     /// The response for raft-internal entries (blank and membership entries).
     fn internal_response() -> Self::Response;
 
-    /// `Some(reason)` when the replica cannot continue applying the log after `resp` (e.g. a
-    /// command kind too new for this build); the storage then fails and raft stops this node.
+    /// `Err(reason)` when this build may not apply `cmd` (e.g. a command kind too new for it,
+    /// not marked ignorable). Checked before [`Machine::apply`]: the replica then halts at that
+    /// entry with its state unchanged (read-only; [`crate::Halt`]).
+    fn check(cmd: &Self::Command) -> Result<(), String>;
+
+    /// The command's kind, for operators (named in a halt).
+    fn kind(cmd: &Self::Command) -> String;
+
+    /// `Some(reason)` when the replica cannot continue applying the log after `resp`: a
+    /// backstop for what [`Machine::check`] should have caught; the replica halts after it.
     fn fatal(resp: &Self::Response) -> Option<String>;
+
+    /// Whether `cmd`, met while halted at entry `halted_at`, is the operator's order to skip
+    /// that entry (and every entry since, none of which was applied) and apply again.
+    fn resumes(cmd: &Self::Command, halted_at: u64) -> bool;
+
+    /// The answer to every entry not applied because of `halt`.
+    fn halted_response(halt: &crate::Halt) -> Self::Response;
 
     /// Serializes the whole machine.
     fn snapshot(&self) -> Result<Vec<u8>, String>;
@@ -118,6 +133,32 @@ impl Machine for suanli_state::State {
 
     fn internal_response() -> Self::Response {
         suanli_state::Response::Internal
+    }
+
+    fn check(cmd: &Self::Command) -> Result<(), String> {
+        match cmd.unsupported_kind() {
+            None => Ok(()),
+            Some(kind) => Err(format!(
+                "command kind {kind:?} is unknown to this build (suanli {}, which knows {}) and not ignorable: a build that knows it can apply it",
+                env!("CARGO_PKG_VERSION"),
+                suanli_state::Command::KINDS.join(", ")
+            )),
+        }
+    }
+
+    fn kind(cmd: &Self::Command) -> String {
+        match cmd.unsupported_kind() {
+            Some(k) => k.to_owned(),
+            None => cmd.kind().to_owned(),
+        }
+    }
+
+    fn resumes(cmd: &Self::Command, halted_at: u64) -> bool {
+        matches!(cmd, suanli_state::Command::SkipEntry(s) if s.index == halted_at)
+    }
+
+    fn halted_response(halt: &crate::Halt) -> Self::Response {
+        suanli_state::Response::Halted { index: halt.index, kind: halt.kind.clone(), reason: halt.reason.clone() }
     }
 
     fn fatal(resp: &Self::Response) -> Option<String> {

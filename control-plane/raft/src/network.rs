@@ -15,15 +15,16 @@
 #![allow(clippy::result_large_err)]
 
 use crate::frame::{decode_append, encode_append};
+use crate::node::ServerNode;
 use crate::settings::RaftSettings;
 use crate::store::StoreConfig;
+use openraft::Raft;
 use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Timeout, Unreachable};
 use openraft::network::{RPCOption, RPCTypes, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
     VoteResponse,
 };
-use openraft::{BasicNode, Raft};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
@@ -52,7 +53,7 @@ impl<C> GrpcNetworkFactory<C> {
 impl<C: StoreConfig> RaftNetworkFactory<C> for GrpcNetworkFactory<C> {
     type Network = GrpcNetwork<C>;
 
-    async fn new_client(&mut self, target: u64, node: &BasicNode) -> Self::Network {
+    async fn new_client(&mut self, target: u64, node: &ServerNode) -> Self::Network {
         GrpcNetwork {
             id: self.id,
             target,
@@ -74,7 +75,7 @@ pub struct GrpcNetwork<C> {
     _c: PhantomData<C>,
 }
 
-type RpcErr<E = openraft::error::Infallible> = RPCError<u64, BasicNode, RaftError<u64, E>>;
+type RpcErr<E = openraft::error::Infallible> = RPCError<u64, ServerNode, RaftError<u64, E>>;
 
 impl<C: StoreConfig> GrpcNetwork<C> {
     fn client<E: std::error::Error>(&mut self) -> Result<RaftTransportClient<Channel>, RpcErr<E>> {

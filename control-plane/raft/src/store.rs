@@ -18,11 +18,12 @@
 
 use crate::frame::{FrameError, canonical, decode_entry, entry_frame};
 use crate::machine::{LogCommand, Machine};
+use crate::node::ServerNode;
 use bytes::Bytes;
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
 use openraft::{
-    BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftLogReader, RaftSnapshotBuilder, RaftTypeConfig,
-    SnapshotMeta, StorageError, StorageIOError, StoredMembership, Vote,
+    Entry, EntryPayload, LogId, OptionalSend, RaftLogReader, RaftSnapshotBuilder, RaftTypeConfig, SnapshotMeta,
+    StorageError, StorageIOError, StoredMembership, Vote,
 };
 use rocksdb::{ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options, WriteBatch, WriteOptions};
 use serde::{Serialize, de::DeserializeOwned};
@@ -46,12 +47,18 @@ const KEY_SNAP_DATA: &[u8] = b"data";
 /// The type configurations our storage serves: the log carries encoded commands, node ids are
 /// `u64`, nodes carry an address, snapshots are byte buffers.
 pub trait StoreConfig:
-    RaftTypeConfig<D = LogCommand, NodeId = u64, Node = BasicNode, Entry = Entry<Self>, SnapshotData = Cursor<Vec<u8>>>
+    RaftTypeConfig<D = LogCommand, NodeId = u64, Node = ServerNode, Entry = Entry<Self>, SnapshotData = Cursor<Vec<u8>>>
 {
 }
 
 impl<C> StoreConfig for C where
-    C: RaftTypeConfig<D = LogCommand, NodeId = u64, Node = BasicNode, Entry = Entry<C>, SnapshotData = Cursor<Vec<u8>>>
+    C: RaftTypeConfig<
+            D = LogCommand,
+            NodeId = u64,
+            Node = ServerNode,
+            Entry = Entry<C>,
+            SnapshotData = Cursor<Vec<u8>>,
+        >
 {
 }
 
@@ -372,6 +379,12 @@ impl<C: StoreConfig> RaftLogStorage<C> for LogStore<C> {
     }
 }
 
+/// Records a halt (logged once, here, where it is decided).
+fn halt(at: &LogId<u64>, kind: String, reason: String) -> Halt {
+    tracing::error!(index = at.index, term = at.leader_id.term, %kind, %reason, "cannot apply this log entry: the group is read-only on this server until a build that can apply it restarts it, or an operator skips the entry (docs/operations.md)");
+    Halt { index: at.index, term: at.leader_id.term, kind, reason }
+}
+
 // ---- state machine ------------------------------------------------------------------------
 
 /// The applied machine with the raft bookkeeping that goes with it.
@@ -381,7 +394,27 @@ pub struct Applied<M> {
     /// Last log entry applied.
     pub last_applied: Option<LogId<u64>>,
     /// Last membership applied.
-    pub membership: StoredMembership<u64, BasicNode>,
+    pub membership: StoredMembership<u64, ServerNode>,
+    /// Set when an entry could not be applied: the group is read-only from it on (see
+    /// [`Halt`]). Never persisted: a restart re-applies the log and halts at the same entry
+    /// again, unless the build now knows it.
+    pub halt: Option<Halt>,
+}
+
+/// Why a replica stopped applying its log, and where. The server stays up, read-only for the
+/// group: the state stays as it was before `index`, and every later entry is answered
+/// [`Machine::halted_response`] until a build that can apply the entry restarts the server
+/// or the operator commits the machine's skip order for it ([`Machine::resumes`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Halt {
+    /// The entry that could not be applied.
+    pub index: u64,
+    /// Its term.
+    pub term: u64,
+    /// Its command kind, when the envelope could be read (empty otherwise).
+    pub kind: String,
+    /// What this build could not do with it, and what would.
+    pub reason: String,
 }
 
 /// Read access to the applied state machine, shared with the raft storage.
@@ -397,6 +430,11 @@ impl<M> Clone for MachineHandle<M> {
 }
 
 impl<M> MachineHandle<M> {
+    /// The halt, when this replica stopped applying its log (the group is read-only here).
+    pub fn halt(&self) -> Option<Halt> {
+        read_lock(&self.shared).halt.clone()
+    }
+
     /// Reads the local state as applied so far. Possibly stale on a follower; for a
     /// linearizable read call [`crate::linearizable_read`] (or `Raft::ensure_linearizable`
     /// first).
@@ -460,13 +498,15 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> StateMachineStore<C, M> {
     /// Opens the state machine over a database: restores the latest persisted snapshot, if
     /// any. The log after it is re-applied by openraft at start.
     pub fn open(db: Arc<DB>) -> Result<Self, SErr> {
-        let meta: Option<SnapshotMeta<u64, BasicNode>> = {
+        let meta: Option<SnapshotMeta<u64, ServerNode>> = {
             let v =
                 db.get_cf(cf(&db, CF_SNAPSHOT)?, KEY_SNAP_META).map_err(|e| StorageIOError::read_snapshot(None, &e))?;
             v.map(|b| from_json(&b)).transpose()?
         };
         let applied = match meta {
-            None => Applied { machine: M::empty(), last_applied: None, membership: StoredMembership::default() },
+            None => {
+                Applied { machine: M::empty(), last_applied: None, membership: StoredMembership::default(), halt: None }
+            }
             Some(meta) => {
                 let data = db
                     .get_cf(cf(&db, CF_SNAPSHOT)?, KEY_SNAP_DATA)
@@ -479,7 +519,12 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> StateMachineStore<C, M> {
                     })?;
                 let machine = M::restore(&data)
                     .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &std::io::Error::other(e)))?;
-                Applied { machine, last_applied: meta.last_log_id, membership: meta.last_membership.clone() }
+                Applied {
+                    machine,
+                    last_applied: meta.last_log_id,
+                    membership: meta.last_membership.clone(),
+                    halt: None,
+                }
             }
         };
         let index = applied.last_applied.map_or(0, |l| l.index);
@@ -498,7 +543,7 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> StateMachineStore<C, M> {
         MachineHandle { shared: self.shared.clone(), applied: self.applied_rx.clone() }
     }
 
-    fn persist_snapshot(db: &DB, meta: &SnapshotMeta<u64, BasicNode>, data: &[u8]) -> Result<(), SErr> {
+    fn persist_snapshot(db: &DB, meta: &SnapshotMeta<u64, ServerNode>, data: &[u8]) -> Result<(), SErr> {
         let mut batch = WriteBatch::default();
         let snap = cf(db, CF_SNAPSHOT)?;
         batch.put_cf(snap, KEY_SNAP_META, to_json(meta)?);
@@ -540,7 +585,7 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> RaftSnapshotBuilder<C> for Sna
 impl<C: StoreConfig, M: Machine<Response = C::R>> RaftStateMachine<C> for StateMachineStore<C, M> {
     type SnapshotBuilder = SnapshotBuilder<C, M>;
 
-    async fn applied_state(&mut self) -> Result<(Option<LogId<u64>>, StoredMembership<u64, BasicNode>), SErr> {
+    async fn applied_state(&mut self) -> Result<(Option<LogId<u64>>, StoredMembership<u64, ServerNode>), SErr> {
         let a = read_lock(&self.shared);
         Ok((a.last_applied, a.membership.clone()))
     }
@@ -554,29 +599,69 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> RaftStateMachine<C> for StateM
         let last = {
             let mut a = write_lock(&self.shared);
             for e in entries {
-                a.last_applied = Some(e.log_id);
+                if let Some(h) = &a.halt {
+                    // Read-only: nothing is applied until the skip order for this halt.
+                    let resumes = match &e.payload {
+                        EntryPayload::Normal(raw) => raw.decode::<M::Command>().is_ok_and(|c| M::resumes(&c, h.index)),
+                        _ => false,
+                    };
+                    if resumes {
+                        tracing::warn!(
+                            index = e.log_id.index,
+                            skipped_from = h.index,
+                            "skip order applied: entries from the halted one to here are skipped; applying again"
+                        );
+                        a.halt = None;
+                        a.last_applied = Some(e.log_id);
+                        out.push(M::internal_response());
+                    } else {
+                        out.push(M::halted_response(h));
+                    }
+                    continue;
+                }
                 let resp = match e.payload {
                     EntryPayload::Blank => M::internal_response(),
                     EntryPayload::Normal(raw) => {
-                        // Bytes a server of this group encoded; failing to parse them is a
-                        // corrupt log (a kind too new for this build still parses, and its
-                        // apply answers `fatal`).
-                        let cmd = raw.decode::<M::Command>().map_err(|err| {
-                            tracing::error!(index = e.log_id.index, error = %err, "cannot decode a log entry");
-                            SErr::from(StorageIOError::apply(e.log_id, &err))
-                        })?;
-                        let r = a.machine.apply(cmd);
-                        if let Some(why) = M::fatal(&r) {
-                            tracing::error!(index = e.log_id.index, %why, "cannot apply the log");
-                            return Err(StorageIOError::apply(e.log_id, &std::io::Error::other(why)).into());
+                        // Bytes a server of this group encoded. One this build cannot read or
+                        // may not apply (a kind too new for it) halts the group here, read-only,
+                        // with the state unchanged: never a storage error, which would stop
+                        // raft and, at every restart, the server.
+                        let checked = raw
+                            .decode::<M::Command>()
+                            .map_err(|err| (String::new(), format!("this build cannot decode it: {err}")))
+                            .and_then(|cmd| match M::check(&cmd) {
+                                Ok(()) => Ok(cmd),
+                                Err(why) => Err((M::kind(&cmd), why)),
+                            });
+                        match checked {
+                            Ok(cmd) => {
+                                let r = a.machine.apply(cmd);
+                                match M::fatal(&r) {
+                                    None => r,
+                                    Some(why) => {
+                                        let h = halt(&e.log_id, String::new(), why);
+                                        let r = M::halted_response(&h);
+                                        a.halt = Some(h);
+                                        out.push(r);
+                                        continue;
+                                    }
+                                }
+                            }
+                            Err((kind, why)) => {
+                                let h = halt(&e.log_id, kind, why);
+                                let r = M::halted_response(&h);
+                                a.halt = Some(h);
+                                out.push(r);
+                                continue;
+                            }
                         }
-                        r
                     }
                     EntryPayload::Membership(m) => {
                         a.membership = StoredMembership::new(Some(e.log_id), m);
                         M::internal_response()
                     }
                 };
+                a.last_applied = Some(e.log_id);
                 out.push(resp);
             }
             a.last_applied.map_or(0, |l| l.index)
@@ -600,7 +685,7 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> RaftStateMachine<C> for StateM
 
     async fn install_snapshot(
         &mut self,
-        meta: &SnapshotMeta<u64, BasicNode>,
+        meta: &SnapshotMeta<u64, ServerNode>,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), SErr> {
         let data = snapshot.into_inner();
@@ -612,6 +697,8 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> RaftStateMachine<C> for StateM
         let last = {
             let mut a = write_lock(&self.shared);
             a.machine = machine;
+            // The snapshot's sender applied what halted here: nothing is left to skip.
+            a.halt = None;
             a.last_applied = meta.last_log_id;
             a.membership = meta.last_membership.clone();
             a.last_applied.map_or(0, |l| l.index)
@@ -626,7 +713,7 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> RaftStateMachine<C> for StateM
         else {
             return Ok(None);
         };
-        let meta: SnapshotMeta<u64, BasicNode> = from_json(&meta)?;
+        let meta: SnapshotMeta<u64, ServerNode> = from_json(&meta)?;
         let data = self
             .db
             .get_cf(snap, KEY_SNAP_DATA)
@@ -679,5 +766,58 @@ mod tests {
             _ => None,
         };
         assert_eq!(back.map(|s| s.len()), Some(1000));
+    }
+
+    fn entry(index: u64, json: &str) -> Entry<TypeConfig> {
+        let cmd: LogCommand = serde_json::from_str(json).expect("json");
+        Entry { log_id: LogId::new(CommittedLeaderId::new(1, 1), index), payload: EntryPayload::Normal(cmd) }
+    }
+
+    #[tokio::test]
+    async fn an_entry_this_build_cannot_apply_halts_the_group_read_only_until_skipped() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = open_db(dir.path()).expect("db");
+        let mut sm = StateMachineStore::<TypeConfig, suanli_state::State>::open(db).expect("sm");
+        let h = sm.handle();
+        let queue = |i: u64, id: &str| {
+            entry(
+                i,
+                &format!(r#"{{"v":1,"kind":"upsert_queue","ignorable":false,"body":{{"queue":{{"id":"{id}"}}}}}}"#),
+            )
+        };
+        let poison = entry(2, r#"{"v":1,"kind":"from_the_future","ignorable":false,"body":{}}"#);
+        let garbage = entry(3, r#"{"v":1,"kind":"cancel_job","ignorable":false,"body":{"job":"seven"}}"#);
+        let rs = sm.apply([queue(1, "a"), poison, garbage, queue(4, "b")]).await.expect("never a storage error");
+        assert_eq!(rs.len(), 4);
+        assert!(
+            matches!(&rs[1], suanli_state::Response::Halted { index: 2, kind, .. } if kind == "from_the_future"),
+            "{:?}",
+            rs[1]
+        );
+        assert!(matches!(rs[3], suanli_state::Response::Halted { index: 2, .. }), "{:?}", rs[3]);
+        let halt = h.halt().expect("halted");
+        assert_eq!((halt.index, halt.kind.as_str()), (2, "from_the_future"));
+        assert!(halt.reason.contains("not ignorable"), "{}", halt.reason);
+        // Nothing after the halt was applied, and the applied index stays before it.
+        assert_eq!(h.applied_index(), 1);
+        assert!(h.read(|s| s.queues().len()) == 1);
+        // A skip order for another entry changes nothing; the right one resumes.
+        let wrong = entry(5, r#"{"v":1,"kind":"skip_entry","ignorable":false,"body":{"index":3}}"#);
+        let skip =
+            entry(6, r#"{"v":1,"kind":"skip_entry","ignorable":false,"body":{"index":2,"kind":"from_the_future"}}"#);
+        let rs = sm.apply([wrong, skip, queue(7, "c")]).await.expect("applies");
+        assert!(matches!(rs[0], suanli_state::Response::Halted { .. }), "{:?}", rs[0]);
+        assert!(h.halt().is_none());
+        assert_eq!(h.applied_index(), 7);
+        let ids: Vec<String> = h.read(|s| s.queues().keys().map(|q| q.0.clone()).collect());
+        assert_eq!(ids, vec!["a".to_owned(), "c".to_owned()], "entries 2..=6 skipped, 7 applied");
+        // A poison inside a batch halts before any of the batch applies.
+        let batch = entry(
+            8,
+            r#"{"v":1,"kind":"batch","ignorable":false,"body":{"commands":[{"v":1,"kind":"upsert_queue","ignorable":false,"body":{"queue":{"id":"d"}}},{"v":1,"kind":"nope","ignorable":false,"body":{}}]}}"#,
+        );
+        sm.apply([batch]).await.expect("applies");
+        assert_eq!(h.halt().map(|h| (h.index, h.kind)), Some((8, "nope".to_owned())));
+        assert_eq!(h.read(|s| s.queues().len()), 2, "no part of the batch applied");
     }
 }

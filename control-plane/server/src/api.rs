@@ -4,7 +4,6 @@
 use crate::convert;
 use crate::core::{Core, now_s};
 use crate::status::{decode_json, invalid, unavailable};
-use openraft::BasicNode;
 use openraft::ChangeMembers;
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -18,6 +17,7 @@ use suanli_proto::v1::jobs_server::Jobs;
 use suanli_proto::v1::nodes_server::Nodes;
 use suanli_proto::v1::pools_server::Pools;
 use suanli_proto::v1::queues_server::Queues;
+use suanli_raft::ServerNode;
 use suanli_state::{CancelJob, Command, DeleteQueue, Response, SetNodeMode, SubmitJob, UpsertQueue};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status};
@@ -360,7 +360,7 @@ impl Api {
 
 /// Runs one membership change, waiting (up to the request timeout) while an earlier change is
 /// still being committed: openraft allows one change at a time, and that is transient.
-async fn change_membership(core: &Core, change: ChangeMembers<u64, BasicNode>) -> Result<(), Status> {
+async fn change_membership(core: &Core, change: ChangeMembers<u64, ServerNode>) -> Result<(), Status> {
     use openraft::error::{ChangeMembershipError, ClientWriteError, RaftError};
     let deadline = std::time::Instant::now() + core.timeout();
     loop {
@@ -380,6 +380,84 @@ fn membership_error(e: impl std::fmt::Display) -> Status {
     Status::failed_precondition(format!("membership change: {e}"))
 }
 
+/// A `host:port` address field, bounded.
+fn check_addr(field: &str, a: &str) -> Result<String, Status> {
+    let a = a.trim();
+    let ok = a.len() <= 253 + 6
+        && a.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0))
+        && a.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']' | '_'));
+    if !ok {
+        return Err(invalid(field, format!("{:?} is not host:port", crate::status::prefix(a))));
+    }
+    Ok(a.to_owned())
+}
+
+/// Adds a server without ever leaving the group unable to commit: first as a learner (a
+/// change the current voters commit alone), then waits (bounded by the caller) until it has
+/// caught up, and only then makes it a voter. A learner that never catches up (unreachable,
+/// wrong address, not started) is removed again, with an error saying so; until then it holds
+/// no vote, so it blocks nothing, and `RemoveServer` can always remove it.
+async fn add_server(core: &Core, id: u64, node: ServerNode, learner_only: bool) -> Result<(), Status> {
+    use openraft::error::{ClientWriteError, RaftError};
+    let voters: BTreeSet<u64> = core.raft.metrics().borrow().membership_config.membership().voter_ids().collect();
+    let known = core.raft.metrics().borrow().membership_config.membership().get_node(&id).cloned();
+    match &known {
+        Some(n) if *n != node => {
+            return Err(Status::already_exists(format!(
+                "id: server {id} is already a member at {n}; remove it first, or give a new server a new id"
+            )));
+        }
+        Some(_) if voters.contains(&id) || learner_only => return Ok(()), // a retry
+        _ => {}
+    }
+    if known.is_none() {
+        let deadline = std::time::Instant::now() + core.timeout();
+        loop {
+            match core.raft.add_learner(id, node.clone(), false).await {
+                Ok(_) => break,
+                Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(
+                    openraft::error::ChangeMembershipError::InProgress(_),
+                ))) if std::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
+                Err(e) => return Err(membership_error(e)),
+            }
+        }
+    }
+    // Caught up: the learner holds every entry the leader had when it was asked.
+    let target = core.raft.metrics().borrow().last_log_index.unwrap_or(0);
+    let catch_up = core.timeout().saturating_sub(Duration::from_millis(500)).max(Duration::from_millis(100));
+    let mut rx = core.raft.metrics();
+    let caught = matches!(
+        tokio::time::timeout(
+            catch_up,
+            rx.wait_for(|m| {
+                m.replication.as_ref().and_then(|r| r.get(&id).cloned().flatten()).is_some_and(|l| l.index >= target)
+            }),
+        )
+        .await,
+        Ok(Ok(_))
+    );
+    if !caught {
+        let rm: BTreeSet<u64> = [id].into();
+        let undone = change_membership(core, ChangeMembers::RemoveNodes(rm)).await;
+        let what = match undone {
+            Ok(()) => "it was removed again".to_owned(),
+            Err(e) => {
+                format!("removing it again failed too ({}); `suanli cluster remove {id}` removes it", e.message())
+            }
+        };
+        return Err(Status::unavailable(format!(
+            "server {id} did not catch up within {} ms at peer address {} (is it running and reachable there?); {what}",
+            catch_up.as_millis(),
+            node.addr
+        )));
+    }
+    if !learner_only {
+        let add: BTreeSet<u64> = [id].into();
+        change_membership(core, ChangeMembers::AddVoterIds(add)).await?;
+    }
+    Ok(())
+}
+
 #[tonic::async_trait]
 impl Cluster for Api {
     async fn members(&self, _req: Request<pb::MembersRequest>) -> Resp<pb::MembersResponse> {
@@ -390,7 +468,8 @@ impl Cluster for Api {
             .nodes()
             .map(|(id, n)| pb::Member {
                 id: *id,
-                addr: n.addr.clone(),
+                addr: n.client_addr().to_owned(),
+                peer_addr: n.addr.clone(),
                 voter: voters.contains(id),
                 leader: m.current_leader == Some(*id),
                 matched_index: m
@@ -416,18 +495,25 @@ impl Cluster for Api {
         if r.id == 0 {
             return Err(invalid("id", "must be >= 1"));
         }
-        if r.addr.is_empty() {
-            return Err(invalid("addr", "must be host:port"));
-        }
+        let addr = check_addr("addr", &r.addr)?;
+        let peer = if r.peer_addr.is_empty() {
+            crate::config::next_port(&addr)
+                .ok_or_else(|| invalid("peer_addr", "empty, and addr's port + 1 is no port: give the peer address"))?
+        } else {
+            check_addr("peer_addr", &r.peer_addr)?
+        };
         if !self.0.is_leader() {
             return self.leader_cluster_client()?.add_server(r).await;
         }
-        // Catch up as a learner first (from a snapshot when the log was purged), then vote.
-        self.0.raft.add_learner(r.id, BasicNode::new(r.addr.clone()), true).await.map_err(membership_error)?;
-        if !r.learner_only && !self.voters().contains(&r.id) {
-            let add: BTreeSet<u64> = [r.id].into();
-            change_membership(&self.0, ChangeMembers::AddVoterIds(add)).await?;
-        }
+        let node = ServerNode::new(peer, addr);
+        tokio::time::timeout(self.0.timeout(), add_server(&self.0, r.id, node, r.learner_only)).await.map_err(
+            |_| {
+                Status::deadline_exceeded(format!(
+                    "adding server {} did not finish within the request timeout ({} ms); see `suanli cluster members`",
+                    r.id, self.0.cfg.request_timeout_ms
+                ))
+            },
+        )??;
         ok(pb::AddServerResponse {})
     }
 
@@ -450,6 +536,54 @@ impl Cluster for Api {
         ok(pb::RemoveServerResponse {})
     }
 
+    async fn version(&self, _req: Request<pb::VersionRequest>) -> Resp<pb::VersionResponse> {
+        ok(pb::VersionResponse {
+            id: self.0.id,
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            command_version: suanli_state::COMMAND_VERSION,
+            command_kinds: Command::KINDS.iter().map(|k| (*k).to_owned()).collect(),
+            halt: self.0.halted().map(|h| pb::HaltInfo {
+                index: h.index,
+                term: h.term,
+                kind: h.kind,
+                reason: h.reason,
+            }),
+        })
+    }
+
+    async fn skip_entry(&self, req: Request<pb::SkipEntryRequest>) -> Resp<pb::SkipEntryResponse> {
+        let r = req.into_inner();
+        if !self.0.is_leader() {
+            return self.leader_cluster_client()?.skip_entry(r).await;
+        }
+        let Some(h) = self.0.halted() else {
+            return Err(Status::failed_precondition("index: the leader is not halted: there is no entry to skip"));
+        };
+        if h.index != r.index || h.kind != r.kind {
+            return Err(invalid(
+                "index",
+                format!(
+                    "the leader halted at entry {} of kind {:?}, not entry {} of kind {:?}",
+                    h.index,
+                    h.kind,
+                    r.index,
+                    crate::status::prefix(&r.kind)
+                ),
+            ));
+        }
+        let cmd = Command::SkipEntry(suanli_state::SkipEntry { index: r.index, kind: r.kind });
+        let (_, index) = self.0.propose_local(cmd).await?;
+        if let Some(h) = self.0.halted() {
+            return Err(Status::internal(format!(
+                "the skip order committed at {index} but the group is still halted at {}",
+                h.index
+            )));
+        }
+        tracing::warn!(skipped = r.index, at = index, "operator skipped a halted log entry");
+        self.0.kick.notify_one();
+        ok(pb::SkipEntryResponse { index })
+    }
+
     async fn snapshot(&self, _req: Request<pb::SnapshotRequest>) -> Resp<pb::SnapshotResponse> {
         let target = self.0.raft.metrics().borrow().last_applied.map_or(0, |l| l.index);
         self.0.raft.trigger().snapshot().await.map_err(|e| Status::unavailable(e.to_string()))?;
@@ -463,6 +597,48 @@ impl Cluster for Api {
     }
 }
 
+/// Checks a command a follower forwarded (`Internal.Propose`) before it may reach the log:
+/// only kinds a server builds from a validated client or agent request are forwarded; a kind
+/// this leader does not know, or one only the leader itself builds (plans, liveness, config,
+/// skip orders), is refused. Bodies are checked again by apply, deterministically, on every
+/// server.
+fn forwardable(cmd: &Command) -> Result<(), Status> {
+    match cmd {
+        Command::Unknown { kind, .. } => Err(invalid(
+            "command_json.kind",
+            format!(
+                "{:?} is not a command kind this leader's build knows ({}); retry once the leader runs a build that knows it",
+                crate::status::prefix(kind),
+                Command::KINDS.join(", ")
+            ),
+        )),
+        Command::ApplyPlan(_) | Command::NodeDown(_) | Command::UpdateConfig(_) | Command::SkipEntry(_) => {
+            Err(invalid(
+                "command_json.kind",
+                format!("{:?} is built by the leader only and is never forwarded", cmd.kind()),
+            ))
+        }
+        Command::Batch(b) => {
+            for (i, c) in b.commands.iter().enumerate() {
+                if matches!(c, Command::Batch(_)) {
+                    return Err(invalid(&format!("command_json.body.commands[{i}]"), "a batch may not hold a batch"));
+                }
+                forwardable(c).map_err(|s| Status::new(s.code(), format!("commands[{i}]: {}", s.message())))?;
+            }
+            Ok(())
+        }
+        Command::UpsertQueue(_)
+        | Command::DeleteQueue(_)
+        | Command::RegisterNode(_)
+        | Command::SetNodeMode(_)
+        | Command::DeviceHealth(_)
+        | Command::SubmitJob(_)
+        | Command::CancelJob(_)
+        | Command::AllocStatus(_)
+        | Command::ReportCheckpoint(_) => Ok(()),
+    }
+}
+
 #[tonic::async_trait]
 impl Internal for Api {
     async fn propose(&self, req: Request<pb::ProposeRequest>) -> Resp<pb::ProposeResponse> {
@@ -471,6 +647,15 @@ impl Internal for Api {
             return Err(Status::not_found(format!("group: {:?} is not served here", r.group)));
         }
         let cmd: Command = serde_json::from_slice(&r.command_json).map_err(|e| invalid("command_json", e))?;
+        // `server::forward-unchecked` (chaos and tests only) lets a command through unchecked:
+        // how a test commits an entry no server can apply, as a newer build's leader would.
+        #[cfg(feature = "failpoints")]
+        let unchecked = fail::eval("server::forward-unchecked", |_| ()).is_some();
+        #[cfg(not(feature = "failpoints"))]
+        let unchecked = false;
+        if !unchecked {
+            forwardable(&cmd)?;
+        }
         if !self.0.is_leader() {
             return Err(unavailable("not the leader", self.0.leader().map(|l| l.1)));
         }
@@ -501,6 +686,7 @@ impl Internal for Api {
             hash.map(|h| (index, h))
         })?;
         let term = self.0.raft.metrics().borrow().current_term;
+        let halt = self.0.halted();
         let log = self.0.log.clone();
         let (from, to) = (r.log_from, r.log_to);
         let (bounds, committed, digests) = tokio::task::spawn_blocking(move || {
@@ -524,6 +710,8 @@ impl Internal for Api {
             first_log_index,
             last_log_index,
             entries: digests.into_iter().map(|(index, term, hash)| pb::LogDigest { index, term, hash }).collect(),
+            halted_index: halt.as_ref().map_or(0, |h| h.index),
+            halted_reason: halt.map(|h| h.reason).unwrap_or_default(),
         })
     }
 }

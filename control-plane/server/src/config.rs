@@ -12,22 +12,55 @@ use thiserror::Error;
 pub struct Peer {
     /// Raft id (>= 1, unique).
     pub id: u64,
-    /// gRPC address `host:port` other servers and clients reach it at.
+    /// Its client address `host:port` (clients and agents).
     pub addr: String,
+    /// Its peer address `host:port` (raft, forwarding). Default: `addr` with the port + 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_addr: Option<String>,
 }
 
 impl Peer {
-    /// Parses `ID=HOST:PORT`.
+    /// Parses `ID=HOST:PORT` or `ID=HOST:PORT/PEER_HOST:PEER_PORT`.
     pub fn parse(s: &str) -> Result<Peer, ConfigError> {
-        let bad = || ConfigError::new("peers", format!("{s:?} is not ID=HOST:PORT (e.g. 2=10.0.0.2:7400)"));
+        let bad = || {
+            ConfigError::new(
+                "peers",
+                format!("{s:?} is not ID=HOST:PORT[/PEER_HOST:PEER_PORT] (e.g. 2=10.0.0.2:7400/10.0.0.2:7401)"),
+            )
+        };
         let (id, addr) = s.split_once('=').ok_or_else(bad)?;
         let id: u64 = id.trim().parse().map_err(|_| bad())?;
-        let addr = addr.trim().to_owned();
-        if addr.is_empty() {
+        let (addr, peer_addr) = match addr.split_once('/') {
+            Some((a, p)) => (a.trim().to_owned(), Some(p.trim().to_owned())),
+            None => (addr.trim().to_owned(), None),
+        };
+        if addr.is_empty() || peer_addr.as_ref().is_some_and(String::is_empty) {
             return Err(bad());
         }
-        Ok(Peer { id, addr })
+        Ok(Peer { id, addr, peer_addr })
     }
+
+    /// Its peer address (given, or the client address's port + 1).
+    pub fn peer(&self) -> Result<String, ConfigError> {
+        match &self.peer_addr {
+            Some(p) => Ok(p.clone()),
+            None => next_port(&self.addr).ok_or_else(|| {
+                ConfigError::new(
+                    "peers",
+                    format!("{:?}: cannot derive a peer address (port + 1); give ID=CLIENT/PEER", self.addr),
+                )
+            }),
+        }
+    }
+}
+
+/// `host:port` with the port + 1 (port 0 stays 0: the system picks); `None` when `addr` has
+/// no numeric port or it is 65535. The default peer listener is the client listener's next port.
+pub fn next_port(addr: &str) -> Option<String> {
+    let (host, port) = addr.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    let next = if port == 0 { 0 } else { port.checked_add(1)? };
+    Some(format!("{host}:{next}"))
 }
 
 /// Everything a server needs. Defaults are a single server on `127.0.0.1:7400`.
@@ -38,10 +71,17 @@ pub struct ServerConfig {
     pub id: u64,
     /// Where the raft log, the snapshots and the state live (RocksDB).
     pub data_dir: PathBuf,
-    /// Address to listen on for clients, agents and other servers (`host:port`; port 0 picks one).
+    /// The client listener (`host:port`; port 0 picks one): the public API (`Jobs`, `Queues`,
+    /// `Pools`, `Nodes`, `Cluster`), agents, health and reflection.
     pub listen: String,
-    /// Address other servers and clients use to reach this one (default: `listen`).
+    /// Address clients and agents use to reach this one (default: `listen`).
     pub advertise: Option<String>,
+    /// The peer listener: raft and the server-to-server `Internal` service (forwarded writes,
+    /// read indexes), never the client API. Default: `listen`'s address with the port + 1.
+    /// Keep it on a network only servers reach.
+    pub peer_listen: Option<String>,
+    /// Address other servers use to reach this one's peer listener (default: `peer_listen`).
+    pub peer_advertise: Option<String>,
     /// Initial voters of a fresh cluster (this server among them). The smallest id initializes
     /// the cluster on first start; later starts ignore this list (membership lives in raft).
     /// Empty, without `join`: a single-server cluster.
@@ -89,6 +129,8 @@ impl Default for ServerConfig {
             data_dir: PathBuf::from("suanli-data"),
             listen: "127.0.0.1:7400".into(),
             advertise: None,
+            peer_listen: None,
+            peer_advertise: None,
             peers: Vec::new(),
             join: None,
             learner_only: false,
@@ -140,9 +182,19 @@ impl ServerConfig {
         toml::from_str(&text).map_err(|e| ConfigError::new("config", format!("{}: {e}", path.display())))
     }
 
-    /// The address others reach this server at.
+    /// The address clients and agents reach this server at.
     pub fn advertised(&self) -> &str {
         self.advertise.as_deref().unwrap_or(&self.listen)
+    }
+
+    /// The peer listener's address (given, or `listen` with the port + 1).
+    pub fn peer_listen_addr(&self) -> String {
+        self.peer_listen.clone().or_else(|| next_port(&self.listen)).unwrap_or_default()
+    }
+
+    /// The address other servers reach this server's peer listener at.
+    pub fn peer_advertised(&self) -> String {
+        self.peer_advertise.clone().unwrap_or_else(|| self.peer_listen_addr())
     }
 
     /// Checks every bound.
@@ -150,6 +202,16 @@ impl ServerConfig {
         range("id", self.id, 1, u64::MAX)?;
         if self.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(ConfigError::new("listen", format!("{:?} is not an IP:PORT address", self.listen)));
+        }
+        let peer = self.peer_listen_addr();
+        if peer.parse::<std::net::SocketAddr>().is_err() {
+            return Err(ConfigError::new("peer_listen", format!("{peer:?} is not an IP:PORT address")));
+        }
+        if peer == self.listen && !peer.ends_with(":0") {
+            return Err(ConfigError::new(
+                "peer_listen",
+                format!("{peer:?} is the client listener's address; give the peer listener its own port"),
+            ));
         }
         if self.data_dir.as_os_str().is_empty() {
             return Err(ConfigError::new("data_dir", "must not be empty"));
@@ -160,6 +222,7 @@ impl ServerConfig {
             if !ids.insert(p.id) {
                 return Err(ConfigError::new(&format!("peers[{i}].id"), format!("id {} appears twice", p.id)));
             }
+            p.peer().map_err(|e| ConfigError::new(&format!("peers[{i}]"), e.message))?;
         }
         if !self.peers.is_empty() && !ids.contains(&self.id) {
             return Err(ConfigError::new("peers", format!("must include this server's id {}", self.id)));
@@ -198,7 +261,10 @@ mod tests {
         let c = ServerConfig { heartbeat_ttl_ms: 10, ..ServerConfig::default() };
         let e = c.validate().expect_err("ttl below twice the interval");
         assert_eq!(e.field, "heartbeat_ttl_ms", "{e}");
-        let c = ServerConfig { peers: vec![Peer { id: 2, addr: "x:1".into() }], ..ServerConfig::default() };
+        let c = ServerConfig {
+            peers: vec![Peer { id: 2, addr: "x:1".into(), peer_addr: None }],
+            ..ServerConfig::default()
+        };
         assert_eq!(c.validate().expect_err("self missing").field, "peers");
         let c = ServerConfig { policy: "nope".into(), ..ServerConfig::default() };
         assert!(c.validate().expect_err("policy").to_string().contains("bestfit"));
@@ -206,7 +272,14 @@ mod tests {
 
     #[test]
     fn peers_parse_and_toml_rejects_unknown_keys() {
-        assert_eq!(Peer::parse("2=127.0.0.1:7402").expect("ok"), Peer { id: 2, addr: "127.0.0.1:7402".into() });
+        assert_eq!(
+            Peer::parse("2=127.0.0.1:7402").expect("ok"),
+            Peer { id: 2, addr: "127.0.0.1:7402".into(), peer_addr: None }
+        );
+        let p = Peer::parse("2=127.0.0.1:7402/10.0.0.2:9000").expect("ok");
+        assert_eq!(p.peer().expect("given"), "10.0.0.2:9000");
+        assert_eq!(Peer::parse("2=127.0.0.1:7402").expect("ok").peer().expect("derived"), "127.0.0.1:7403");
+        assert!(Peer::parse("2=127.0.0.1:7402/").is_err());
         assert!(Peer::parse("x=1").is_err());
         assert!(toml::from_str::<ServerConfig>("idd = 3").is_err());
         let c: ServerConfig =

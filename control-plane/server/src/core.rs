@@ -11,14 +11,15 @@
 
 use crate::config::ServerConfig;
 use crate::status::{rejection, unavailable};
+use openraft::ServerState;
 use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
-use openraft::{BasicNode, ServerState};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use suanli_model::NodeId;
 use suanli_proto::v1::internal_client::InternalClient;
 use suanli_proto::v1::{ProposeRequest, ReadIndexRequest};
+use suanli_raft::ServerNode;
 use suanli_raft::{LogCommand, StateHandle, SuanliRaft, WriteError};
 use suanli_state::{Command, Response, State};
 use tokio::sync::{Notify, Semaphore};
@@ -104,13 +105,35 @@ impl Core {
         self.raft.metrics().borrow().state == ServerState::Leader
     }
 
-    /// The current leader's id and address, when known.
+    /// The current leader's id and client address (what clients are pointed to), when known.
     pub fn leader(&self) -> Option<(u64, String)> {
+        self.leader_node().map(|(id, n)| (id, n.client_addr().to_owned()))
+    }
+
+    /// The current leader's id and membership record (its peer address is `addr`).
+    pub fn leader_node(&self) -> Option<(u64, ServerNode)> {
         let m = self.raft.metrics();
         let m = m.borrow();
         let id = m.current_leader?;
-        let addr = m.membership_config.membership().get_node(&id).map(|n| n.addr.clone())?;
-        Some((id, addr))
+        let node = m.membership_config.membership().get_node(&id).cloned()?;
+        Some((id, node))
+    }
+
+    /// The halt, when this server stopped applying its log at an entry it cannot apply: the
+    /// group is read-only here (writes refused, reads served from the state before it).
+    pub fn halted(&self) -> Option<suanli_raft::Halt> {
+        self.state.halt()
+    }
+
+    /// FAILED_PRECONDITION for a write while halted, naming the entry and the way out.
+    pub fn refuse_if_halted(&self) -> Result<(), Status> {
+        match self.halted() {
+            None => Ok(()),
+            Some(h) => Err(Status::failed_precondition(format!(
+                "read-only: this server halted at log entry {} (kind {:?}): {}; restart it with a build that can apply the entry, or skip it (`suanli cluster skip-entry --index {} --kind {:?}`, docs/operations.md)",
+                h.index, h.kind, h.reason, h.index, h.kind
+            ))),
+        }
     }
 
     /// A (cached, lazily connected) channel to another server.
@@ -130,7 +153,8 @@ impl Core {
         Ok(c)
     }
 
-    /// A channel to the leader, or UNAVAILABLE when none is known or this server is it.
+    /// A channel to the leader's client listener, or UNAVAILABLE when none is known or this
+    /// server is it.
     pub fn leader_channel(&self) -> Result<(Channel, String), Status> {
         match self.leader() {
             Some((id, addr)) if id != self.id => Ok((self.channel(&addr)?, addr)),
@@ -169,6 +193,7 @@ impl Core {
     /// Like [`Core::propose_raw`] for a command already encoded (the batcher sizes its batches
     /// by the encoding).
     pub async fn propose_encoded(&self, cmd: LogCommand) -> Result<(Response, u64), Status> {
+        self.refuse_if_halted()?;
         for _ in 0..3 {
             let r =
                 tokio::time::timeout(self.timeout(), suanli_raft::write_encoded(&self.raft, &self.state, cmd.clone()))
@@ -178,11 +203,11 @@ impl Core {
                 Ok(r) => r,
             };
             match r {
-                Ok(ok) => return Ok(ok),
+                Ok(ok) => return halted_answer(ok),
                 Err(WriteError::Refused(e)) => return Err(rejection(&e)),
                 Err(WriteError::Raft(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => {
                     match f.leader_node {
-                        Some(BasicNode { addr }) => return self.forward(&addr, &cmd).await,
+                        Some(node) => return self.forward(&node, &cmd).await,
                         None => self.wait_for_leader().await?,
                     }
                 }
@@ -197,8 +222,10 @@ impl Core {
         Err(unavailable("leadership kept changing; retry", self.leader().map(|l| l.1)))
     }
 
-    async fn forward(&self, addr: &str, cmd: &LogCommand) -> Result<(Response, u64), Status> {
-        let mut client = InternalClient::new(self.channel(addr)?)
+    /// Sends a write to the leader's peer listener (`Internal.Propose`).
+    async fn forward(&self, leader: &ServerNode, cmd: &LogCommand) -> Result<(Response, u64), Status> {
+        let hint = leader.client_addr();
+        let mut client = InternalClient::new(self.channel(&leader.addr)?)
             .max_decoding_message_size(self.cfg.max_request_bytes)
             .max_encoding_message_size(self.cfg.max_request_bytes.saturating_mul(2));
         let mut req = tonic::Request::new(ProposeRequest {
@@ -206,12 +233,12 @@ impl Core {
             command_json: cmd.bytes().clone(),
         });
         req.set_timeout(self.timeout());
-        let r = client.propose(req).await.map_err(|s| forwarded_error(s, addr))?.into_inner();
+        let r = client.propose(req).await.map_err(|s| forwarded_error(s, hint))?.into_inner();
         let resp: Response =
             serde_json::from_slice(&r.response_json).map_err(|e| Status::internal(format!("leader's answer: {e}")))?;
         // Let a read on this server that follows see its own write.
         let _ = tokio::time::timeout(self.timeout(), self.state.wait_applied(r.index)).await;
-        Ok((resp, r.index))
+        halted_answer((resp, r.index))
     }
 
     /// The replicated limit on one command's encoded size (`max_command_bytes`).
@@ -220,14 +247,18 @@ impl Core {
     }
 
     /// Proposes on this server only (the `Internal.Propose` handler): never forwards again.
+    /// `SkipEntry` is the one command proposed while halted.
     pub async fn propose_local(&self, cmd: Command) -> Result<(Response, u64), Status> {
+        if !matches!(cmd, Command::SkipEntry(_)) {
+            self.refuse_if_halted()?;
+        }
         let r = tokio::time::timeout(self.timeout(), suanli_raft::write(&self.raft, &self.state, cmd)).await;
         match r {
             Err(_) => Err(Status::deadline_exceeded("the write did not commit within the request timeout")),
             Ok(Ok(ok)) => Ok(ok),
             Ok(Err(WriteError::Refused(e))) => Ok((Response::Rejected(e), 0)),
             Ok(Err(WriteError::Raft(RaftError::APIError(ClientWriteError::ForwardToLeader(f))))) => {
-                Err(unavailable("not the leader", f.leader_node.map(|n| n.addr)))
+                Err(unavailable("not the leader", f.leader_node.map(|n| n.client_addr().to_owned())))
             }
             Ok(Err(e)) => Err(Status::unavailable(e.to_string())),
         }
@@ -241,7 +272,7 @@ impl Core {
             Err(_) => Err(Status::deadline_exceeded("the leader could not confirm its lease in time")),
             Ok(Ok(l)) => Ok(l.map(|l| l.index).unwrap_or(0)),
             Ok(Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(f)))) => {
-                Err(unavailable("not the leader", f.leader_node.map(|n| n.addr)))
+                Err(unavailable("not the leader", f.leader_node.map(|n| n.client_addr().to_owned())))
             }
             Ok(Err(e)) => Err(Status::unavailable(e.to_string())),
         }
@@ -272,13 +303,17 @@ impl Core {
     async fn read_index(&self) -> Result<u64, Status> {
         let deadline = Instant::now() + self.timeout();
         loop {
-            let r = match self.leader() {
+            let r = match self.leader_node() {
                 Some((id, _)) if id == self.id => self.local_read_index().await,
-                Some((_, addr)) => {
-                    let mut client = InternalClient::new(self.channel(&addr)?);
+                Some((_, node)) => {
+                    let mut client = InternalClient::new(self.channel(&node.addr)?);
                     let mut req = tonic::Request::new(ReadIndexRequest { group: self.cfg.raft.group.clone() });
                     req.set_timeout(self.timeout());
-                    client.read_index(req).await.map(|r| r.into_inner().index).map_err(|s| forwarded_error(s, &addr))
+                    client
+                        .read_index(req)
+                        .await
+                        .map(|r| r.into_inner().index)
+                        .map_err(|s| forwarded_error(s, node.client_addr()))
                 }
                 None => self.wait_for_leader().await.map(|()| u64::MAX),
             };
@@ -294,8 +329,10 @@ impl Core {
     }
 
     /// Runs `f` on the state: linearizable unless `stale` (then this server's local state).
+    /// While halted, reads are served from the state before the halted entry (nothing after
+    /// it is applied anywhere this build runs), without a read index that could never apply.
     pub async fn read<R>(&self, stale: bool, f: impl FnOnce(&State) -> R) -> Result<R, Status> {
-        if !stale {
+        if !stale && self.halted().is_none() {
             let index = self.read_index().await?;
             tokio::time::timeout(self.timeout(), self.state.wait_applied(index))
                 .await
@@ -305,11 +342,31 @@ impl Core {
     }
 }
 
-/// A failure of a call to another server, as answered to our caller.
+/// A write answered `Halted` (committed, but this group applies nothing until the halt is
+/// resolved) becomes FAILED_PRECONDITION naming the entry.
+fn halted_answer((resp, index): (Response, u64)) -> Result<(Response, u64), Status> {
+    match halted_in(&resp) {
+        Some((at, kind, reason)) => Err(Status::failed_precondition(format!(
+            "read-only: the group halted at log entry {at} (kind {kind:?}): {reason}; see `suanli cluster version`"
+        ))),
+        None => Ok((resp, index)),
+    }
+}
+
+fn halted_in(r: &Response) -> Option<(u64, &str, &str)> {
+    match r {
+        Response::Halted { index, kind, reason } => Some((*index, kind, reason)),
+        Response::Batch(rs) => rs.iter().find_map(halted_in),
+        _ => None,
+    }
+}
+
+/// A failure of a call to another server, as answered to our caller (`addr`: the leader's
+/// client address, the hint a client may follow).
 fn forwarded_error(s: Status, addr: &str) -> Status {
     match s.code() {
         tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
-            unavailable(&format!("forwarding to the leader at {addr}: {}", s.message()), Some(addr.to_owned()))
+            unavailable(&format!("forwarding to the leader ({addr}): {}", s.message()), Some(addr.to_owned()))
         }
         _ => s,
     }

@@ -1,7 +1,7 @@
-//! suanli's control-plane server: one gRPC port serving clients (`Jobs`, `Queues`, `Pools`,
-//! `Nodes`, `Cluster`), agents (`Agent`) and the other servers (`RaftTransport`, `Internal`),
-//! over a raft-replicated [`suanli_state::State`]; and the leader's scheduling and liveness
-//! loops.
+//! suanli's control-plane server: a client listener serving clients (`Jobs`, `Queues`,
+//! `Pools`, `Nodes`, `Cluster`) and agents (`Agent`), and a peer listener serving the other
+//! servers (`RaftTransport`, `Internal`), over a raft-replicated [`suanli_state::State`]; and
+//! the leader's scheduling and liveness loops.
 //!
 //! ```text
 //!             ┌──────────────────────── suanli server ─────────────────────────┐
@@ -30,13 +30,12 @@ mod loops;
 mod status;
 
 pub use api::MAX_JOBS_PER_CALL;
-pub use config::{ConfigError, Peer, ServerConfig};
+pub use config::{ConfigError, Peer, ServerConfig, next_port};
 pub use core::LEADER_HEADER;
 
 use crate::agent::AgentApi;
 use crate::api::Api;
 use crate::core::Core;
-use openraft::BasicNode;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
@@ -50,6 +49,7 @@ use suanli_proto::v1::nodes_server::NodesServer;
 use suanli_proto::v1::pools_server::PoolsServer;
 use suanli_proto::v1::queues_server::QueuesServer;
 use suanli_raft::RaftService;
+use suanli_raft::ServerNode;
 use thiserror::Error;
 use tokio::sync::watch;
 
@@ -89,6 +89,10 @@ macro_rules! bounded {
 }
 
 /// Runs a server until `shutdown` resolves (then stops serving, and stops raft).
+///
+/// Two listeners: the client one (`listen`: the public API, agents) and the peer one
+/// (`peer_listen`: raft and `Internal`). Nothing reaches the raft log from the client
+/// listener but commands this server built from validated requests.
 pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
     cfg.validate()?;
     std::fs::create_dir_all(&cfg.data_dir)
@@ -99,21 +103,28 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|source| ServerError::Io { what: format!("listen {}", cfg.listen), source })?;
+    let peer_addr = cfg.peer_listen_addr();
+    let peer_listener = tokio::net::TcpListener::bind(&peer_addr)
+        .await
+        .map_err(|source| ServerError::Io { what: format!("peer_listen {peer_addr}"), source })?;
     let max = cfg.max_request_bytes;
     let core = Arc::new(Core::new(cfg.clone(), raft.clone(), state, log));
     let api = Api(core.clone(), batch::Batcher::start(core.clone()));
-    let router = tonic::transport::Server::builder()
+    let clients = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .concurrency_limit_per_connection(cfg.max_concurrent_per_connection)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
-        .add_service(RaftService::new(raft.clone(), &settings).into_server(&settings))
-        .add_service(bounded!(InternalServer, api.clone(), settings.max_message_bytes))
         .add_service(bounded!(JobsServer, api.clone(), max))
         .add_service(bounded!(QueuesServer, api.clone(), max))
         .add_service(bounded!(PoolsServer, api.clone(), max))
         .add_service(bounded!(NodesServer, api.clone(), max))
         .add_service(bounded!(ClusterServer, api.clone(), max))
         .add_service(bounded!(AgentServer, AgentApi(core.clone()), max));
+    let peers = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .add_service(RaftService::new(raft.clone(), &settings).into_server(&settings))
+        .add_service(bounded!(InternalServer, api.clone(), settings.max_message_bytes));
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = vec![
@@ -121,13 +132,13 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         tokio::spawn(loops::scheduling(core.clone(), stop_rx.clone())),
         tokio::spawn(loops::liveness(core.clone(), stop_rx.clone())),
     ];
-    tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), data_dir = %cfg.data_dir.display(), "suanli server listening");
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), peer_listen = %peer_addr, peer_advertise = %cfg.peer_advertised(), data_dir = %cfg.data_dir.display(), "suanli server listening");
     let fatal = Arc::new(std::sync::Mutex::new(None::<String>));
-    let until = {
+    let (done_tx, done_rx) = watch::channel(false);
+    {
         let fatal = fatal.clone();
         let mut metrics = raft.metrics();
-        async move {
+        tokio::spawn(async move {
             tokio::select! {
                 () = shutdown => {}
                 why = raft_stopped(&mut metrics) => {
@@ -135,9 +146,22 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
                     *fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
                 }
             }
-        }
+            let _ = done_tx.send(true);
+        });
+    }
+    let until = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|d| *d).await;
     };
-    let served = router.serve_with_incoming_shutdown(incoming, until).await;
+    let (served, peered) = tokio::join!(
+        clients.serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            until(done_rx.clone())
+        ),
+        peers.serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
+            until(done_rx.clone())
+        ),
+    );
     let _ = stop_tx.send(true);
     for t in tasks.drain(..) {
         let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
@@ -146,6 +170,7 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         tracing::warn!(error = %e, "raft shutdown");
     }
     served?;
+    peered?;
     let why = fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
     match why {
         Some(why) => Err(ServerError::RaftStopped(why)),
@@ -154,7 +179,7 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
 }
 
 /// Resolves when raft reports a fatal error (or its metrics end).
-async fn raft_stopped(m: &mut watch::Receiver<openraft::RaftMetrics<u64, BasicNode>>) -> String {
+async fn raft_stopped(m: &mut watch::Receiver<openraft::RaftMetrics<u64, ServerNode>>) -> String {
     loop {
         if let Err(e) = &m.borrow().running_state {
             return e.to_string();
@@ -178,10 +203,11 @@ async fn bootstrap(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
     }
     let cfg = &core.cfg;
     let me = cfg.advertised().to_owned();
+    let me_peer = cfg.peer_advertised();
     if let Some(join) = &cfg.join {
         let mut backoff = Duration::from_millis(200);
         loop {
-            match join_once(join, cfg.id, &me, cfg.learner_only).await {
+            match join_once(join, cfg.id, &me, &me_peer, cfg.learner_only).await {
                 Ok(()) => {
                     tracing::info!(via = %join, "joined the cluster");
                     return;
@@ -195,13 +221,14 @@ async fn bootstrap(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             backoff = (backoff * 2).min(Duration::from_secs(5));
         }
     }
-    let members: BTreeMap<u64, BasicNode> = if cfg.peers.is_empty() {
-        [(cfg.id, BasicNode::new(me))].into()
+    let members: BTreeMap<u64, ServerNode> = if cfg.peers.is_empty() {
+        [(cfg.id, ServerNode::new(me_peer, me))].into()
     } else {
         if cfg.peers.iter().map(|p| p.id).min() != Some(cfg.id) {
             return; // the smallest id initializes; this one is added by it
         }
-        cfg.peers.iter().map(|p| (p.id, BasicNode::new(p.addr.clone()))).collect()
+        // validate() checked that every peer address derives.
+        cfg.peers.iter().map(|p| (p.id, ServerNode::new(p.peer().unwrap_or_default(), p.addr.clone()))).collect()
     };
     match core.raft.initialize(members).await {
         Ok(()) => tracing::info!("initialized a new cluster"),
@@ -209,11 +236,16 @@ async fn bootstrap(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
     }
 }
 
-async fn join_once(via: &str, id: u64, addr: &str, learner_only: bool) -> Result<(), String> {
+async fn join_once(via: &str, id: u64, addr: &str, peer_addr: &str, learner_only: bool) -> Result<(), String> {
     let uri = if via.contains("://") { via.to_owned() } else { format!("http://{via}") };
     let mut c = ClusterClient::connect(uri).await.map_err(|e| e.to_string())?;
-    c.add_server(suanli_proto::v1::AddServerRequest { id, addr: addr.to_owned(), learner_only })
-        .await
-        .map_err(|s| format!("{}: {}", s.code(), s.message()))?;
+    c.add_server(suanli_proto::v1::AddServerRequest {
+        id,
+        addr: addr.to_owned(),
+        learner_only,
+        peer_addr: peer_addr.to_owned(),
+    })
+    .await
+    .map_err(|s| format!("{}: {}", s.code(), s.message()))?;
     Ok(())
 }

@@ -37,10 +37,13 @@ pub async fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
 pub struct ProcessCluster {
     bin: PathBuf,
     dir: tempfile::TempDir,
-    /// Their addresses (index i is server id i + 1).
+    /// Their client addresses (index i is server id i + 1).
     pub addrs: Vec<String>,
+    /// Their peer addresses (raft, `Internal`), same order.
+    pub peer_addrs: Vec<String>,
     procs: Vec<Option<Child>>,
     extra: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl ProcessCluster {
@@ -52,19 +55,34 @@ impl ProcessCluster {
         if keep {
             eprintln!("keeping the cluster's data and logs in {}", dir.path().display());
         }
-        let addrs = free_ports(n)?.into_iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let mut ports = free_ports(2 * n)?.into_iter().map(|p| format!("127.0.0.1:{p}"));
+        let addrs = ports.by_ref().take(n).collect();
+        let peer_addrs = ports.collect();
         Ok(ProcessCluster {
             bin: bin.to_owned(),
             dir,
             addrs,
+            peer_addrs,
             procs: (0..n).map(|_| None).collect(),
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            env: Vec::new(),
         })
     }
 
     /// Starts `n` servers of binary `bin` (`bin server ...`), with `extra` flags for each.
     pub fn start(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
         let mut c = Self::reserve(bin, n, extra)?;
+        for i in 0..n {
+            c.spawn(i)?;
+        }
+        Ok(c)
+    }
+
+    /// Like [`ProcessCluster::start`], with environment variables for every server (e.g.
+    /// `SUANLI_FAILPOINTS` in a build that has them).
+    pub fn start_env(bin: &Path, n: usize, extra: &[&str], env: &[(&str, &str)]) -> std::io::Result<ProcessCluster> {
+        let mut c = Self::reserve(bin, n, extra)?;
+        c.env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
         for i in 0..n {
             c.spawn(i)?;
         }
@@ -92,7 +110,13 @@ impl ProcessCluster {
 
     /// Starts (or restarts) server `i` (0-based) on its data directory.
     pub fn spawn(&mut self, i: usize) -> std::io::Result<()> {
-        let peers: Vec<String> = self.addrs.iter().enumerate().map(|(k, a)| format!("{}={a}", k + 1)).collect();
+        let peers: Vec<String> = self
+            .addrs
+            .iter()
+            .zip(&self.peer_addrs)
+            .enumerate()
+            .map(|(k, (a, p))| format!("{}={a}/{p}", k + 1))
+            .collect();
         let peers = peers.join(",");
         self.launch(i, &["--peers", &peers])
     }
@@ -104,13 +128,14 @@ impl ProcessCluster {
             .open(self.dir.path().join(format!("s{}.log", i + 1)))?;
         let child = Command::new(&self.bin)
             .arg("server")
-            .args(["--id", &(i + 1).to_string(), "--listen", &self.addrs[i]])
+            .args(["--id", &(i + 1).to_string(), "--listen", &self.addrs[i], "--peer-listen", &self.peer_addrs[i]])
             .arg("--data-dir")
             .arg(self.dir.path().join(format!("s{}", i + 1)))
             .args(membership)
             .args(&self.extra)
             .env("SUANLI_LOG", std::env::var("SUANLI_LOG").unwrap_or_else(|_| "warn,suanli_server=info".into()))
             .env_remove("SUANLI_CONFIG")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))

@@ -63,7 +63,8 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             tokio::time::sleep(min_gap - since).await;
         }
         last_pass = Instant::now();
-        if !core.is_leader() {
+        // A halted group is read-only: no plan could commit.
+        if !core.is_leader() || core.halted().is_some() {
             continue;
         }
         let now = now_s();
@@ -115,7 +116,9 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             () = tokio::time::sleep(period) => {}
             _ = stop.changed() => return,
         }
-        if !core.is_leader() {
+        // Halted (read-only): no node can be declared down; once applying again, every node
+        // gets a full TTL, as under a new leader.
+        if !core.is_leader() || core.halted().is_some() {
             leading = false;
             continue;
         }

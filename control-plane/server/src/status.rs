@@ -54,3 +54,13 @@ pub fn decode_json<T: serde::de::DeserializeOwned>(field: &str, text: &str, limi
         }
     })
 }
+
+/// At most the first 64 characters of `s`, for an error message (then `…` and the full size):
+/// an error never copies unbounded input back to the caller.
+pub fn prefix(s: &str) -> String {
+    const MAX: usize = 64;
+    match s.char_indices().nth(MAX) {
+        None => s.to_owned(),
+        Some((at, _)) => format!("{}…({} bytes)", &s[..at], s.len()),
+    }
+}

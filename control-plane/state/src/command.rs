@@ -182,6 +182,19 @@ pub struct UpdateConfig {
     pub config: StateConfig,
 }
 
+/// The operator's order to skip a log entry that no server of the group can apply (a poison
+/// entry), read while halted at it. Every entry from `index` up to this one is skipped (none
+/// was applied anywhere: every server halted at `index`), then applying goes on. A server
+/// that did apply `index` refuses it (nothing to skip), changing nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkipEntry {
+    /// The halted entry's index.
+    pub index: u64,
+    /// Its command kind as the halt names it (a check that the operator skips what they saw).
+    #[serde(default)]
+    pub kind: String,
+}
+
 /// Several commands committed as one log entry (group commit of concurrent requests). Each
 /// is applied in order exactly as if it had its own entry: each gets its own response and, if
 /// it changes the state, its own revision. A batch may not contain a batch.
@@ -294,6 +307,21 @@ commands! {
     UpdateConfig(Box<UpdateConfig>) = "update_config", ignorable: false;
     /// Several commands in one entry.
     Batch(Batch) = "batch", ignorable: false;
+    /// Skip a halted entry (operator recovery).
+    SkipEntry(SkipEntry) = "skip_entry", ignorable: false;
+}
+
+impl Command {
+    /// The kind of the first command (this one, or one inside a batch) that this build does
+    /// not know and may not skip: such a command must not be applied at all, so a replica
+    /// halts before it rather than apply half a batch.
+    pub fn unsupported_kind(&self) -> Option<&str> {
+        match self {
+            Command::Unknown { kind, ignorable: false, .. } => Some(kind),
+            Command::Batch(b) => b.commands.iter().find_map(Command::unsupported_kind),
+            _ => None,
+        }
+    }
 }
 
 /// The envelope as written: `{"v", "kind", "ignorable", "body"}` in that order.
@@ -517,6 +545,16 @@ pub enum Response {
     Unsupported {
         /// Its kind.
         kind: String,
+    },
+    /// Not applied: this replica halted at entry `index` (read-only until a build that can
+    /// apply it restarts it, or a [`SkipEntry`] for it commits).
+    Halted {
+        /// The entry it halted at.
+        index: u64,
+        /// That entry's command kind (empty when unreadable).
+        kind: String,
+        /// Why, and what would apply it.
+        reason: String,
     },
 }
 

@@ -216,6 +216,11 @@ impl State {
             Command::ReportCheckpoint(c) => self.report_checkpoint(c, rev),
             Command::UpdateConfig(c) => self.update_config(*c),
             Command::Batch(b) => return self.apply_batch(b),
+            // Read only while halted, by the raft layer; met here, the entry was applied.
+            Command::SkipEntry(c) => Err(CommandError::Conflict {
+                field: "index".into(),
+                message: format!("entry {} was applied on this server: nothing to skip", c.index),
+            }),
             Command::Unknown { kind, ignorable: true, .. } => return Response::Ignored { kind },
             Command::Unknown { kind, ignorable: false, .. } => return Response::Unsupported { kind },
         };

@@ -1,10 +1,10 @@
 //! Helpers for tests that run real raft nodes (RocksDB in temp dirs, gRPC on loopback).
 #![allow(dead_code)]
 
-use openraft::BasicNode;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use suanli_model::{Device, DeviceKind, JobSpec, Node, Queue, ResVec};
+use suanli_raft::ServerNode;
 use suanli_raft::{RaftService, RaftSettings, StateHandle, SuanliRaft};
 use suanli_state::{Command, RegisterNode, SubmitJob, UpsertQueue};
 use tempfile::TempDir;
@@ -61,8 +61,8 @@ impl TestNode {
         Ok(TestNode { id, addr, raft, state, dir, stop: Some(stop), server: Some(server) })
     }
 
-    pub fn node(&self) -> BasicNode {
-        BasicNode::new(self.addr.clone())
+    pub fn node(&self) -> ServerNode {
+        ServerNode::new(self.addr.clone(), "")
     }
 
     /// Stops raft and the server; keeps the data dir.
@@ -78,7 +78,7 @@ impl TestNode {
     }
 }
 
-pub fn members(nodes: &[&TestNode]) -> BTreeMap<u64, BasicNode> {
+pub fn members(nodes: &[&TestNode]) -> BTreeMap<u64, ServerNode> {
     nodes.iter().map(|n| (n.id, n.node())).collect()
 }
 
