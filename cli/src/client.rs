@@ -33,7 +33,7 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 const LEADER_KEY: &str = "suanli-leader";
 /// Attempts of one submission (same request id) on transport failures.
 const SUBMIT_ATTEMPTS: u32 = 5;
-/// Largest page asked for by `job list`.
+/// Largest page the list commands ask for (the server may answer fewer, bounded in bytes).
 const PAGE: u32 = 500;
 
 /// How results are printed.
@@ -103,9 +103,9 @@ pub enum JobCmd {
         /// preempted, requeuing, succeeded, failed, cancelled.
         #[arg(long = "state", value_delimiter = ',')]
         states: Vec<String>,
-        /// Most jobs shown.
-        #[arg(long, default_value_t = 1000)]
-        limit: u32,
+        /// Most jobs shown (default: every one, page after page).
+        #[arg(long)]
+        limit: Option<u32>,
         /// Answer from the contacted server's local state (possibly stale).
         #[arg(long)]
         stale: bool,
@@ -495,6 +495,37 @@ impl Conn {
         }
         Err(Status::unavailable(format!("no server answered ({})", failures.join("; "))))
     }
+
+    /// Follows a list to its end, or until `cap` items: `page(channel, token, limit)` asks for
+    /// one page and answers its items and the next token (the default value after the last
+    /// page). A page may hold fewer items than asked while more follow (the server bounds pages
+    /// in bytes too): only the token ends the list.
+    async fn pages<T, K, F, Fut>(&mut self, cap: Option<u32>, mut page: F) -> Result<Vec<T>, Status>
+    where
+        K: Ord + Default + Clone,
+        F: FnMut(Channel, K, u32) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<(Vec<T>, K)>, Status>>,
+    {
+        let cap = cap.map(|c| c as usize);
+        let mut out = Vec::new();
+        let mut after = K::default();
+        loop {
+            let want = cap.map_or(PAGE, |c| u32::try_from(c.saturating_sub(out.len())).unwrap_or(PAGE).min(PAGE));
+            let (items, next) = self.call(|ch| page(ch, after.clone(), want)).await?;
+            out.extend(items);
+            if next == K::default() || cap.is_some_and(|c| out.len() >= c) {
+                break;
+            }
+            if next <= after {
+                return Err(Status::internal("the server answered a page token that does not advance"));
+            }
+            after = next;
+        }
+        if let Some(c) = cap {
+            out.truncate(c);
+        }
+        Ok(out)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -625,7 +656,12 @@ fn alloc_json(a: &pb::AllocInfo) -> Value {
 }
 
 fn job_json(j: &pb::JobInfo) -> Value {
-    let spec: Value = serde_json::from_str(&j.spec_json).unwrap_or_else(|_| Value::String(j.spec_json.clone()));
+    // A summary (what lists answer) has no spec: null, rather than an empty string.
+    let spec: Value = if j.summary {
+        Value::Null
+    } else {
+        serde_json::from_str(&j.spec_json).unwrap_or_else(|_| Value::String(j.spec_json.clone()))
+    };
     json!({
         "id": j.id, "name": j.name, "queue": j.queue, "state": j.state, "priority": j.priority,
         "submitted_at": j.submitted_at, "updated_at": j.updated_at, "attempt": j.attempt,
@@ -633,6 +669,7 @@ fn job_json(j: &pb::JobInfo) -> Value {
         "allocs": j.allocs.iter().map(alloc_json).collect::<Vec<_>>(),
         "spec": spec, "revision": j.revision, "client_request_id": j.client_request_id,
         "queue_position": j.queue_position, "latest_checkpoint_uri": j.latest_checkpoint_uri,
+        "omitted_allocs": j.omitted_allocs,
     })
 }
 
@@ -959,27 +996,17 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
         }
         JobCmd::List { queue, states, limit, stale } => {
             let queue = queue.unwrap_or_default();
-            let mut jobs: Vec<pb::JobInfo> = Vec::new();
-            let mut after_id = 0;
-            while (jobs.len() as u64) < u64::from(limit) {
-                let want = (limit - jobs.len() as u32).min(PAGE);
-                let req =
-                    pb::ListJobsRequest { queue: queue.clone(), states: states.clone(), limit: want, after_id, stale };
-                let page = conn
-                    .call(|ch| {
-                        let req = req.clone();
-                        async move { pb::jobs_client::JobsClient::new(ch).list(req).await }
-                    })
-                    .await
-                    .map_err(status_err)?;
-                let n = page.jobs.len();
-                jobs.extend(page.jobs);
-                if page.next_after_id == 0 || page.next_after_id <= after_id || n == 0 {
-                    break;
-                }
-                after_id = page.next_after_id;
-            }
-            jobs.truncate(limit as usize);
+            let jobs = conn
+                .pages(limit, |ch, after_id, limit| {
+                    let req =
+                        pb::ListJobsRequest { queue: queue.clone(), states: states.clone(), limit, after_id, stale };
+                    async move {
+                        let r = pb::jobs_client::JobsClient::new(ch).list(req).await?;
+                        Ok(r.map(|r| (r.jobs, r.next_after_id)))
+                    }
+                })
+                .await
+                .map_err(status_err)?;
             match out {
                 Output::Json => print_value(&Value::Array(jobs.iter().map(job_json).collect())),
                 Output::Table => {
@@ -1165,15 +1192,17 @@ async fn queue(args: ConnArgs, cmd: QueueCmd) -> anyhow::Result<()> {
             }
         }
         QueueCmd::List { stale } => {
-            let r = conn
-                .call(|ch| async move { qc(ch).list(pb::ListQueuesRequest { stale }).await })
+            let queues = conn
+                .pages(None, |ch, after, limit| async move {
+                    let r = qc(ch).list(pb::ListQueuesRequest { stale, limit, after }).await?;
+                    Ok(r.map(|r| (r.queues, r.next_after)))
+                })
                 .await
                 .map_err(status_err)?;
             match out {
-                Output::Json => print_value(&Value::Array(r.queues.iter().map(queue_json).collect())),
+                Output::Json => print_value(&Value::Array(queues.iter().map(queue_json).collect())),
                 Output::Table => {
-                    let rows: Vec<Vec<String>> = r
-                        .queues
+                    let rows: Vec<Vec<String>> = queues
                         .iter()
                         .map(|q| {
                             vec![
@@ -1265,17 +1294,19 @@ async fn pool(args: ConnArgs, cmd: PoolCmd) -> anyhow::Result<()> {
     let mut conn = Conn::new(&args)?;
     match cmd {
         PoolCmd::List { stale } => {
-            let r =
-                conn.call(|ch| async move {
-                    pb::pools_client::PoolsClient::new(ch).list(pb::ListPoolsRequest { stale }).await
+            let pools = conn
+                .pages(None, |ch, after, limit| async move {
+                    let r = pb::pools_client::PoolsClient::new(ch)
+                        .list(pb::ListPoolsRequest { stale, limit, after })
+                        .await?;
+                    Ok(r.map(|r| (r.pools, r.next_after)))
                 })
                 .await
                 .map_err(status_err)?;
             match args.output {
-                Output::Json => print_value(&Value::Array(r.pools.iter().map(pool_json).collect())),
+                Output::Json => print_value(&Value::Array(pools.iter().map(pool_json).collect())),
                 Output::Table => {
-                    let rows: Vec<Vec<String>> = r
-                        .pools
+                    let rows: Vec<Vec<String>> = pools
                         .iter()
                         .map(|p| {
                             let mut row = vec![p.name.clone(), format!("{}/{}", p.ready_nodes, p.nodes)];
@@ -1318,18 +1349,20 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
         NodeCmd::Validate { file } => print_json(&spec::load_node(&file)?),
         NodeCmd::List { pool, stale } => {
             let pool = pool.unwrap_or_default();
-            let r = conn
-                .call(|ch| {
-                    let pool = pool.clone();
-                    async move { nc(ch).list(pb::ListNodesRequest { pool, stale }).await }
+            let nodes = conn
+                .pages(None, |ch, after, limit| {
+                    let req = pb::ListNodesRequest { pool: pool.clone(), stale, limit, after };
+                    async move {
+                        let r = nc(ch).list(req).await?;
+                        Ok(r.map(|r| (r.nodes, r.next_after)))
+                    }
                 })
                 .await
                 .map_err(status_err)?;
             match out {
-                Output::Json => print_value(&Value::Array(r.nodes.iter().map(node_json).collect())),
+                Output::Json => print_value(&Value::Array(nodes.iter().map(node_json).collect())),
                 Output::Table => {
-                    let rows: Vec<Vec<String>> = r
-                        .nodes
+                    let rows: Vec<Vec<String>> = nodes
                         .iter()
                         .map(|n| {
                             let mut row =
