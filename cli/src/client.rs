@@ -36,6 +36,15 @@ const SUBMIT_ATTEMPTS: u32 = 5;
 /// Largest page the list commands ask for (the server may answer fewer, bounded in bytes).
 const PAGE: u32 = 500;
 
+/// Largest reply the CLI accepts: the reply limit of a server left at its defaults (4 x 4 MiB),
+/// which one whole job (`job status`, `job watch`) may reach; list pages stay under 4 MiB.
+const MAX_REPLY_BYTES: usize = 4 * suanli_proto::DEFAULT_MAX_MESSAGE_BYTES;
+
+/// A `Jobs` client that accepts replies up to [`MAX_REPLY_BYTES`].
+fn jobs_client(ch: Channel) -> pb::jobs_client::JobsClient<Channel> {
+    pb::jobs_client::JobsClient::new(ch).max_decoding_message_size(MAX_REPLY_BYTES)
+}
+
 /// How results are printed.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Output {
@@ -802,7 +811,7 @@ async fn submit_files(
         let what = format!("request ids {base}-{}..", results.len() + 1);
         let resp = call_retrying(conn, &what, |ch| {
             let jobs = chunk.to_vec();
-            async move { pb::jobs_client::JobsClient::new(ch).submit_many(pb::SubmitJobsRequest { jobs }).await }
+            async move { jobs_client(ch).submit_many(pb::SubmitJobsRequest { jobs }).await }
         })
         .await?;
         if resp.results.len() != chunk.len() {
@@ -862,7 +871,7 @@ fn job_row(j: &pb::JobInfo) -> Vec<String> {
         j.state.clone(),
         j.priority.to_string(),
         age(j.submitted_at),
-        j.allocs.len().to_string(),
+        (j.allocs.len() as u64 + j.omitted_allocs).to_string(),
         dash(&j.reason),
     ]
 }
@@ -958,7 +967,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
             let what = format!("request id {}", req.client_request_id);
             let resp = call_retrying(&mut conn, &what, |ch| {
                 let req = req.clone();
-                async move { pb::jobs_client::JobsClient::new(ch).submit(req).await }
+                async move { jobs_client(ch).submit(req).await }
             })
             .await?;
             match out {
@@ -981,9 +990,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
         }
         JobCmd::Status { id, stale } => {
             let j = conn
-                .call(|ch| async move {
-                    pb::jobs_client::JobsClient::new(ch).get(pb::GetJobRequest { job_id: id, stale }).await
-                })
+                .call(|ch| async move { jobs_client(ch).get(pb::GetJobRequest { job_id: id, stale }).await })
                 .await
                 .map_err(status_err)?;
             match out {
@@ -1001,7 +1008,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
                     let req =
                         pb::ListJobsRequest { queue: queue.clone(), states: states.clone(), limit, after_id, stale };
                     async move {
-                        let r = pb::jobs_client::JobsClient::new(ch).list(req).await?;
+                        let r = jobs_client(ch).list(req).await?;
                         Ok(r.map(|r| (r.jobs, r.next_after_id)))
                     }
                 })
@@ -1018,7 +1025,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
         JobCmd::Cancel { id, reason } => {
             conn.call(|ch| {
                 let reason = reason.clone();
-                async move { pb::jobs_client::JobsClient::new(ch).cancel(pb::CancelJobRequest { job_id: id, reason }).await }
+                async move { jobs_client(ch).cancel(pb::CancelJobRequest { job_id: id, reason }).await }
             })
             .await
             .map_err(status_err)?;
@@ -1032,9 +1039,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
         }
         JobCmd::Logs { id, task, alloc, stderr, tail, follow } => {
             let j = conn
-                .call(|ch| async move {
-                    pb::jobs_client::JobsClient::new(ch).get(pb::GetJobRequest { job_id: id, stale: false }).await
-                })
+                .call(|ch| async move { jobs_client(ch).get(pb::GetJobRequest { job_id: id, stale: false }).await })
                 .await
                 .map_err(status_err)?;
             let a = pick_alloc(&j, task.as_deref(), alloc)?;
@@ -1088,10 +1093,8 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
         JobCmd::Watch { id, from_revision } => {
             let mut sconn = conn.streaming();
             let req = pb::WatchJobsRequest { job_id: id.unwrap_or(0), from_revision };
-            let mut stream = sconn
-                .call(|ch| async move { pb::jobs_client::JobsClient::new(ch).watch(req).await })
-                .await
-                .map_err(status_err)?;
+            let mut stream =
+                sconn.call(|ch| async move { jobs_client(ch).watch(req).await }).await.map_err(status_err)?;
             let ctrl_c = tokio::signal::ctrl_c();
             tokio::pin!(ctrl_c);
             loop {

@@ -191,6 +191,7 @@ impl Jobs for Api {
         let permit = self.0.watch_permit()?;
         let (tx, rx) = tokio::sync::mpsc::channel(256);
         let core = self.0.clone();
+        let reply_limit = core.cfg.max_reply_bytes().saturating_sub(1024);
         tokio::spawn(async move {
             let _permit = permit;
             let mut applied = core.state.subscribe();
@@ -198,14 +199,16 @@ impl Jobs for Api {
             let mut seen_single = false;
             loop {
                 let events: Vec<pb::JobEvent> = core.state.read(|s| {
+                    // Each event is one message: a job's allocations are cut at the reply limit.
+                    let whole = |j| {
+                        let mut info = convert::job(s, j, 0, JobView::Full);
+                        convert::fit_job(&mut info, reply_limit);
+                        info
+                    };
                     if r.job_id != 0 {
                         return match s.job(JobId(r.job_id)) {
                             Some(j) if j.revision > last || (last == 0 && !seen_single) => {
-                                vec![pb::JobEvent {
-                                    revision: j.revision,
-                                    job: Some(convert::job(s, j, 0, JobView::Full)),
-                                    removed: false,
-                                }]
+                                vec![pb::JobEvent { revision: j.revision, job: Some(whole(j)), removed: false }]
                             }
                             Some(_) => Vec::new(),
                             None if seen_single => vec![pb::JobEvent {
@@ -220,11 +223,7 @@ impl Jobs for Api {
                         .jobs()
                         .values()
                         .filter(|j| j.revision > last)
-                        .map(|j| pb::JobEvent {
-                            revision: j.revision,
-                            job: Some(convert::job(s, j, 0, JobView::Full)),
-                            removed: false,
-                        })
+                        .map(|j| pb::JobEvent { revision: j.revision, job: Some(whole(j)), removed: false })
                         .collect();
                     v.sort_by_key(|e| e.revision);
                     v
