@@ -241,7 +241,7 @@ impl Drop for AgentProc {
 pub async fn nodes(addr: &str) -> Vec<pb::NodeInfo> {
     let ch = channel(addr).await.unwrap();
     NodesClient::new(ch)
-        .list(pb::ListNodesRequest { pool: String::new(), stale: false })
+        .list(pb::ListNodesRequest { pool: String::new(), stale: false, ..Default::default() })
         .await
         .unwrap()
         .into_inner()

@@ -105,7 +105,7 @@ async fn submit_one(c: &mut JobsClient<Channel>, rid: String, i: usize) -> Resul
 }
 
 async fn placed(ch: &Channel) -> u64 {
-    match PoolsClient::new(ch.clone()).list(pb::ListPoolsRequest { stale: true }).await {
+    match PoolsClient::new(ch.clone()).list(pb::ListPoolsRequest { stale: true, ..Default::default() }).await {
         Ok(r) => r.into_inner().pools.iter().filter_map(|p| p.used.as_ref()).map(|u| u.cpu_milli / 100).sum(),
         Err(_) => 0,
     }

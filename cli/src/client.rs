@@ -33,8 +33,17 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 const LEADER_KEY: &str = "suanli-leader";
 /// Attempts of one submission (same request id) on transport failures.
 const SUBMIT_ATTEMPTS: u32 = 5;
-/// Largest page asked for by `job list`.
+/// Largest page the list commands ask for (the server may answer fewer, bounded in bytes).
 const PAGE: u32 = 500;
+
+/// Largest reply the CLI accepts: the reply limit of a server left at its defaults (4 x 4 MiB),
+/// which one whole job (`job status`, `job watch`) may reach; list pages stay under 4 MiB.
+const MAX_REPLY_BYTES: usize = 4 * suanli_proto::DEFAULT_MAX_MESSAGE_BYTES;
+
+/// A `Jobs` client that accepts replies up to [`MAX_REPLY_BYTES`].
+fn jobs_client(ch: Channel) -> pb::jobs_client::JobsClient<Channel> {
+    pb::jobs_client::JobsClient::new(ch).max_decoding_message_size(MAX_REPLY_BYTES)
+}
 
 /// How results are printed.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,9 +112,9 @@ pub enum JobCmd {
         /// preempted, requeuing, succeeded, failed, cancelled.
         #[arg(long = "state", value_delimiter = ',')]
         states: Vec<String>,
-        /// Most jobs shown.
-        #[arg(long, default_value_t = 1000)]
-        limit: u32,
+        /// Most jobs shown (default: every one, page after page).
+        #[arg(long)]
+        limit: Option<u32>,
         /// Answer from the contacted server's local state (possibly stale).
         #[arg(long)]
         stale: bool,
@@ -511,6 +520,37 @@ impl Conn {
         }
         Err(Status::unavailable(format!("no server answered ({})", failures.join("; "))))
     }
+
+    /// Follows a list to its end, or until `cap` items: `page(channel, token, limit)` asks for
+    /// one page and answers its items and the next token (the default value after the last
+    /// page). A page may hold fewer items than asked while more follow (the server bounds pages
+    /// in bytes too): only the token ends the list.
+    async fn pages<T, K, F, Fut>(&mut self, cap: Option<u32>, mut page: F) -> Result<Vec<T>, Status>
+    where
+        K: Ord + Default + Clone,
+        F: FnMut(Channel, K, u32) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<(Vec<T>, K)>, Status>>,
+    {
+        let cap = cap.map(|c| c as usize);
+        let mut out = Vec::new();
+        let mut after = K::default();
+        loop {
+            let want = cap.map_or(PAGE, |c| u32::try_from(c.saturating_sub(out.len())).unwrap_or(PAGE).min(PAGE));
+            let (items, next) = self.call(|ch| page(ch, after.clone(), want)).await?;
+            out.extend(items);
+            if next == K::default() || cap.is_some_and(|c| out.len() >= c) {
+                break;
+            }
+            if next <= after {
+                return Err(Status::internal("the server answered a page token that does not advance"));
+            }
+            after = next;
+        }
+        if let Some(c) = cap {
+            out.truncate(c);
+        }
+        Ok(out)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -641,7 +681,12 @@ fn alloc_json(a: &pb::AllocInfo) -> Value {
 }
 
 fn job_json(j: &pb::JobInfo) -> Value {
-    let spec: Value = serde_json::from_str(&j.spec_json).unwrap_or_else(|_| Value::String(j.spec_json.clone()));
+    // A summary (what lists answer) has no spec: null, rather than an empty string.
+    let spec: Value = if j.summary {
+        Value::Null
+    } else {
+        serde_json::from_str(&j.spec_json).unwrap_or_else(|_| Value::String(j.spec_json.clone()))
+    };
     json!({
         "id": j.id, "name": j.name, "queue": j.queue, "state": j.state, "priority": j.priority,
         "submitted_at": j.submitted_at, "updated_at": j.updated_at, "attempt": j.attempt,
@@ -649,6 +694,7 @@ fn job_json(j: &pb::JobInfo) -> Value {
         "allocs": j.allocs.iter().map(alloc_json).collect::<Vec<_>>(),
         "spec": spec, "revision": j.revision, "client_request_id": j.client_request_id,
         "queue_position": j.queue_position, "latest_checkpoint_uri": j.latest_checkpoint_uri,
+        "omitted_allocs": j.omitted_allocs,
     })
 }
 
@@ -781,7 +827,7 @@ async fn submit_files(
         let what = format!("request ids {base}-{}..", results.len() + 1);
         let resp = call_retrying(conn, &what, |ch| {
             let jobs = chunk.to_vec();
-            async move { pb::jobs_client::JobsClient::new(ch).submit_many(pb::SubmitJobsRequest { jobs }).await }
+            async move { jobs_client(ch).submit_many(pb::SubmitJobsRequest { jobs }).await }
         })
         .await?;
         if resp.results.len() != chunk.len() {
@@ -841,7 +887,7 @@ fn job_row(j: &pb::JobInfo) -> Vec<String> {
         j.state.clone(),
         j.priority.to_string(),
         age(j.submitted_at),
-        j.allocs.len().to_string(),
+        (j.allocs.len() as u64 + j.omitted_allocs).to_string(),
         dash(&j.reason),
     ]
 }
@@ -937,7 +983,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
             let what = format!("request id {}", req.client_request_id);
             let resp = call_retrying(&mut conn, &what, |ch| {
                 let req = req.clone();
-                async move { pb::jobs_client::JobsClient::new(ch).submit(req).await }
+                async move { jobs_client(ch).submit(req).await }
             })
             .await?;
             match out {
@@ -960,9 +1006,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
         }
         JobCmd::Status { id, stale } => {
             let j = conn
-                .call(|ch| async move {
-                    pb::jobs_client::JobsClient::new(ch).get(pb::GetJobRequest { job_id: id, stale }).await
-                })
+                .call(|ch| async move { jobs_client(ch).get(pb::GetJobRequest { job_id: id, stale }).await })
                 .await
                 .map_err(status_err)?;
             match out {
@@ -975,27 +1019,17 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
         }
         JobCmd::List { queue, states, limit, stale } => {
             let queue = queue.unwrap_or_default();
-            let mut jobs: Vec<pb::JobInfo> = Vec::new();
-            let mut after_id = 0;
-            while (jobs.len() as u64) < u64::from(limit) {
-                let want = (limit - jobs.len() as u32).min(PAGE);
-                let req =
-                    pb::ListJobsRequest { queue: queue.clone(), states: states.clone(), limit: want, after_id, stale };
-                let page = conn
-                    .call(|ch| {
-                        let req = req.clone();
-                        async move { pb::jobs_client::JobsClient::new(ch).list(req).await }
-                    })
-                    .await
-                    .map_err(status_err)?;
-                let n = page.jobs.len();
-                jobs.extend(page.jobs);
-                if page.next_after_id == 0 || page.next_after_id <= after_id || n == 0 {
-                    break;
-                }
-                after_id = page.next_after_id;
-            }
-            jobs.truncate(limit as usize);
+            let jobs = conn
+                .pages(limit, |ch, after_id, limit| {
+                    let req =
+                        pb::ListJobsRequest { queue: queue.clone(), states: states.clone(), limit, after_id, stale };
+                    async move {
+                        let r = jobs_client(ch).list(req).await?;
+                        Ok(r.map(|r| (r.jobs, r.next_after_id)))
+                    }
+                })
+                .await
+                .map_err(status_err)?;
             match out {
                 Output::Json => print_value(&Value::Array(jobs.iter().map(job_json).collect())),
                 Output::Table => {
@@ -1007,7 +1041,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
         JobCmd::Cancel { id, reason } => {
             conn.call(|ch| {
                 let reason = reason.clone();
-                async move { pb::jobs_client::JobsClient::new(ch).cancel(pb::CancelJobRequest { job_id: id, reason }).await }
+                async move { jobs_client(ch).cancel(pb::CancelJobRequest { job_id: id, reason }).await }
             })
             .await
             .map_err(status_err)?;
@@ -1021,9 +1055,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
         }
         JobCmd::Logs { id, task, alloc, stderr, tail, follow } => {
             let j = conn
-                .call(|ch| async move {
-                    pb::jobs_client::JobsClient::new(ch).get(pb::GetJobRequest { job_id: id, stale: false }).await
-                })
+                .call(|ch| async move { jobs_client(ch).get(pb::GetJobRequest { job_id: id, stale: false }).await })
                 .await
                 .map_err(status_err)?;
             let a = pick_alloc(&j, task.as_deref(), alloc)?;
@@ -1077,10 +1109,8 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
         JobCmd::Watch { id, from_revision } => {
             let mut sconn = conn.streaming();
             let req = pb::WatchJobsRequest { job_id: id.unwrap_or(0), from_revision };
-            let mut stream = sconn
-                .call(|ch| async move { pb::jobs_client::JobsClient::new(ch).watch(req).await })
-                .await
-                .map_err(status_err)?;
+            let mut stream =
+                sconn.call(|ch| async move { jobs_client(ch).watch(req).await }).await.map_err(status_err)?;
             let ctrl_c = tokio::signal::ctrl_c();
             tokio::pin!(ctrl_c);
             loop {
@@ -1181,15 +1211,17 @@ async fn queue(args: ConnArgs, cmd: QueueCmd) -> anyhow::Result<()> {
             }
         }
         QueueCmd::List { stale } => {
-            let r = conn
-                .call(|ch| async move { qc(ch).list(pb::ListQueuesRequest { stale }).await })
+            let queues = conn
+                .pages(None, |ch, after, limit| async move {
+                    let r = qc(ch).list(pb::ListQueuesRequest { stale, limit, after }).await?;
+                    Ok(r.map(|r| (r.queues, r.next_after)))
+                })
                 .await
                 .map_err(status_err)?;
             match out {
-                Output::Json => print_value(&Value::Array(r.queues.iter().map(queue_json).collect())),
+                Output::Json => print_value(&Value::Array(queues.iter().map(queue_json).collect())),
                 Output::Table => {
-                    let rows: Vec<Vec<String>> = r
-                        .queues
+                    let rows: Vec<Vec<String>> = queues
                         .iter()
                         .map(|q| {
                             vec![
@@ -1281,17 +1313,19 @@ async fn pool(args: ConnArgs, cmd: PoolCmd) -> anyhow::Result<()> {
     let mut conn = Conn::new(&args)?;
     match cmd {
         PoolCmd::List { stale } => {
-            let r =
-                conn.call(|ch| async move {
-                    pb::pools_client::PoolsClient::new(ch).list(pb::ListPoolsRequest { stale }).await
+            let pools = conn
+                .pages(None, |ch, after, limit| async move {
+                    let r = pb::pools_client::PoolsClient::new(ch)
+                        .list(pb::ListPoolsRequest { stale, limit, after })
+                        .await?;
+                    Ok(r.map(|r| (r.pools, r.next_after)))
                 })
                 .await
                 .map_err(status_err)?;
             match args.output {
-                Output::Json => print_value(&Value::Array(r.pools.iter().map(pool_json).collect())),
+                Output::Json => print_value(&Value::Array(pools.iter().map(pool_json).collect())),
                 Output::Table => {
-                    let rows: Vec<Vec<String>> = r
-                        .pools
+                    let rows: Vec<Vec<String>> = pools
                         .iter()
                         .map(|p| {
                             let mut row = vec![p.name.clone(), format!("{}/{}", p.ready_nodes, p.nodes)];
@@ -1334,18 +1368,20 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
         NodeCmd::Validate { file } => print_json(&spec::load_node(&file)?),
         NodeCmd::List { pool, stale } => {
             let pool = pool.unwrap_or_default();
-            let r = conn
-                .call(|ch| {
-                    let pool = pool.clone();
-                    async move { nc(ch).list(pb::ListNodesRequest { pool, stale }).await }
+            let nodes = conn
+                .pages(None, |ch, after, limit| {
+                    let req = pb::ListNodesRequest { pool: pool.clone(), stale, limit, after };
+                    async move {
+                        let r = nc(ch).list(req).await?;
+                        Ok(r.map(|r| (r.nodes, r.next_after)))
+                    }
                 })
                 .await
                 .map_err(status_err)?;
             match out {
-                Output::Json => print_value(&Value::Array(r.nodes.iter().map(node_json).collect())),
+                Output::Json => print_value(&Value::Array(nodes.iter().map(node_json).collect())),
                 Output::Table => {
-                    let rows: Vec<Vec<String>> = r
-                        .nodes
+                    let rows: Vec<Vec<String>> = nodes
                         .iter()
                         .map(|n| {
                             let mut row =

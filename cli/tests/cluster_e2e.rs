@@ -57,12 +57,12 @@ async fn digest(c: &ProcessCluster, i: usize) -> (Vec<pb::JobInfo>, Vec<pb::Queu
     let jobs = all_jobs(addr, false).await.unwrap_or_else(|e| fail("jobs", &e));
     let ch = channel(addr).await.unwrap_or_else(|e| fail("connect", &e));
     let queues = QueuesClient::new(ch.clone())
-        .list(pb::ListQueuesRequest { stale: false })
+        .list(pb::ListQueuesRequest { stale: false, ..Default::default() })
         .await
         .unwrap_or_else(|e| fail("queues", &e))
         .into_inner();
     let nodes = NodesClient::new(ch)
-        .list(pb::ListNodesRequest { pool: String::new(), stale: false })
+        .list(pb::ListNodesRequest { pool: String::new(), stale: false, ..Default::default() })
         .await
         .unwrap_or_else(|e| fail("nodes", &e));
     (jobs, queues.queues, nodes.into_inner().nodes)

@@ -21,7 +21,9 @@ fn submit(rid: &str, spec: String) -> pb::SubmitJobRequest {
 }
 
 async fn state_of(addr: &str) -> (Vec<pb::JobInfo>, Vec<pb::QueueInfo>) {
-    let q = QueuesClient::new(channel(addr).await.unwrap()).list(pb::ListQueuesRequest { stale: false }).await;
+    let q = QueuesClient::new(channel(addr).await.unwrap())
+        .list(pb::ListQueuesRequest { stale: false, ..Default::default() })
+        .await;
     (all_jobs(addr, false).await.unwrap(), q.unwrap().into_inner().queues)
 }
 

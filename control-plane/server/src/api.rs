@@ -1,11 +1,13 @@
 //! The client API (`Jobs`, `Queues`, `Pools`, `Nodes`, `Cluster`) and the server-to-server
 //! `Internal` service, over the shared [`Core`].
 
-use crate::convert;
+use crate::convert::{self, JobView};
 use crate::core::{Core, now_s};
+use crate::page::{self, Page};
 use crate::status::{decode_json, invalid, unavailable};
 use openraft::ChangeMembers;
 use std::collections::BTreeSet;
+use std::ops::Bound;
 use std::sync::Arc;
 use std::time::Duration;
 use suanli_model::{JobId, JobSpec, NodeId, Queue, QueueId};
@@ -119,9 +121,15 @@ impl Jobs for Api {
         let r = req.into_inner();
         let info = self
             .0
-            .read(r.stale, |s| s.job(JobId(r.job_id)).map(|j| convert::job(s, j, convert::queue_position(s, j))))
+            .read(r.stale, |s| {
+                s.job(JobId(r.job_id)).map(|j| convert::job(s, j, convert::queue_position(s, j), JobView::Full))
+            })
             .await?;
-        info.map_or_else(|| Err(Status::not_found(format!("job_id: unknown job {}", r.job_id))), ok)
+        let mut info = info.ok_or_else(|| Status::not_found(format!("job_id: unknown job {}", r.job_id)))?;
+        // A job with very many allocations, each carrying its task, could outgrow the reply:
+        // the spec always fits (it came in one request), the allocations are cut.
+        convert::fit_job(&mut info, self.0.cfg.max_reply_bytes().saturating_sub(1024));
+        ok(info)
     }
 
     async fn list(&self, req: Request<pb::ListJobsRequest>) -> Resp<pb::ListJobsResponse> {
@@ -138,26 +146,34 @@ impl Jobs for Api {
                 }
             }
         }
-        let max = self.0.cfg.max_list;
-        let limit = if r.limit == 0 { max } else { r.limit.min(max) } as usize;
+        let mut page = self.page(r.limit);
         let queue = r.queue;
         let after = r.after_id;
-        let (jobs, more) = self
+        let page = self
             .0
             .read(r.stale, |s| {
-                let mut it = s
+                let jobs = s
                     .jobs()
-                    .range(JobId(after.saturating_add(1))..)
+                    .range((Bound::Excluded(JobId(after)), Bound::Unbounded))
                     .map(|(_, j)| j)
                     .filter(|j| queue.is_empty() || j.spec.queue.0 == queue)
                     .filter(|j| states.is_empty() || states.iter().any(|x| x == j.state.as_str()));
-                let page: Vec<pb::JobInfo> = it.by_ref().take(limit).map(|j| convert::job(s, j, 0)).collect();
-                let more = it.next().is_some();
-                (page, more)
+                let max_bytes = page.max_bytes();
+                for j in jobs {
+                    let summary = || {
+                        let mut info = convert::job(s, j, 0, JobView::Summary);
+                        convert::fit_job(&mut info, max_bytes);
+                        info
+                    };
+                    if !page.offer(summary) {
+                        break;
+                    }
+                }
+                page
             })
             .await?;
-        let next = if more { jobs.last().map(|j| j.id).unwrap_or(0) } else { 0 };
-        ok(pb::ListJobsResponse { jobs, next_after_id: next })
+        let (jobs, next) = page.finish(|j| j.id);
+        ok(pb::ListJobsResponse { jobs, next_after_id: next.unwrap_or(0) })
     }
 
     async fn cancel(&self, req: Request<pb::CancelJobRequest>) -> Resp<pb::CancelJobResponse> {
@@ -175,6 +191,7 @@ impl Jobs for Api {
         let permit = self.0.watch_permit()?;
         let (tx, rx) = tokio::sync::mpsc::channel(256);
         let core = self.0.clone();
+        let reply_limit = core.cfg.max_reply_bytes().saturating_sub(1024);
         tokio::spawn(async move {
             let _permit = permit;
             let mut applied = core.state.subscribe();
@@ -182,14 +199,16 @@ impl Jobs for Api {
             let mut seen_single = false;
             loop {
                 let events: Vec<pb::JobEvent> = core.state.read(|s| {
+                    // Each event is one message: a job's allocations are cut at the reply limit.
+                    let whole = |j| {
+                        let mut info = convert::job(s, j, 0, JobView::Full);
+                        convert::fit_job(&mut info, reply_limit);
+                        info
+                    };
                     if r.job_id != 0 {
                         return match s.job(JobId(r.job_id)) {
                             Some(j) if j.revision > last || (last == 0 && !seen_single) => {
-                                vec![pb::JobEvent {
-                                    revision: j.revision,
-                                    job: Some(convert::job(s, j, 0)),
-                                    removed: false,
-                                }]
+                                vec![pb::JobEvent { revision: j.revision, job: Some(whole(j)), removed: false }]
                             }
                             Some(_) => Vec::new(),
                             None if seen_single => vec![pb::JobEvent {
@@ -204,11 +223,7 @@ impl Jobs for Api {
                         .jobs()
                         .values()
                         .filter(|j| j.revision > last)
-                        .map(|j| pb::JobEvent {
-                            revision: j.revision,
-                            job: Some(convert::job(s, j, 0)),
-                            removed: false,
-                        })
+                        .map(|j| pb::JobEvent { revision: j.revision, job: Some(whole(j)), removed: false })
                         .collect();
                     v.sort_by_key(|e| e.revision);
                     v
@@ -263,19 +278,42 @@ impl Queues for Api {
     }
 
     async fn list(&self, req: Request<pb::ListQueuesRequest>) -> Resp<pb::ListQueuesResponse> {
-        let queues = self
+        let r = req.into_inner();
+        let mut page = self.page(r.limit);
+        let after = QueueId(r.after);
+        let page = self
             .0
-            .read(req.into_inner().stale, |s| s.queues().keys().filter_map(|id| convert::queue(s, id)).collect())
+            .read(r.stale, |s| {
+                for id in s.queues().range((after_bound(&after), Bound::Unbounded)).map(|(id, _)| id) {
+                    let Some(q) = convert::queue(s, id) else { continue };
+                    if !page.offer(|| q) {
+                        break;
+                    }
+                }
+                page
+            })
             .await?;
-        ok(pb::ListQueuesResponse { queues })
+        let (queues, next) = page.finish(|q| q.id.clone());
+        ok(pb::ListQueuesResponse { queues, next_after: next.unwrap_or_default() })
     }
 }
 
 #[tonic::async_trait]
 impl Pools for Api {
     async fn list(&self, req: Request<pb::ListPoolsRequest>) -> Resp<pb::ListPoolsResponse> {
-        let pools = self.0.read(req.into_inner().stale, convert::pools).await?;
-        ok(pb::ListPoolsResponse { pools })
+        let r = req.into_inner();
+        let mut page = self.page(r.limit);
+        // Pools are not records of their own: each is summed over its nodes, in name order.
+        for p in self.0.read(r.stale, convert::pools).await? {
+            if !r.after.is_empty() && p.name <= r.after {
+                continue;
+            }
+            if !page.offer(|| p) {
+                break;
+            }
+        }
+        let (pools, next) = page.finish(|p| p.name.clone());
+        ok(pb::ListPoolsResponse { pools, next_after: next.unwrap_or_default() })
     }
 }
 
@@ -283,26 +321,32 @@ impl Pools for Api {
 impl Nodes for Api {
     async fn list(&self, req: Request<pb::ListNodesRequest>) -> Resp<pb::ListNodesResponse> {
         let r = req.into_inner();
-        let limit = self.0.cfg.max_list as usize;
-        let nodes = self
+        let mut page = self.page(r.limit);
+        let after = NodeId(r.after);
+        let page = self
             .0
             .read(r.stale, |s| {
-                s.nodes()
-                    .values()
-                    .filter(|n| r.pool.is_empty() || n.node.pool.0 == r.pool)
-                    .take(limit)
-                    .map(|n| convert::node(s, n))
-                    .collect::<Vec<_>>()
+                let nodes = s
+                    .nodes()
+                    .range((after_bound(&after), Bound::Unbounded))
+                    .map(|(_, n)| n)
+                    .filter(|n| r.pool.is_empty() || n.node.pool.0 == r.pool);
+                for n in nodes {
+                    let info = || {
+                        let mut info = convert::node(s, n);
+                        // The stats lock is never held while the state is read elsewhere.
+                        info.stats = self.0.stats_of(&n.node.id);
+                        info
+                    };
+                    if !page.offer(info) {
+                        break;
+                    }
+                }
+                page
             })
             .await?;
-        let nodes = nodes
-            .into_iter()
-            .map(|mut n| {
-                n.stats = self.0.stats_of(&NodeId(n.id.clone()));
-                n
-            })
-            .collect();
-        ok(pb::ListNodesResponse { nodes })
+        let (nodes, next) = page.finish(|n| n.id.clone());
+        ok(pb::ListNodesResponse { nodes, next_after: next.unwrap_or_default() })
     }
 
     async fn get(&self, req: Request<pb::GetNodeRequest>) -> Resp<pb::NodeInfo> {
@@ -328,7 +372,17 @@ impl Nodes for Api {
     }
 }
 
+/// Where a list resumes after the page token `after`: from the first item when it is empty.
+fn after_bound<K: Default + PartialEq>(after: &K) -> Bound<&K> {
+    if *after == K::default() { Bound::Unbounded } else { Bound::Excluded(after) }
+}
+
 impl Api {
+    /// An empty list page: the request's `limit` under `max_list`, and `max_list_bytes`.
+    fn page<T: prost::Message>(&self, limit: u32) -> Page<T> {
+        Page::new(page::count(limit, self.0.cfg.max_list), self.0.cfg.max_list_bytes)
+    }
+
     fn leader_cluster_client(&self) -> Result<ClusterClient<tonic::transport::Channel>, Status> {
         let (ch, _) = self.0.leader_channel()?;
         Ok(ClusterClient::new(ch))

@@ -6,6 +6,10 @@ use std::path::{Path, PathBuf};
 use suanli_raft::RaftSettings;
 use thiserror::Error;
 
+/// Default of [`ServerConfig::max_list_bytes`]: 4 MiB less 64 KiB, so a page with its framing
+/// fits the 4 MiB receive limit of gRPC clients left at their defaults.
+pub const DEFAULT_MAX_LIST_BYTES: usize = 4 * 1024 * 1024 - 64 * 1024;
+
 /// One initial voter of a fresh cluster.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -116,8 +120,12 @@ pub struct ServerConfig {
     pub heartbeat_ttl_ms: u64,
     /// Most open watch streams (jobs and agents together).
     pub max_watchers: usize,
-    /// Most items one list returns.
+    /// Most items one list page returns (a request's `limit` can only lower it).
     pub max_list: u32,
+    /// Most encoded bytes of the items of one list page: a page ends before the item that would
+    /// go over it (and holds at least one). The default leaves room under the 4 MiB that gRPC
+    /// clients accept by default; it must stay below the reply limit, 4 x `max_request_bytes`.
+    pub max_list_bytes: usize,
     /// Most requests in flight on one connection.
     pub max_concurrent_per_connection: usize,
 }
@@ -146,6 +154,7 @@ impl Default for ServerConfig {
             heartbeat_ttl_ms: 10_000,
             max_watchers: 1_024,
             max_list: 10_000,
+            max_list_bytes: DEFAULT_MAX_LIST_BYTES,
             max_concurrent_per_connection: 1_024,
         }
     }
@@ -180,6 +189,12 @@ impl ServerConfig {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::new("config", format!("{}: {e}", path.display())))?;
         toml::from_str(&text).map_err(|e| ConfigError::new("config", format!("{}: {e}", path.display())))
+    }
+
+    /// Largest reply a client-facing service encodes (4 x `max_request_bytes`): lists return
+    /// whole records, several of which may each be as large as the request that created them.
+    pub fn max_reply_bytes(&self) -> usize {
+        self.max_request_bytes.saturating_mul(4)
     }
 
     /// The address clients and agents reach this server at.
@@ -246,6 +261,9 @@ impl ServerConfig {
         range("heartbeat_ttl_ms", self.heartbeat_ttl_ms, 2 * self.heartbeat_interval_ms, 7 * 24 * 3_600_000)?;
         range("max_watchers", self.max_watchers as u64, 1, 1_000_000)?;
         range("max_list", u64::from(self.max_list), 1, 1_000_000)?;
+        // Room for the page token and the response's own framing under the reply limit.
+        let reply_limit = self.max_reply_bytes() as u64;
+        range("max_list_bytes", self.max_list_bytes as u64, 1024, reply_limit.saturating_sub(1024))?;
         range("max_concurrent_per_connection", self.max_concurrent_per_connection as u64, 1, 1_000_000)?;
         Ok(())
     }
@@ -268,6 +286,13 @@ mod tests {
         assert_eq!(c.validate().expect_err("self missing").field, "peers");
         let c = ServerConfig { policy: "nope".into(), ..ServerConfig::default() };
         assert!(c.validate().expect_err("policy").to_string().contains("bestfit"));
+        // A page must fit the reply limit (4 x max_request_bytes) with room for its token.
+        let c = ServerConfig { max_request_bytes: 1024 * 1024, ..ServerConfig::default() };
+        c.validate().expect("4 MiB replies hold the default page");
+        let c = ServerConfig { max_request_bytes: 512 * 1024, ..ServerConfig::default() };
+        let e = c.validate().expect_err("a 2 MiB reply limit cannot hold a 4 MiB page");
+        assert_eq!(e.field, "max_list_bytes", "{e}");
+        assert!(e.message.contains("2096128"), "{e}");
     }
 
     #[test]

@@ -23,10 +23,15 @@ fn stop_reason(r: &StopReason) -> &'static str {
 
 /// An allocation on the wire, with its job's task (what to run) and latest checkpoint.
 pub fn alloc(a: &Alloc, job: Option<&Job>) -> pb::AllocInfo {
+    alloc_view(a, job, JobView::Full)
+}
+
+/// An allocation on the wire; its job's task only in the [`JobView::Full`] view.
+fn alloc_view(a: &Alloc, job: Option<&Job>, view: JobView) -> pb::AllocInfo {
     let x = &a.alloc;
     let restore_from = job.and_then(|j| j.latest_checkpoint.as_ref()).map(|c| c.uri.as_str()).unwrap_or("");
     let group = job.and_then(|j| j.spec.groups.get(x.group as usize));
-    let task = group.and_then(|g| g.task.as_ref());
+    let task = group.and_then(|g| g.task.as_ref()).filter(|_| view == JobView::Full);
     let (desired, stop, ckpt, grace) = match &a.desired {
         Desired::Run => ("run", "", false, 0),
         Desired::Stop { reason, checkpoint_first, grace_s, .. } => {
@@ -75,8 +80,19 @@ fn serde_plain<T: serde::Serialize>(v: &T) -> String {
     }
 }
 
+/// How much of a job goes on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobView {
+    /// Everything: the spec as submitted, each allocation with its task (Get, Watch).
+    Full,
+    /// A summary (List): no spec, no task in the allocations; `summary` is set.
+    Summary,
+}
+
 /// A job on the wire, with its allocations.
-pub fn job(s: &State, j: &Job, queue_position: u64) -> pb::JobInfo {
+pub fn job(s: &State, j: &Job, queue_position: u64, view: JobView) -> pb::JobInfo {
+    let summary = view == JobView::Summary;
+    let allocs = j.allocs.iter().filter_map(|id| s.allocs().get(id));
     pb::JobInfo {
         id: j.id.0,
         name: j.spec.name.clone(),
@@ -90,13 +106,42 @@ pub fn job(s: &State, j: &Job, queue_position: u64) -> pb::JobInfo {
         requeues: j.requeues,
         not_before: j.not_before,
         reason: j.reason.clone(),
-        allocs: j.allocs.iter().filter_map(|id| s.allocs().get(id)).map(|a| alloc(a, Some(j))).collect(),
-        spec_json: serde_json::to_string(&j.spec).unwrap_or_default(),
+        allocs: allocs.map(|a| alloc_view(a, Some(j), view)).collect(),
+        spec_json: if summary { String::new() } else { serde_json::to_string(&j.spec).unwrap_or_default() },
         revision: j.revision,
         client_request_id: j.client_request_id.clone(),
         queue_position,
         latest_checkpoint_uri: j.latest_checkpoint.as_ref().map(|c| c.uri.clone()).unwrap_or_default(),
+        summary,
+        omitted_allocs: 0,
     }
+}
+
+/// Cuts a job's allocations, keeping the first ones, until the job takes at most `max_bytes`
+/// as one item of a reply ([`crate::page::item_bytes`]); `omitted_allocs` counts those left
+/// out. Everything else stays: the rest of a summary is bounded by the job-spec limits (names,
+/// ids), and a full job's spec by the request that submitted it.
+pub fn fit_job(info: &mut pb::JobInfo, max_bytes: usize) {
+    use prost::Message;
+    if crate::page::item_bytes(info) <= max_bytes {
+        return;
+    }
+    let allocs = std::mem::take(&mut info.allocs);
+    let total = allocs.len() as u64;
+    // The count of those left out is at most `total`, and its field at most this long.
+    info.omitted_allocs = total;
+    // One key byte and at most 5 length bytes around the body.
+    let mut body = info.encoded_len();
+    for a in allocs {
+        let n = a.encoded_len();
+        let add = 1 + prost::length_delimiter_len(n) + n;
+        if 6 + body + add > max_bytes {
+            break;
+        }
+        body += add;
+        info.allocs.push(a);
+    }
+    info.omitted_allocs = total - info.allocs.len() as u64;
 }
 
 /// Position (1-based) of a pending job among its queue's pending jobs, in the order the
@@ -244,4 +289,41 @@ fn add(p: &mut pb::Resources, v: &ResVec) {
     p.memory_mib = p.memory_mib.saturating_add(v.memory_mib);
     p.gpu_milli = p.gpu_milli.saturating_add(v.gpu_milli);
     p.npu_milli = p.npu_milli.saturating_add(v.npu_milli);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::page::item_bytes;
+
+    fn job_with_allocs(n: u64) -> pb::JobInfo {
+        let allocs = (0..n)
+            .map(|i| pb::AllocInfo { id: i, node: format!("node-{i}"), state: "running".into(), ..Default::default() })
+            .collect();
+        pb::JobInfo { id: 7, name: "j".into(), summary: true, allocs, ..Default::default() }
+    }
+
+    #[test]
+    fn fit_job_keeps_the_first_allocations_that_fit_and_counts_the_rest() {
+        let small = job_with_allocs(3);
+        let mut same = small.clone();
+        fit_job(&mut same, item_bytes(&small));
+        assert_eq!(same, small, "a job that fits is left alone");
+
+        let big = job_with_allocs(10_000);
+        for budget in [200, 4096, 100_000] {
+            let mut j = big.clone();
+            fit_job(&mut j, budget);
+            assert!(item_bytes(&j) <= budget, "{} > {budget}", item_bytes(&j));
+            assert_eq!(j.allocs.len() as u64 + j.omitted_allocs, 10_000);
+            assert_eq!(
+                j.allocs.iter().map(|a| a.id).collect::<Vec<_>>(),
+                (0..j.allocs.len() as u64).collect::<Vec<_>>()
+            );
+            // Not much room is left unused: one more allocation would not have fitted.
+            let mut one_more = j.clone();
+            one_more.allocs.push(big.allocs[j.allocs.len()].clone());
+            assert!(item_bytes(&one_more) > budget - 8, "budget {budget}: room for more was left");
+        }
+    }
 }

@@ -27,6 +27,7 @@ mod core;
 mod failpoints;
 pub mod local;
 mod loops;
+mod page;
 mod status;
 
 pub use api::MAX_JOBS_PER_CALL;
