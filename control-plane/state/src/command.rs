@@ -11,6 +11,7 @@
 use crate::config::{ConfigError, RetryPolicy, StateConfig};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use suanli_model::error::quote;
 use suanli_model::{AllocId, Health, JobId, JobSpec, Node, NodeId, Plan, Queue, QueueId, ValidationError};
 use thiserror::Error;
 
@@ -407,7 +408,7 @@ pub enum CommandError {
         limit: usize,
     },
     /// The queue does not exist.
-    #[error("queue: unknown queue {queue:?}")]
+    #[error("queue: unknown queue {}", quote(queue))]
     UnknownQueue {
         /// The name given.
         queue: String,
@@ -419,13 +420,13 @@ pub enum CommandError {
         job: u64,
     },
     /// The node does not exist.
-    #[error("node: unknown node {node:?}")]
+    #[error("node: unknown node {}", quote(node))]
     UnknownNode {
         /// The name given.
         node: String,
     },
     /// The device does not exist on the node.
-    #[error("device: unknown device {device:?} on node {node:?}")]
+    #[error("device: unknown device {} on node {}", quote(device), quote(node))]
     UnknownDevice {
         /// The node.
         node: String,
