@@ -27,6 +27,7 @@ mod core;
 mod failpoints;
 pub mod local;
 mod loops;
+mod oversize;
 mod status;
 
 pub use api::MAX_JOBS_PER_CALL;
@@ -106,6 +107,7 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         .tcp_nodelay(true)
         .concurrency_limit_per_connection(cfg.max_concurrent_per_connection)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .layer(oversize::layer())
         .add_service(RaftService::new(raft.clone(), &settings).into_server(&settings))
         .add_service(bounded!(InternalServer, api.clone(), settings.max_message_bytes))
         .add_service(bounded!(JobsServer, api.clone(), max))
