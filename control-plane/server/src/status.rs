@@ -30,7 +30,7 @@ pub fn bounded(msg: String) -> String {
     if msg.len() <= MAX_MESSAGE_BYTES {
         return msg;
     }
-    let mut end = MAX_MESSAGE_BYTES - 32;
+    let mut end = MAX_MESSAGE_BYTES - 64;
     while !msg.is_char_boundary(end) {
         end -= 1;
     }
