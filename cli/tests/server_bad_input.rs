@@ -225,7 +225,7 @@ async fn foreign_clients_get_the_strict_input_path() {
     let mut label = serde_json::from_str::<serde_json::Value>(&cpu_job("j", "q", 100)).unwrap();
     label["constraints"] = serde_json::json!({"labels": {"k": mb}});
     let s = jobs.submit(submit("u-3", label.to_string())).await.expect_err("1 MB label value");
-    refused(s, Code::InvalidArgument, &["spec_json", "constraints.labels.k", "at most 256"]);
+    refused(s, Code::InvalidArgument, &["constraints.labels.k: 1048576 bytes", "at most 256"]);
     let s = jobs.submit(submit(&mb, cpu_job("j", "q", 100))).await.expect_err("1 MB request id");
     refused(s, Code::InvalidArgument, &["client_request_id", "at most 128"]);
     let s = jobs.submit(submit("id\u{1b}]0;x\u{7}", cpu_job("j", "q", 100))).await.expect_err("escape in id");

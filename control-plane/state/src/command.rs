@@ -461,7 +461,10 @@ pub enum CommandError {
 
 impl From<ValidationError> for CommandError {
     fn from(e: ValidationError) -> Self {
-        CommandError::Invalid { field: e.field().to_owned(), message: e.to_string() }
+        // The message without the field (Display puts it in front once).
+        let text = e.to_string();
+        let message = text.strip_prefix(e.field()).and_then(|m| m.strip_prefix(": ")).unwrap_or(&text).to_owned();
+        CommandError::Invalid { field: e.field().to_owned(), message }
     }
 }
 
