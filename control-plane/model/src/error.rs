@@ -234,7 +234,8 @@ mod tests {
         let job = r#"{"name":"j","queue":"q","groups":[{"name":"g","resources":{"cpu_milli":1}}]}"#;
         let spec: JobSpec = crate::input::from_json_str(job).expect("valid");
         assert_eq!(spec.validate(&limits), Ok(()));
-        let cases: [(&str, fn(&mut JobSpec, String)); 4] = [
+        type Set = fn(&mut JobSpec, String);
+        let cases: [(&str, Set); 4] = [
             ("constraints.pools[0]", |s, v| s.constraints.pools.push(v.as_str().into())),
             ("constraints.device_models[0]", |s, v| s.constraints.device_models.push(v)),
             ("constraints.labels.k", |s, v| {
