@@ -187,3 +187,90 @@ async fn large_specs_submitted_together_are_each_accepted() {
     }
     assert_eq!(ids.len(), 160);
 }
+
+/// What a foreign client (raw gRPC, no CLI) writes is checked as strictly as the CLI checks a
+/// file: unknown fields, unbounded or unprintable names, a parent queue, a reused request id
+/// with another retry policy and an oversized request are each refused with the exact code, a
+/// short message naming the field, and the server keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_clients_get_the_strict_input_path() {
+    let (_c, addr, ch) = one_server_with_queue().await;
+    let mut jobs = JobsClient::new(ch.clone());
+    let mut queues = QueuesClient::new(ch.clone());
+    let refused = |s: tonic::Status, code: Code, words: &[&str]| {
+        assert_eq!(s.code(), code, "{s:?}");
+        assert!(s.message().len() < 1024, "a {}-byte message", s.message().len());
+        for w in words {
+            assert!(s.message().contains(w), "{:?} does not name {w:?}", s.message());
+        }
+    };
+    let upsert = |q: serde_json::Value| pb::UpsertQueueRequest { queue_json: q.to_string() };
+    let mb = "x".repeat(1 << 20);
+
+    // Unknown fields: `replica` for `replicas`, `gpus` for `devices`, a queue's `weigth`.
+    let replica = cpu_job("j", "q", 100).replace("\"replicas\":1", "\"replica\":2");
+    let s = jobs.submit(submit("u-1", replica)).await.expect_err("replica");
+    refused(s, Code::InvalidArgument, &["spec_json.groups[0].replica", "unknown field"]);
+    let gpus = cpu_job("j", "q", 100).replace("\"memory_mib\":64", "\"memory_mib\":64,\"gpus\":4");
+    let s = jobs.submit(submit("u-2", gpus)).await.expect_err("gpus");
+    refused(s, Code::InvalidArgument, &["spec_json.groups[0].resources.gpus", "unknown field"]);
+    let s = queues.upsert(upsert(serde_json::json!({"id": "w", "weigth": 3}))).await.expect_err("weigth");
+    refused(s, Code::InvalidArgument, &["queue_json.weigth", "unknown field"]);
+
+    // Unbounded and unprintable names; messages quote a bounded prefix at most.
+    let s = queues.upsert(upsert(serde_json::json!({"id": "t", "team": mb}))).await.expect_err("1 MB team");
+    refused(s, Code::InvalidArgument, &["queue.team", "1048576 bytes", "at most 253"]);
+    let s = queues.upsert(upsert(serde_json::json!({"id": "defa\u{200b}ult"}))).await.expect_err("zero width");
+    refused(s, Code::InvalidArgument, &["queue.id", "zero-width"]);
+    let s = queues.upsert(upsert(serde_json::json!({"id": "t", "team": "a\u{1b}[31m"}))).await.expect_err("escape");
+    refused(s, Code::InvalidArgument, &["queue.team", "control character"]);
+    let mut label = serde_json::from_str::<serde_json::Value>(&cpu_job("j", "q", 100)).unwrap();
+    label["constraints"] = serde_json::json!({"labels": {"k": mb}});
+    let s = jobs.submit(submit("u-3", label.to_string())).await.expect_err("1 MB label value");
+    refused(s, Code::InvalidArgument, &["constraints.labels.k: 1048576 bytes", "at most 256"]);
+    let s = jobs.submit(submit(&mb, cpu_job("j", "q", 100))).await.expect_err("1 MB request id");
+    refused(s, Code::InvalidArgument, &["client_request_id", "at most 128"]);
+    let s = jobs.submit(submit("id\u{1b}]0;x\u{7}", cpu_job("j", "q", 100))).await.expect_err("escape in id");
+    refused(s, Code::InvalidArgument, &["client_request_id", "control character"]);
+    let s = jobs.get(pb::GetJobRequest { job_id: 999, stale: false }).await.expect_err("unknown job");
+    refused(s, Code::NotFound, &["999"]);
+    let s = queues.get(pb::GetQueueRequest { id: mb.clone(), stale: false }).await.expect_err("unknown queue");
+    refused(s, Code::NotFound, &["id", "1048576 bytes"]);
+
+    // Jobs go to leaf queues only.
+    queues.upsert(upsert(serde_json::json!({"id": "org", "nominal": {"cpu_milli": 1000}}))).await.unwrap();
+    queues.upsert(upsert(serde_json::json!({"id": "org-a", "parent": "org"}))).await.unwrap();
+    let s = jobs.submit(submit("p-1", cpu_job("j", "org", 100))).await.expect_err("parent queue");
+    refused(s, Code::FailedPrecondition, &["queue", "org", "leaf"]);
+
+    // The same request id and spec with another retry policy is another request.
+    let first = jobs.submit(submit("r-1", cpu_job("r", "q", 100))).await.unwrap().into_inner();
+    assert!(first.created);
+    let again = jobs.submit(submit("r-1", cpu_job("r", "q", 100))).await.unwrap().into_inner();
+    assert_eq!((again.job_id, again.created), (first.job_id, false));
+    let retry = pb::RetryPolicy { max_attempts: 1, backoff_base_s: 0, backoff_max_s: 0 };
+    let other = pb::SubmitJobRequest { retry: Some(retry), ..submit("r-1", cpu_job("r", "q", 100)) };
+    let s = jobs.submit(other).await.expect_err("another retry policy");
+    refused(s, Code::FailedPrecondition, &["client_request_id", "retry policy"]);
+
+    // Free text: a cancel reason with terminal escapes is refused.
+    let s = jobs
+        .cancel(pb::CancelJobRequest { job_id: first.job_id, reason: "done\u{1b}[2J".into() })
+        .await
+        .expect_err("escape in reason");
+    refused(s, Code::InvalidArgument, &["reason", "control character"]);
+
+    // A request over the transport's limit: RESOURCE_EXHAUSTED, as api.proto promises.
+    let enormous = cpu_job(&"x".repeat(6 * 1024 * 1024), "q", 100);
+    let s = jobs.submit(submit("big", enormous)).await.expect_err("too large");
+    refused(s, Code::ResourceExhausted, &["limit"]);
+
+    // The server still serves: a valid submit, a cancel with a plain reason, and a list.
+    let ok = jobs.submit(submit("ok-3", cpu_job("ok3", "q", 100))).await.unwrap().into_inner();
+    assert!(ok.created);
+    jobs.cancel(pb::CancelJobRequest { job_id: first.job_id, reason: "no longer needed".into() }).await.unwrap();
+    let all = all_jobs(&addr, false).await.unwrap();
+    assert_eq!(all.len(), 2, "{all:?}");
+    let names: Vec<_> = queues.list(pb::ListQueuesRequest { stale: false }).await.unwrap().into_inner().queues;
+    assert_eq!(names.iter().map(|q| q.id.as_str()).collect::<Vec<_>>(), ["org", "org-a", "q"]);
+}

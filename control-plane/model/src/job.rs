@@ -1,6 +1,6 @@
 //! Job specifications: what a team asks for.
 
-use crate::error::{ValidationError, check_name, check_range};
+use crate::error::{ValidationError, check_name, check_range, check_value};
 use crate::{DeviceKind, Limits, PoolId, QueueId, ResVec, WHOLE_DEVICE_MILLI};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -136,7 +136,7 @@ impl TaskSpec {
         for (k, v) in &self.env {
             if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
                 return Err(bad(
-                    format!("{at}.env.{k}"),
+                    crate::error::key_path(&format!("{at}.env"), k),
                     "a variable name must be non-empty without '=' or NUL, its value without NUL".into(),
                 ));
             }
@@ -316,6 +316,19 @@ impl JobSpec {
         ] {
             check_range(|| field.into(), n, 0, limits.max_constraints)?;
         }
+        for (i, p) in c.pools.iter().enumerate() {
+            check_name(|| format!("constraints.pools[{i}]"), p.as_str(), limits.max_name_len)?;
+        }
+        for (i, r) in c.regions.iter().enumerate() {
+            check_name(|| format!("constraints.regions[{i}]"), r, limits.max_name_len)?;
+        }
+        for (i, m) in c.device_models.iter().enumerate() {
+            if m.is_empty() {
+                return Err(ValidationError::Empty { field: format!("constraints.device_models[{i}]") });
+            }
+            check_value(|| format!("constraints.device_models[{i}]"), m, limits.max_name_len)?;
+        }
+        crate::node::check_labels("constraints.labels", &c.labels, limits)?;
         if let Some(e) = self.runtime_estimate_s {
             check_range(|| "runtime_estimate_s".into(), e, 1, limits.max_duration_s)?;
         }

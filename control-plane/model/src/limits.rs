@@ -8,8 +8,11 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Limits {
-    /// Longest name (job, group, node, queue, label key or value), in bytes.
+    /// Longest name or id (job, group, queue, team, cohort, node, pool, region, datacenter,
+    /// device id and model, label key), in bytes.
     pub max_name_len: usize,
+    /// Longest label value (in a node's labels or a job's `constraints.labels`), in bytes.
+    pub max_label_value_len: usize,
     /// Most task groups in one job.
     pub max_groups: usize,
     /// Most replicas in one task group.
@@ -40,6 +43,7 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_name_len: 253,
+            max_label_value_len: 256,
             max_groups: 64,
             max_replicas: 10_000,
             max_devices_per_task: 64,

@@ -1,6 +1,6 @@
 //! Nodes: capacity, devices, placement attributes.
 
-use crate::error::{ValidationError, check_name, check_range};
+use crate::error::{ValidationError, check_name, check_optional_name, check_range, check_value};
 use crate::{Device, DeviceKind, Limits, NodeId, PoolId, ResVec, WHOLE_DEVICE_MILLI};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -57,6 +57,10 @@ impl Node {
     pub fn validate(&self, limits: &Limits) -> Result<(), ValidationError> {
         check_name(|| "node.id".into(), self.id.as_str(), limits.max_name_len)?;
         check_name(|| "node.pool".into(), self.pool.as_str(), limits.max_name_len)?;
+        check_optional_name(|| "node.datacenter".into(), &self.datacenter, limits.max_name_len)?;
+        check_optional_name(|| "node.region".into(), &self.region, limits.max_name_len)?;
+        check_labels("node.labels", &self.labels, limits)?;
+        check_value(|| "node.agent_addr".into(), &self.agent_addr, limits.max_name_len)?;
         check_range(|| "node.cpu_milli".into(), self.cpu_milli, 0, u64::MAX / 4)?;
         check_range(|| "node.memory_mib".into(), self.memory_mib, 0, u64::MAX / 4)?;
         if self.devices.len() > limits.max_devices_per_node {
@@ -69,7 +73,13 @@ impl Node {
         let mut seen = BTreeSet::new();
         for (i, d) in self.devices.iter().enumerate() {
             check_name(|| format!("node.devices[{i}].id"), &d.id, limits.max_name_len)?;
-            check_name(|| format!("node.devices[{i}].model"), &d.model, limits.max_name_len)?;
+            if d.model.is_empty() {
+                return Err(ValidationError::Empty { field: format!("node.devices[{i}].model") });
+            }
+            check_value(|| format!("node.devices[{i}].model"), &d.model, limits.max_name_len)?;
+            if let Some(p) = &d.partition_of {
+                check_name(|| format!("node.devices[{i}].partition_of"), p, limits.max_name_len)?;
+            }
             if !seen.insert(d.id.as_str()) {
                 return Err(ValidationError::Invalid {
                     field: format!("node.devices[{i}].id"),
@@ -79,4 +89,19 @@ impl Node {
         }
         Ok(())
     }
+}
+
+/// Checks a label map (a node's labels, a job's `constraints.labels`): keys are names, values
+/// are short values (possibly empty). `at` is the map's field path.
+pub(crate) fn check_labels(
+    at: &str,
+    labels: &BTreeMap<String, String>,
+    limits: &Limits,
+) -> Result<(), ValidationError> {
+    for (k, v) in labels {
+        let field = || crate::error::key_path(at, k);
+        check_name(field, k, limits.max_name_len)?;
+        check_value(field, v, limits.max_label_value_len)?;
+    }
+    Ok(())
 }

@@ -1,7 +1,7 @@
 //! Queues: hierarchical, per team, with a weight and quotas that can be borrowed and lent
 //! within a cohort (Kueue's model).
 
-use crate::error::{ValidationError, check_name, check_range};
+use crate::error::{ValidationError, check_name, check_optional_name, check_range};
 use crate::{Limits, QueueId, ResVec};
 use serde::{Deserialize, Serialize};
 
@@ -57,6 +57,13 @@ impl Queue {
     /// Checks names and bounds.
     pub fn validate(&self, limits: &Limits) -> Result<(), ValidationError> {
         check_name(|| "queue.id".into(), self.id.as_str(), limits.max_name_len)?;
+        check_optional_name(|| "queue.team".into(), &self.team, limits.max_name_len)?;
+        if let Some(p) = &self.parent {
+            check_name(|| "queue.parent".into(), p.as_str(), limits.max_name_len)?;
+        }
+        if let Some(c) = &self.cohort {
+            check_name(|| "queue.cohort".into(), c, limits.max_name_len)?;
+        }
         check_range(|| "queue.weight".into(), self.weight, 1, 1_000_000)?;
         if self.parent.as_ref() == Some(&self.id) {
             return Err(ValidationError::Invalid {

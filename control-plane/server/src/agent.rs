@@ -89,7 +89,10 @@ impl Agent for AgentApi {
         let r = req.into_inner();
         let id = NodeId(r.node_id.clone());
         if self.0.state.read(|s| !s.nodes().contains_key(&id)) {
-            return Err(Status::not_found(format!("node_id: unknown node {:?}; register first", r.node_id)));
+            return Err(Status::not_found(format!(
+                "node_id: unknown node {}; register first",
+                suanli_model::error::quote(&r.node_id)
+            )));
         }
         let permit = self.0.watch_permit()?;
         let (tx, rx) = tokio::sync::mpsc::channel(16);

@@ -4,12 +4,13 @@
 use crate::convert::{self, JobView};
 use crate::core::{Core, now_s};
 use crate::page::{self, Page};
-use crate::status::{decode_json, invalid, unavailable};
+use crate::status::{decode_json, invalid, invalid_model, unavailable};
 use openraft::ChangeMembers;
 use std::collections::BTreeSet;
 use std::ops::Bound;
 use std::sync::Arc;
 use std::time::Duration;
+use suanli_model::error::{check_text, check_value, quote};
 use suanli_model::{JobId, JobSpec, NodeId, Queue, QueueId};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
@@ -178,6 +179,8 @@ impl Jobs for Api {
 
     async fn cancel(&self, req: Request<pb::CancelJobRequest>) -> Resp<pb::CancelJobResponse> {
         let r = req.into_inner();
+        let max = self.0.state.read(|s| s.config().max_message_len);
+        check_text(|| "reason".into(), &r.reason, max).map_err(|e| invalid_model(&e))?;
         let cmd = Command::CancelJob(CancelJob { job: JobId(r.job_id), reason: r.reason, now: now_s() });
         self.0.propose(cmd).await?;
         self.0.kick.notify_one();
@@ -274,7 +277,7 @@ impl Queues for Api {
         let r = req.into_inner();
         let id = QueueId(r.id.clone());
         let q = self.0.read(r.stale, |s| convert::queue(s, &id)).await?;
-        q.map_or_else(|| Err(Status::not_found(format!("id: unknown queue {:?}", r.id))), ok)
+        q.map_or_else(|| Err(Status::not_found(format!("id: unknown queue {}", quote(&r.id)))), ok)
     }
 
     async fn list(&self, req: Request<pb::ListQueuesRequest>) -> Resp<pb::ListQueuesResponse> {
@@ -353,7 +356,7 @@ impl Nodes for Api {
         let r = req.into_inner();
         let id = NodeId(r.id.clone());
         let n = self.0.read(r.stale, |s| s.nodes().get(&id).map(|n| convert::node(s, n))).await?;
-        let mut n = n.ok_or_else(|| Status::not_found(format!("id: unknown node {:?}", r.id)))?;
+        let mut n = n.ok_or_else(|| Status::not_found(format!("id: unknown node {}", quote(&r.id))))?;
         n.stats = self.0.stats_of(&id);
         ok(n)
     }
@@ -397,6 +400,8 @@ impl Api {
         if r.client_request_id.is_empty() {
             return Err(invalid("client_request_id", "must not be empty (reuse one id when retrying a submission)"));
         }
+        let max = self.0.state.read(|s| s.config().max_request_id_len);
+        check_value(|| "client_request_id".into(), &r.client_request_id, max).map_err(|e| invalid_model(&e))?;
         let spec: JobSpec = decode_json("spec_json", &r.spec_json, self.0.cfg.max_request_bytes)?;
         let retry = r.retry.map(|p| suanli_state::RetryPolicy {
             max_attempts: p.max_attempts,
@@ -441,7 +446,7 @@ fn check_addr(field: &str, a: &str) -> Result<String, Status> {
         && a.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0))
         && a.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']' | '_'));
     if !ok {
-        return Err(invalid(field, format!("{:?} is not host:port", crate::status::prefix(a))));
+        return Err(invalid(field, format!("{} is not host:port", quote(a))));
     }
     Ok(a.to_owned())
 }
@@ -617,11 +622,11 @@ impl Cluster for Api {
             return Err(invalid(
                 "index",
                 format!(
-                    "the leader halted at entry {} of kind {:?}, not entry {} of kind {:?}",
+                    "the leader halted at entry {} of kind {:?}, not entry {} of kind {}",
                     h.index,
                     h.kind,
                     r.index,
-                    crate::status::prefix(&r.kind)
+                    quote(&r.kind)
                 ),
             ));
         }
@@ -661,8 +666,8 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
         Command::Unknown { kind, .. } => Err(invalid(
             "command_json.kind",
             format!(
-                "{:?} is not a command kind this leader's build knows ({}); retry once the leader runs a build that knows it",
-                crate::status::prefix(kind),
+                "{} is not a command kind this leader's build knows ({}); retry once the leader runs a build that knows it",
+                quote(kind),
                 Command::KINDS.join(", ")
             ),
         )),
@@ -698,7 +703,7 @@ impl Internal for Api {
     async fn propose(&self, req: Request<pb::ProposeRequest>) -> Resp<pb::ProposeResponse> {
         let r = req.into_inner();
         if r.group != self.0.cfg.raft.group {
-            return Err(Status::not_found(format!("group: {:?} is not served here", r.group)));
+            return Err(Status::not_found(format!("group: {} is not served here", quote(&r.group))));
         }
         let cmd: Command = serde_json::from_slice(&r.command_json).map_err(|e| invalid("command_json", e))?;
         // `server::forward-unchecked` (chaos and tests only) lets a command through unchecked:
@@ -732,7 +737,7 @@ impl Internal for Api {
     async fn inspect(&self, req: Request<pb::InspectRequest>) -> Resp<pb::InspectResponse> {
         let r = req.into_inner();
         if r.group != self.0.cfg.raft.group {
-            return Err(Status::not_found(format!("group: {:?} is not served here", r.group)));
+            return Err(Status::not_found(format!("group: {} is not served here", quote(&r.group))));
         }
         const MAX_DIGESTS: usize = 10_000;
         let (applied_index, state_hash) = self.0.state.read_applied(|index, s| {

@@ -27,6 +27,7 @@ mod core;
 mod failpoints;
 pub mod local;
 mod loops;
+mod oversize;
 mod page;
 mod status;
 
@@ -115,6 +116,7 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         .tcp_nodelay(true)
         .concurrency_limit_per_connection(cfg.max_concurrent_per_connection)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .layer(oversize::layer())
         .add_service(bounded!(JobsServer, api.clone(), max))
         .add_service(bounded!(QueuesServer, api.clone(), max))
         .add_service(bounded!(PoolsServer, api.clone(), max))

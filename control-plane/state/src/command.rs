@@ -11,6 +11,7 @@
 use crate::config::{ConfigError, RetryPolicy, StateConfig};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use suanli_model::error::quote;
 use suanli_model::{AllocId, Health, JobId, JobSpec, Node, NodeId, Plan, Queue, QueueId, ValidationError};
 use thiserror::Error;
 
@@ -435,7 +436,7 @@ pub enum CommandError {
         limit: usize,
     },
     /// The queue does not exist.
-    #[error("queue: unknown queue {queue:?}")]
+    #[error("queue: unknown queue {}", quote(queue))]
     UnknownQueue {
         /// The name given.
         queue: String,
@@ -447,13 +448,13 @@ pub enum CommandError {
         job: u64,
     },
     /// The node does not exist.
-    #[error("node: unknown node {node:?}")]
+    #[error("node: unknown node {}", quote(node))]
     UnknownNode {
         /// The name given.
         node: String,
     },
     /// The device does not exist on the node.
-    #[error("device: unknown device {device:?} on node {node:?}")]
+    #[error("device: unknown device {} on node {}", quote(device), quote(node))]
     UnknownDevice {
         /// The node.
         node: String,
@@ -488,7 +489,10 @@ pub enum CommandError {
 
 impl From<ValidationError> for CommandError {
     fn from(e: ValidationError) -> Self {
-        CommandError::Invalid { field: e.field().to_owned(), message: e.to_string() }
+        // The message without the field (Display puts it in front once).
+        let text = e.to_string();
+        let message = text.strip_prefix(e.field()).and_then(|m| m.strip_prefix(": ")).unwrap_or(&text).to_owned();
+        CommandError::Invalid { field: e.field().to_owned(), message }
     }
 }
 

@@ -9,6 +9,7 @@ use crate::records::{Alloc, AllocState, CheckpointRecord, Desired, Job, JobState
 use crate::usage::{LiveIndex, Usage};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
+use suanli_model::error::{check_value, quote};
 use suanli_model::{AllocId, Health, JobId, NodeId, Queue, QueueId};
 use suanli_scheduler::{ClusterView, PendingJob};
 use thiserror::Error;
@@ -69,6 +70,10 @@ pub struct State {
     /// neither in snapshots nor in the state hash), rebuilt on restore.
     #[serde(skip)]
     pub(crate) live: LiveIndex,
+    /// Queues that are some queue's parent (jobs go to leaf queues only): derived from
+    /// `queues`, never serialized, rebuilt on restore and whenever a queue changes.
+    #[serde(skip)]
+    pub(crate) parents: BTreeSet<QueueId>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -115,6 +120,7 @@ impl State {
             live_jobs: BTreeSet::new(),
             finished: BTreeMap::new(),
             live: LiveIndex::default(),
+            parents: BTreeSet::new(),
         }
     }
 
@@ -182,6 +188,7 @@ impl State {
         e.state.config.validate()?;
         let mut s = e.state;
         s.live = LiveIndex::build(&s.allocs, &s.nodes, &s.jobs);
+        s.reindex_parents();
         Ok(s)
     }
 
@@ -281,10 +288,25 @@ impl State {
                 cur = self.queues.get(&id).and_then(|x| x.parent.clone());
             }
         }
+        if let Some(p) = &q.parent
+            && !self.parents.contains(p)
+            && let Some(j) = self.live_jobs.iter().filter_map(|id| self.jobs.get(id)).find(|j| &j.spec.queue == p)
+        {
+            return Err(CommandError::Conflict {
+                field: "queue.parent".into(),
+                message: format!("queue {p} still has live job {}; jobs run in leaf queues only", j.id),
+            });
+        }
         let id = q.id.clone();
         self.queues.insert(id.clone(), q);
+        self.reindex_parents();
         self.reflag_borrowed(&id);
         Ok((Response::Done, Effect::Changed))
+    }
+
+    /// Rebuilds the set of parent queues from `queues` (queue changes are rare).
+    fn reindex_parents(&mut self) {
+        self.parents = self.queues.values().filter_map(|q| q.parent.clone()).collect();
     }
 
     /// When a queue's nominal quota shrinks below what runs on it, the newest, lowest-priority
@@ -341,6 +363,7 @@ impl State {
             });
         }
         self.queues.remove(&c.queue);
+        self.reindex_parents();
         Ok((Response::Done, Effect::Changed))
     }
 
@@ -531,18 +554,19 @@ impl State {
                 message: "must not be empty".into(),
             });
         }
-        if rid.len() > self.config.max_request_id_len {
-            return Err(CommandError::Invalid {
-                field: "client_request_id".into(),
-                message: format!("{} bytes; must be at most {} bytes", rid.len(), self.config.max_request_id_len),
-            });
-        }
+        check_value(|| "client_request_id".into(), rid, self.config.max_request_id_len)?;
+        // An omitted retry policy means the configured default: a retry must resolve to the
+        // same policy as the first submission, or it is a different request.
+        let retry = c.retry.unwrap_or(self.config.default_retry);
         if let Some(&id) = self.requests.get(rid) {
-            let same = self.jobs.get(&id).is_some_and(|j| j.spec == c.spec);
+            let same = self.jobs.get(&id).is_some_and(|j| j.spec == c.spec && j.retry == retry);
             if !same {
                 return Err(CommandError::Conflict {
                     field: "client_request_id".into(),
-                    message: format!("{rid:?} was already used for job {id} with a different spec"),
+                    message: format!(
+                        "{} was already used for job {id} with a different spec or retry policy",
+                        quote(rid)
+                    ),
                 });
             }
             // A retry: the state is unchanged and the first job is the answer.
@@ -552,7 +576,15 @@ impl State {
         if !self.queues.contains_key(&c.spec.queue) {
             return Err(CommandError::UnknownQueue { queue: c.spec.queue.to_string() });
         }
-        let retry = c.retry.unwrap_or(self.config.default_retry);
+        if self.parents.contains(&c.spec.queue) {
+            return Err(CommandError::Conflict {
+                field: "queue".into(),
+                message: format!(
+                    "{} is a parent queue; jobs are submitted to leaf queues only",
+                    quote(c.spec.queue.as_str())
+                ),
+            });
+        }
         retry.validate(&self.config)?;
         if self.live_jobs.len() >= self.config.max_live_jobs {
             return Err(CommandError::TooMany { what: "live jobs".into(), limit: self.config.max_live_jobs });

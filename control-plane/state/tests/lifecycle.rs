@@ -63,6 +63,64 @@ fn a_retried_submission_never_creates_a_second_job() {
 }
 
 #[test]
+fn the_same_request_id_with_another_retry_policy_is_another_request() {
+    let mut s = cluster(1);
+    let with = |retry: Option<RetryPolicy>| {
+        Command::SubmitJob(Box::new(SubmitJob {
+            client_request_id: "r".into(),
+            spec: spec("q", 1, 1, 0),
+            retry,
+            now: 1,
+        }))
+    };
+    let first = apply_ok(&mut s, with(None));
+    assert_eq!(first, Response::JobSubmitted { job: JobId(1), created: true });
+    // An explicit copy of the default policy is the same request (what the first resolved to).
+    let same = apply_ok(&mut s, with(Some(StateConfig::default().default_retry)));
+    assert_eq!(same, Response::JobSubmitted { job: JobId(1), created: false });
+    let hash = s.state_hash();
+    let other = RetryPolicy { max_attempts: 1, ..RetryPolicy::default() };
+    match apply_ok(&mut s, with(Some(other))) {
+        Response::Rejected(CommandError::Conflict { field, message }) => {
+            assert_eq!(field, "client_request_id");
+            assert!(message.contains("retry policy"), "{message}");
+        }
+        r => panic!("another retry policy must conflict: {r:?}"),
+    }
+    assert_eq!(s.state_hash(), hash);
+}
+
+#[test]
+fn jobs_go_to_leaf_queues_only() {
+    let mut s = cluster(1);
+    let mut child = queue("q-child", 1);
+    child.parent = Some("q".into());
+    apply_ok(&mut s, upsert_queue(child));
+    let hash = s.state_hash();
+    match apply_ok(&mut s, submit("p", spec("q", 1, 1, 0), 5)) {
+        Response::Rejected(CommandError::Conflict { field, message }) => {
+            assert_eq!(field, "queue");
+            assert!(message.contains("leaf"), "{message}");
+        }
+        r => panic!("a parent queue must refuse jobs: {r:?}"),
+    }
+    assert_eq!(s.state_hash(), hash);
+    assert!(matches!(apply_ok(&mut s, submit("c", spec("q-child", 1, 1, 0), 5)), Response::JobSubmitted { .. }));
+    // A queue with live jobs cannot become a parent; the set survives a snapshot.
+    let mut grandchild = queue("q-grandchild", 1);
+    grandchild.parent = Some("q-child".into());
+    assert!(matches!(apply_ok(&mut s, upsert_queue(grandchild)), Response::Rejected(CommandError::Conflict { .. })));
+    let restored = State::restore(&s.snapshot().expect("snapshot")).expect("restore");
+    assert_eq!(restored, s);
+    let mut restored = restored;
+    assert!(matches!(apply_ok(&mut restored, submit("p2", spec("q", 1, 1, 0), 6)), Response::Rejected(_)));
+    // Deleting the child makes the parent a leaf again.
+    apply_ok(&mut s, Command::CancelJob(CancelJob { job: JobId(1), reason: String::new(), now: 7 }));
+    apply_ok(&mut s, Command::DeleteQueue(suanli_state::DeleteQueue { queue: "q-child".into() }));
+    assert!(matches!(apply_ok(&mut s, submit("p3", spec("q", 1, 1, 0), 8)), Response::JobSubmitted { .. }));
+}
+
+#[test]
 fn bad_input_is_refused_naming_the_field_and_leaves_state_unchanged() {
     let mut s = cluster(1);
     let hash = s.state_hash();
