@@ -171,8 +171,9 @@ impl Jobs for Api {
     type WatchStream = ReceiverStream<Result<pb::JobEvent, Status>>;
 
     async fn watch(&self, req: Request<pb::WatchJobsRequest>) -> Resp<Self::WatchStream> {
+        // A connection is its peer's socket address: its streams are bounded on their own.
+        let permit = self.0.watchers.client(req.remote_addr())?;
         let r = req.into_inner();
-        let permit = self.0.watch_permit()?;
         let (tx, rx) = tokio::sync::mpsc::channel(256);
         let core = self.0.clone();
         tokio::spawn(async move {

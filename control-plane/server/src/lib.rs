@@ -28,6 +28,7 @@ mod failpoints;
 pub mod local;
 mod loops;
 mod status;
+mod watchers;
 
 pub use api::MAX_JOBS_PER_CALL;
 pub use config::{ConfigError, Peer, ServerConfig};
