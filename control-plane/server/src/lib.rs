@@ -25,6 +25,7 @@ pub mod config;
 mod convert;
 mod core;
 mod failpoints;
+pub mod health;
 pub mod local;
 mod loops;
 mod status;
@@ -103,6 +104,8 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     let max = cfg.max_request_bytes;
     let core = Arc::new(Core::new(cfg.clone(), raft.clone(), state, log));
     let api = Api(core.clone(), batch::Batcher::start(core.clone()));
+    let (health, health_server) = health::HealthServices::serving().await;
+    let (reflection_v1, reflection_v1alpha) = health::reflection();
     let router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .concurrency_limit_per_connection(cfg.max_concurrent_per_connection)
@@ -114,7 +117,10 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         .add_service(bounded!(PoolsServer, api.clone(), max))
         .add_service(bounded!(NodesServer, api.clone(), max))
         .add_service(bounded!(ClusterServer, api.clone(), max))
-        .add_service(bounded!(AgentServer, AgentApi(core.clone()), max));
+        .add_service(bounded!(AgentServer, AgentApi(core.clone()), max))
+        .add_service(health_server)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha);
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = vec![
@@ -125,6 +131,7 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), data_dir = %cfg.data_dir.display(), "suanli server listening");
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let fatal = Arc::new(std::sync::Mutex::new(None::<String>));
+    let shutdown = health.until(shutdown);
     let until = {
         let fatal = fatal.clone();
         let mut metrics = raft.metrics();
