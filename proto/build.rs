@@ -19,17 +19,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ".suanli.v1.ProposeRequest.command_json",
         ".suanli.v1.ProposeResponse.response_json",
     ]);
-    tonic_prost_build::configure().build_client(true).build_server(true).compile_with_config(
-        config,
-        &[
-            "proto/suanli/v1/types.proto",
-            "proto/suanli/v1/api.proto",
-            "proto/suanli/v1/agent.proto",
-            "proto/suanli/v1/raft.proto",
-            "proto/suanli/v1/internal.proto",
-            "proto/suanli/v1/device.proto",
-        ],
-        &["proto"],
-    )?;
+    // The descriptors of every file, for gRPC server reflection (`FILE_DESCRIPTOR_SET`).
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").ok_or("OUT_DIR is not set")?);
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .file_descriptor_set_path(out.join("suanli_descriptor.bin"))
+        .compile_with_config(
+            config,
+            &[
+                "proto/suanli/v1/types.proto",
+                "proto/suanli/v1/api.proto",
+                "proto/suanli/v1/agent.proto",
+                "proto/suanli/v1/raft.proto",
+                "proto/suanli/v1/internal.proto",
+                "proto/suanli/v1/device.proto",
+            ],
+            &["proto"],
+        )?;
     Ok(())
 }

@@ -20,5 +20,10 @@ pub mod v1 {
     tonic::include_proto!("suanli.v1");
 }
 
+/// The encoded `FileDescriptorSet` of every `.proto` file above (with source info): what a
+/// server's gRPC reflection service answers with, so `grpcurl` and similar tools need no copy
+/// of the files.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("suanli_descriptor");
+
 /// Largest message a server decodes by default (bytes); servers make it configurable.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;

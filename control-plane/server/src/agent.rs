@@ -94,35 +94,21 @@ impl Agent for AgentApi {
                 suanli_model::error::quote(&r.node_id)
             )));
         }
-        let permit = self.0.watch_permit()?;
+        // One slot per node: a re-connecting agent takes over its old stream's slot (that
+        // stream ends with ABORTED), so agents never need more slots than there are nodes.
+        let mut slot = self.0.watchers.agent(&id)?;
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         let core = self.0.clone();
         tokio::spawn(async move {
-            let _permit = permit;
-            let mut applied = core.state.subscribe();
-            let mut last: Option<Vec<pb::AllocInfo>> = None;
-            loop {
-                let (rev, allocs) = core.state.read(|s| {
-                    let v: Vec<pb::AllocInfo> = s
-                        .allocs_on(&id)
-                        .filter(|a| a.is_live())
-                        .map(|a| convert::alloc(a, s.job(a.alloc.job)))
-                        .collect();
-                    (s.revision(), v)
-                });
-                if last.as_ref() != Some(&allocs) {
-                    let update = pb::AllocationsUpdate { revision: rev, allocs: allocs.clone() };
-                    if tx.send(Ok(update)).await.is_err() {
-                        return;
-                    }
-                    last = Some(allocs);
+            let node = id.0.clone();
+            tokio::select! {
+                () = watch_allocations(core, id, tx.clone()) => {}
+                () = slot.replaced() => {
+                    let msg = format!("a newer allocation watch of node {node:?} replaced this one");
+                    let _ = tx.try_send(Err(Status::aborted(msg)));
                 }
-                tokio::select! {
-                    c = applied.changed() => if c.is_err() { return },
-                    () = tx.closed() => return,
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            drop(slot);
         });
         ok(ReceiverStream::new(rx))
     }
@@ -167,5 +153,35 @@ impl Agent for AgentApi {
         });
         self.0.propose(cmd).await?;
         ok(pb::ReportCheckpointResponse {})
+    }
+}
+
+/// Sends `node`'s live allocations each time they change, until the receiver goes away or
+/// the state stops.
+async fn watch_allocations(
+    core: Arc<Core>,
+    id: NodeId,
+    tx: tokio::sync::mpsc::Sender<Result<pb::AllocationsUpdate, Status>>,
+) {
+    let mut applied = core.state.subscribe();
+    let mut last: Option<Vec<pb::AllocInfo>> = None;
+    loop {
+        let (rev, allocs) = core.state.read(|s| {
+            let v: Vec<pb::AllocInfo> =
+                s.allocs_on(&id).filter(|a| a.is_live()).map(|a| convert::alloc(a, s.job(a.alloc.job))).collect();
+            (s.revision(), v)
+        });
+        if last.as_ref() != Some(&allocs) {
+            let update = pb::AllocationsUpdate { revision: rev, allocs: allocs.clone() };
+            if tx.send(Ok(update)).await.is_err() {
+                return;
+            }
+            last = Some(allocs);
+        }
+        tokio::select! {
+            c = applied.changed() => if c.is_err() { return },
+            () = tx.closed() => return,
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

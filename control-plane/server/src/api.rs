@@ -190,8 +190,9 @@ impl Jobs for Api {
     type WatchStream = ReceiverStream<Result<pb::JobEvent, Status>>;
 
     async fn watch(&self, req: Request<pb::WatchJobsRequest>) -> Resp<Self::WatchStream> {
+        // A connection is its peer's socket address: its streams are bounded on their own.
+        let permit = self.0.watchers.client(req.remote_addr())?;
         let r = req.into_inner();
-        let permit = self.0.watch_permit()?;
         let (tx, rx) = tokio::sync::mpsc::channel(256);
         let core = self.0.clone();
         let reply_limit = core.cfg.max_reply_bytes().saturating_sub(1024);

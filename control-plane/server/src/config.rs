@@ -1,6 +1,7 @@
 //! The server's configuration: a TOML file, with flags and environment variables over it (the
 //! `suanli server` command does the layering), validated with errors naming the field.
 
+use crate::watchers::WatchLimits;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use suanli_raft::RaftSettings;
@@ -118,8 +119,17 @@ pub struct ServerConfig {
     pub heartbeat_interval_ms: u64,
     /// A node without a heartbeat for this long is declared down (its work is requeued).
     pub heartbeat_ttl_ms: u64,
-    /// Most open watch streams (jobs and agents together).
-    pub max_watchers: usize,
+    /// Most open `Agent.WatchAllocations` streams: a pool of their own, so clients can never
+    /// take the slots agents need to get work. One per node (a re-connecting agent takes its
+    /// old stream's slot over), so it only needs to cover the cluster's nodes.
+    pub max_agent_watchers: usize,
+    /// Most open client `Jobs.Watch` streams, all connections together (`max_watchers` in
+    /// older configuration files, which then bounded agents' streams too).
+    #[serde(alias = "max_watchers")]
+    pub max_client_watchers: usize,
+    /// Most client watch streams on one connection (a peer's `ip:port`), so one client cannot
+    /// take the whole client pool.
+    pub max_watchers_per_connection: usize,
     /// Most items one list page returns (a request's `limit` can only lower it).
     pub max_list: u32,
     /// Most encoded bytes of the items of one list page: a page ends before the item that would
@@ -152,7 +162,9 @@ impl Default for ServerConfig {
             max_jobs_per_pass: 5_000,
             heartbeat_interval_ms: 1_000,
             heartbeat_ttl_ms: 10_000,
-            max_watchers: 1_024,
+            max_agent_watchers: 10_000,
+            max_client_watchers: 1_024,
+            max_watchers_per_connection: 16,
             max_list: 10_000,
             max_list_bytes: DEFAULT_MAX_LIST_BYTES,
             max_concurrent_per_connection: 1_024,
@@ -212,6 +224,15 @@ impl ServerConfig {
         self.peer_advertise.clone().unwrap_or_else(|| self.peer_listen_addr())
     }
 
+    /// The bounds of the watch streams' slots.
+    pub fn watch_limits(&self) -> WatchLimits {
+        WatchLimits {
+            agents: self.max_agent_watchers,
+            clients: self.max_client_watchers,
+            per_connection: self.max_watchers_per_connection,
+        }
+    }
+
     /// Checks every bound.
     pub fn validate(&self) -> Result<(), ConfigError> {
         range("id", self.id, 1, u64::MAX)?;
@@ -259,7 +280,14 @@ impl ServerConfig {
         }
         range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)?;
         range("heartbeat_ttl_ms", self.heartbeat_ttl_ms, 2 * self.heartbeat_interval_ms, 7 * 24 * 3_600_000)?;
-        range("max_watchers", self.max_watchers as u64, 1, 1_000_000)?;
+        range("max_agent_watchers", self.max_agent_watchers as u64, 1, 1_000_000)?;
+        range("max_client_watchers", self.max_client_watchers as u64, 1, 1_000_000)?;
+        range(
+            "max_watchers_per_connection",
+            self.max_watchers_per_connection as u64,
+            1,
+            self.max_client_watchers as u64,
+        )?;
         range("max_list", u64::from(self.max_list), 1, 1_000_000)?;
         // Room for the page token and the response's own framing under the reply limit.
         let reply_limit = self.max_reply_bytes() as u64;
@@ -293,6 +321,12 @@ mod tests {
         let e = c.validate().expect_err("a 2 MiB reply limit cannot hold a 4 MiB page");
         assert_eq!(e.field, "max_list_bytes", "{e}");
         assert!(e.message.contains("2096128"), "{e}");
+        let c = ServerConfig { max_agent_watchers: 0, ..ServerConfig::default() };
+        assert_eq!(c.validate().expect_err("no agent slots").field, "max_agent_watchers");
+        let c = ServerConfig { max_client_watchers: 8, max_watchers_per_connection: 9, ..ServerConfig::default() };
+        let e = c.validate().expect_err("a connection allowed more than the pool");
+        assert_eq!(e.field, "max_watchers_per_connection", "{e}");
+        assert!(e.message.contains("1..=8"), "{e}");
     }
 
     #[test]
@@ -311,5 +345,8 @@ mod tests {
             toml::from_str("id = 2\n[raft]\nelection_timeout_min_ms = 400\nelection_timeout_max_ms = 800\n")
                 .expect("parses");
         assert_eq!(c.raft.election_timeout_min_ms, 400);
+        // The old name of the client pool still reads.
+        let c: ServerConfig = toml::from_str("max_watchers = 7").expect("alias");
+        assert_eq!(c.max_client_watchers, 7);
     }
 }

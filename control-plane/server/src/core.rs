@@ -12,9 +12,10 @@
 use crate::config::ServerConfig;
 use crate::status::{rejection, unavailable};
 use openraft::ServerState;
+use crate::watchers::WatchSlots;
 use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use suanli_model::NodeId;
 use suanli_proto::v1::internal_client::InternalClient;
@@ -22,7 +23,7 @@ use suanli_proto::v1::{ProposeRequest, ReadIndexRequest};
 use suanli_raft::ServerNode;
 use suanli_raft::{LogCommand, StateHandle, SuanliRaft, WriteError};
 use suanli_state::{Command, Response, State};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Notify;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
@@ -50,8 +51,8 @@ pub struct Core {
     pub heartbeats: Mutex<HashMap<NodeId, Instant>>,
     /// Latest device statistics per node from heartbeats; leader memory only, like `heartbeats`.
     pub device_stats: Mutex<HashMap<NodeId, Vec<suanli_proto::v1::DeviceStats>>>,
-    /// Bounds open watch streams.
-    pub watchers: Arc<Semaphore>,
+    /// Bounds open watch streams: agents' and clients' pools, clients per connection.
+    pub watchers: WatchSlots,
     channels: Mutex<HashMap<String, Channel>>,
     /// A read-only handle on the raft log (consistency checks: `Internal.Inspect`).
     pub log: suanli_raft::LogStore<suanli_raft::TypeConfig>,
@@ -69,7 +70,7 @@ impl Core {
     ) -> Self {
         Self {
             id: cfg.id,
-            watchers: Arc::new(Semaphore::new(cfg.max_watchers)),
+            watchers: WatchSlots::new(cfg.watch_limits()),
             cfg,
             raft,
             state,
@@ -86,13 +87,6 @@ impl Core {
     pub fn stats_of(&self, node: &NodeId) -> Vec<suanli_proto::v1::DeviceStats> {
         let m = self.device_stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         m.get(node).cloned().unwrap_or_default()
-    }
-
-    /// A slot for one more watch stream, or RESOURCE_EXHAUSTED naming the limit.
-    pub fn watch_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
-        self.watchers.clone().try_acquire_owned().map_err(|_| {
-            Status::resource_exhausted(format!("too many watch streams: the limit is {}", self.cfg.max_watchers))
-        })
     }
 
     /// The configured request timeout.

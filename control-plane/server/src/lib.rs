@@ -25,11 +25,13 @@ pub mod config;
 mod convert;
 mod core;
 mod failpoints;
+pub mod health;
 pub mod local;
 mod loops;
 mod oversize;
 mod page;
 mod status;
+mod watchers;
 
 pub use api::MAX_JOBS_PER_CALL;
 pub use config::{ConfigError, Peer, ServerConfig, next_port};
@@ -112,6 +114,8 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     let max = cfg.max_request_bytes;
     let core = Arc::new(Core::new(cfg.clone(), raft.clone(), state, log));
     let api = Api(core.clone(), batch::Batcher::start(core.clone()));
+    let (health, health_server) = health::HealthServices::serving().await;
+    let (reflection_v1, reflection_v1alpha) = health::reflection();
     let clients = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .concurrency_limit_per_connection(cfg.max_concurrent_per_connection)
@@ -122,7 +126,10 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         .add_service(bounded!(PoolsServer, api.clone(), max))
         .add_service(bounded!(NodesServer, api.clone(), max))
         .add_service(bounded!(ClusterServer, api.clone(), max))
-        .add_service(bounded!(AgentServer, AgentApi(core.clone()), max));
+        .add_service(bounded!(AgentServer, AgentApi(core.clone()), max))
+        .add_service(health_server)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha);
     let peers = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
@@ -137,6 +144,7 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     ];
     tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), peer_listen = %peer_addr, peer_advertise = %cfg.peer_advertised(), data_dir = %cfg.data_dir.display(), "suanli server listening");
     let fatal = Arc::new(std::sync::Mutex::new(None::<String>));
+    let shutdown = health.until(shutdown);
     let (done_tx, done_rx) = watch::channel(false);
     {
         let fatal = fatal.clone();
