@@ -11,8 +11,8 @@
 
 use crate::config::ServerConfig;
 use crate::status::{rejection, unavailable};
-use openraft::ServerState;
 use crate::watchers::WatchSlots;
+use openraft::ServerState;
 use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
 use std::collections::HashMap;
 use std::sync::Mutex;
