@@ -1,4 +1,4 @@
-//! The standard gRPC services every server also answers on its one port, for load balancers,
+//! The standard gRPC services every server also answers on its client listener, for load balancers,
 //! orchestrators' probes and tools such as `grpcurl` and `grpc_health_probe`:
 //!
 //! ```text
@@ -11,25 +11,21 @@
 //! the cluster has a quorum (`Cluster.Leader` does).
 
 use std::future::Future;
-use suanli_proto::v1::{
-    agent_server, cluster_server, internal_server, jobs_server, nodes_server, pools_server, queues_server,
-    raft_transport_server,
-};
+use suanli_proto::v1::{agent_server, cluster_server, jobs_server, nodes_server, pools_server, queues_server};
 use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::server::HealthReporter;
 use tonic_reflection::server::{Builder, v1, v1alpha};
 
-/// Every suanli service this server answers, by its gRPC name (what a health check may name).
-pub const SERVICE_NAMES: [&str; 8] = [
+/// Every suanli service the client listener answers, by its gRPC name (what a health check may
+/// name). `Internal` and `RaftTransport` are on the peer listener, which serves no health.
+pub const SERVICE_NAMES: [&str; 6] = [
     jobs_server::SERVICE_NAME,
     queues_server::SERVICE_NAME,
     pools_server::SERVICE_NAME,
     nodes_server::SERVICE_NAME,
     cluster_server::SERVICE_NAME,
     agent_server::SERVICE_NAME,
-    internal_server::SERVICE_NAME,
-    raft_transport_server::SERVICE_NAME,
 ];
 
 /// The health service and the handle that sets what it answers.
