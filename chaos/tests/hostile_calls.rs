@@ -241,3 +241,133 @@ async fn adding_an_unreachable_server_is_refused_in_bounded_time_and_changes_not
     assert!(e.message().len() < 1024, "the error quotes a bounded prefix: {} bytes", e.message().len());
     serves_before_and_after_a_full_restart(&mut c, "add").await;
 }
+
+/// A job at the job-spec limits: 60 task groups, each task with ~62 KB of args, ~3.7 MB in all.
+fn large_job(i: usize) -> String {
+    let args: Vec<String> = (0..62).map(|k| format!("{i}-{k}-{}", "a".repeat(994))).collect();
+    let groups: Vec<_> = (0..60)
+        .map(|g| {
+            serde_json::json!({"name": format!("g{g}"), "replicas": 1,
+                "resources": {"cpu_milli": 1, "memory_mib": 1},
+                "task": {"command": "true", "args": args}})
+        })
+        .collect();
+    serde_json::json!({"name": format!("large-{i}"), "queue": "q", "groups": groups}).to_string()
+}
+
+/// Lists every job through server `i` page by page, as a client with gRPC's default 4 MiB
+/// receive limit; returns the ids.
+async fn list_all(c: &ProcessCluster, i: usize) -> Vec<u64> {
+    let ch = channel(&c.addrs[i]).await.expect("connect");
+    let mut jobs = JobsClient::new(ch).max_decoding_message_size(4 << 20);
+    let (mut ids, mut after) = (Vec::new(), 0);
+    loop {
+        let r = jobs
+            .list(pb::ListJobsRequest { after_id: after, ..Default::default() })
+            .await
+            .unwrap_or_else(|s| panic!("a page through {i}: {s:?}"))
+            .into_inner();
+        ids.extend(r.jobs.iter().map(|j| j.id));
+        if r.next_after_id == 0 {
+            return ids;
+        }
+        after = r.next_after_id;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_jobs_at_the_limits_never_break_listing() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (_d, cfg) = small_timeouts();
+    let mut c = ProcessCluster::start(&bin(), 3, &["--config", &cfg]).expect("cluster");
+    let l = c.wait_leader(Duration::from_secs(30)).await.expect("leader");
+    writes(&c, l, "small").await.expect("queue q and one job");
+    let ch = channel(&c.addrs[l]).await.expect("connect");
+    let mut jobs = JobsClient::new(ch);
+    for i in 0..5 {
+        let req =
+            pb::SubmitJobRequest { client_request_id: format!("large-{i}"), spec_json: large_job(i), retry: None };
+        jobs.submit(req).await.unwrap_or_else(|s| panic!("large job {i} is within the limits: {s:?}"));
+    }
+    for i in 0..3 {
+        assert_eq!(list_all(&c, i).await.len(), 6, "every job listed through server {i}");
+    }
+    serves_before_and_after_a_full_restart(&mut c, "lists").await;
+    for i in 0..3 {
+        assert!(list_all(&c, i).await.len() >= 12, "still listed after the restart");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_holding_every_watch_slot_leaves_agents_theirs() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let cfg = dir.path().join("server.toml");
+    std::fs::write(&cfg, "request_timeout_ms = 3000\nmax_client_watchers = 6\nmax_watchers_per_connection = 2\n")
+        .expect("config");
+    let mut c = ProcessCluster::start(&bin(), 3, &["--config", cfg.to_str().expect("utf-8")]).expect("cluster");
+    let l = c.wait_leader(Duration::from_secs(30)).await.expect("leader");
+    writes(&c, l, "w").await.expect("writes");
+    let node = serde_json::json!({"id": "n1", "pool": "cpu", "cpu_milli": 8000, "memory_mib": 16000});
+    let req = pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into() };
+    let ch = channel(&c.addrs[l]).await.expect("connect");
+    suanli_proto::v1::agent_client::AgentClient::new(ch).register(req).await.expect("register");
+    for i in 0..3 {
+        // A foreign client takes every client slot of server i, connection after connection.
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            let mut jobs = JobsClient::new(channel(&c.addrs[i]).await.expect("connect"));
+            loop {
+                match jobs.watch(pb::WatchJobsRequest::default()).await {
+                    Ok(s) => held.push(s.into_inner()),
+                    Err(s) => {
+                        assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+                        break;
+                    }
+                }
+            }
+        }
+        assert_eq!(held.len(), 6, "the client pool of server {i} is full");
+        // An agent's watch of its node still opens on that server, and the server serves.
+        let mut agent = suanli_proto::v1::agent_client::AgentClient::new(channel(&c.addrs[i]).await.expect("connect"));
+        let req = pb::WatchAllocationsRequest { node_id: "n1".into(), from_revision: 0 };
+        let mut s =
+            agent.watch_allocations(req).await.expect("an agent's watch opens while clients hold theirs").into_inner();
+        let first = tokio::time::timeout(Duration::from_secs(10), s.message()).await.expect("in time");
+        assert!(first.expect("a first update").is_some());
+        writes(&c, i, &format!("while-held-{i}")).await.expect("writes while the client slots are held");
+    }
+    serves_before_and_after_a_full_restart(&mut c, "watch").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_user_wrote_is_never_silently_dropped() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (_d, cfg) = small_timeouts();
+    let mut c = ProcessCluster::start(&bin(), 3, &["--config", &cfg]).expect("cluster");
+    let l = c.wait_leader(Duration::from_secs(30)).await.expect("leader");
+    writes(&c, l, "w").await.expect("writes");
+    for i in 0..3 {
+        let ch = channel(&c.addrs[i]).await.expect("connect");
+        for (field, spec) in [
+            ("replica", r#"{"name":"x","queue":"q","groups":[{"name":"g","replica":2,"resources":{"cpu_milli":1}}]}"#),
+            ("gpus", r#"{"name":"x","queue":"q","groups":[{"name":"g","resources":{"cpu_milli":1,"gpus":4}}]}"#),
+        ] {
+            let req = pb::SubmitJobRequest {
+                client_request_id: format!("typo-{i}-{field}"),
+                spec_json: spec.into(),
+                retry: None,
+            };
+            let e = JobsClient::new(ch.clone()).submit(req).await.expect_err("an unknown field is refused");
+            assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+            assert!(e.message().contains(field), "names the field: {e:?}");
+        }
+        let q = r#"{"id":"q2","weigth":3}"#;
+        let e = QueuesClient::new(ch.clone())
+            .upsert(pb::UpsertQueueRequest { queue_json: q.into() })
+            .await
+            .expect_err("a queue's unknown field is refused");
+        assert!(e.message().contains("weigth"), "{e:?}");
+    }
+    serves_before_and_after_a_full_restart(&mut c, "strict").await;
+}

@@ -557,7 +557,24 @@ impl Conn {
 // Formatting.
 
 /// Aligned plain-text table: columns separated by two spaces, the last column not padded.
+/// A cell as a terminal may show it: control, bidi and zero-width characters (stored by an
+/// earlier build, or reported by a server) are written as `\u{..}` escapes, never sent raw.
+fn printable(c: &str) -> std::borrow::Cow<'_, str> {
+    let unsafe_char = |ch: char| {
+        ch.is_control()
+            || matches!(ch, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2060}'..='\u{2069}' | '\u{FEFF}')
+    };
+    if !c.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(c);
+    }
+    std::borrow::Cow::Owned(
+        c.chars().map(|ch| if unsafe_char(ch) { ch.escape_unicode().to_string() } else { ch.to_string() }).collect(),
+    )
+}
+
 fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<String>> = rows.iter().map(|r| r.iter().map(|c| printable(c).into_owned()).collect()).collect();
+    let rows = &rows;
     let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {
@@ -1692,6 +1709,13 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn table_cells_never_carry_terminal_escapes() {
+        let t = table(&["TEAM"], &[vec!["a\u{1b}[31mred\u{200b}".into()]]);
+        assert!(!t.contains('\u{1b}') && !t.contains('\u{200b}'), "{t:?}");
+        assert!(t.contains("\\u{1b}[31mred\\u{200b}"), "{t}");
+    }
 
     #[test]
     fn units_print_short() {
