@@ -271,6 +271,7 @@ async fn foreign_clients_get_the_strict_input_path() {
     jobs.cancel(pb::CancelJobRequest { job_id: first.job_id, reason: "no longer needed".into() }).await.unwrap();
     let all = all_jobs(&addr, false).await.unwrap();
     assert_eq!(all.len(), 2, "{all:?}");
-    let names: Vec<_> = queues.list(pb::ListQueuesRequest { stale: false, ..Default::default() }).await.unwrap().into_inner().queues;
+    let names: Vec<_> =
+        queues.list(pb::ListQueuesRequest { stale: false, ..Default::default() }).await.unwrap().into_inner().queues;
     assert_eq!(names.iter().map(|q| q.id.as_str()).collect::<Vec<_>>(), ["org", "org-a", "q"]);
 }
