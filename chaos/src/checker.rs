@@ -14,6 +14,7 @@
 //!    entry there.
 //! 7. **isolated leader** (scenarios that isolate one): it acknowledged nothing invoked after
 //!    it was cut off.
+//! 8. **stays writable** (scenarios with the hostile client): checked in [`crate::hostile`].
 
 use crate::history::{Op, OpKind, Outcome};
 use crate::nemesis::Isolation;

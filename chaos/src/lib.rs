@@ -12,13 +12,15 @@
 //!    (writes must succeed again), then stop;
 //! 4. **recovery**: wait (bounded) until every job is running or finished;
 //! 5. **checks** ([`checker`]): acknowledged writes, over-commit and double runs from the
-//!    agents' journals, recovery, state-hash convergence, log agreement, the isolated leader.
+//!    agents' journals, recovery, state-hash convergence, log agreement, the isolated leader;
+//!    in scenarios with the hostile client ([`hostile`]), that the cluster stays writable.
 //!
 //! Scenarios are listed in [`scenario::SCENARIOS`] and documented in chaos/README.md.
 
 pub mod checker;
 pub mod cluster;
 pub mod history;
+pub mod hostile;
 pub mod nemesis;
 pub mod proxy;
 pub mod scenario;
@@ -47,6 +49,9 @@ pub enum Broken {
     /// Hand one device share to two tasks: the scheduler's view forgets the devices of one
     /// running allocation (`state::double-assign`).
     DoubleAssign,
+    /// Let `Internal.Propose` commit what it must refuse (`server::forward-unchecked`): the
+    /// hostile client's poison proposals reach the log and halt the group.
+    ForwardUnchecked,
 }
 
 impl Broken {
@@ -55,6 +60,7 @@ impl Broken {
         match self {
             Broken::SkipFsync => "raft::skip-fsync=return",
             Broken::DoubleAssign => "state::double-assign=return",
+            Broken::ForwardUnchecked => "server::forward-unchecked=return",
         }
     }
 }
@@ -215,6 +221,7 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
     let _stop_clients = StopOnDrop(stop.clone());
     let spec = workload::WorkloadSpec::default();
     let clients = workload::start(&cluster, opts.clients, seed, &spec, &history, &stop)?;
+    let hostile = scn.hostile.then(|| hostile::start(hostile::Targets::of(&cluster), seed, &stop));
 
     // Fault phase.
     let steps = nemesis::schedule(scn.kinds, opts.duration_ms, scn.hold_ms, seed);
@@ -235,6 +242,10 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
     for c in clients {
         let _ = c.await;
     }
+    let hostile = match hostile {
+        Some(h) => Some(h.await.context("the hostile client")?),
+        None => None,
+    };
 
     let mut verdicts = Vec::new();
     let ops = history.ops();
@@ -320,6 +331,12 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
         },
     });
 
+    // (8) the hostile client's calls broke nothing (before the convergence checks: the probe
+    // writes it makes are part of the state they compare).
+    if let Some(h) = &hostile {
+        verdicts.push(hostile::stays_writable(&mut cluster, h, &exited, Duration::from_secs(20)).await);
+    }
+
     // (5), (6) the servers' own views.
     verdicts.push(converge(&mut cluster).await);
     verdicts.push(log_agreement(&mut cluster).await);
@@ -344,7 +361,8 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
 
     let dir = opts.keep.then(|| cluster.dir().to_owned());
     if let Some(d) = &dir {
-        let dump = serde_json::json!({"ops": ops, "faults": history.faults(), "steps": steps, "tasks": lines});
+        let dump = serde_json::json!({"ops": ops, "faults": history.faults(), "steps": steps, "tasks": lines,
+            "hostile": hostile});
         std::fs::write(d.join("history.json"), serde_json::to_vec_pretty(&dump)?)?;
     }
     cluster.stop_all();

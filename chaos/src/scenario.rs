@@ -17,6 +17,9 @@ pub struct Scenario {
     pub hold_ms: (u64, u64),
     /// In the short suite.
     pub short: bool,
+    /// The hostile client ([`crate::hostile`]) runs alongside the workload, and invariant 8
+    /// (stays writable) is checked.
+    pub hostile: bool,
 }
 
 /// Every scenario.
@@ -28,6 +31,7 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::KillServer(Role::Leader)],
         hold_ms: (500, 2_500),
         short: true,
+        hostile: false,
     },
     Scenario {
         name: "follower-kill-pause",
@@ -36,6 +40,7 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::KillServer(Role::Follower), Kind::PauseServer(Role::Follower), Kind::PauseServer(Role::Leader)],
         hold_ms: (500, 3_000),
         short: true,
+        hostile: false,
     },
     Scenario {
         name: "partition",
@@ -44,6 +49,7 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::PartitionMinority, Kind::IsolateLeader],
         hold_ms: (1_000, 4_000),
         short: true,
+        hostile: false,
     },
     Scenario {
         name: "leader-isolated",
@@ -52,6 +58,7 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::IsolateLeader],
         hold_ms: (3_000, 6_000),
         short: true,
+        hostile: false,
     },
     Scenario {
         name: "bridge",
@@ -60,6 +67,7 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::Bridge, Kind::LeaderMinority, Kind::PartitionMinority],
         hold_ms: (1_500, 4_000),
         short: true,
+        hostile: false,
     },
     Scenario {
         name: "agents",
@@ -68,6 +76,7 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::PartitionAgent, Kind::KillAgent, Kind::PauseAgent],
         hold_ms: (1_000, 5_000),
         short: true,
+        hostile: false,
     },
     Scenario {
         name: "plugin-faults",
@@ -76,6 +85,7 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::PluginCrash, Kind::DeviceUnhealthy],
         hold_ms: (1_000, 3_000),
         short: true,
+        hostile: false,
     },
     Scenario {
         name: "membership",
@@ -84,6 +94,7 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::Membership, Kind::KillServer(Role::Follower)],
         hold_ms: (500, 2_000),
         short: true,
+        hostile: false,
     },
     Scenario {
         name: "disk",
@@ -92,6 +103,7 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::SlowDisk(Role::Leader), Kind::DiskError(Role::Follower), Kind::DiskError(Role::Leader)],
         hold_ms: (1_000, 3_000),
         short: true,
+        hostile: false,
     },
     Scenario {
         name: "flaky-net",
@@ -100,6 +112,7 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::FlakyNet],
         hold_ms: (2_000, 5_000),
         short: true,
+        hostile: false,
     },
     Scenario {
         name: "power-loss",
@@ -108,6 +121,16 @@ pub const SCENARIOS: &[Scenario] = &[
         kinds: &[Kind::PowerLoss],
         hold_ms: (300, 1_500),
         short: true,
+        hostile: false,
+    },
+    Scenario {
+        name: "hostile-client",
+        about: "a hostile client (poison proposals, bogus membership changes, oversized and malformed requests, watch floods) during leader kills, pauses and partitions",
+        servers: 3,
+        kinds: &[Kind::KillServer(Role::Leader), Kind::PauseServer(Role::Follower), Kind::PartitionMinority],
+        hold_ms: (500, 2_500),
+        short: true,
+        hostile: true,
     },
     Scenario {
         name: "mixed",
@@ -132,6 +155,7 @@ pub const SCENARIOS: &[Scenario] = &[
         ],
         hold_ms: (1_000, 3_000),
         short: true,
+        hostile: false,
     },
 ];
 

@@ -63,3 +63,15 @@ fn an_isolated_leader_acknowledges_nothing_and_loses_nothing() {
     assert_eq!(r.lost, 0);
     assert!(r.ok(), "{}", r.details());
 }
+
+#[test]
+fn a_poison_proposal_let_through_is_caught_as_a_cluster_no_longer_writable() {
+    let r = run("hostile-client", 13, Some(Broken::ForwardUnchecked), 6_000);
+    let v = r.verdicts.iter().find(|v| v.name == "stays writable").expect("the hostile scenario checks it");
+    assert!(!v.ok, "a poison entry in the log went unnoticed: {}", v.detail);
+    assert!(v.detail.contains("halted"), "the halt is named: {}", v.detail);
+    assert!(v.detail.contains("answered OK"), "the accepted poison is named: {}", v.detail);
+    // The servers halted read-only; none died, and they still agree with each other.
+    assert!(!v.detail.contains("exited"), "{}", v.detail);
+    assert!(verdict(&r, "convergence") && verdict(&r, "log agreement"));
+}
