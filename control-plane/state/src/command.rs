@@ -545,7 +545,8 @@ pub enum Response {
     /// forwards a batch to the leader gets this back as JSON.)
     Batch(#[serde(with = "batch_responses")] Vec<Response>),
     /// A non-ignorable command of an unknown kind: this server is too old to apply the log.
-    /// The raft layer must stop applying (see [`Response::is_fatal`]).
+    /// The raft layer halts the group on this server, read-only (see [`Response::is_fatal`];
+    /// it checks [`Command::unsupported_kind`] first, so apply rarely gets here).
     Unsupported {
         /// Its kind.
         kind: String,
