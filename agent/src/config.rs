@@ -151,6 +151,17 @@ pub struct AgentConfig {
     /// Follow a server's `suanli-leader` hint to another address of `servers`. Off: the agent
     /// only moves round `servers` in order (a follower forwards to the leader).
     pub follow_leader_hints: bool,
+    /// Disk quota of one task's files in its allocation directory (logs not counted: they are
+    /// bounded by `max_log_bytes`), bytes; measured every 2 s by its shim, which stops a task
+    /// over it ("disk quota exceeded: …"). 0: no quota.
+    pub task_disk_max_bytes: u64,
+    /// The node is under disk pressure (takes no new work) while `data_dir`'s filesystem has
+    /// less free than this, in bytes. 0: not checked by bytes.
+    pub disk_pressure_free_bytes: u64,
+    /// Or less free than this percentage of its size. 0: not checked by percentage.
+    pub disk_pressure_free_percent: u64,
+    /// How often the free space of `data_dir` is measured.
+    pub disk_check_interval_ms: u64,
 }
 
 fn default_node_id() -> String {
@@ -202,6 +213,10 @@ impl Default for AgentConfig {
             fence_after_ms: 0,
             fence_kill_grace_ms: 0,
             follow_leader_hints: true,
+            task_disk_max_bytes: 0,
+            disk_pressure_free_bytes: 1 << 30,
+            disk_pressure_free_percent: 0,
+            disk_check_interval_ms: 1_000,
         }
     }
 }
@@ -361,6 +376,12 @@ impl AgentConfig {
         if self.fence_kill_grace_ms != 0 {
             check_ms("fence_kill_grace_ms", self.fence_kill_grace_ms, 10, 86_400_000)?;
         }
+        if self.task_disk_max_bytes != 0 {
+            check_ms("task_disk_max_bytes", self.task_disk_max_bytes, 4096, 1 << 50)?;
+        }
+        check_ms("disk_pressure_free_bytes", self.disk_pressure_free_bytes, 0, 1 << 50)?;
+        check_ms("disk_pressure_free_percent", self.disk_pressure_free_percent, 0, 99)?;
+        check_ms("disk_check_interval_ms", self.disk_check_interval_ms, 100, 600_000)?;
         Ok(())
     }
 

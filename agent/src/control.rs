@@ -186,6 +186,7 @@ fn renew_lease(agent: &Agent, sent_ms: u64, f: u64, g: u64, failures: &mut u64) 
         fence_after_ms: f,
         kill_grace_ms: g,
         boot_id: agent.boot_id.clone(),
+        check: String::new(),
     };
     if let Some(old) = agent.lease.borrow().as_ref()
         && old.left_ms(sent_ms, &agent.boot_id).is_err()
@@ -308,6 +309,7 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
                 seq,
                 devices: changes.clone(),
                 stats: agent.plugins.stats(),
+                disk_pressure: agent.disk_pressure.borrow().clone(),
             };
             // Taken before sending: the leader's TTL clock starts when it sees the heartbeat,
             // which is no earlier.

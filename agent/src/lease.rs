@@ -74,6 +74,19 @@ pub struct Lease {
     /// boot is worthless. Empty: not checked.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub boot_id: String,
+    /// FNV-1a (64 bits, hex) of this record serialized without `check`: the file is rewritten
+    /// in place, so a reader racing the writer can see a mix of two records, which this tells
+    /// apart. Empty (a lease of an older agent): not checked.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub check: String,
+}
+
+/// Bytes reserved for the lease file: the agent rewrites exactly this many in place.
+pub const LEASE_FILE_BYTES: usize = 512;
+
+/// FNV-1a, 64 bits: a torn-read detector, not a defence against anyone.
+fn fnv1a(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 impl Lease {
@@ -85,14 +98,31 @@ impl Lease {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(LeaseError::Missing { path: p() }),
             Err(source) => return Err(LeaseError::Read { path: p(), source }),
         };
-        serde_json::from_slice(&data).map_err(|e| LeaseError::Malformed { path: p(), message: e.to_string() })
+        let l: Lease =
+            serde_json::from_slice(&data).map_err(|e| LeaseError::Malformed { path: p(), message: e.to_string() })?;
+        if !l.check.is_empty() && l.check != l.checksum() {
+            return Err(LeaseError::Malformed {
+                path: p(),
+                message: "its check does not match (read while being rewritten)".into(),
+            });
+        }
+        Ok(l)
     }
 
-    /// Replaces the lease file atomically (temporary file, rename). Not fsynced: a lease is
-    /// worthless after a reboot anyway.
+    /// The check of this record (its serialization without `check`).
+    fn checksum(&self) -> String {
+        let bare = Lease { check: String::new(), ..self.clone() };
+        format!("{:016x}", fnv1a(&serde_json::to_vec(&bare).unwrap_or_default()))
+    }
+
+    /// Rewrites the lease file in place: [`LEASE_FILE_BYTES`] bytes at offset 0, the record
+    /// with its check, padded. No temporary file and no new blocks, so a full filesystem
+    /// (a task's output filled it) cannot stop the renewal and fence every task of the node.
+    /// Not fsynced: a lease is worthless after a reboot anyway.
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
-        let data = serde_json::to_vec(self).map_err(std::io::Error::other)?;
-        crate::sys::write_replace(path, &data)
+        let rec = Lease { check: self.checksum(), ..self.clone() };
+        let data = serde_json::to_vec(&rec).map_err(std::io::Error::other)?;
+        crate::sys::write_padded(path, &data, LEASE_FILE_BYTES)
     }
 
     /// When (boot time, ms) the task must be sent SIGTERM: `sent + F`.
@@ -242,7 +272,13 @@ mod tests {
     use super::*;
 
     fn lease(sent: u64) -> Lease {
-        Lease { sent_boottime_ms: sent, fence_after_ms: 1000, kill_grace_ms: 500, boot_id: "b1".into() }
+        Lease {
+            sent_boottime_ms: sent,
+            fence_after_ms: 1000,
+            kill_grace_ms: 500,
+            boot_id: "b1".into(),
+            check: String::new(),
+        }
     }
 
     fn missing() -> Result<Lease, LeaseError> {
@@ -258,7 +294,14 @@ mod tests {
         let l = Lease::read(&p).unwrap();
         assert_eq!((l.sent_boottime_ms, l.fence_after_ms, l.kill_grace_ms, l.boot_id.as_str()), (5, 6, 7, ""));
         lease(9).write(&p).unwrap();
-        assert_eq!(Lease::read(&p).unwrap(), lease(9));
+        let back = Lease::read(&p).unwrap();
+        assert_eq!(Lease { check: String::new(), ..back.clone() }, lease(9));
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), LEASE_FILE_BYTES as u64, "rewritten in place, fixed size");
+        // A record mixed from two writes (a racing reader) is refused, not trusted.
+        let text = std::fs::read_to_string(&p).unwrap().replace("\"sent_boottime_ms\":9", "\"sent_boottime_ms\":99");
+        std::fs::write(&p, text).unwrap();
+        let e = Lease::read(&p).unwrap_err();
+        assert!(e.to_string().contains("check does not match"), "{e}");
         std::fs::write(&p, b"{\"sent_boottime_ms\": ").unwrap();
         let e = Lease::read(&p).unwrap_err();
         assert!(matches!(e, LeaseError::Malformed { .. }), "{e}");

@@ -26,6 +26,7 @@
 mod cgroup;
 pub mod config;
 mod control;
+mod disk;
 pub mod journal;
 pub mod lease;
 mod logs;
@@ -67,6 +68,9 @@ pub(crate) struct Agent {
     lease: watch::Sender<Option<lease::Lease>>,
     /// This boot's id (leases carry it).
     boot_id: String,
+    /// "disk pressure: …" while the data directory is short of space, else empty (sent with
+    /// every heartbeat).
+    disk_pressure: watch::Sender<String>,
 }
 
 impl Agent {
@@ -124,6 +128,20 @@ fn lock_data_dir(dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
     }
 }
 
+/// Gives the lease file its full size now, while the disk has room: from then on it is
+/// rewritten in place and needs no new space (a lease of an older agent is rewritten in the
+/// new layout; a missing one is reserved empty, which no shim accepts).
+fn reserve_lease(path: &std::path::Path) {
+    let r = match lease::Lease::read(path) {
+        Ok(l) => l.write(path),
+        Err(lease::LeaseError::Missing { .. }) => sys::write_padded(path, b"{}", lease::LEASE_FILE_BYTES),
+        Err(_) => Ok(()),
+    };
+    if let Err(e) = r {
+        tracing::warn!(path = %path.display(), error = %e, "reserving the lease file");
+    }
+}
+
 /// Runs the agent until `shutdown` completes. Tasks keep running after it returns; the next
 /// agent on the same `data_dir` adopts them.
 pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
@@ -134,6 +152,7 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
     std::fs::create_dir_all(cfg.allocs_dir())
         .with_context(|| format!("data_dir: creating {}", cfg.allocs_dir().display()))?;
     let _lock = lock_data_dir(&cfg.data_dir)?;
+    reserve_lease(&cfg.data_dir.join(lease::LEASE_FILE));
     let listener =
         tokio::net::TcpListener::bind(&cfg.listen).await.with_context(|| format!("listen: binding {}", cfg.listen))?;
     let bound = listener.local_addr().context("listen: local address")?;
@@ -186,6 +205,7 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
         reregister: Notify::new(),
         lease: watch::channel(lease::Lease::read(&cfg.data_dir.join(lease::LEASE_FILE)).ok()).0,
         boot_id: sys::boot_id(),
+        disk_pressure: watch::channel(String::new()).0,
         cfg,
     });
     tasks::recover(&agent).context("reading the allocation directories")?;
@@ -198,6 +218,7 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
     loops.spawn(tasks::manage(agent.clone(), sets_rx));
     loops.spawn(control::report_loop(agent.clone()));
     loops.spawn(tasks::gc(agent.clone()));
+    loops.spawn(disk::watch(agent.clone()));
     let svc = logs::LogsService {
         allocs_dir: agent.cfg.allocs_dir(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),

@@ -38,6 +38,20 @@ pub const SHIM_FILE: &str = "shim.json";
 /// afterwards (spawned by an agent that died right after) must not run the command.
 pub const ABANDONED_FILE: &str = "abandoned";
 
+/// The space of `exit.json`, reserved by the shim when it starts (see [`EXIT_FILE_BYTES`]).
+pub const EXIT_RESERVED_FILE: &str = ".exit.json.reserved";
+/// Bytes reserved for `exit.json`; a longer record (a very long error) needs free space.
+pub const EXIT_FILE_BYTES: usize = 16 * 1024;
+/// The task's log files, which [`ShimArgs::max_log_bytes`] bounds and the disk quota does not
+/// count.
+pub const LOG_FILES: [&str; 4] = ["stdout.log", "stdout.log.1", "stderr.log", "stderr.log.1"];
+/// How often the task's directory is measured against its disk quota.
+pub const DISK_CHECK_EVERY: Duration = Duration::from_secs(2);
+/// Entries looked at per measure (a task with more is measured in part).
+pub const DISK_MAX_ENTRIES: usize = 100_000;
+/// Grace between SIGTERM and SIGKILL of a task over its disk quota.
+pub const DISK_KILL_GRACE: Duration = Duration::from_secs(5);
+
 /// The allocation file the agent writes before it spawns the shim (the task's identity).
 pub const ALLOC_FILE: &str = "alloc.json";
 
@@ -51,7 +65,7 @@ pub struct ExitRecord {
     /// Seconds since the Unix epoch.
     pub finished_at: u64,
     /// Set when the command could not be started at all (not found, bad workdir, cgroup,
-    /// fenced before start).
+    /// fenced before start), or was killed for exceeding its disk quota.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// When the command was spawned, milliseconds since the Unix epoch (none: never started).
@@ -101,6 +115,8 @@ pub struct ShimArgs {
     pub journal: Option<PathBuf>,
     /// The agent's lease file: fence the task by it (none: never fenced).
     pub lease: Option<PathBuf>,
+    /// Disk quota of the task's files in `dir` (its logs not counted), bytes; 0: none.
+    pub disk_max_bytes: u64,
     /// The program.
     pub command: String,
     /// Its arguments.
@@ -145,8 +161,15 @@ fn journal(path: Option<&PathBuf>, id: Option<&Identity>, event: JournalEvent, a
     if let (Some(p), Some(id)) = (path, id)
         && let Err(e) = crate::journal::append(p, &id.entry(event, at_ms))
     {
-        eprintln!("suanli task-shim: appending to the journal {}: {e}", p.display());
+        say(format_args!("appending to the journal {}: {e}", p.display()));
     }
+}
+
+/// Writes one line to the shim's stderr (`shim.log`, in the allocation directory). A failed
+/// write (a full disk) is ignored: `eprintln!` would panic there and take the task's
+/// supervision down with it.
+fn say(msg: std::fmt::Arguments<'_>) {
+    let _ = writeln!(std::io::stderr().lock(), "suanli task-shim: {msg}");
 }
 
 static CHILD: AtomicI32 = AtomicI32::new(0);
@@ -184,34 +207,83 @@ fn install_forwarding() -> std::io::Result<()> {
     Ok(())
 }
 
-/// A log file that rotates to `<name>.1` when it would grow past its limit.
+/// A log file that rotates to `<name>.1` when it would grow past its limit. A write that fails
+/// (a full disk) never stalls or kills the task: on ENOSPC the older half (`<name>.1`) is given
+/// up to keep the newest output; what still cannot be written is dropped, and the next write
+/// that succeeds is preceded by a marker line saying how much was lost and why.
 struct RotatingLog {
     path: PathBuf,
     file: Option<std::fs::File>,
     size: u64,
     max: u64,
+    /// Bytes dropped since the last successful write, and the first error.
+    dropped: u64,
+    dropped_why: String,
 }
 
 impl RotatingLog {
     fn open(path: PathBuf, max: u64) -> RotatingLog {
         let file = std::fs::OpenOptions::new().create(true).append(true).open(&path).ok();
         let size = file.as_ref().and_then(|f| f.metadata().ok()).map_or(0, |m| m.len());
-        RotatingLog { path, file, size, max }
+        RotatingLog { path, file, size, max, dropped: 0, dropped_why: String::new() }
+    }
+
+    fn rotated(&self) -> PathBuf {
+        let mut old = self.path.clone().into_os_string();
+        old.push(".1");
+        PathBuf::from(old)
+    }
+
+    fn rotate(&mut self) {
+        let _ = std::fs::rename(&self.path, self.rotated());
+        self.file = std::fs::OpenOptions::new().create(true).append(true).truncate(false).open(&self.path).ok();
+        self.size = 0;
+    }
+
+    fn append(&mut self, data: &[u8]) -> std::io::Result<()> {
+        let Some(f) = self.file.as_mut() else {
+            return Err(std::io::Error::other("the log file could not be opened"));
+        };
+        let r = f.write_all(data);
+        // A failed write may have written part: count what the file holds.
+        self.size = if r.is_ok() { self.size + data.len() as u64 } else { f.metadata().map_or(self.size, |m| m.len()) };
+        r
     }
 
     fn write(&mut self, data: &[u8]) {
-        if self.size > 0 && self.size + data.len() as u64 > self.max {
-            let mut old = self.path.clone().into_os_string();
-            old.push(".1");
-            let _ = std::fs::rename(&self.path, &old);
-            self.file = std::fs::OpenOptions::new().create(true).append(true).truncate(false).open(&self.path).ok();
-            self.size = 0;
+        let marker = (self.dropped > 0).then(|| {
+            format!("\n[suanli task-shim: {} bytes of output dropped: {}]\n", self.dropped, self.dropped_why)
+        });
+        let need = data.len() as u64 + marker.as_ref().map_or(0, |m| m.len() as u64);
+        if self.size > 0 && self.size + need > self.max {
+            self.rotate();
         }
-        // A full disk must not stall the task: the output is dropped and the pipe drained.
-        if let Some(f) = self.file.as_mut()
-            && f.write_all(data).is_ok()
-        {
-            self.size += data.len() as u64;
+        if self.file.is_none() {
+            // Opening failed earlier (a full disk): try again.
+            self.file = std::fs::OpenOptions::new().create(true).append(true).open(&self.path).ok();
+            self.size = self.file.as_ref().and_then(|f| f.metadata().ok()).map_or(0, |m| m.len());
+        }
+        let mut r = match &marker {
+            Some(m) => self.append(m.as_bytes()).and_then(|()| self.append(data)),
+            None => self.append(data),
+        };
+        if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::ENOSPC)) && self.rotated().exists() {
+            // Keep the newest output: the older half goes.
+            let _ = std::fs::remove_file(self.rotated());
+            r = self.append(data);
+        }
+        match r {
+            Ok(()) => {
+                self.dropped = 0;
+                self.dropped_why.clear();
+            }
+            Err(e) => {
+                if self.dropped == 0 {
+                    say(format_args!("writing {}: {e}; output is dropped until it can be written", self.path.display()));
+                    self.dropped_why = e.to_string();
+                }
+                self.dropped = self.dropped.saturating_add(data.len() as u64);
+            }
         }
     }
 }
@@ -235,10 +307,33 @@ fn copy_thread(
     })
 }
 
+/// Reserves the space of `exit.json` while the disk has room: `.exit.json.reserved`, written at
+/// full size when the shim starts, is rewritten in place and renamed to `exit.json` at the end,
+/// so a task that filled the disk still leaves its exit status.
+fn reserve_exit(dir: &Path) {
+    let p = dir.join(EXIT_RESERVED_FILE);
+    if let Err(e) = sys::write_padded(&p, b"{}", EXIT_FILE_BYTES).and_then(|()| std::fs::File::open(&p)?.sync_all()) {
+        say(format_args!("reserving {}: {e}; exit.json will need free space", p.display()));
+    }
+}
+
+fn write_exit(dir: &Path, data: &[u8]) -> std::io::Result<()> {
+    let reserved = dir.join(EXIT_RESERVED_FILE);
+    let fits = data.len() < EXIT_FILE_BYTES
+        && std::fs::metadata(&reserved).is_ok_and(|m| m.len() == EXIT_FILE_BYTES as u64);
+    if !fits {
+        return sys::write_atomic(&dir.join(EXIT_FILE), data);
+    }
+    sys::write_padded(&reserved, data, EXIT_FILE_BYTES)?;
+    std::fs::File::open(&reserved)?.sync_all()?;
+    std::fs::rename(&reserved, dir.join(EXIT_FILE))?;
+    sys::sync_dir(dir)
+}
+
 fn finish(dir: &Path, rec: &ExitRecord) -> ExitCode {
     let data = serde_json::to_vec(rec).unwrap_or_default();
-    if let Err(e) = sys::write_atomic(&dir.join(EXIT_FILE), &data) {
-        eprintln!("suanli task-shim: writing {}: {e}", dir.join(EXIT_FILE).display());
+    if let Err(e) = write_exit(dir, &data) {
+        say(format_args!("writing {}: {e}", dir.join(EXIT_FILE).display()));
     }
     let c = rec.code().clamp(0, 255);
     ExitCode::from(u8::try_from(c).unwrap_or(255))
@@ -249,7 +344,7 @@ fn fail(dir: &Path, msg: String) -> ExitCode {
 }
 
 fn fail_as(dir: &Path, msg: String, fenced: bool) -> ExitCode {
-    eprintln!("suanli task-shim: {msg}");
+    say(format_args!("{msg}"));
     finish(
         dir,
         &ExitRecord {
@@ -267,7 +362,7 @@ fn fail_as(dir: &Path, msg: String, fenced: bool) -> ExitCode {
 pub fn run(a: ShimArgs) -> ExitCode {
     let dir = a.dir.clone();
     if !dir.is_dir() {
-        eprintln!("suanli task-shim: --dir {}: not a directory", dir.display());
+        say(format_args!("--dir {}: not a directory", dir.display()));
         return ExitCode::from(2);
     }
     // The lock proves to a restarted agent that this shim lives, whether or not the agent
@@ -279,19 +374,20 @@ pub fn run(a: ShimArgs) -> ExitCode {
             Ok(Some(f)) => break f,
             Ok(None) if std::time::Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
             Ok(None) => {
-                eprintln!("suanli task-shim: {} stayed locked for 10 s; not starting", dir.join(LOCK_FILE).display());
+                say(format_args!("{} stayed locked for 10 s; not starting", dir.join(LOCK_FILE).display()));
                 return ExitCode::from(3);
             }
             Err(e) => {
-                eprintln!("suanli task-shim: locking {}: {e}", dir.join(LOCK_FILE).display());
+                say(format_args!("locking {}: {e}", dir.join(LOCK_FILE).display()));
                 return ExitCode::from(3);
             }
         }
     };
     if dir.join(ABANDONED_FILE).exists() || dir.join(EXIT_FILE).exists() {
-        eprintln!("suanli task-shim: the agent declared this task lost before it started; not starting it");
+        say(format_args!("the agent declared this task lost before it started; not starting it"));
         return ExitCode::from(3);
     }
+    reserve_exit(&dir);
     let me = i32::try_from(std::process::id()).ok().and_then(sys::ProcId::of);
     let written = me.map(|p| sys::write_atomic(&dir.join(SHIM_FILE), &serde_json::to_vec(&p).unwrap_or_default()));
     if !matches!(written, Some(Ok(()))) {
@@ -354,9 +450,10 @@ pub fn run(a: ShimArgs) -> ExitCode {
     }
     drop(tx);
     let mut fenced_at_ms = None;
-    let waited = match fence.as_mut() {
-        None => child.wait(),
-        Some((f, path)) => wait_fenced(&mut child, pid, f, path, &mut fenced_at_ms),
+    let mut quota = (a.disk_max_bytes > 0).then(|| Quota::new(a.disk_max_bytes));
+    let waited = match (fence.as_mut(), quota.as_mut()) {
+        (None, None) => child.wait(),
+        (fence, quota) => supervise(&mut child, pid, &dir, fence, quota, &mut fenced_at_ms),
     };
     let status = match waited {
         Ok(s) => s,
@@ -364,7 +461,8 @@ pub fn run(a: ShimArgs) -> ExitCode {
     };
     let finished_at_ms = sys::now_ms();
     let fenced = fenced_at_ms.is_some();
-    if fenced {
+    let over_quota = quota.and_then(|q| q.exceeded);
+    if fenced || over_quota.is_some() {
         // No agent may be there to clean up: what the task left in its group goes now.
         sys::signal_group_but_self(0, libc::SIGKILL);
     }
@@ -389,7 +487,7 @@ pub fn run(a: ShimArgs) -> ExitCode {
             exit_code: status.code(),
             signal: status.signal(),
             finished_at: sys::now_s(),
-            error: None,
+            error: over_quota,
             started_at_ms: Some(started_at_ms),
             finished_at_ms: Some(finished_at_ms),
             fenced,
@@ -398,13 +496,65 @@ pub fn run(a: ShimArgs) -> ExitCode {
     )
 }
 
-/// Waits for the command while reading the lease every [`crate::lease::CHECK_EVERY`]: SIGTERM
-/// to the task's group once the lease is older than F, SIGKILL once older than F + G.
-fn wait_fenced(
+/// The task's disk quota: its directory (logs not counted) is measured every
+/// [`DISK_CHECK_EVERY`]; over the limit, SIGTERM to its group, SIGKILL [`DISK_KILL_GRACE`] later.
+struct Quota {
+    max: u64,
+    next_at: std::time::Instant,
+    kill_at: Option<std::time::Instant>,
+    killed: bool,
+    /// Why the task was stopped: "disk quota exceeded: …".
+    exceeded: Option<String>,
+}
+
+impl Quota {
+    fn new(max: u64) -> Quota {
+        Quota { max, next_at: std::time::Instant::now(), kill_at: None, killed: false, exceeded: None }
+    }
+
+    fn step(&mut self, dir: &Path, pid: i32) {
+        let now = std::time::Instant::now();
+        match self.kill_at {
+            Some(k) if !self.killed && now >= k => {
+                say(format_args!("the task over its disk quota outlived its grace: SIGKILL"));
+                sys::signal_group_but_self(pid, libc::SIGKILL);
+                self.killed = true;
+            }
+            Some(_) => {}
+            None if now >= self.next_at => {
+                self.next_at = now + DISK_CHECK_EVERY;
+                let used = sys::dir_usage(dir, &LOG_FILES, DISK_MAX_ENTRIES);
+                if used > self.max {
+                    let why = format!("disk quota exceeded: {used} bytes > task_disk_max_bytes = {}", self.max);
+                    say(format_args!("{why}: SIGTERM"));
+                    sys::signal_group_but_self(pid, libc::SIGTERM);
+                    self.exceeded = Some(why);
+                    self.kill_at = Some(now + DISK_KILL_GRACE);
+                }
+            }
+            None => {}
+        }
+    }
+
+    fn next_check(&self) -> Option<Duration> {
+        let now = std::time::Instant::now();
+        match self.kill_at {
+            Some(_) if self.killed => None,
+            Some(k) => Some(k.saturating_duration_since(now) + Duration::from_millis(1)),
+            None => Some(self.next_at.saturating_duration_since(now) + Duration::from_millis(1)),
+        }
+    }
+}
+
+/// Waits for the command while reading the lease every [`crate::lease::CHECK_EVERY`] (SIGTERM
+/// to the task's group once the lease is older than F, SIGKILL once older than F + G) and
+/// measuring its disk use against its quota.
+fn supervise(
     child: &mut std::process::Child,
     pid: i32,
-    fence: &mut Fence,
-    lease: &Path,
+    dir: &Path,
+    mut fence: Option<&mut (Fence, PathBuf)>,
+    mut quota: Option<&mut Quota>,
     fenced_at_ms: &mut Option<u64>,
 ) -> std::io::Result<std::process::ExitStatus> {
     let pidfd = sys::pidfd_open(pid);
@@ -412,20 +562,31 @@ fn wait_fenced(
         if let Some(s) = child.try_wait()? {
             return Ok(s);
         }
-        let now = sys::boottime_ms();
-        match fence.step(Lease::read(lease), now) {
-            FenceAction::Nothing => {}
-            FenceAction::Term => {
-                eprintln!("suanli task-shim: fencing the task: {}: SIGTERM", fence.why().unwrap_or("lease expired"));
-                *fenced_at_ms = Some(sys::now_ms());
-                sys::signal_group_but_self(pid, libc::SIGTERM);
+        let mut next: Option<Duration> = None;
+        if let Some((fence, lease)) = fence.as_deref_mut() {
+            let now = sys::boottime_ms();
+            match fence.step(Lease::read(lease), now) {
+                FenceAction::Nothing => {}
+                FenceAction::Term => {
+                    say(format_args!("fencing the task: {}: SIGTERM", fence.why().unwrap_or("lease expired")));
+                    *fenced_at_ms = Some(sys::now_ms());
+                    sys::signal_group_but_self(pid, libc::SIGTERM);
+                }
+                FenceAction::Kill => {
+                    say(format_args!("the fenced task outlived its kill grace: SIGKILL"));
+                    sys::signal_group_but_self(pid, libc::SIGKILL);
+                }
             }
-            FenceAction::Kill => {
-                eprintln!("suanli task-shim: the fenced task outlived its kill grace: SIGKILL");
-                sys::signal_group_but_self(pid, libc::SIGKILL);
-            }
+            next = fence.next_check(sys::boottime_ms());
         }
-        sys::wait_exit(pidfd.as_ref(), fence.next_check(sys::boottime_ms()));
+        if let Some(q) = quota.as_deref_mut() {
+            q.step(dir, pid);
+            next = match (next, q.next_check()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        sys::wait_exit(pidfd.as_ref(), next);
     }
 }
 

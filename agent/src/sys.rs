@@ -116,6 +116,83 @@ pub fn write_replace(path: &Path, data: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+/// Writes `data` at the start of `path`, padded with spaces (and a final newline) to exactly
+/// `size` bytes, in place: no temporary file, no rename, no truncation. Once the file has been
+/// written at this size, rewriting it needs no new blocks on a filesystem that overwrites in
+/// place (ext4, xfs, tmpfs; not btrfs or ZFS, which copy on write), so it keeps working when the
+/// filesystem is full. A reader may see a write half done: records written this way carry their
+/// own check (the lease) or are renamed into place once written (`exit.json`).
+pub fn write_padded(path: &Path, data: &[u8], size: usize) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    if data.len() >= size {
+        return Err(std::io::Error::other(format!(
+            "{} bytes do not fit the {size} bytes reserved in {}",
+            data.len(),
+            path.display()
+        )));
+    }
+    let f = std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(path)?;
+    let mut buf = Vec::with_capacity(size);
+    buf.extend_from_slice(data);
+    buf.resize(size - 1, b' ');
+    buf.push(b'\n');
+    f.write_all_at(&buf, 0)?;
+    if f.metadata()?.len() > size as u64 {
+        // Left by an older, longer record: cutting it needs no space.
+        f.set_len(size as u64)?;
+    }
+    Ok(())
+}
+
+/// Free space of the filesystem holding `path`: `(available to unprivileged users, total)`,
+/// in bytes (statvfs(3)).
+#[allow(unsafe_code)]
+pub fn fs_space(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: a zeroed statvfs is a valid value of a plain C struct of integers.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statvfs(3) reads a NUL-terminated path we own and writes one struct we own.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    #[allow(clippy::useless_conversion)] // the field types differ between libc targets
+    let (frsize, bavail, blocks) = (u64::from(st.f_frsize), u64::from(st.f_bavail), u64::from(st.f_blocks));
+    Ok((bavail.saturating_mul(frsize), blocks.saturating_mul(frsize)))
+}
+
+/// Bytes allocated on disk to the files under `dir` (their `st_blocks`), not following symbolic
+/// links, skipping the top-level entries named in `skip`, and looking at no more than
+/// `max_entries` entries (a directory with more is counted in part).
+pub fn dir_usage(dir: &Path, skip: &[&str], max_entries: usize) -> u64 {
+    use std::os::unix::fs::MetadataExt as _;
+    let mut total = 0u64;
+    let mut seen = 0usize;
+    let mut stack = vec![(dir.to_path_buf(), true)];
+    while let Some((d, top)) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.filter_map(Result::ok) {
+            seen += 1;
+            if seen > max_entries {
+                return total;
+            }
+            if top && e.file_name().to_str().is_some_and(|n| skip.contains(&n)) {
+                continue;
+            }
+            let Ok(m) = e.path().symlink_metadata() else {
+                continue;
+            };
+            total = total.saturating_add(m.blocks().saturating_mul(512));
+            if m.is_dir() {
+                stack.push((e.path(), false));
+            }
+        }
+    }
+    total
+}
+
 /// `CLOCK_BOOTTIME` in milliseconds: monotonic, counts time suspended, and is the same clock
 /// in every process of the machine, so the agent and the shims can compare its readings.
 #[allow(unsafe_code)]

@@ -299,7 +299,10 @@ pub(crate) fn mark_reported(agent: &Agent, k: Key, r: &Report) {
     if dir.is_dir() {
         let text = format!("{:?} {}\n", r.status, r.message);
         if let Err(e) = sys::write_atomic(&dir.join("reported"), text.as_bytes()) {
-            tracing::warn!(alloc = k.0, epoch = k.1, error = %e, "writing the reported marker");
+            // A full disk: an empty marker needs no data block, and says the same.
+            if let Err(e2) = std::fs::File::create(dir.join("reported")) {
+                tracing::warn!(alloc = k.0, epoch = k.1, error = %e, again = %e2, "writing the reported marker");
+            }
         }
     }
 }
@@ -611,6 +614,9 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
         cmd.arg("--workdir").arg(dir.join(&a.workdir));
     }
     cmd.arg("--journal").arg(agent.cfg.data_dir.join(crate::journal::JOURNAL_FILE));
+    if agent.cfg.task_disk_max_bytes > 0 {
+        cmd.arg("--disk-max-bytes").arg(agent.cfg.task_disk_max_bytes.to_string());
+    }
     if agent.cfg.fence {
         cmd.arg("--lease").arg(agent.cfg.data_dir.join(crate::lease::LEASE_FILE));
     }
@@ -755,31 +761,45 @@ async fn supervise(
 pub(crate) async fn gc(agent: Arc<Agent>) {
     loop {
         let retention = Duration::from_secs(agent.cfg.alloc_retention_s);
-        if let Ok(rd) = std::fs::read_dir(agent.cfg.allocs_dir()) {
-            for e in rd.filter_map(Result::ok).take(100_000) {
-                let marker = e.path().join("reported");
-                let old = std::fs::metadata(&marker)
-                    .and_then(|m| m.modified())
-                    .ok()
-                    .and_then(|t| t.elapsed().ok())
-                    .is_some_and(|age| age >= retention);
-                let Some(k) = e.file_name().to_str().and_then(parse_dir_name) else {
-                    continue;
-                };
-                if old && !lock(&agent).map.contains_key(&k) {
-                    if let Err(err) = std::fs::remove_dir_all(e.path()) {
-                        tracing::warn!(dir = %e.path().display(), error = %err, "removing a finished allocation directory");
-                    }
-                    if let Some(c) = &agent.cgroups {
-                        c.remove(&dir_name(k));
-                    }
-                }
-            }
-        }
+        let a = agent.clone();
+        let _ = tokio::task::spawn_blocking(move || gc_pass(&a, retention)).await;
         if !crate::control::pause(&agent, Duration::from_secs(600).min(retention.max(Duration::from_secs(1)))).await {
             return;
         }
     }
+}
+
+/// Deletes the allocation directories whose final status was acknowledged at least
+/// `retention` ago and whose task has ended; returns how many went.
+pub(crate) fn gc_pass(agent: &Agent, retention: Duration) -> usize {
+    let mut removed = 0;
+    let Ok(rd) = std::fs::read_dir(agent.cfg.allocs_dir()) else {
+        return 0;
+    };
+    for e in rd.filter_map(Result::ok).take(100_000) {
+        let marker = e.path().join("reported");
+        let old = std::fs::metadata(&marker)
+            .and_then(|m| m.modified())
+            .ok()
+            .is_some_and(|t| t.elapsed().unwrap_or_default() >= retention);
+        let Some(k) = e.file_name().to_str().and_then(parse_dir_name) else {
+            continue;
+        };
+        // An ended task keeps its entry until its allocation leaves the node's set: the entry,
+        // not the directory, then stops a stale set from starting it again.
+        if old && lock(agent).map.get(&k).is_none_or(|e| e.ended) {
+            match std::fs::remove_dir_all(e.path()) {
+                Ok(()) => removed += 1,
+                Err(err) => {
+                    tracing::warn!(dir = %e.path().display(), error = %err, "removing a finished allocation directory");
+                }
+            }
+            if let Some(c) = &agent.cgroups {
+                c.remove(&dir_name(k));
+            }
+        }
+    }
+    removed
 }
 
 /// Whether the task of an allocation directory has ended (for log following): it has an exit

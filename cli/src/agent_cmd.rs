@@ -85,6 +85,10 @@ pub struct TaskShimArgs {
     /// task when it expires (absent: never fenced).
     #[arg(long)]
     pub lease: Option<PathBuf>,
+    /// Disk quota of the task's files in DIR, logs not counted (bytes; 0: none): measured every
+    /// 2 s, over it the task is stopped and fails with "disk quota exceeded: …".
+    #[arg(long, default_value_t = 0)]
+    pub disk_max_bytes: u64,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -115,6 +119,7 @@ pub fn shim(a: TaskShimArgs) -> std::process::ExitCode {
         workdir: a.workdir,
         journal: a.journal,
         lease: a.lease,
+        disk_max_bytes: a.disk_max_bytes,
         command,
         args: it.collect(),
     })

@@ -751,7 +751,7 @@ fn node_json(n: &pb::NodeInfo) -> Value {
             "numa": d.numa, "peer_group": d.peer_group, "partition_of": d.partition_of, "used_milli": d.used_milli,
         })).collect::<Vec<_>>(),
         "labels": labels, "updated_at": n.updated_at, "reason": n.reason, "allocations": n.allocations,
-        "agent_addr": n.agent_addr,
+        "agent_addr": n.agent_addr, "pressure": n.pressure,
         "stats": n.stats.iter().map(|s| json!({
             "id": s.id, "utilization_pct": s.utilization_pct, "memory_used_mib": s.memory_used_mib,
             "power_w": s.power_w, "temperature_c": s.temperature_c, "ecc_errors": s.ecc_errors,
@@ -1405,7 +1405,13 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
                                 vec![n.id.clone(), n.pool.clone(), dash(&n.status), mode_name(n.mode).to_owned()];
                             row.extend(usage_cols(n.used.as_ref(), n.capacity.as_ref()));
                             row.push(n.allocations.to_string());
-                            row.push(dash(&n.reason));
+                            // Why it takes no work: down, or a condition its agent reported.
+                            let why = [n.reason.as_str(), n.pressure.as_str()]
+                                .into_iter()
+                                .filter(|r| !r.is_empty())
+                                .collect::<Vec<_>>()
+                                .join("; ");
+                            row.push(dash(&why));
                             row
                         })
                         .collect();
@@ -1437,6 +1443,7 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
                             ("status", dash(&n.status)),
                             ("mode", mode_name(n.mode).to_owned()),
                             ("reason", dash(&n.reason)),
+                            ("pressure", dash(&n.pressure)),
                             ("capacity", res(n.capacity.as_ref())),
                             ("used", res(n.used.as_ref())),
                             ("allocations", n.allocations.to_string()),
@@ -1542,7 +1549,7 @@ async fn register(conn: &mut Conn, out: Output, file: &std::path::Path, keep_ali
                 let node_id = node_id.clone();
                 async move {
                     ac(ch)
-                        .heartbeat(pb::HeartbeatRequest { node_id, seq, devices: Vec::new(), stats: Vec::new() })
+                        .heartbeat(pb::HeartbeatRequest { node_id, seq, devices: Vec::new(), stats: Vec::new(), disk_pressure: String::new() })
                         .await
                 }
             })

@@ -373,6 +373,7 @@ fn task_shim_journals_and_fences_by_its_lease() {
         fence_after_ms: f,
         kill_grace_ms: g,
         boot_id: boot_id(),
+        check: String::new(),
     };
     let alloc_dir = |name: &str, id: u64| {
         let dir = d.path().join(name);

@@ -11,9 +11,12 @@ use suanli_model::{AllocId, Health, Node, NodeId};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_client::AgentClient;
 use suanli_proto::v1::agent_server::Agent;
-use suanli_state::{AllocStatus, Command, DeviceHealth, NodeStatus, RegisterNode, ReportCheckpoint, ReportedStatus};
+use suanli_state::{AllocStatus, Command, DeviceHealth, NodeCondition, NodeStatus, RegisterNode, ReportCheckpoint, ReportedStatus};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status};
+
+/// Longest node condition message recorded (characters).
+const MAX_PRESSURE_CHARS: usize = 200;
 
 type Resp<T> = Result<tonic::Response<T>, Status>;
 
@@ -59,11 +62,13 @@ impl Agent for AgentApi {
         }
         let r = req.into_inner();
         let id = NodeId(r.node_id.clone());
-        let known = self.0.state.read(|s| s.nodes().get(&id).map(|n| n.status == NodeStatus::Ready));
-        if known != Some(true) {
+        let known = self.0.state.read(|s| {
+            s.nodes().get(&id).map(|n| (n.status == NodeStatus::Ready).then(|| n.pressure.clone()))
+        });
+        let Some(Some(pressure)) = known else {
             // Unknown, or declared down: the agent registers again with its inventory.
             return ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: false });
-        }
+        };
         // Only a leader a quorum still follows may renew the agent's lease.
         self.0.confirm_leader(Duration::from_millis(self.0.cfg.raft.heartbeat_interval_ms.max(50) * 2)).await?;
         self.seen(&id);
@@ -73,6 +78,14 @@ impl Agent for AgentApi {
             let stats: Vec<_> = r.stats.into_iter().take(max).collect();
             let mut m = self.0.device_stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             m.insert(id.clone(), stats);
+        }
+        // The agent keeps one message per episode, so this is a command per change, not per
+        // heartbeat; the message is bounded so that a long one does not differ every time.
+        let reported: String = r.disk_pressure.chars().take(MAX_PRESSURE_CHARS).collect();
+        if reported != pressure {
+            let cmd = Command::NodeCondition(NodeCondition { node: id.clone(), pressure: reported, now: now_s() });
+            self.0.propose(cmd).await?;
+            self.0.kick.notify_one();
         }
         for d in r.devices {
             let health = if d.healthy { Health::Healthy } else { Health::Unhealthy };

@@ -692,6 +692,7 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
         | Command::RegisterNode(_)
         | Command::SetNodeMode(_)
         | Command::DeviceHealth(_)
+        | Command::NodeCondition(_)
         | Command::SubmitJob(_)
         | Command::CancelJob(_)
         | Command::AllocStatus(_)

@@ -218,6 +218,7 @@ pub fn node(s: &State, r: &NodeRecord) -> pb::NodeInfo {
         allocations: count,
         agent_addr: r.node.agent_addr.clone(),
         stats: Vec::new(),
+        pressure: r.pressure.clone(),
     }
 }
 

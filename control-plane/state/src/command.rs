@@ -92,6 +92,19 @@ pub struct DeviceHealth {
     pub now: u64,
 }
 
+/// A node's agent reported a condition that keeps new work off the node (disk pressure), or
+/// that it cleared. Running work stays.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeCondition {
+    /// The node.
+    pub node: NodeId,
+    /// Why the node takes no new work ("disk pressure: …"); empty: the condition cleared.
+    #[serde(default)]
+    pub pressure: String,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
 /// A client submits a job. Retries with the same `client_request_id` return the first job.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SubmitJob {
@@ -293,6 +306,9 @@ commands! {
     NodeDown(NodeDown) = "node_down", ignorable: false;
     /// A device changed health.
     DeviceHealth(DeviceHealth) = "device_health", ignorable: false;
+    /// A node's agent reported a condition (disk pressure) or its end. Not ignorable: it
+    /// decides where plans may place work, which every replica re-checks at apply.
+    NodeCondition(NodeCondition) = "node_condition", ignorable: false;
     /// Submit a job. (The three large bodies are boxed: a batch of 1,024 commands is then a
     /// 112-byte-per-command vector, not 288, which a decode grows by doubling on every server.)
     SubmitJob(Box<SubmitJob>) = "submit_job", ignorable: false;

@@ -26,7 +26,7 @@ mod state;
 mod usage;
 
 pub use command::{
-    AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth,
+    AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeCondition,
     NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SkipEntry,
     SubmitJob, UpdateConfig, UpsertQueue, check_encoded_size, encode_command,
 };

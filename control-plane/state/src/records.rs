@@ -226,11 +226,15 @@ pub struct NodeRecord {
     pub updated_at: u64,
     /// Why it is down, if it is.
     pub reason: String,
+    /// A condition its agent reported that keeps new work off the node ("disk pressure: …");
+    /// empty when none. Survives re-registration; only the agent's heartbeats clear it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pressure: String,
 }
 
 impl NodeRecord {
     /// True when new work may be placed on it.
     pub fn accepts_work(&self) -> bool {
-        self.status == NodeStatus::Ready && self.mode == NodeMode::Schedulable
+        self.status == NodeStatus::Ready && self.mode == NodeMode::Schedulable && self.pressure.is_empty()
     }
 }

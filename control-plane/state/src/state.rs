@@ -1,7 +1,7 @@
 //! The state machine: records, `apply`, snapshots and the scheduler's view.
 
 use crate::command::{
-    AllocStatus, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeDown, NodeMode, RegisterNode,
+    AllocStatus, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeCondition, NodeDown, NodeMode, RegisterNode,
     ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
 };
 use crate::config::StateConfig;
@@ -216,6 +216,7 @@ impl State {
             Command::SetNodeMode(c) => self.set_node_mode(c, rev),
             Command::NodeDown(c) => self.node_down(c, rev),
             Command::DeviceHealth(c) => self.device_health(c, rev),
+            Command::NodeCondition(c) => self.node_condition(c),
             Command::SubmitJob(c) => self.submit_job(*c, rev),
             Command::CancelJob(c) => self.cancel_job(c, rev),
             Command::ApplyPlan(c) => self.apply_plan(c, rev),
@@ -382,6 +383,7 @@ impl State {
     fn register_node(&mut self, c: RegisterNode, rev: u64) -> Applied {
         c.node.validate(&self.config.limits)?;
         let known_mode = self.nodes.get(&c.node.id).map(|r| r.mode);
+        let pressure = self.nodes.get(&c.node.id).map(|r| r.pressure.clone()).unwrap_or_default();
         if known_mode.is_none() && self.nodes.len() >= self.config.max_nodes {
             return Err(CommandError::TooMany { what: "nodes".into(), limit: self.config.max_nodes });
         }
@@ -398,7 +400,7 @@ impl State {
         node.schedulable = mode == NodeMode::Schedulable;
         self.nodes.insert(
             id.clone(),
-            NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new() },
+            NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new(), pressure },
         );
         let kinds_changed = self.nodes.get(&id).is_some_and(|r| {
             r.node.devices.iter().map(|d| (d.id.clone(), d.kind)).collect::<BTreeMap<_, _>>() != old_kinds
@@ -515,6 +517,17 @@ impl State {
         let msg = if reason.is_empty() { "node down".to_owned() } else { format!("node down: {reason}") };
         for aid in live {
             self.end_alloc(aid, AllocState::Lost, &msg, now, rev);
+        }
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    fn node_condition(&mut self, c: NodeCondition) -> Applied {
+        self.node_rec(&c.node)?;
+        let now = self.tick(c.now);
+        let pressure = cut(&c.pressure, self.config.max_message_len);
+        if let Some(r) = self.nodes.get_mut(&c.node) {
+            r.pressure = pressure;
+            r.updated_at = now;
         }
         Ok((Response::Done, Effect::Changed))
     }
