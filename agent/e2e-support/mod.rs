@@ -90,6 +90,7 @@ pub fn fake_config(gpus: u32, island: u32, npus: u32) -> String {
 pub struct AgentProc {
     pub node_id: String,
     dir: tempfile::TempDir,
+    data: PathBuf,
     child: Option<Child>,
 }
 
@@ -97,6 +98,12 @@ impl AgentProc {
     /// Prepares (does not start) an agent for `node_id` against `servers`, with the fake
     /// devices of `fake` and extra TOML lines for the agent config.
     pub fn new(node_id: &str, servers: &[String], fake: &str, extra: &str) -> AgentProc {
+        AgentProc::with_data_dir(node_id, servers, fake, extra, None)
+    }
+
+    /// As [`AgentProc::new`], with the data directory at `data` (default: `data` in the
+    /// agent's temporary directory).
+    pub fn with_data_dir(node_id: &str, servers: &[String], fake: &str, extra: &str, data: Option<&Path>) -> AgentProc {
         let keep = std::env::var_os("SUANLI_KEEP_CLUSTER_DIR").is_some();
         let dir = tempfile::Builder::new().prefix("suanli-agent-").disable_cleanup(keep).tempdir().unwrap();
         if keep {
@@ -112,6 +119,7 @@ impl AgentProc {
         let fake_path = dir.path().join("fake.toml");
         std::fs::write(&fake_path, fake).unwrap();
         let servers: Vec<String> = servers.iter().map(|s| format!("{s:?}")).collect();
+        let data = data.map_or_else(|| dir.path().join("data"), Path::to_path_buf);
         let toml = format!(
             r#"servers = [{servers}]
 node_id = "{node_id}"
@@ -129,17 +137,17 @@ cgroups = false
 config_path = "{fake}"
 "#,
             servers = servers.join(", "),
-            data = dir.path().join("data").display(),
+            data = data.display(),
             plugins = plugins.display(),
             fake = fake_path.display(),
         );
         std::fs::write(dir.path().join("agent.toml"), toml).unwrap();
-        AgentProc { node_id: node_id.to_owned(), dir, child: None }
+        AgentProc { node_id: node_id.to_owned(), dir, data, child: None }
     }
 
     /// The agent's data directory.
     pub fn data_dir(&self) -> PathBuf {
-        self.dir.path().join("data")
+        self.data.clone()
     }
 
     /// Starts (or restarts) the agent process; its stderr goes to `agent.log` (appended).

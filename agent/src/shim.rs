@@ -318,16 +318,7 @@ fn reserve_exit(dir: &Path) {
 }
 
 fn write_exit(dir: &Path, data: &[u8]) -> std::io::Result<()> {
-    let reserved = dir.join(EXIT_RESERVED_FILE);
-    let fits = data.len() < EXIT_FILE_BYTES
-        && std::fs::metadata(&reserved).is_ok_and(|m| m.len() == EXIT_FILE_BYTES as u64);
-    if !fits {
-        return sys::write_atomic(&dir.join(EXIT_FILE), data);
-    }
-    sys::write_padded(&reserved, data, EXIT_FILE_BYTES)?;
-    std::fs::File::open(&reserved)?.sync_all()?;
-    std::fs::rename(&reserved, dir.join(EXIT_FILE))?;
-    sys::sync_dir(dir)
+    sys::write_reserved(&dir.join(EXIT_FILE), &dir.join(EXIT_RESERVED_FILE), data, EXIT_FILE_BYTES)
 }
 
 fn finish(dir: &Path, rec: &ExitRecord) -> ExitCode {

@@ -144,6 +144,21 @@ pub fn write_padded(path: &Path, data: &[u8], size: usize) -> std::io::Result<()
     Ok(())
 }
 
+/// Writes `data` as `path` through `reserved`, a file of `size` bytes written earlier by
+/// [`write_padded`] while the disk had room: it is rewritten in place, fsynced and renamed to
+/// `path`, so this needs no free space. Without a reservation (or for a record too long for
+/// it), falls back on [`write_atomic`].
+pub fn write_reserved(path: &Path, reserved: &Path, data: &[u8], size: usize) -> std::io::Result<()> {
+    let fits = data.len() < size && std::fs::metadata(reserved).is_ok_and(|m| m.len() == size as u64);
+    if !fits {
+        return write_atomic(path, data);
+    }
+    write_padded(reserved, data, size)?;
+    std::fs::File::open(reserved)?.sync_all()?;
+    std::fs::rename(reserved, path)?;
+    sync_dir(path.parent().unwrap_or_else(|| Path::new(".")))
+}
+
 /// Free space of the filesystem holding `path`: `(available to unprivileged users, total)`,
 /// in bytes (statvfs(3)).
 #[allow(unsafe_code)]

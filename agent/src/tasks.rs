@@ -14,7 +14,9 @@
 //! | `stdout.log`, `stderr.log` (+ `.1`) | shim | the task's output, rotated at `max_log_bytes` |
 //! | `shim.log` | shim | the shim's own errors |
 //! | `stop.json` | agent, before it signals the task | a stop was asked for, and why |
+//! | `.stop.json.reserved` | agent, with `alloc.json` | the space of `stop.json`, renamed into it (a full disk cannot lose a stop) |
 //! | `exit.json` | shim (or agent, when it could not start) | how the task ended |
+//! | `.exit.json.reserved` | shim, when it starts | the space of `exit.json`, renamed into it |
 //! | `reported` | agent | the final status was acknowledged by the control plane |
 //!
 //! ```text
@@ -117,6 +119,10 @@ fn alloc_dir(agent: &Agent, k: Key) -> PathBuf {
 }
 
 const REV_FILE: &str = "watch-revision";
+/// The space of `stop.json`, reserved when the allocation directory is made.
+const STOP_RESERVED_FILE: &str = ".stop.json.reserved";
+/// Bytes reserved for `stop.json` (a reason is at most a few hundred bytes).
+const STOP_FILE_BYTES: usize = 4096;
 
 /// Loads the persisted revision and every allocation directory not yet finally reported:
 /// running shims are adopted, ended ones get their final report queued, the rest are lost.
@@ -581,6 +587,11 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
     if let Err(e) = sys::write_atomic(&dir.join(crate::shim::ALLOC_FILE), &alloc_file) {
         return fail_start(&agent, k, &dir, format!("agent: writing {}: {e}", crate::shim::ALLOC_FILE));
     }
+    // The space of stop.json, reserved now: a cancel must be recorded as a stop even once a
+    // task has filled the disk.
+    if let Err(e) = sys::write_padded(&dir.join(STOP_RESERVED_FILE), b"{}", STOP_FILE_BYTES) {
+        tracing::warn!(error = %e, "reserving the space of stop.json");
+    }
     let plugin_env = match reserved {
         Ok(env) => env,
         Err(e) => return fail_start(&agent, k, &dir, format!("cannot reserve its devices: {e}")),
@@ -676,7 +687,8 @@ fn alloc_json(a: &pb::AllocInfo, node: &str) -> serde_json::Value {
 
 fn write_stop(dir: &Path, reason: &str) {
     let rec = StopRecord { reason: reason.to_owned(), at: sys::now_s(), at_ms: sys::now_ms() };
-    if let Err(e) = sys::write_atomic(&dir.join("stop.json"), &serde_json::to_vec(&rec).unwrap_or_default()) {
+    let data = serde_json::to_vec(&rec).unwrap_or_default();
+    if let Err(e) = sys::write_reserved(&dir.join("stop.json"), &dir.join(STOP_RESERVED_FILE), &data, STOP_FILE_BYTES) {
         tracing::warn!(error = %e, "writing stop.json");
     }
 }
