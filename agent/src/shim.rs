@@ -598,6 +598,35 @@ mod tests {
     }
 
     #[test]
+    fn log_drops_output_it_cannot_write_and_says_so() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("stdout.log");
+        let mut l = RotatingLog::open(p.clone(), 1 << 20);
+        l.write(b"kept\n");
+        // Every write fails with ENOSPC, as on a full disk: dropped, no panic, no stall.
+        l.file = std::fs::OpenOptions::new().append(true).open("/dev/full").ok();
+        l.write(b"lost 1\n");
+        l.write(b"lost 22\n");
+        assert_eq!(l.dropped, 15);
+        // Space again: the marker line comes first.
+        l.file = std::fs::OpenOptions::new().append(true).open(&p).ok();
+        l.write(b"back\n");
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(text, "kept\n\n[suanli task-shim: 15 bytes of output dropped: No space left on device (os error 28)]\nback\n");
+    }
+
+    #[test]
+    fn log_gives_up_its_older_half_on_a_full_disk() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("stdout.log");
+        std::fs::write(d.path().join("stdout.log.1"), b"old").unwrap();
+        let mut l = RotatingLog::open(p, 1 << 20);
+        l.file = std::fs::OpenOptions::new().append(true).open("/dev/full").ok();
+        l.write(b"x");
+        assert!(!d.path().join("stdout.log.1").exists(), "the older half went to make room");
+    }
+
+    #[test]
     fn exit_codes() {
         let r = ExitRecord { signal: Some(9), ..ExitRecord::default() };
         assert_eq!(r.code(), 137);

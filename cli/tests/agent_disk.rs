@@ -145,7 +145,9 @@ async fn a_full_agent_disk_fences_nothing_and_the_node_reports_disk_pressure() {
     let first = agent.lease().expect("a lease").sent_boottime_ms;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
+        assert!(!pressure(&nodes(&addr).await).is_empty(), "the pressure lasts while the disk is full");
         for d in [&quiet_dir, &noisy_dir] {
+            assert!(d.join("alloc.json").exists(), "{} was deleted", d.display());
             assert!(!d.join("exit.json").exists(), "{} ended on a full disk: {:?}", d.display(), std::fs::read_to_string(d.join("exit.json")));
         }
         let p = job(&addr, probe).await;
@@ -185,4 +187,40 @@ async fn a_full_agent_disk_fences_nothing_and_the_node_reports_disk_pressure() {
     jobs.cancel(pb::CancelJobRequest { job_id: quiet, reason: "done".into() }).await.unwrap();
     wait_job(&addr, quiet, Duration::from_secs(30), "the quiet task cancelled", |j| j.state == "cancelled").await;
     drop(agent);
+}
+
+/// The shim alone (no root needed): a task whose files in its directory grow past
+/// `--disk-max-bytes` is stopped, and its exit record says why; its logs do not count.
+#[test]
+fn a_task_over_its_disk_quota_is_stopped_with_the_reason() {
+    let d = tempfile::tempdir().unwrap();
+    let alloc = serde_json::json!({"id": 1, "epoch": 1, "job_id": 1, "node": "n1", "task": "main-0", "devices": []});
+    std::fs::write(d.path().join("alloc.json"), alloc.to_string()).unwrap();
+    // 2 MiB of output (not counted), then 1 MiB of files (counted) against a 512 KiB quota.
+    let script = "head -c 2097152 /dev/zero; head -c 1048576 /dev/zero > big; sleep 60";
+    let started = Instant::now();
+    let st = Command::new(support::bin())
+        .args(["task-shim", "--dir"])
+        .arg(d.path())
+        .args(["--disk-max-bytes", "524288", "--", "/bin/sh", "-c", script])
+        .status()
+        .unwrap();
+    assert!(!st.success());
+    assert!(started.elapsed() < Duration::from_secs(20), "stopped at the next measure, not at the end of the sleep");
+    let exit = suanli_agent::ExitRecord::read(d.path()).expect("exit.json");
+    let why = exit.error.clone().unwrap_or_default();
+    assert!(why.starts_with("disk quota exceeded: ") && why.ends_with("> task_disk_max_bytes = 524288"), "{exit:?}");
+    assert_eq!(exit.signal, Some(15), "SIGTERM first: {exit:?}");
+    assert!(!d.path().join(suanli_agent::shim::EXIT_RESERVED_FILE).exists(), "the reservation became exit.json");
+    // Without a quota the same task is not stopped for its files.
+    let d2 = tempfile::tempdir().unwrap();
+    std::fs::write(d2.path().join("alloc.json"), alloc.to_string()).unwrap();
+    let st = Command::new(support::bin())
+        .args(["task-shim", "--dir"])
+        .arg(d2.path())
+        .args(["--", "/bin/sh", "-c", "head -c 1048576 /dev/zero > big"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    assert_eq!(suanli_agent::ExitRecord::read(d2.path()).and_then(|e| e.error), None);
 }
