@@ -235,6 +235,9 @@ impl State {
         let g = &spec.groups[p.group as usize];
         let rec = self.nodes.get(&p.node).ok_or_else(|| format!("node {} is gone", p.node))?;
         if !rec.accepts_work() {
+            if !rec.pressure.is_empty() {
+                return Err(format!("node {} is under {}", p.node, rec.pressure));
+            }
             return Err(format!("node {} is {:?}/{:?}", p.node, rec.status, rec.mode));
         }
         let node = &rec.node;

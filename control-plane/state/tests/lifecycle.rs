@@ -5,7 +5,8 @@ mod common;
 use common::*;
 use suanli_model::{AllocId, DeviceShare, Health, JobId, NodeId, Placement, Plan, Preemption, PreemptionReason};
 use suanli_state::{
-    AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, JobState, NodeDown, NodeMode,
+    AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, JobState, NodeCondition, NodeDown,
+    NodeMode,
     ReportedStatus, Response, RetryPolicy, SetNodeMode, State, StateConfig, StopReason, SubmitJob, UpdateConfig,
 };
 
@@ -187,6 +188,34 @@ fn apply_refuses_placements_that_no_longer_hold() {
     assert!(ob.refused_jobs[0].1.contains("milli > 1000"), "{:?}", ob.refused_jobs);
     assert_eq!(job_state(&s, 2), JobState::Pending);
     assert!(s.job(JobId(2)).is_some_and(|j| !j.reason.is_empty()), "the refusal is recorded");
+}
+
+#[test]
+fn disk_pressure_keeps_new_work_off_a_node_until_it_clears() {
+    let mut s = cluster(1);
+    apply_ok(&mut s, submit("a", spec("q", 1, 1, 0), 1));
+    let view = s.cluster_view(2);
+    let plan = suanli_scheduler::schedule(&view, 2, 1, &suanli_scheduler::SchedulerConfig::default()).expect("plan");
+    let n0 = NodeId::from("n0");
+    let why = "disk pressure: 1.0 MiB free < 1.0 GiB in /var/lib/suanli/agent".to_owned();
+    apply_ok(&mut s, Command::NodeCondition(NodeCondition { node: n0.clone(), pressure: why.clone(), now: 2 }));
+    assert!(s.cluster_view(3).nodes.iter().all(|n| !n.schedulable), "not schedulable under pressure");
+    // A plan made before the condition is refused at apply, naming it.
+    let Response::PlanApplied(o) = apply_ok(&mut s, Command::ApplyPlan(ApplyPlan { plan: plan.clone(), now: 3 }))
+    else {
+        panic!()
+    };
+    assert!(o.placed.is_empty() && o.refused_jobs[0].1.contains(&why), "{o:?}");
+    // A re-registration (an agent restart) keeps it: only the agent's heartbeat clears it.
+    apply_ok(&mut s, register(node("n0", 4), 4));
+    assert_eq!(s.nodes()[&n0].pressure, why);
+    assert_eq!(s.nodes()[&n0].mode, NodeMode::Schedulable, "the operator's mode is untouched");
+    apply_ok(&mut s, Command::NodeCondition(NodeCondition { node: n0.clone(), pressure: String::new(), now: 5 }));
+    assert!(s.cluster_view(6).nodes.iter().all(|n| n.schedulable));
+    assert_eq!(schedule_once(&mut s, 6).placed.len(), 1, "placed once the pressure cleared");
+    // An unknown node is refused.
+    let r = s.apply(Command::NodeCondition(NodeCondition { node: NodeId::from("nope"), pressure: why, now: 7 }));
+    assert!(matches!(r, Response::Rejected(CommandError::UnknownNode { .. })), "{r:?}");
 }
 
 #[test]
