@@ -109,7 +109,7 @@ pub struct ShimArgs {
     pub max_log_bytes: u64,
     /// A cgroup v2 directory to join before starting the command.
     pub cgroup: Option<PathBuf>,
-    /// Working directory of the command (default: `dir`).
+    /// Working directory of the command (default: `dir`); made when it lies inside `dir`.
     pub workdir: Option<PathBuf>,
     /// The node's task journal: append a start and a stop line (identity from `dir/alloc.json`).
     pub journal: Option<PathBuf>,
@@ -409,6 +409,14 @@ pub fn run(a: ShimArgs) -> ExitCode {
         fence = Some((f, path.clone()));
     }
     let workdir = a.workdir.clone().unwrap_or_else(|| dir.clone());
+    // A relative `workdir` of the job spec lands inside the allocation directory: it is the
+    // task's own, so it is made here. An absolute one must exist on the node.
+    if workdir.starts_with(&dir)
+        && !workdir.is_dir()
+        && let Err(e) = std::fs::create_dir_all(&workdir)
+    {
+        return fail(&dir, format!("creating the workdir {}: {e}", workdir.display()));
+    }
     let mut cmd = std::process::Command::new(&a.command);
     cmd.args(&a.args)
         .current_dir(&workdir)

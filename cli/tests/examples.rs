@@ -1,9 +1,17 @@
 //! Every file under `examples/` loads and validates with the loader the client commands use
-//! (`suanli job|queue|node validate`), and bad spec files fail with exit code 2 and a message
-//! naming the file and the field, never a panic.
+//! (`suanli job|queue validate`; the agent's for `nodes/`), and bad spec files fail with exit
+//! code 2 and a message naming the file and the field, never a panic.
+//!
+//! And every example runs on the setup `examples/README.md` describes: `dev/` on `suanli dev`,
+//! `jobs/` on the example cluster (one server, the queues of `queues/`, the agents of `nodes/`
+//! with the fake and cpu plugins). Each job file, found by listing its directory, is submitted
+//! with `suanli job submit`, must be placed with its tasks started, and is cancelled.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 fn suanli(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_suanli")).args(args).output().expect("run suanli")
@@ -11,6 +19,10 @@ fn suanli(args: &[&str]) -> Output {
 
 fn examples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples")
+}
+
+fn toml_files(dir: &Path) -> Vec<PathBuf> {
+    files(dir).into_iter().filter(|f| f.extension().is_some_and(|e| e == "toml")).collect()
 }
 
 fn files(dir: &Path) -> Vec<PathBuf> {
@@ -33,7 +45,15 @@ fn assert_clean_failure(o: &Output, needles: &[&str]) {
 fn every_example_validates() {
     let root = examples();
     let mut seen = 0;
-    for (sub, kind) in [("jobs", "job"), ("dev", "job"), ("queues", "queue"), ("nodes", "node")] {
+    // Agent configurations: loaded and validated as `suanli agent --config` does.
+    let agents = toml_files(&root.join("nodes"));
+    assert!(agents.len() >= 2, "no agent configurations in examples/nodes");
+    for f in agents {
+        let c = suanli_agent::AgentConfig::from_file(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        assert!(!c.plugins.unwrap_or_default().is_empty(), "{}: names its plugins", f.display());
+        seen += 1;
+    }
+    for (sub, kind) in [("jobs", "job"), ("dev", "job"), ("queues", "queue")] {
         let dir = root.join(sub);
         let found = files(&dir);
         assert!(!found.is_empty(), "no examples in {}", dir.display());
@@ -55,8 +75,8 @@ fn every_example_validates() {
             panic!("{}: not TOML: {e}", f.display());
         }
     }
-    // Every subdirectory of examples/ is covered above.
-    for d in files(&root) {
+    // Every subdirectory of examples/ is covered above (README.md describes them).
+    for d in files(&root).into_iter().filter(|d| d.is_dir()) {
         let name = d.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
         assert!(
             ["jobs", "dev", "queues", "nodes", "plugins"].contains(&name.as_str()),
@@ -73,7 +93,7 @@ fn normalized_json_fills_defaults() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
     assert_eq!(v["kind"], "batch");
-    assert_eq!(v["groups"][0]["replicas"], 50);
+    assert_eq!(v["groups"][0]["replicas"], 6);
     assert_eq!(v["groups"][0]["resources"]["devices"], serde_json::Value::Null);
     assert_eq!(v["constraints"]["pools"], serde_json::json!([]));
     assert_eq!(v["checkpoint"], serde_json::Value::Null);
@@ -204,4 +224,237 @@ fn unreachable_server_is_a_clean_error() {
     // A bad spec is refused before any connection is tried.
     let bad = job_file(dir.path(), "bad.toml", &GOOD.replace("replicas = 2", "replicas = 0"));
     assert_clean_failure(&suanli(&["job", "submit", &bad, "--server", "127.0.0.1:1"]), &["groups[0].replicas"]);
+}
+
+// ---- every example runs on its documented setup -----------------------------------------
+
+/// A child process killed (SIGTERM, then SIGKILL) when dropped, also when the test fails.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").arg(self.0.id().to_string()).status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Kills what tasks the agents under `.0` left running (agents leave their tasks behind by
+/// design), also when the test fails.
+struct TaskReaper(PathBuf);
+
+impl Drop for TaskReaper {
+    fn drop(&mut self) {
+        let Ok(nodes) = std::fs::read_dir(&self.0) else {
+            return;
+        };
+        for n in nodes.filter_map(Result::ok) {
+            let Ok(allocs) = std::fs::read_dir(n.path().join("allocs")) else {
+                continue;
+            };
+            for a in allocs.filter_map(Result::ok) {
+                let rec: Option<suanli_agent::TaskRecord> =
+                    std::fs::read(a.path().join("task.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+                if let Some(r) = rec
+                    && r.shim.alive()
+                {
+                    let _ = suanli_agent::sys::kill_group(r.shim.pid, 9);
+                }
+            }
+        }
+    }
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Where cargo put this binary and the plugin libraries.
+fn plugin_dir() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_suanli")).parent().expect("bin dir").to_path_buf()
+}
+
+fn cli_at(addr: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_suanli"))
+        .current_dir(repo_root())
+        .args(args)
+        .args(["--server", addr])
+        .output()
+        .expect("run suanli")
+}
+
+fn cli_json(addr: &str, args: &[&str]) -> serde_json::Value {
+    let o = cli_at(addr, &[args, &["--output", "json"]].concat());
+    assert!(o.status.success(), "suanli {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).expect("json")
+}
+
+fn wait_for<T>(within: Duration, what: &str, mut f: impl FnMut() -> Result<T, String>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        match f() {
+            Ok(v) => return v,
+            Err(last) => assert!(Instant::now() < deadline, "timed out waiting for {what}: {last}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The last few KiB of a log file (for failure messages).
+fn tail(p: &Path) -> String {
+    let text = std::fs::read_to_string(p).unwrap_or_default();
+    let mut start = text.len().saturating_sub(4096);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("--- {} (end)\n{}", p.display(), &text[start..])
+}
+
+fn spawn_logged(cmd: &mut Command, log: &Path) -> Proc {
+    let f = std::fs::File::create(log).expect("log file");
+    Proc(cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(f).spawn().expect("spawn"))
+}
+
+/// Submits every job file of `dir` in turn with `suanli job submit`: each must be placed with
+/// every listed task running (or already succeeded); then it is cancelled and must end before
+/// the next (the example jobs fit the cluster one at a time). `logs` is shown on failure.
+fn run_every_job(addr: &str, dir: &Path, logs: &dyn Fn() -> String) {
+    let found = files(dir);
+    assert!(!found.is_empty(), "no examples in {}", dir.display());
+    for f in found {
+        let path = f.display().to_string();
+        let v = cli_json(addr, &["job", "submit", &path]);
+        let id = v["job_id"].as_u64().unwrap_or_else(|| panic!("{path}: no job id: {v}")).to_string();
+        wait_for(Duration::from_secs(90), &format!("{path} (job {id}) placed and its tasks started"), || {
+            let j = cli_json(addr, &["job", "status", &id]);
+            let allocs = j["allocs"].as_array().cloned().unwrap_or_default();
+            let state = j["state"].as_str().unwrap_or_default();
+            let started = |a: &serde_json::Value| matches!(a["state"].as_str(), Some("running" | "succeeded"));
+            if matches!(state, "failed" | "cancelled") {
+                panic!("{path}: job {id} ended {state}: {j:#}\n{}", logs());
+            }
+            if matches!(state, "running" | "succeeded") && !allocs.is_empty() && allocs.iter().all(started) {
+                Ok(())
+            } else {
+                Err(format!("{j:#}\n{}", logs()))
+            }
+        });
+        // The tasks really run: every one has written to its stdout (served by its agent).
+        let j = cli_json(addr, &["job", "status", &id]);
+        for a in j["allocs"].as_array().cloned().unwrap_or_default() {
+            let alloc = a["id"].as_u64().expect("alloc id").to_string();
+            wait_for(Duration::from_secs(30), &format!("{path}: output of allocation {alloc}"), || {
+                let o = cli_at(addr, &["job", "logs", &id, "--alloc", &alloc]);
+                let out = String::from_utf8_lossy(&o.stdout).into_owned();
+                if o.status.success() && !out.trim().is_empty() {
+                    Ok(())
+                } else {
+                    let err = cli_at(addr, &["job", "logs", &id, "--alloc", &alloc, "--stderr"]);
+                    Err(format!("stdout {out:?}, stderr {:?}", String::from_utf8_lossy(&err.stdout)))
+                }
+            });
+        }
+        let j = cli_json(addr, &["job", "status", &id]);
+        assert_ne!(j["state"], "failed", "{path}: {j:#}");
+        if j["state"] != "succeeded" {
+            let o = cli_at(addr, &["job", "cancel", &id, "--reason", "example checked"]);
+            assert!(o.status.success(), "cancel {path}: {}", String::from_utf8_lossy(&o.stderr));
+        }
+        wait_for(Duration::from_secs(60), &format!("{path} (job {id}) ended and its tasks stopped"), || {
+            let j = cli_json(addr, &["job", "status", &id]);
+            let ended = matches!(j["state"].as_str(), Some("succeeded" | "cancelled"));
+            let live = j["allocs"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|a| matches!(a["state"].as_str(), Some("pending" | "running"))));
+            if ended && !live { Ok(()) } else { Err(format!("{j:#}")) }
+        });
+    }
+}
+
+#[test]
+fn every_dev_example_runs_on_suanli_dev() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = suanli_server::local::free_ports(1).expect("a port")[0];
+    let addr = format!("127.0.0.1:{port}");
+    let log = dir.path().join("dev.log");
+    let _dev = spawn_logged(
+        Command::new(env!("CARGO_BIN_EXE_suanli"))
+            .current_dir(repo_root())
+            .args(["dev", "--listen", &addr, "--data-dir"])
+            .arg(dir.path().join("dev"))
+            .arg("--plugin-dir")
+            .arg(plugin_dir()),
+        &log,
+    );
+    let logs = || tail(&log);
+    wait_for(Duration::from_secs(60), "the two dev nodes", || {
+        let o = cli_at(&addr, &["node", "list", "--output", "json"]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+        let ready = v.as_array().map_or(0, |n| n.iter().filter(|n| n["status"] == "ready").count());
+        if ready == 2 { Ok(()) } else { Err(format!("{v}\n{}", logs())) }
+    });
+    run_every_job(&addr, &examples().join("dev"), &logs);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_job_example_runs_on_the_example_cluster() {
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_suanli"));
+    // 1. One server (`suanli server --id 1 ... --peers 1=...`, on free ports).
+    let cluster = suanli_server::local::ProcessCluster::start(&bin, 1, &[]).expect("server");
+    cluster.wait_leader(Duration::from_secs(30)).await.expect("a leader");
+    let addr = cluster.addrs[0].clone();
+    let dir = tempfile::tempdir().expect("tempdir");
+    tokio::task::spawn_blocking(move || {
+        let _reaper = TaskReaper(dir.path().to_path_buf());
+        // 2. The teams' queues.
+        for q in toml_files(&examples().join("queues")) {
+            let o = cli_at(&addr, &["queue", "apply", &q.display().to_string()]);
+            assert!(o.status.success(), "{}: {}", q.display(), String::from_utf8_lossy(&o.stderr));
+        }
+        // 3. Every agent of examples/nodes, from the repository root, with the fake and cpu
+        //    plugins cargo built; only the servers and the data directory are overridden.
+        let mut agents = Vec::new();
+        let mut ids = Vec::new();
+        let mut logs_of = Vec::new();
+        for f in toml_files(&examples().join("nodes")) {
+            let cfg = suanli_agent::AgentConfig::from_file(&f).expect("agent config");
+            let log = dir.path().join(format!("{}.log", cfg.node_id));
+            agents.push(spawn_logged(
+                Command::new(env!("CARGO_BIN_EXE_suanli"))
+                    .current_dir(repo_root())
+                    .args(["agent", "--config"])
+                    .arg(&f)
+                    .args(["--servers", &addr, "--data-dir"])
+                    .arg(dir.path().join(&cfg.node_id))
+                    .arg("--plugin-dir")
+                    .arg(plugin_dir())
+                    .env_remove("SUANLI_AGENT_CONFIG"),
+                &log,
+            ));
+            ids.push(cfg.node_id);
+            logs_of.push(log);
+        }
+        let logs = || logs_of.iter().map(|l| tail(l)).collect::<String>();
+        wait_for(Duration::from_secs(60), "every example node ready with its fake devices", || {
+            let v = cli_json(&addr, &["node", "list"]);
+            let n = v.as_array().cloned().unwrap_or_default();
+            let ok = ids.iter().all(|id| {
+                n.iter().any(|x| x["id"] == id.as_str() && x["status"] == "ready" && x["devices"].as_array().is_some_and(|d| !d.is_empty()))
+            });
+            if ok { Ok(()) } else { Err(format!("{v:#}\n{}", logs())) }
+        });
+        // 4. Every job file.
+        run_every_job(&addr, &examples().join("jobs"), &logs);
+        drop(agents);
+    })
+    .await
+    .expect("the example cluster test");
+    drop(cluster);
 }
