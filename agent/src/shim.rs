@@ -251,9 +251,8 @@ impl RotatingLog {
     }
 
     fn write(&mut self, data: &[u8]) {
-        let marker = (self.dropped > 0).then(|| {
-            format!("\n[suanli task-shim: {} bytes of output dropped: {}]\n", self.dropped, self.dropped_why)
-        });
+        let marker = (self.dropped > 0)
+            .then(|| format!("\n[suanli task-shim: {} bytes of output dropped: {}]\n", self.dropped, self.dropped_why));
         let need = data.len() as u64 + marker.as_ref().map_or(0, |m| m.len() as u64);
         if self.size > 0 && self.size + need > self.max {
             self.rotate();
@@ -279,7 +278,10 @@ impl RotatingLog {
             }
             Err(e) => {
                 if self.dropped == 0 {
-                    say(format_args!("writing {}: {e}; output is dropped until it can be written", self.path.display()));
+                    say(format_args!(
+                        "writing {}: {e}; output is dropped until it can be written",
+                        self.path.display()
+                    ));
                     self.dropped_why = e.to_string();
                 }
                 self.dropped = self.dropped.saturating_add(data.len() as u64);
@@ -620,7 +622,10 @@ mod tests {
         l.file = std::fs::OpenOptions::new().append(true).open(&p).ok();
         l.write(b"back\n");
         let text = std::fs::read_to_string(&p).unwrap();
-        assert_eq!(text, "kept\n\n[suanli task-shim: 15 bytes of output dropped: No space left on device (os error 28)]\nback\n");
+        assert_eq!(
+            text,
+            "kept\n\n[suanli task-shim: 15 bytes of output dropped: No space left on device (os error 28)]\nback\n"
+        );
     }
 
     #[test]

@@ -350,7 +350,8 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
                     reason: k.text.clone(),
                 })
                 .collect();
-            let req = pb::HeartbeatRequest { node_id, seq: k.n.0, devices, stats: Vec::new(), disk_pressure: String::new() };
+            let req =
+                pb::HeartbeatRequest { node_id, seq: k.n.0, devices, stats: Vec::new(), disk_pressure: String::new() };
             AgentClient::new(ch).heartbeat(req).await.map(drop)
         }
         Rpc::ReportStatus => {

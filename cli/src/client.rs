@@ -1549,7 +1549,13 @@ async fn register(conn: &mut Conn, out: Output, file: &std::path::Path, keep_ali
                 let node_id = node_id.clone();
                 async move {
                     ac(ch)
-                        .heartbeat(pb::HeartbeatRequest { node_id, seq, devices: Vec::new(), stats: Vec::new(), disk_pressure: String::new() })
+                        .heartbeat(pb::HeartbeatRequest {
+                            node_id,
+                            seq,
+                            devices: Vec::new(),
+                            stats: Vec::new(),
+                            disk_pressure: String::new(),
+                        })
                         .await
                 }
             })

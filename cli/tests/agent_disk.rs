@@ -6,6 +6,8 @@
 //!
 //! Mounting needs root (as here and in CI); elsewhere the test says SKIPPED and passes.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "../../agent/e2e-support/mod.rs"]
 mod support;
 
@@ -109,24 +111,31 @@ async fn a_full_agent_disk_fences_nothing_and_the_node_reports_disk_pressure() {
     let (_cluster, addr) = support::cluster(1).await;
     let data = fs.path().join("data");
     let extra = "disk_pressure_free_bytes = 8388608\ndisk_check_interval_ms = 200\n";
-    let mut agent = AgentProc::with_data_dir("disk-1", &[addr.clone()], &fake_config(1, 0, 0), extra, Some(&data));
+    let mut agent =
+        AgentProc::with_data_dir("disk-1", std::slice::from_ref(&addr), &fake_config(1, 0, 0), extra, Some(&data));
     agent.start();
     wait_nodes(&addr, Duration::from_secs(30), "the node registered", |n| ready_healthy(n, "disk-1", 1)).await;
     assert_eq!(pressure(&nodes(&addr).await), "", "no pressure on an empty disk");
 
     let quiet = submit(&addr, "quiet", &job_spec("quiet", "while :; do echo tick; sleep 0.2; done")).await;
-    let quiet_job = wait_job(&addr, quiet, Duration::from_secs(30), "the quiet task running", |j| j.state == "running").await;
+    let quiet_job =
+        wait_job(&addr, quiet, Duration::from_secs(30), "the quiet task running", |j| j.state == "running").await;
     let quiet_dir = alloc_dir(&agent, &quiet_job);
     // 20 MB/s of output: the 32 MiB filesystem is full within two seconds.
     let noisy_script = "while :; do head -c 1048576 /dev/zero | tr '\\0' x; sleep 0.05; done";
     let noisy = submit(&addr, "noisy", &job_spec("noisy", noisy_script)).await;
-    let noisy_job = wait_job(&addr, noisy, Duration::from_secs(30), "the noisy task running", |j| j.state == "running").await;
+    let noisy_job =
+        wait_job(&addr, noisy, Duration::from_secs(30), "the noisy task running", |j| j.state == "running").await;
     let noisy_dir = alloc_dir(&agent, &noisy_job);
 
     // The disk fills, and the node says so.
     let deadline = Instant::now() + Duration::from_secs(30);
     while free_bytes(fs.path()) > 64 * 1024 {
-        assert!(Instant::now() < deadline, "the noisy task did not fill the disk: {} bytes free", free_bytes(fs.path()));
+        assert!(
+            Instant::now() < deadline,
+            "the noisy task did not fill the disk: {} bytes free",
+            free_bytes(fs.path())
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let n = wait_nodes(&addr, Duration::from_secs(30), "disk pressure reported", |n| !pressure(n).is_empty()).await;
@@ -148,14 +157,24 @@ async fn a_full_agent_disk_fences_nothing_and_the_node_reports_disk_pressure() {
         assert!(!pressure(&nodes(&addr).await).is_empty(), "the pressure lasts while the disk is full");
         for d in [&quiet_dir, &noisy_dir] {
             assert!(d.join("alloc.json").exists(), "{} was deleted", d.display());
-            assert!(!d.join("exit.json").exists(), "{} ended on a full disk: {:?}", d.display(), std::fs::read_to_string(d.join("exit.json")));
+            assert!(
+                !d.join("exit.json").exists(),
+                "{} ended on a full disk: {:?}",
+                d.display(),
+                std::fs::read_to_string(d.join("exit.json"))
+            );
         }
         let p = job(&addr, probe).await;
         assert!(p.allocs.is_empty() && p.state == "pending", "a node under disk pressure took work: {p:#?}");
         if agent.lease().is_some_and(|l| l.sent_boottime_ms >= first + 7_000) {
             break;
         }
-        assert!(Instant::now() < deadline, "the lease was not renewed on a full disk: {:?}\n{}", agent.lease(), agent.log());
+        assert!(
+            Instant::now() < deadline,
+            "the lease was not renewed on a full disk: {:?}\n{}",
+            agent.lease(),
+            agent.log()
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert!(free_bytes(fs.path()) < 8 * 1024 * 1024, "the disk stayed under pressure meanwhile");
@@ -167,11 +186,16 @@ async fn a_full_agent_disk_fences_nothing_and_the_node_reports_disk_pressure() {
     jobs.cancel(pb::CancelJobRequest { job_id: noisy, reason: "too noisy".into() }).await.unwrap();
     wait_nodes(&addr, Duration::from_secs(30), "disk pressure cleared", |n| pressure(n).is_empty()).await;
     assert!(!noisy_dir.exists(), "the reported directory of the cancelled task was deleted under pressure");
-    let p = wait_job(&addr, probe, Duration::from_secs(30), "the probe placed and run", |j| j.state == "succeeded").await;
+    let p =
+        wait_job(&addr, probe, Duration::from_secs(30), "the probe placed and run", |j| j.state == "succeeded").await;
     assert_eq!(p.allocs.first().map(|a| a.node.as_str()), Some("disk-1"));
     let n = job(&addr, noisy).await;
     let a = n.allocs.first().expect("the noisy allocation");
-    assert_eq!((n.state.as_str(), a.state.as_str()), ("cancelled", "stopped"), "a stop recorded on a full disk: {n:#?}");
+    assert_eq!(
+        (n.state.as_str(), a.state.as_str()),
+        ("cancelled", "stopped"),
+        "a stop recorded on a full disk: {n:#?}"
+    );
 
     // The quiet task ran through it all: never fenced, its shim never died.
     assert_eq!(job(&addr, quiet).await.state, "running");

@@ -113,7 +113,8 @@ fn client_commands_against_a_real_cluster() {
     assert!(out.contains("weight:") && out.contains("gpu=64"), "{out}");
 
     // Nodes, registered through a follower.
-    let out = ok(&["node", "register", &example("nodes/gpu-node.toml"), "--server", &fol]);
+    let node_file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/common/gpu-node.toml").display().to_string();
+    let out = ok(&["node", "register", &node_file, "--server", &fol]);
     assert!(out.starts_with("node gpu-a-001 registered"), "{out}");
     assert!(out.contains("down after 600000 ms"), "{out}");
     let out = ok(&["node", "list", "--server", &all]);

@@ -446,7 +446,11 @@ async fn every_job_example_runs_on_the_example_cluster() {
             let v = cli_json(&addr, &["node", "list"]);
             let n = v.as_array().cloned().unwrap_or_default();
             let ok = ids.iter().all(|id| {
-                n.iter().any(|x| x["id"] == id.as_str() && x["status"] == "ready" && x["devices"].as_array().is_some_and(|d| !d.is_empty()))
+                n.iter().any(|x| {
+                    x["id"] == id.as_str()
+                        && x["status"] == "ready"
+                        && x["devices"].as_array().is_some_and(|d| !d.is_empty())
+                })
             });
             if ok { Ok(()) } else { Err(format!("{v:#}\n{}", logs())) }
         });

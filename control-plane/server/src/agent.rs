@@ -11,7 +11,9 @@ use suanli_model::{AllocId, Health, Node, NodeId};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_client::AgentClient;
 use suanli_proto::v1::agent_server::Agent;
-use suanli_state::{AllocStatus, Command, DeviceHealth, NodeCondition, NodeStatus, RegisterNode, ReportCheckpoint, ReportedStatus};
+use suanli_state::{
+    AllocStatus, Command, DeviceHealth, NodeCondition, NodeStatus, RegisterNode, ReportCheckpoint, ReportedStatus,
+};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status};
 
@@ -62,9 +64,10 @@ impl Agent for AgentApi {
         }
         let r = req.into_inner();
         let id = NodeId(r.node_id.clone());
-        let known = self.0.state.read(|s| {
-            s.nodes().get(&id).map(|n| (n.status == NodeStatus::Ready).then(|| n.pressure.clone()))
-        });
+        let known = self
+            .0
+            .state
+            .read(|s| s.nodes().get(&id).map(|n| (n.status == NodeStatus::Ready).then(|| n.pressure.clone())));
         let Some(Some(pressure)) = known else {
             // Unknown, or declared down: the agent registers again with its inventory.
             return ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: false });

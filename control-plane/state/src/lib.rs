@@ -26,9 +26,9 @@ mod state;
 mod usage;
 
 pub use command::{
-    AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeCondition,
-    NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SkipEntry,
-    SubmitJob, UpdateConfig, UpsertQueue, check_encoded_size, encode_command,
+    AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth,
+    NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response,
+    SetNodeMode, SkipEntry, SubmitJob, UpdateConfig, UpsertQueue, check_encoded_size, encode_command,
 };
 pub use config::{ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;

@@ -1,8 +1,8 @@
 //! The state machine: records, `apply`, snapshots and the scheduler's view.
 
 use crate::command::{
-    AllocStatus, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeCondition, NodeDown, NodeMode, RegisterNode,
-    ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
+    AllocStatus, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeCondition, NodeDown, NodeMode,
+    RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
 };
 use crate::config::StateConfig;
 use crate::records::{Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason};

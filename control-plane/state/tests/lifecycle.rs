@@ -6,8 +6,8 @@ use common::*;
 use suanli_model::{AllocId, DeviceShare, Health, JobId, NodeId, Placement, Plan, Preemption, PreemptionReason};
 use suanli_state::{
     AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, JobState, NodeCondition, NodeDown,
-    NodeMode,
-    ReportedStatus, Response, RetryPolicy, SetNodeMode, State, StateConfig, StopReason, SubmitJob, UpdateConfig,
+    NodeMode, ReportedStatus, Response, RetryPolicy, SetNodeMode, State, StateConfig, StopReason, SubmitJob,
+    UpdateConfig,
 };
 
 fn job_state(s: &State, id: u64) -> JobState {
