@@ -171,7 +171,7 @@ fn client_commands_against_a_real_cluster() {
     assert_eq!(j["allocs"][0]["node"], "gpu-a-001", "{j:#}");
     let out = ok(&["job", "status", &ids, "--server", &dead_then_follower]);
     assert!(out.contains("resnet50-finetune") && out.contains("request id:") && out.contains("cli-r1"), "{out}");
-    assert!(out.contains("allocations:") && out.contains("gpu-a-001") && out.contains("64Gi"), "{out}");
+    assert!(out.contains("allocations:") && out.contains("gpu-a-001") && out.contains("1Gi"), "{out}");
     let out = ok(&["job", "status", &ids, "--stale", "--server", &lead_addr]);
     assert!(out.contains("resnet50-finetune"), "{out}");
 
