@@ -425,6 +425,14 @@ mod tests {
         assert!(e.contains("fence_after_ms") && e.contains("between 100 and"), "{e}");
         let e = AgentConfig::from_toml("fence_kill_grace_ms = 1").unwrap_err().to_string();
         assert!(e.contains("fence_kill_grace_ms"), "{e}");
+        let e = AgentConfig::from_toml("task_disk_max_bytes = 10").unwrap_err().to_string();
+        assert!(e.contains("task_disk_max_bytes: 10") && e.contains("between 4096 and"), "{e}");
+        let e = AgentConfig::from_toml("disk_pressure_free_percent = 100").unwrap_err().to_string();
+        assert!(e.contains("disk_pressure_free_percent") && e.contains("between 0 and 99"), "{e}");
+        let e = AgentConfig::from_toml("disk_check_interval_ms = 1").unwrap_err().to_string();
+        assert!(e.contains("disk_check_interval_ms"), "{e}");
+        let c = AgentConfig::from_toml("disk_pressure_free_bytes = 0\ntask_disk_max_bytes = 0").unwrap();
+        assert_eq!((c.disk_pressure_free_bytes, c.task_disk_max_bytes), (0, 0), "0: off");
         let c = AgentConfig::from_toml("fence = false\nfollow_leader_hints = false\nfence_after_ms = 0").unwrap();
         assert!(!c.fence && !c.follow_leader_hints && c.fence_after_ms == 0);
     }

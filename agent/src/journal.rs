@@ -117,14 +117,27 @@ pub enum JournalError {
     },
 }
 
-/// Appends one entry as one line with a single `write(2)` (`O_APPEND`), then `fdatasync`.
+/// Appends one entry as one line with a single `write(2)` (`O_APPEND`), then `fdatasync`. The
+/// appenders of a node take turns under an exclusive `flock` on the journal, so that a write cut
+/// short by a full disk can be undone (the file cut back to its length before it: that needs no
+/// space) instead of leaving half a line for the next one to complete into garbage.
 pub fn append(path: &Path, entry: &JournalEntry) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(entry).map_err(std::io::Error::other)?;
     line.push(b'\n');
     let mut f = std::fs::OpenOptions::new().append(true).create(true).open(path)?;
-    let n = f.write(&line)?;
-    if n != line.len() {
-        return Err(std::io::Error::other(format!("short write: {n} of {} bytes (disk full?)", line.len())));
+    crate::sys::lock_exclusive(&f)?;
+    let before = f.metadata()?.len();
+    let written = f.write(&line);
+    if !matches!(written, Ok(n) if n == line.len()) {
+        let cut = f.set_len(before);
+        return Err(match written {
+            Err(e) => e,
+            Ok(n) => std::io::Error::other(format!(
+                "short write: {n} of {} bytes (disk full?); {}",
+                line.len(),
+                if cut.is_ok() { "undone" } else { "could not be undone" }
+            )),
+        });
     }
     f.sync_data()
 }

@@ -85,6 +85,22 @@ pub fn try_lock(path: &Path) -> std::io::Result<Option<std::fs::File>> {
     if e.raw_os_error() == Some(libc::EWOULDBLOCK) { Ok(None) } else { Err(e) }
 }
 
+/// Takes an exclusive `flock` on `f`, waiting for it; released when `f` is closed.
+#[allow(unsafe_code)]
+pub fn lock_exclusive(f: &std::fs::File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    loop {
+        // SAFETY: flock(2) on a descriptor we own; no memory is passed.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// Writes `data` to `path` atomically: a temp file in the same directory, fsync, rename, fsync
 /// of the directory. A reader sees the old file or the whole new one.
 pub fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
@@ -321,6 +337,44 @@ pub fn now_ms() -> u64 {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn padded_records_are_rewritten_in_place_at_a_fixed_size() {
+        use std::os::unix::fs::MetadataExt as _;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("rec");
+        write_padded(&p, b"{\"a\":1}", 64).unwrap();
+        let ino = std::fs::metadata(&p).unwrap().ino();
+        write_padded(&p, b"{}", 64).unwrap();
+        let m = std::fs::metadata(&p).unwrap();
+        assert_eq!((m.ino(), m.len()), (ino, 64), "same file, same size: no new blocks");
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&text).unwrap(), serde_json::json!({}));
+        assert!(write_padded(&p, &[b'x'; 64], 64).unwrap_err().to_string().contains("do not fit"));
+        // Through a reservation: renamed into place; without one, written atomically.
+        let r = d.path().join(".rec.reserved");
+        write_padded(&r, b"{}", 128).unwrap();
+        write_reserved(&d.path().join("out"), &r, b"{\"b\":2}", 128).unwrap();
+        assert!(!r.exists());
+        assert_eq!(std::fs::read_to_string(d.path().join("out")).unwrap().trim_end(), "{\"b\":2}");
+        write_reserved(&d.path().join("out2"), &r, b"[]", 128).unwrap();
+        assert_eq!(std::fs::read(d.path().join("out2")).unwrap(), b"[]");
+    }
+
+    #[test]
+    fn disk_usage_and_free_space() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("sub")).unwrap();
+        std::fs::write(d.path().join("sub/big"), vec![1u8; 256 * 1024]).unwrap();
+        std::fs::write(d.path().join("stdout.log"), vec![1u8; 256 * 1024]).unwrap();
+        let all = dir_usage(d.path(), &[], 1000);
+        let files = dir_usage(d.path(), &["stdout.log"], 1000);
+        assert!(files >= 256 * 1024 && all >= files + 256 * 1024, "{files} {all}");
+        assert!(dir_usage(d.path(), &[], 1) < all, "bounded by max_entries");
+        let (free, total) = fs_space(d.path()).unwrap();
+        assert!(total > 0 && free <= total);
+        assert!(fs_space(&d.path().join("missing")).is_err());
+    }
 
     #[test]
     fn own_process_is_alive_and_a_stranger_is_not() {
