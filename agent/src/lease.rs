@@ -60,7 +60,7 @@ pub enum LeaseError {
     },
 }
 
-/// `<data_dir>/lease`: written (atomically) by the agent after every heartbeat the control plane
+/// `<data_dir>/lease`: rewritten in place (see [`Lease::write`]) by the agent after every heartbeat the control plane
 /// answered `known = true`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {

@@ -22,6 +22,11 @@
 //! node: every acknowledged heartbeat renews a lease (`<data_dir>/lease`), and the shims kill
 //! their tasks when it expires ([`lease`]). What ran, and when, is in the node's task journal
 //! (`<data_dir>/journal.jsonl`, [`journal`]).
+//!
+//! Nor may a task that fills the disk take the node down: the lease, `stop.json` and
+//! `exit.json` are written into space reserved beforehand, task output is bounded and dropped
+//! (with a marker) rather than failing the shim, and below a free-space threshold the node
+//! reports disk pressure and takes no new work until it clears (`disk`).
 
 mod cgroup;
 pub mod config;
