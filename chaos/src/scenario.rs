@@ -161,6 +161,7 @@ pub const SCENARIOS: &[Scenario] = &[
             Kind::DiskError(Role::Follower),
             Kind::FlakyNet,
             Kind::PowerLoss,
+            Kind::RollingRestart,
         ],
         hold_ms: (1_000, 3_000),
         short: true,

@@ -335,6 +335,10 @@ mod tests {
             ..ServerConfig::default()
         };
         assert_eq!(c.validate().expect_err("self missing").field, "peers");
+        let c = ServerConfig { bootstrap: true, join: Some("10.0.0.1:7400".into()), ..ServerConfig::default() };
+        assert_eq!(c.validate().expect_err("bootstrap and join").field, "bootstrap");
+        let c = ServerConfig { shutdown_grace_ms: 600_001, ..ServerConfig::default() };
+        assert_eq!(c.validate().expect_err("grace").field, "shutdown_grace_ms");
         let c = ServerConfig { policy: "nope".into(), ..ServerConfig::default() };
         assert!(c.validate().expect_err("policy").to_string().contains("bestfit"));
         // A page must fit the reply limit (4 x max_request_bytes) with room for its token.
