@@ -283,9 +283,15 @@ pub(crate) async fn answer_unless_hung<T>(ch: Channel, wait: Duration, call: imp
     };
     tokio::select! {
         r = &mut call => Some(r),
+        // An answer from the server, even an error, shows it is alive (only slow); a
+        // timeout or a transport failure of the probe is a hung or gone server.
         p = probe => match p {
-            Ok(_) => Some(call.await),
-            Err(_) => None,
+            Ok(Ok(_)) => Some(call.await),
+            Ok(Err(s)) if !matches!(
+                s.code(),
+                tonic::Code::Cancelled | tonic::Code::DeadlineExceeded | tonic::Code::Unavailable | tonic::Code::Unknown
+            ) => Some(call.await),
+            _ => None,
         },
     }
 }

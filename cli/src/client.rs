@@ -434,11 +434,15 @@ async fn answer_unless_hung<T>(ch: Channel, call: impl Future<Output = T>) -> Op
     };
     tokio::select! {
         r = &mut call => Some(r),
-        // Any answer, even an error, shows a live server (a dead connection fails the call
-        // itself at once); only silence is a hung one.
+        // An answer from the server, even an error, shows it is alive (only slow); a
+        // timeout or a transport failure of the probe is a hung or gone server.
         p = probe => match p {
-            Ok(_) => Some(call.await),
-            Err(_) => None,
+            Ok(Ok(_)) => Some(call.await),
+            Ok(Err(s)) if !matches!(
+                s.code(),
+                tonic::Code::Cancelled | tonic::Code::DeadlineExceeded | tonic::Code::Unavailable | tonic::Code::Unknown
+            ) => Some(call.await),
+            _ => None,
         },
     }
 }

@@ -39,14 +39,14 @@ async fn wait_for(what: &str, c: &ProcessCluster, within: Duration, mut ok: impl
 async fn three_of(spare: usize, extra: &[&str]) -> ProcessCluster {
     let mut c = ProcessCluster::start_one_of(&bin(), 3 + spare, extra).unwrap();
     c.wait_leader(Duration::from_secs(30)).await.unwrap();
-    for i in [1, 2] {
-        c.spawn_joining(i, 0).unwrap();
-    }
     let a0 = c.addrs[0].clone();
-    wait_for("three voters", &c, Duration::from_secs(60), async || {
-        ids(&a0).await == [(1, true), (2, true), (3, true)]
-    })
-    .await;
+    // One at a time: two learners joining at once have made openraft 0.9.25's leader panic
+    // (`attempt to subtract with overflow` in ProgressEntry::calc_mid), which is not what
+    // these tests are about.
+    for (i, want) in [(1, vec![(1, true), (2, true)]), (2, vec![(1, true), (2, true), (3, true)])] {
+        c.spawn_joining(i, 0).unwrap();
+        wait_for("a voter more", &c, Duration::from_secs(60), async || ids(&a0).await == want).await;
+    }
     c
 }
 

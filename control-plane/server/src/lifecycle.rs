@@ -172,7 +172,7 @@ pub async fn watch_membership(core: Arc<Core>, mut stop: watch::Receiver<bool>, 
             () = tokio::time::sleep(MEMBER_CHECK_EVERY) => {}
             _ = stop.changed() => return,
         }
-        let (member, leader, term, committed_without_me) = {
+        let (member, leader, committed_without_me) = {
             let m = core.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
@@ -183,7 +183,7 @@ pub async fn watch_membership(core: Arc<Core>, mut stop: watch::Receiver<bool>, 
             if member {
                 known = membership.nodes().map(|(i, n)| (*i, n.client_addr().to_owned())).collect();
             }
-            (member, m.current_leader, m.current_term, committed_without_me)
+            (member, m.current_leader, committed_without_me)
         };
         if member {
             was_member = true;
@@ -210,13 +210,22 @@ pub async fn watch_membership(core: Arc<Core>, mut stop: watch::Receiver<bool>, 
             let Ok(ch) = core.channel(&addr) else { continue };
             let mut req = tonic::Request::new(pb::MembersRequest {});
             req.set_timeout(CALL_TIMEOUT);
-            let Ok(Ok(r)) = tokio::time::timeout(CALL_TIMEOUT, ClusterClient::new(ch).members(req)).await else {
-                continue;
+            let r = match tokio::time::timeout(CALL_TIMEOUT, ClusterClient::new(ch).members(req)).await {
+                Ok(Ok(r)) => r.into_inner(),
+                Ok(Err(s)) => {
+                    tracing::debug!(%addr, error = %s.message(), "membership check: no answer");
+                    continue;
+                }
+                Err(_) => {
+                    tracing::debug!(%addr, "membership check: timed out");
+                    continue;
+                }
             };
-            let r = r.into_inner();
-            // Only a leader's own answer counts: it lists itself as leader, at a term no older
-            // than this server's.
-            let from_leader = r.members.iter().any(|m| m.leader && m.addr == addr) && r.term >= term;
+            tracing::debug!(%addr, term = r.term, members = ?r.members.iter().map(|m| (m.id, m.leader, &m.addr)).collect::<Vec<_>>(), "membership check");
+            // Only a leader's own answer counts: it lists itself as leader. (Not compared with
+            // this server's term: a removed voter that missed its removal campaigns in vain,
+            // and its term runs ahead of the leader's.)
+            let from_leader = r.members.iter().any(|m| m.leader && m.addr == addr);
             if !from_leader {
                 continue;
             }
