@@ -245,14 +245,15 @@ impl Servers {
             let i = self.current();
             let conns = self.conns();
             let conn = conns[i % conns.len()].clone();
-            let answer = answer_unless_hung(conn.unary.clone(), self.first_answer, f(AgentClient::new(conn.unary.clone())))
-                .await
-                .unwrap_or_else(|| {
-                    Err(Status::deadline_exceeded(format!(
-                        "no answer within {} ms, nor to a probe",
-                        self.first_answer.as_millis() * 2
-                    )))
-                });
+            let answer =
+                answer_unless_hung(conn.unary.clone(), self.first_answer, f(AgentClient::new(conn.unary.clone())))
+                    .await
+                    .unwrap_or_else(|| {
+                        Err(Status::deadline_exceeded(format!(
+                            "no answer within {} ms, nor to a probe",
+                            self.first_answer.as_millis() * 2
+                        )))
+                    });
             match answer {
                 Ok(r) => return Ok(r.into_inner()),
                 Err(s) if retriable(&s) => {

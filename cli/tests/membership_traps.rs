@@ -113,10 +113,8 @@ async fn a_wiped_first_server_restarted_with_its_peers_forms_no_second_cluster()
     c.wipe(0).unwrap();
     c.spawn_waiting(0).unwrap();
     let a1 = c.addrs[1].clone();
-    wait_for("server 1 says it waits", &c, Duration::from_secs(20), async || {
-        c.log(0).contains("waiting to be added")
-    })
-    .await;
+    wait_for("server 1 says it waits", &c, Duration::from_secs(20), async || c.log(0).contains("waiting to be added"))
+        .await;
     // And with --bootstrap too (a unit file that always passes it): the running peers stop it.
     c.kill(0);
     c.wipe(0).unwrap();

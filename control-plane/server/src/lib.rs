@@ -25,8 +25,8 @@ pub mod config;
 mod convert;
 mod core;
 mod failpoints;
-mod lifecycle;
 pub mod health;
+mod lifecycle;
 pub mod local;
 mod loops;
 mod oversize;
@@ -164,10 +164,8 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     let (peers_done_tx, peers_done_rx) = watch::channel(false);
     let mut listeners = tokio::spawn(async move {
         let (served, peered) = tokio::join!(
-            clients.serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
-                until(done_rx)
-            ),
+            clients
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), until(done_rx)),
             peers.serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
                 until(peers_done_rx)
