@@ -499,8 +499,9 @@ impl Conn {
         }
     }
 
-    /// Calls `f` on the first server that answers: connection failures and UNAVAILABLE move
-    /// on to the next address; an error naming the leader is retried there once.
+    /// Calls `f` on the first server that answers: connection failures, UNAVAILABLE and a hung
+    /// server ([`answer_unless_hung`]) move on to the next address; an error naming the leader
+    /// is retried there once.
     async fn call<T, F, Fut>(&mut self, mut f: F) -> Result<T, Status>
     where
         F: FnMut(Channel) -> Fut,
