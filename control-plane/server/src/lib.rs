@@ -205,8 +205,11 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     // 1. No scheduling pass or liveness verdict from a server on its way out.
     tracing::info!(step = 1, "shutdown: stopping the scheduling and liveness loops");
     let _ = stop_tx.send(true);
-    for t in tasks.drain(..) {
-        let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+    let loops_deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    for mut t in tasks.drain(..) {
+        if tokio::time::timeout_at(loops_deadline, &mut t).await.is_err() {
+            t.abort();
+        }
     }
     // 2. Clients and agents: GOAWAY on the client listener, so they go to another server.
     let _ = done_tx.send(true);
