@@ -737,6 +737,30 @@ pub(crate) async fn report_loop(agent: Arc<Agent>) {
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn learned_members_are_dialed_kept_and_followed_by_hints() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = AgentConfig {
+            servers: vec!["127.0.0.1:7400".into()],
+            data_dir: dir.path().to_owned(),
+            ..AgentConfig::default()
+        };
+        let s = Servers::new(&cfg).unwrap();
+        assert_eq!(s.addrs(), ["127.0.0.1:7400"]);
+        // A member list naming the configured server, two others, and garbage.
+        s.learn(&["127.0.0.1:7402".into(), "127.0.0.1:7400".into(), "127.0.0.1:7401".into(), "no port".into()]);
+        assert_eq!(s.addrs(), ["127.0.0.1:7400", "127.0.0.1:7401", "127.0.0.1:7402"]);
+        assert_eq!(hinted_server(&s.addrs(), Some("127.0.0.1:7402"), true), Some(2));
+        assert_eq!(hinted_server(&s.addrs(), Some("10.9.9.9:7400"), true), None);
+        // Kept across a restart.
+        let again = Servers::new(&cfg).unwrap();
+        assert_eq!(again.addrs(), s.addrs());
+        // A member removed from the cluster is dropped; the configured one never is.
+        s.learn(&["127.0.0.1:7401".into()]);
+        assert_eq!(s.addrs(), ["127.0.0.1:7400", "127.0.0.1:7401"]);
+        assert_eq!(Servers::new(&cfg).unwrap().addrs(), ["127.0.0.1:7400", "127.0.0.1:7401"]);
+    }
+
     fn rep(status: pb::AllocReport) -> Report {
         Report { alloc: 1, epoch: 1, status, message: String::new(), exit_code: 0 }
     }
