@@ -84,6 +84,10 @@ pub enum ServerError {
     /// `join` was refused for good (the id, or an address, belongs to another member).
     #[error("join refused: {0}")]
     JoinRefused(String),
+    /// This server must not start: its storage is empty but the cluster still counts its id as
+    /// a voter (it was wiped).
+    #[error("refusing to start: {0}")]
+    Refused(String),
     /// The cluster removed this server from its membership; it stepped down and stopped.
     #[error("removed from the cluster: {0}")]
     Removed(String),
@@ -113,6 +117,13 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     let settings = cfg.raft.clone();
     failpoints::arm();
     let (raft, state, log) = suanli_raft::open(&cfg.data_dir, cfg.id, &settings).await?;
+    if !raft.is_initialized().await.unwrap_or(true)
+        && let Some(why) = lifecycle::wiped_voter(&cfg).await
+    {
+        tracing::error!("{why}");
+        let _ = raft.shutdown().await;
+        return Err(ServerError::Refused(why));
+    }
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|source| ServerError::Io { what: format!("listen {}", cfg.listen), source })?;

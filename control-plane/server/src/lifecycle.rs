@@ -147,6 +147,39 @@ async fn running_peer(core: &Core) -> Option<(String, u64)> {
     None
 }
 
+/// A wiped server must not come back under its id: it lost its vote and its log, and a voter
+/// that forgets its vote can elect two leaders in one term. Checked before the peer listener
+/// opens (a leader would otherwise start filling the empty storage at once): when the storage
+/// is empty and the leader (one of the listed peers) names this id as a voter it had already
+/// replicated entries to, the reason to refuse.
+pub async fn wiped_voter(cfg: &crate::ServerConfig) -> Option<String> {
+    if cfg.join.is_some() {
+        return None;
+    }
+    for p in cfg.peers.iter().filter(|p| p.id != cfg.id) {
+        let uri = if p.addr.contains("://") { p.addr.clone() } else { format!("http://{}", p.addr) };
+        let Ok(ep) = tonic::transport::Endpoint::from_shared(uri) else { continue };
+        let ep = ep.connect_timeout(CALL_TIMEOUT).timeout(CALL_TIMEOUT);
+        let Ok(Ok(ch)) = tokio::time::timeout(CALL_TIMEOUT, ep.connect()).await else { continue };
+        let Ok(Ok(r)) = tokio::time::timeout(CALL_TIMEOUT, ClusterClient::new(ch).members(pb::MembersRequest {})).await
+        else {
+            continue;
+        };
+        let r = r.into_inner();
+        // Only the leader's view counts, and only a voter it had replicated to: the other
+        // initial voters of a new cluster have empty storage too, but nothing matched yet.
+        let from_leader = r.members.iter().any(|m| m.leader && m.addr == p.addr);
+        if from_leader && r.members.iter().any(|m| m.id == cfg.id && m.voter && m.matched_index > 0) {
+            return Some(format!(
+                "server {id} is a voter of the cluster that {addr} belongs to, but this server's storage is empty: it was wiped, and a wiped server must not come back under its id (it lost its vote and log). Remove it (`suanli cluster remove-server --id {id}`) and start it under a new id with --join (docs/operations.md, \"Replace a server\")",
+                id = cfg.id,
+                addr = p.addr
+            ));
+        }
+    }
+    None
+}
+
 async fn join_once(via: &str, id: u64, addr: &str, peer_addr: &str, learner_only: bool) -> Result<(), Status> {
     let uri = if via.contains("://") { via.to_owned() } else { format!("http://{via}") };
     let ep = tonic::transport::Endpoint::from_shared(uri)
