@@ -120,6 +120,10 @@ pub struct AgentConfig {
     pub rpc_timeout_ms: u64,
     /// Deadline of connecting to a server.
     pub connect_timeout_ms: u64,
+    /// A call with no answer after this long probes its server (`Cluster.Leader`, same
+    /// deadline); a server that does not answer the probe either is hung (SIGSTOPped,
+    /// removed, wedged) and the call moves on to the next server.
+    pub first_answer_ms: u64,
     /// First delay before retrying a failed server call or stream; doubles up to the max.
     pub retry_backoff_min_ms: u64,
     /// Longest delay between retries.
@@ -201,6 +205,7 @@ impl Default for AgentConfig {
             stop_grace_max_ms: 300_000,
             rpc_timeout_ms: 10_000,
             connect_timeout_ms: 3_000,
+            first_answer_ms: 2_000,
             retry_backoff_min_ms: 100,
             retry_backoff_max_ms: 5_000,
             report_concurrency: 8,
@@ -241,7 +246,7 @@ fn check_ms(field: &str, v: u64, min: u64, max: u64) -> Result<(), ConfigError> 
     Ok(())
 }
 
-fn check_host_port(field: &str, v: &str) -> Result<(), ConfigError> {
+pub(crate) fn check_host_port(field: &str, v: &str) -> Result<(), ConfigError> {
     let ok = v.rsplit_once(':').is_some_and(|(h, p)| {
         !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0) && !h.contains(char::is_whitespace)
     });
@@ -359,6 +364,7 @@ impl AgentConfig {
         check_ms("stop_grace_max_ms", self.stop_grace_max_ms, self.stop_grace_min_ms, 86_400_000)?;
         check_ms("rpc_timeout_ms", self.rpc_timeout_ms, 100, 600_000)?;
         check_ms("connect_timeout_ms", self.connect_timeout_ms, 10, 600_000)?;
+        check_ms("first_answer_ms", self.first_answer_ms, 10, 600_000)?;
         check_ms("retry_backoff_min_ms", self.retry_backoff_min_ms, 1, 600_000)?;
         check_ms("retry_backoff_max_ms", self.retry_backoff_max_ms, self.retry_backoff_min_ms, 3_600_000)?;
         check_ms("report_concurrency", self.report_concurrency as u64, 1, 256)?;

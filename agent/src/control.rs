@@ -1,6 +1,7 @@
 //! Talking to the control plane: any server will do. Unary calls move on to the next server on
-//! a transport failure or `UNAVAILABLE` (a leader change); the allocation watch reconnects to
-//! the next server with backoff when its stream fails.
+//! a transport failure, `UNAVAILABLE` (a leader change) or a hung server (no answer within
+//! `first_answer_ms` nor to a probe); the allocation watch reconnects to the next server with
+//! backoff when its stream fails or does not open within `first_answer_ms`.
 //!
 //! ```text
 //!  liveness: Register ─▶ Heartbeat at once, then every interval (health changes, stats)
@@ -9,8 +10,11 @@
 //!  watch:    WatchAllocations(node) ─▶ full sets ─▶ task manager   (error ─▶ next server)
 //! ```
 //!
-//! Only the addresses in `servers` are ever dialed; a `suanli-leader` hint naming one of them
-//! makes it the current one, unless `follow_leader_hints = false`.
+//! The servers dialed are those of `servers` and the members the cluster names in its
+//! register and heartbeat answers (kept in `<data_dir>/servers.json` across restarts), so an
+//! agent configured with one server survives that server's removal. A `suanli-leader` hint
+//! naming one of them makes it the current one, unless `follow_leader_hints = false`; a hint
+//! naming any other address is never dialed.
 
 use crate::Agent;
 use crate::config::AgentConfig;
@@ -49,14 +53,30 @@ impl Backoff {
     }
 }
 
-/// Connections to every configured server.
+/// One server the agent may dial.
+struct Conn {
+    addr: String,
+    unary: Channel,
+    stream: Channel,
+}
+
+/// Connections to every known server: the configured ones, then the members the cluster
+/// named (learned from register and heartbeat answers, kept in `<data_dir>/servers.json`).
 pub(crate) struct Servers {
-    addrs: Vec<String>,
+    configured: Vec<String>,
+    conns: std::sync::RwLock<Vec<Arc<Conn>>>,
     follow_hints: bool,
-    unary: Vec<Channel>,
-    stream: Vec<Channel>,
+    connect_timeout: Duration,
+    rpc_timeout: Duration,
+    first_answer: Duration,
+    learned_file: std::path::PathBuf,
     cur: AtomicUsize,
 }
+
+/// Most member addresses learned from the cluster.
+const MAX_LEARNED: usize = 16;
+/// The file the learned member addresses are kept in, under the agent's data directory.
+pub(crate) const LEARNED_FILE: &str = "servers.json";
 
 /// Whether a failed call may succeed at another server (or later).
 pub(crate) fn retriable(s: &Status) -> bool {
@@ -74,75 +94,206 @@ pub(crate) fn retriable(s: &Status) -> bool {
 
 impl Servers {
     pub fn new(cfg: &AgentConfig) -> anyhow::Result<Servers> {
-        let mut unary = Vec::new();
-        let mut stream = Vec::new();
-        for a in &cfg.servers {
-            let ep = Endpoint::from_shared(format!("http://{a}"))
-                .map_err(|e| anyhow::anyhow!("servers: {a:?}: {e}"))?
-                .connect_timeout(AgentConfig::ms(cfg.connect_timeout_ms))
-                .tcp_nodelay(true);
-            unary.push(ep.clone().timeout(AgentConfig::ms(cfg.rpc_timeout_ms)).connect_lazy());
-            // The watch is long-lived: no request deadline, but keepalives find a dead server.
-            stream.push(
-                ep.http2_keep_alive_interval(Duration::from_secs(5))
-                    .keep_alive_timeout(Duration::from_secs(5))
-                    .keep_alive_while_idle(true)
-                    .connect_lazy(),
-            );
-        }
-        Ok(Servers {
-            addrs: cfg.servers.clone(),
+        let s = Servers {
+            configured: cfg.servers.clone(),
+            conns: std::sync::RwLock::new(Vec::new()),
             follow_hints: cfg.follow_leader_hints,
-            unary,
-            stream,
+            connect_timeout: AgentConfig::ms(cfg.connect_timeout_ms),
+            rpc_timeout: AgentConfig::ms(cfg.rpc_timeout_ms),
+            first_answer: AgentConfig::ms(cfg.first_answer_ms),
+            learned_file: cfg.data_dir.join(LEARNED_FILE),
             cur: AtomicUsize::new(0),
+        };
+        let mut conns = Vec::new();
+        for a in &cfg.servers {
+            conns.push(Arc::new(s.conn(a).map_err(|e| anyhow::anyhow!("servers: {a:?}: {e}"))?));
+        }
+        *s.conns.write().unwrap_or_else(std::sync::PoisonError::into_inner) = conns;
+        // Members learned before a restart: a configured server may be gone since.
+        match std::fs::read(&s.learned_file) {
+            Ok(b) => match serde_json::from_slice::<Vec<String>>(&b) {
+                Ok(learned) => s.add_learned(&learned),
+                Err(e) => tracing::warn!(file = %s.learned_file.display(), error = %e, "ignoring the learned servers"),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(file = %s.learned_file.display(), error = %e, "ignoring the learned servers"),
+        }
+        Ok(s)
+    }
+
+    fn conn(&self, a: &str) -> Result<Conn, tonic::transport::Error> {
+        let ep = Endpoint::from_shared(format!("http://{a}"))?.connect_timeout(self.connect_timeout).tcp_nodelay(true);
+        Ok(Conn {
+            addr: a.to_owned(),
+            unary: ep.clone().timeout(self.rpc_timeout).connect_lazy(),
+            // The watch is long-lived: no request deadline, but keepalives find a dead server.
+            stream: ep
+                .http2_keep_alive_interval(Duration::from_secs(5))
+                .keep_alive_timeout(Duration::from_secs(5))
+                .keep_alive_while_idle(true)
+                .connect_lazy(),
         })
     }
 
-    pub fn current(&self) -> usize {
-        self.cur.load(Ordering::Relaxed) % self.addrs.len()
+    fn conns(&self) -> Vec<Arc<Conn>> {
+        self.conns.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
-    pub fn addr(&self, i: usize) -> &str {
-        &self.addrs[i % self.addrs.len()]
+    fn len(&self) -> usize {
+        self.conns.read().unwrap_or_else(std::sync::PoisonError::into_inner).len().max(1)
+    }
+
+    /// The addresses dialed: the configured ones, then the learned ones.
+    pub fn addrs(&self) -> Vec<String> {
+        self.conns().iter().map(|c| c.addr.clone()).collect()
+    }
+
+    /// Takes the cluster's current member list: the known servers become the configured ones
+    /// plus these (a removed member is dropped unless configured). Kept on disk when it changed.
+    pub fn learn(&self, members: &[String]) {
+        if members.is_empty() {
+            return;
+        }
+        let mut learned: Vec<String> = members
+            .iter()
+            .filter(|m| crate::config::check_host_port("members", m).is_ok() && !self.configured.contains(m))
+            .take(MAX_LEARNED)
+            .cloned()
+            .collect();
+        learned.sort();
+        learned.dedup();
+        let known: Vec<String> = self.addrs().into_iter().skip(self.configured.len()).collect();
+        if known == learned {
+            return;
+        }
+        tracing::info!(configured = ?self.configured, learned = ?learned, "servers learned from the cluster");
+        self.replace_learned(&learned);
+        let text = serde_json::to_vec(&learned).unwrap_or_default();
+        let tmp = self.learned_file.with_extension("json.tmp");
+        if let Err(e) = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &self.learned_file)) {
+            tracing::warn!(file = %self.learned_file.display(), error = %e, "keeping the learned servers");
+        }
+    }
+
+    fn add_learned(&self, learned: &[String]) {
+        let mut all: Vec<String> = self.addrs().into_iter().skip(self.configured.len()).collect();
+        all.extend(learned.iter().filter(|a| !self.configured.contains(a)).cloned());
+        all.sort();
+        all.dedup();
+        all.truncate(MAX_LEARNED);
+        self.replace_learned(&all);
+    }
+
+    fn replace_learned(&self, learned: &[String]) {
+        let old = self.conns();
+        let cur = old.get(self.current_in(old.len())).map(|c| c.addr.clone());
+        let mut next: Vec<Arc<Conn>> = old.iter().take(self.configured.len()).cloned().collect();
+        for a in learned {
+            match old.iter().find(|c| c.addr == *a) {
+                Some(c) => next.push(c.clone()),
+                None => match self.conn(a) {
+                    Ok(c) => next.push(Arc::new(c)),
+                    Err(e) => tracing::warn!(addr = %a, error = %e, "a learned server address does not parse"),
+                },
+            }
+        }
+        let pos = cur.and_then(|a| next.iter().position(|c| c.addr == a)).unwrap_or(0);
+        *self.conns.write().unwrap_or_else(std::sync::PoisonError::into_inner) = next;
+        self.cur.store(pos, Ordering::Relaxed);
+    }
+
+    fn current_in(&self, n: usize) -> usize {
+        self.cur.load(Ordering::Relaxed) % n.max(1)
+    }
+
+    pub fn current(&self) -> usize {
+        self.current_in(self.len())
+    }
+
+    pub fn addr(&self, i: usize) -> String {
+        let c = self.conns();
+        c.get(i % c.len().max(1)).map(|c| c.addr.clone()).unwrap_or_default()
     }
 
     /// Moves on from server `i` (unless someone already did).
     pub fn advance(&self, i: usize) {
-        let _ = self.cur.compare_exchange(i, (i + 1) % self.addrs.len(), Ordering::Relaxed, Ordering::Relaxed);
+        let n = self.len();
+        let _ = self.cur.compare_exchange(i, (i + 1) % n, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     fn follow_leader_hint(&self, s: &Status) {
         let hint = s.metadata().get(LEADER_HEADER).and_then(|v| v.to_str().ok());
-        if let Some(i) = hinted_server(&self.addrs, hint, self.follow_hints) {
+        if let Some(i) = hinted_server(&self.addrs(), hint, self.follow_hints) {
             self.cur.store(i, Ordering::Relaxed);
         }
     }
 
     pub fn stream_client(&self, i: usize) -> AgentClient<Channel> {
-        AgentClient::new(self.stream[i % self.addrs.len()].clone())
+        let c = self.conns();
+        AgentClient::new(c[i % c.len()].stream.clone())
     }
 
-    /// Calls `f` at the current server, moving through every server once on retriable errors.
+    /// Calls `f` at the current server, moving through every server once on retriable errors
+    /// and past a hung server (no answer within `first_answer_ms`, nor to a probe).
     pub async fn call<T, F, Fut>(&self, f: F) -> Result<T, Status>
     where
         F: Fn(AgentClient<Channel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let mut last = Status::unavailable("no server tried");
-        for _ in 0..self.addrs.len() {
+        for _ in 0..self.len() {
             let i = self.current();
-            match f(AgentClient::new(self.unary[i].clone())).await {
+            let conns = self.conns();
+            let conn = conns[i % conns.len()].clone();
+            let answer =
+                answer_unless_hung(conn.unary.clone(), self.first_answer, f(AgentClient::new(conn.unary.clone())))
+                    .await
+                    .unwrap_or_else(|| {
+                        Err(Status::deadline_exceeded(format!(
+                            "no answer within {} ms, nor to a probe",
+                            self.first_answer.as_millis() * 2
+                        )))
+                    });
+            match answer {
                 Ok(r) => return Ok(r.into_inner()),
                 Err(s) if retriable(&s) => {
                     self.advance(i);
                     self.follow_leader_hint(&s);
-                    last = Status::new(s.code(), format!("{}: {}", self.addrs[i], s.message()));
+                    last = Status::new(s.code(), format!("{}: {}", conn.addr, s.message()));
                 }
                 Err(s) => return Err(s),
             }
         }
         Err(last)
+    }
+}
+
+/// `call`'s answer, or `None` when its server is hung: no answer within `wait`, and none to a
+/// `Cluster.Leader` probe on the same connection within `wait` either. A server that answers
+/// the probe (even with an error) is alive: the call keeps its own deadline.
+pub(crate) async fn answer_unless_hung<T>(ch: Channel, wait: Duration, call: impl Future<Output = T>) -> Option<T> {
+    tokio::pin!(call);
+    tokio::select! {
+        r = &mut call => return Some(r),
+        () = tokio::time::sleep(wait) => {}
+    }
+    let probe = async move {
+        let mut req = tonic::Request::new(pb::LeaderRequest {});
+        req.set_timeout(wait);
+        tokio::time::timeout(wait, pb::cluster_client::ClusterClient::new(ch).leader(req)).await
+    };
+    tokio::select! {
+        r = &mut call => Some(r),
+        // An answer from the server, even an error, shows it is alive (only slow); a
+        // timeout or a transport failure of the probe is a hung or gone server.
+        p = probe => match p {
+            Ok(Ok(_)) => Some(call.await),
+            Ok(Err(s)) if !matches!(
+                s.code(),
+                tonic::Code::Cancelled | tonic::Code::DeadlineExceeded | tonic::Code::Unavailable | tonic::Code::Unknown
+            ) => Some(call.await),
+            _ => None,
+        },
     }
 }
 
@@ -264,6 +415,7 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
         };
         failures = 0;
         backoff.reset();
+        agent.servers.learn(&resp.members);
         let interval = Duration::from_millis(resp.heartbeat_interval_ms.clamp(10, 600_000));
         let mut ttl_ms = resp.heartbeat_ttl_ms;
         agent.plugins.stats_every_ms.store(resp.heartbeat_interval_ms.clamp(10, 600_000), Ordering::Relaxed);
@@ -318,7 +470,11 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
                 let req = req.clone();
                 async move { c.heartbeat(req).await }
             });
-            match r.await {
+            let r = r.await;
+            if let Ok(r) = &r {
+                agent.servers.learn(&r.members);
+            }
+            match r {
                 Ok(r) if !r.known => {
                     tracing::warn!(
                         "the control plane does not know this node (or declared it down): registering again"
@@ -381,8 +537,10 @@ pub(crate) async fn watch(agent: Arc<Agent>, tx: tokio::sync::watch::Sender<Opti
         }
         let i = agent.servers.current();
         let req = pb::WatchAllocationsRequest { node_id: agent.node_id.clone(), from_revision: 0 };
+        // A server answers the opening at once (the updates come later): one that does not
+        // within twice `first_answer_ms` is hung, and the next is tried.
         let opened = tokio::time::timeout(
-            AgentConfig::ms(cfg.rpc_timeout_ms),
+            AgentConfig::ms(cfg.first_answer_ms.saturating_mul(2).min(cfg.rpc_timeout_ms)),
             agent.servers.stream_client(i).watch_allocations(req),
         )
         .await
@@ -580,6 +738,30 @@ pub(crate) async fn report_loop(agent: Arc<Agent>) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn learned_members_are_dialed_kept_and_followed_by_hints() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = AgentConfig {
+            servers: vec!["127.0.0.1:7400".into()],
+            data_dir: dir.path().to_owned(),
+            ..AgentConfig::default()
+        };
+        let s = Servers::new(&cfg).unwrap();
+        assert_eq!(s.addrs(), ["127.0.0.1:7400"]);
+        // A member list naming the configured server, two others, and garbage.
+        s.learn(&["127.0.0.1:7402".into(), "127.0.0.1:7400".into(), "127.0.0.1:7401".into(), "no port".into()]);
+        assert_eq!(s.addrs(), ["127.0.0.1:7400", "127.0.0.1:7401", "127.0.0.1:7402"]);
+        assert_eq!(hinted_server(&s.addrs(), Some("127.0.0.1:7402"), true), Some(2));
+        assert_eq!(hinted_server(&s.addrs(), Some("10.9.9.9:7400"), true), None);
+        // Kept across a restart.
+        let again = Servers::new(&cfg).unwrap();
+        assert_eq!(again.addrs(), s.addrs());
+        // A member removed from the cluster is dropped; the configured one never is.
+        s.learn(&["127.0.0.1:7401".into()]);
+        assert_eq!(s.addrs(), ["127.0.0.1:7400", "127.0.0.1:7401"]);
+        assert_eq!(Servers::new(&cfg).unwrap().addrs(), ["127.0.0.1:7400", "127.0.0.1:7401"]);
+    }
 
     fn rep(status: pb::AllocReport) -> Report {
         Report { alloc: 1, epoch: 1, status, message: String::new(), exit_code: 0 }

@@ -296,6 +296,9 @@ impl Cluster {
             // Joining is a client call (Cluster.AddServer), made directly.
             Some(v) => cfg.join = Some(self.servers[v].addr.clone()),
             None => {
+                // Every initial voter carries it, as a unit file would: only the smallest id
+                // initializes, and none does while a peer already answers as a cluster.
+                cfg.bootstrap = true;
                 cfg.peers = self
                     .servers
                     .iter()
@@ -356,6 +359,28 @@ impl Cluster {
             let _ = c.wait();
         }
         s.paused = false;
+    }
+
+    /// SIGTERM server `i` and wait up to `within` for it to exit (SIGKILL after that, as
+    /// systemd does). Answers whether it exited on its own, and how long it took.
+    pub fn terminate_server(&mut self, i: usize, within: Duration) -> (bool, Duration) {
+        let t = Instant::now();
+        let s = &mut self.servers[i];
+        s.paused = false;
+        let Some(mut c) = s.child.take() else { return (true, Duration::ZERO) };
+        signal(c.id(), libc::SIGTERM);
+        loop {
+            if let Ok(Some(_)) = c.try_wait() {
+                return (true, t.elapsed());
+            }
+            if t.elapsed() >= within {
+                signal(c.id(), libc::SIGKILL);
+                let _ = c.kill();
+                let _ = c.wait();
+                return (false, t.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Whether server `i` has a live process (a server that exited on its own is reaped).

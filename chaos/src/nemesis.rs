@@ -63,7 +63,15 @@ pub enum Kind {
     FlakyNet,
     /// Every server SIGKILLed at the same instant, all restarted after the hold.
     PowerLoss,
+    /// A rolling restart with SIGTERM: each server in turn (followers first, the leader last)
+    /// gets SIGTERM (SIGKILL after 15 s, as systemd does), is started again and caught up
+    /// before the next; the hold is the pause between two servers.
+    RollingRestart,
 }
+
+/// How long a SIGTERMed server may take before the rolling restart SIGKILLs it (systemd's
+/// `TimeoutStopSec` default is 90 s; 15 s is what the operator used).
+const TERM_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// One step of the schedule.
 #[derive(Debug, Clone, Serialize)]
@@ -351,6 +359,27 @@ async fn inject(
                 cluster.start_server(i)?;
             }
             h.fault("power back: every server restarted".into());
+        }
+        Kind::RollingRestart => {
+            let Some(l) = cluster.leader().await else { return Ok(None) };
+            let order: Vec<usize> = (0..n).filter(|i| *i != l).chain([l]).collect();
+            for i in order {
+                if !cluster.server_alive(i) {
+                    continue;
+                }
+                h.fault(format!("rolling restart: SIGTERM {}", name(cluster, i)));
+                let (graceful, took) = cluster.terminate_server(i, TERM_TIMEOUT);
+                h.fault(format!(
+                    "{} {} after {} ms",
+                    name(cluster, i),
+                    if graceful { "exited" } else { "did not exit: SIGKILLed" },
+                    took.as_millis()
+                ));
+                cluster.start_server(i)?;
+                let _ = cluster.wait_leader(Duration::from_secs(10)).await;
+                tokio::time::sleep(hold).await;
+            }
+            h.fault("rolling restart done".into());
         }
     }
     Ok(None)

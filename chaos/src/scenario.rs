@@ -124,6 +124,15 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
     },
     Scenario {
+        name: "rolling-restart",
+        about: "a rolling restart with SIGTERM (SIGKILL after 15 s), followers first, the leader last",
+        servers: 3,
+        kinds: &[Kind::RollingRestart],
+        hold_ms: (500, 1_500),
+        short: true,
+        hostile: false,
+    },
+    Scenario {
         name: "hostile-client",
         about: "a hostile client (poison proposals, bogus membership changes, oversized and malformed requests, watch floods) during leader kills, pauses and partitions",
         servers: 3,
@@ -152,6 +161,7 @@ pub const SCENARIOS: &[Scenario] = &[
             Kind::DiskError(Role::Follower),
             Kind::FlakyNet,
             Kind::PowerLoss,
+            Kind::RollingRestart,
         ],
         hold_ms: (1_000, 3_000),
         short: true,

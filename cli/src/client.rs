@@ -3,10 +3,15 @@
 //! ```text
 //!   --server a:7400,b:7400,c:7400 (env SUANLI_ADDR)
 //!      │ connect (2 s timeout) ─ refused / UNAVAILABLE ──▶ next address
+//!      │ no answer in 2 s and no answer to a 1 s probe (hung, stopped, removed) ──▶ next address
 //!      │ error carrying `suanli-leader: host:port` metadata ──▶ retry there once
 //!      ▼
 //!   Jobs | Queues | Pools | Nodes | Cluster | Agent   (each request: 10 s timeout; watch: none)
 //! ```
+//!
+//! A listed server that accepts connections but never answers (SIGSTOPped, wedged) costs at
+//! most the 2 s wait and the 1 s probe (`Cluster.Leader` on the same connection); a server that
+//! answers the probe is only slow, and the request keeps its full timeout there.
 //!
 //! `job submit` retries transport failures with the same `client_request_id`, so a retried
 //! submission never creates a second job. Spec files are loaded and validated locally first
@@ -29,6 +34,10 @@ pub const DEFAULT_ADDR: &str = "127.0.0.1:7400";
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Time allowed for one unary request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a request waits for its answer before the server is probed.
+const FIRST_ANSWER: Duration = Duration::from_secs(2);
+/// How long the probe of a server that has not answered yet may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Response metadata key naming the leader's address.
 const LEADER_KEY: &str = "suanli-leader";
 /// Attempts of one submission (same request id) on transport failures.
@@ -409,6 +418,35 @@ fn status_err(s: Status) -> anyhow::Error {
     anyhow!("{}: {}", code_name(s.code()), s.message())
 }
 
+/// `call`'s answer, or `None` when the server is hung: no answer within [`FIRST_ANSWER`] and
+/// none to a `Cluster.Leader` probe on the same connection within [`PROBE_TIMEOUT`]. A server
+/// that answers the probe is alive and only slow: the call keeps waiting (its own timeout).
+async fn answer_unless_hung<T>(ch: Channel, call: impl Future<Output = T>) -> Option<T> {
+    tokio::pin!(call);
+    tokio::select! {
+        r = &mut call => return Some(r),
+        () = tokio::time::sleep(FIRST_ANSWER) => {}
+    }
+    let probe = async move {
+        let mut req = tonic::Request::new(pb::LeaderRequest {});
+        req.set_timeout(PROBE_TIMEOUT);
+        tokio::time::timeout(PROBE_TIMEOUT, pb::cluster_client::ClusterClient::new(ch).leader(req)).await
+    };
+    tokio::select! {
+        r = &mut call => Some(r),
+        // An answer from the server, even an error, shows it is alive (only slow); a
+        // timeout or a transport failure of the probe is a hung or gone server.
+        p = probe => match p {
+            Ok(Ok(_)) => Some(call.await),
+            Ok(Err(s)) if !matches!(
+                s.code(),
+                tonic::Code::Cancelled | tonic::Code::DeadlineExceeded | tonic::Code::Unavailable | tonic::Code::Unknown
+            ) => Some(call.await),
+            _ => None,
+        },
+    }
+}
+
 /// The leader address an error names in its metadata, if any.
 fn leader_of(s: &Status) -> Option<String> {
     let v = s.metadata().get(LEADER_KEY)?.to_str().ok()?.trim();
@@ -461,8 +499,9 @@ impl Conn {
         }
     }
 
-    /// Calls `f` on the first server that answers: connection failures and UNAVAILABLE move
-    /// on to the next address; an error naming the leader is retried there once.
+    /// Calls `f` on the first server that answers: connection failures, UNAVAILABLE and a hung
+    /// server ([`answer_unless_hung`]) move on to the next address; an error naming the leader
+    /// is retried there once.
     async fn call<T, F, Fut>(&mut self, mut f: F) -> Result<T, Status>
     where
         F: FnMut(Channel) -> Fut,
@@ -489,7 +528,20 @@ impl Conn {
                     }
                 },
             };
-            match f(ch.clone()).await {
+            let answer = match answer_unless_hung(ch.clone(), f(ch.clone())).await {
+                Some(a) => a,
+                None => {
+                    failures.push(format!(
+                        "{addr}: no answer within {} s, nor to a probe",
+                        (FIRST_ANSWER + PROBE_TIMEOUT).as_secs()
+                    ));
+                    if matches!(&self.current, Some((a, _)) if *a == addr) {
+                        self.current = None;
+                    }
+                    continue;
+                }
+            };
+            match answer {
                 Ok(r) => {
                     self.current = Some((addr, ch));
                     return Ok(r.into_inner());

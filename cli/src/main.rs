@@ -104,6 +104,9 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
+            if matches!(e.downcast_ref::<suanli_server::ServerError>(), Some(suanli_server::ServerError::Removed(_))) {
+                return std::process::ExitCode::from(serve::EXIT_REMOVED);
+            }
             std::process::ExitCode::from(2)
         }
     }

@@ -36,6 +36,11 @@ pub struct ServerArgs {
     /// (this server included; the peer address defaults to the client port + 1).
     #[arg(long, env = "SUANLI_PEERS", value_delimiter = ',')]
     pub peers: Vec<String>,
+    /// Create a new cluster if the storage is empty (alone, or with --peers: the smallest id
+    /// does). Without it an empty server waits to be added or --join's: a wiped server never
+    /// starts a second cluster.
+    #[arg(long)]
+    pub bootstrap: bool,
     /// Join a running cluster through this server instead.
     #[arg(long, env = "SUANLI_JOIN")]
     pub join: Option<String>,
@@ -81,6 +86,9 @@ impl ServerArgs {
         }
         if let Some(v) = &self.join {
             c.join = Some(v.clone());
+        }
+        if self.bootstrap {
+            c.bootstrap = true;
         }
         if self.learner_only {
             c.learner_only = true;
@@ -131,11 +139,29 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
 }
 
-/// `suanli server`.
+/// Exit status of `suanli server` when the cluster removed it from its membership (it
+/// stepped down first); other errors exit with 2. A supervisor should not restart it
+/// (systemd: `RestartPreventExitStatus=3`).
+pub const EXIT_REMOVED: u8 = 3;
+
+/// `suanli server`: on the first SIGTERM/SIGINT it steps down (bounded, see
+/// `suanli_server::serve`); a second one exits at once.
 pub fn server(args: ServerArgs) -> Result<()> {
     let cfg = args.config()?;
     init_logging("info,openraft=warn");
-    runtime()?.block_on(suanli_server::serve(cfg, shutdown_signal()))?;
+    let rt = runtime()?;
+    let first = async {
+        shutdown_signal().await;
+        tokio::spawn(async {
+            shutdown_signal().await;
+            tracing::warn!("second signal: exiting now");
+            std::process::exit(130);
+        });
+    };
+    let r = rt.block_on(suanli_server::serve(cfg, first));
+    // Connections still open after the grace period are dropped with the runtime.
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    r?;
     Ok(())
 }
 
@@ -164,8 +190,12 @@ const FAKE_4NPU: &str = include_str!("../../examples/plugins/fake-4npu.toml");
 /// two agents with fake devices: `dev-gpu` (8 fake 80 GB GPUs in two NVLink islands) and
 /// `dev-npu` (4 fake NPUs), both with the cpu plugin.
 pub fn dev(args: DevArgs) -> Result<()> {
-    let cfg =
-        ServerConfig { data_dir: args.data_dir.join("server"), listen: args.listen.clone(), ..ServerConfig::default() };
+    let cfg = ServerConfig {
+        data_dir: args.data_dir.join("server"),
+        listen: args.listen.clone(),
+        bootstrap: true,
+        ..ServerConfig::default()
+    };
     cfg.validate()?;
     init_logging("info,openraft=warn");
     let agents = if args.no_agents { Vec::new() } else { dev_agents(&args)? };

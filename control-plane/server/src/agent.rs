@@ -35,6 +35,7 @@ impl AgentApi {
         pb::RegisterNodeResponse {
             heartbeat_interval_ms: self.0.cfg.heartbeat_interval_ms,
             heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
+            members: self.0.member_addrs(),
         }
     }
 
@@ -70,7 +71,11 @@ impl Agent for AgentApi {
             .read(|s| s.nodes().get(&id).map(|n| (n.status == NodeStatus::Ready).then(|| n.pressure.clone())));
         let Some(Some(pressure)) = known else {
             // Unknown, or declared down: the agent registers again with its inventory.
-            return ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: false });
+            return ok(pb::HeartbeatResponse {
+                heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
+                known: false,
+                members: self.0.member_addrs(),
+            });
         };
         // Only a leader a quorum still follows may renew the agent's lease.
         self.0.confirm_leader(Duration::from_millis(self.0.cfg.raft.heartbeat_interval_ms.max(50) * 2)).await?;
@@ -96,7 +101,11 @@ impl Agent for AgentApi {
             self.0.propose(cmd).await?;
             self.0.kick.notify_one();
         }
-        ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: true })
+        ok(pb::HeartbeatResponse {
+            heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
+            known: true,
+            members: self.0.member_addrs(),
+        })
     }
 
     type WatchAllocationsStream = ReceiverStream<Result<pb::AllocationsUpdate, Status>>;

@@ -470,6 +470,14 @@ async fn add_server(core: &Core, id: u64, node: ServerNode, learner_only: bool) 
         Some(_) if voters.contains(&id) || learner_only => return Ok(()), // a retry
         _ => {}
     }
+    let membership = core.raft.metrics().borrow().membership_config.membership().clone();
+    for (other, n) in membership.nodes().filter(|(other, _)| **other != id) {
+        if n.addr == node.addr || n.client_addr() == node.client_addr() {
+            return Err(Status::already_exists(format!(
+                "addr: {node} is already used by server {other} ({n}); remove server {other} first, or give this server its own addresses"
+            )));
+        }
+    }
     if known.is_none() {
         let deadline = std::time::Instant::now() + core.timeout();
         loop {
@@ -734,6 +742,14 @@ impl Internal for Api {
             return Err(Status::not_found("group: not served here"));
         }
         ok(pb::ReadIndexResponse { index: self.0.local_read_index().await? })
+    }
+
+    async fn campaign(&self, req: Request<pb::CampaignRequest>) -> Resp<pb::CampaignResponse> {
+        let r = req.into_inner();
+        if r.group != self.0.cfg.raft.group {
+            return Err(Status::not_found(format!("group: {} is not served here", quote(&r.group))));
+        }
+        ok(crate::lifecycle::campaign(&self.0, r.from_id, Duration::from_millis(r.wait_ms)).await)
     }
 
     async fn inspect(&self, req: Request<pb::InspectRequest>) -> Resp<pb::InspectResponse> {

@@ -87,10 +87,16 @@ pub struct ServerConfig {
     pub peer_listen: Option<String>,
     /// Address other servers use to reach this one's peer listener (default: `peer_listen`).
     pub peer_advertise: Option<String>,
-    /// Initial voters of a fresh cluster (this server among them). The smallest id initializes
-    /// the cluster on first start; later starts ignore this list (membership lives in raft).
-    /// Empty, without `join`: a single-server cluster.
+    /// Initial voters of a fresh cluster (this server among them). With `bootstrap`, the
+    /// smallest id initializes the cluster on first start; later starts ignore this list
+    /// (membership lives in raft). Empty, with `bootstrap`: a single-server cluster.
     pub peers: Vec<Peer>,
+    /// Create a new cluster when the storage is empty (with `peers`: only the smallest id does).
+    /// Without it a server with empty storage never creates a cluster: it waits to be added
+    /// (`suanli cluster add-server`) or joins (`join`), so a wiped server restarted with its
+    /// original flags cannot start a second cluster on the same addresses. Even with it, a
+    /// server refuses to initialize while any listed peer already answers as part of a cluster.
+    pub bootstrap: bool,
     /// Join a running cluster through any of its servers instead (added as learner, then voter).
     pub join: Option<String>,
     /// With `join`: stay a non-voting learner.
@@ -138,6 +144,12 @@ pub struct ServerConfig {
     pub max_list_bytes: usize,
     /// Most requests in flight on one connection.
     pub max_concurrent_per_connection: usize,
+    /// On SIGTERM: how long a leader waits for another server to take over before it goes
+    /// anyway (the others then elect one within an election timeout).
+    pub leader_handoff_ms: u64,
+    /// On SIGTERM: how long the listeners let open requests finish before the remaining
+    /// connections (agent watch streams, idle HTTP/2 connections) are closed.
+    pub shutdown_grace_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -150,6 +162,7 @@ impl Default for ServerConfig {
             peer_listen: None,
             peer_advertise: None,
             peers: Vec::new(),
+            bootstrap: false,
             join: None,
             learner_only: false,
             raft: RaftSettings::default(),
@@ -168,6 +181,8 @@ impl Default for ServerConfig {
             max_list: 10_000,
             max_list_bytes: DEFAULT_MAX_LIST_BYTES,
             max_concurrent_per_connection: 1_024,
+            leader_handoff_ms: 2_000,
+            shutdown_grace_ms: 5_000,
         }
     }
 }
@@ -266,6 +281,12 @@ impl ServerConfig {
         if self.join.is_some() && !self.peers.is_empty() {
             return Err(ConfigError::new("join", "give either peers (a new cluster) or join (an existing one)"));
         }
+        if self.join.is_some() && self.bootstrap {
+            return Err(ConfigError::new(
+                "bootstrap",
+                "give either bootstrap (create a new cluster) or join (an existing one)",
+            ));
+        }
         self.raft.validate().map_err(|e| ConfigError::new("raft", e.to_string()))?;
         range("max_request_bytes", self.max_request_bytes as u64, 1024, 256 * 1024 * 1024)?;
         range("request_timeout_ms", self.request_timeout_ms, 100, 600_000)?;
@@ -293,6 +314,8 @@ impl ServerConfig {
         let reply_limit = self.max_reply_bytes() as u64;
         range("max_list_bytes", self.max_list_bytes as u64, 1024, reply_limit.saturating_sub(1024))?;
         range("max_concurrent_per_connection", self.max_concurrent_per_connection as u64, 1, 1_000_000)?;
+        range("leader_handoff_ms", self.leader_handoff_ms, 0, 60_000)?;
+        range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000)?;
         Ok(())
     }
 }
@@ -312,6 +335,10 @@ mod tests {
             ..ServerConfig::default()
         };
         assert_eq!(c.validate().expect_err("self missing").field, "peers");
+        let c = ServerConfig { bootstrap: true, join: Some("10.0.0.1:7400".into()), ..ServerConfig::default() };
+        assert_eq!(c.validate().expect_err("bootstrap and join").field, "bootstrap");
+        let c = ServerConfig { shutdown_grace_ms: 600_001, ..ServerConfig::default() };
+        assert_eq!(c.validate().expect_err("grace").field, "shutdown_grace_ms");
         let c = ServerConfig { policy: "nope".into(), ..ServerConfig::default() };
         assert!(c.validate().expect_err("policy").to_string().contains("bestfit"));
         // A page must fit the reply limit (4 x max_request_bytes) with room for its token.

@@ -104,6 +104,14 @@ impl Core {
         self.leader_node().map(|(id, n)| (id, n.client_addr().to_owned()))
     }
 
+    /// The client addresses of the current members (voters and learners), sorted by id: what
+    /// agents learn the cluster from.
+    pub fn member_addrs(&self) -> Vec<String> {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        m.membership_config.membership().nodes().map(|(_, n)| n.client_addr().to_owned()).collect()
+    }
+
     /// The current leader's id and membership record (its peer address is `addr`).
     pub fn leader_node(&self) -> Option<(u64, ServerNode)> {
         let m = self.raft.metrics();

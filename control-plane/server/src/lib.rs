@@ -26,6 +26,7 @@ mod convert;
 mod core;
 mod failpoints;
 pub mod health;
+mod lifecycle;
 pub mod local;
 mod loops;
 mod oversize;
@@ -40,12 +41,10 @@ pub use core::LEADER_HEADER;
 use crate::agent::AgentApi;
 use crate::api::Api;
 use crate::core::Core;
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use suanli_proto::v1::agent_server::AgentServer;
-use suanli_proto::v1::cluster_client::ClusterClient;
 use suanli_proto::v1::cluster_server::ClusterServer;
 use suanli_proto::v1::internal_server::InternalServer;
 use suanli_proto::v1::jobs_server::JobsServer;
@@ -82,6 +81,16 @@ pub enum ServerError {
     /// it recovers from what is on disk.
     #[error("raft stopped: {0}")]
     RaftStopped(String),
+    /// `join` was refused for good (the id, or an address, belongs to another member).
+    #[error("join refused: {0}")]
+    JoinRefused(String),
+    /// This server must not start: its storage is empty but the cluster still counts its id as
+    /// a voter (it was wiped).
+    #[error("refusing to start: {0}")]
+    Refused(String),
+    /// The cluster removed this server from its membership; it stepped down and stopped.
+    #[error("removed from the cluster: {0}")]
+    Removed(String),
 }
 
 macro_rules! bounded {
@@ -92,7 +101,11 @@ macro_rules! bounded {
     };
 }
 
-/// Runs a server until `shutdown` resolves (then stops serving, and stops raft).
+/// Runs a server until `shutdown` resolves, then steps down without hurting the cluster
+/// (loops stop, a leader hands off, raft stops, the listeners drain for `shutdown_grace_ms`;
+/// see `lifecycle`), and returns. It also returns, with an error, when raft stops on its own,
+/// when `join` is refused ([`ServerError::JoinRefused`]) or when the cluster removed this
+/// server ([`ServerError::Removed`]).
 ///
 /// Two listeners: the client one (`listen`: the public API, agents) and the peer one
 /// (`peer_listen`: raft and `Internal`). Nothing reaches the raft log from the client
@@ -104,6 +117,13 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
     let settings = cfg.raft.clone();
     failpoints::arm();
     let (raft, state, log) = suanli_raft::open(&cfg.data_dir, cfg.id, &settings).await?;
+    if !raft.is_initialized().await.unwrap_or(true)
+        && let Some(why) = lifecycle::wiped_voter(&cfg).await
+    {
+        tracing::error!("{why}");
+        let _ = raft.shutdown().await;
+        return Err(ServerError::Refused(why));
+    }
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|source| ServerError::Io { what: format!("listen {}", cfg.listen), source })?;
@@ -137,56 +157,113 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         .add_service(bounded!(InternalServer, api.clone(), settings.max_message_bytes));
 
     let (stop_tx, stop_rx) = watch::channel(false);
+    let (ending_tx, mut ending_rx) = tokio::sync::mpsc::channel(4);
     let mut tasks = vec![
-        tokio::spawn(bootstrap(core.clone(), stop_rx.clone())),
+        tokio::spawn(lifecycle::bootstrap(core.clone(), stop_rx.clone(), ending_tx.clone())),
         tokio::spawn(loops::scheduling(core.clone(), stop_rx.clone())),
         tokio::spawn(loops::liveness(core.clone(), stop_rx.clone())),
+        tokio::spawn(lifecycle::watch_membership(core.clone(), stop_rx.clone(), ending_tx)),
     ];
     tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), peer_listen = %peer_addr, peer_advertise = %cfg.peer_advertised(), data_dir = %cfg.data_dir.display(), "suanli server listening");
-    let fatal = Arc::new(std::sync::Mutex::new(None::<String>));
-    let shutdown = health.until(shutdown);
     let (done_tx, done_rx) = watch::channel(false);
-    {
-        let fatal = fatal.clone();
-        let mut metrics = raft.metrics();
-        tokio::spawn(async move {
-            tokio::select! {
-                () = shutdown => {}
-                why = raft_stopped(&mut metrics) => {
-                    tracing::error!(error = %why, "raft stopped; the server exits");
-                    *fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
-                }
-            }
-            let _ = done_tx.send(true);
-        });
-    }
     let until = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|d| *d).await;
     };
-    let (served, peered) = tokio::join!(
-        clients.serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            until(done_rx.clone())
-        ),
-        peers.serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
-            until(done_rx.clone())
-        ),
-    );
+    // The client listener drains first (clients and agents move to another server at once);
+    // the peer listener only after raft stopped, so raft here is never cut off from its peers
+    // while it still runs (it would campaign).
+    let (peers_done_tx, peers_done_rx) = watch::channel(false);
+    let mut listeners = tokio::spawn(async move {
+        let (served, peered) = tokio::join!(
+            clients
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), until(done_rx)),
+            peers.serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
+                until(peers_done_rx)
+            ),
+        );
+        served.and(peered)
+    });
+    let mut metrics = raft.metrics();
+    let ended: Option<ServerError> = tokio::select! {
+        () = shutdown => {
+            tracing::info!("shutdown requested: stepping down");
+            None
+        }
+        why = raft_stopped(&mut metrics) => {
+            tracing::error!(error = %why, "raft stopped; the server exits");
+            Some(ServerError::RaftStopped(why))
+        }
+        Some(e) = ending_rx.recv() => Some(match e {
+            lifecycle::Ending::JoinRefused(why) => ServerError::JoinRefused(why),
+            lifecycle::Ending::Removed(why) => {
+                tracing::warn!(reason = %why, "removed from the cluster: stepping down and exiting");
+                ServerError::Removed(why)
+            }
+        }),
+        r = &mut listeners => {
+            // A listener failed on its own: nothing is served any more.
+            let e = match r {
+                Ok(Err(e)) => ServerError::Transport(e),
+                Ok(Ok(())) => ServerError::RaftStopped("the listeners stopped".into()),
+                Err(e) => ServerError::RaftStopped(format!("the listeners' task: {e}")),
+            };
+            Some(e)
+        }
+    };
+    health.until(std::future::ready(())).await;
+
+    // 1. No scheduling pass or liveness verdict from a server on its way out.
+    tracing::info!(step = 1, "shutdown: stopping the scheduling and liveness loops");
     let _ = stop_tx.send(true);
-    for t in tasks.drain(..) {
-        let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+    let loops_deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    for mut t in tasks.drain(..) {
+        if tokio::time::timeout_at(loops_deadline, &mut t).await.is_err() {
+            t.abort();
+        }
     }
-    if let Err(e) = raft.shutdown().await {
-        tracing::warn!(error = %e, "raft shutdown");
+    // 2. Clients and agents: GOAWAY on the client listener, so they go to another server.
+    let _ = done_tx.send(true);
+    // 3. Raft stops: no more heartbeats, campaigns or votes from here.
+    let successors = if core.is_leader() { lifecycle::successors(&core) } else { Vec::new() };
+    tracing::info!(step = 3, leader = !successors.is_empty(), "shutdown: stopping raft");
+    match tokio::time::timeout(Duration::from_secs(5), raft.shutdown()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "raft shutdown"),
+        Err(_) => tracing::warn!("raft did not shut down within 5 s; going on"),
+    }
+    // 4. A leader asks its most caught-up voter to campaign at once, and waits (bounded)
+    //    until another server leads.
+    if !successors.is_empty() {
+        let within = Duration::from_millis(cfg.leader_handoff_ms);
+        tracing::info!(step = 4, candidates = ?successors.iter().map(|s| s.0).collect::<Vec<_>>(), within_ms = cfg.leader_handoff_ms, "shutdown: handing leadership off");
+        match lifecycle::hand_off(&core, &successors, within).await {
+            Some(id) => tracing::info!(new_leader = id, "shutdown: another server leads"),
+            None => tracing::warn!("shutdown: no new leader seen in time; the others elect one on their own"),
+        }
+    }
+    // 5. The listeners: open requests get the grace period; what remains is closed.
+    let _ = peers_done_tx.send(true);
+    let grace = Duration::from_millis(cfg.shutdown_grace_ms);
+    tracing::info!(step = 5, grace_ms = cfg.shutdown_grace_ms, "shutdown: draining the listeners");
+    let served = match tokio::time::timeout(grace, &mut listeners).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "listeners' task");
+            Ok(())
+        }
+        Err(_) => {
+            tracing::info!("shutdown: grace period over; closing the remaining connections");
+            listeners.abort();
+            Ok(())
+        }
+    };
+    tracing::info!("shutdown: done");
+    if let Some(e) = ended {
+        return Err(e);
     }
     served?;
-    peered?;
-    let why = fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-    match why {
-        Some(why) => Err(ServerError::RaftStopped(why)),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 /// Resolves when raft reports a fatal error (or its metrics end).
@@ -199,64 +276,4 @@ async fn raft_stopped(m: &mut watch::Receiver<openraft::RaftMetrics<u64, ServerN
             return "raft's metrics channel closed".into();
         }
     }
-}
-
-/// First start: initialize a new cluster (single server, or the smallest id of `peers`), or
-/// ask a running cluster to add this server (`join`). Later starts recover from storage.
-async fn bootstrap(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
-    match core.raft.is_initialized().await {
-        Ok(true) => return,
-        Ok(false) => {}
-        Err(e) => {
-            tracing::error!(error = %e, "raft stopped");
-            return;
-        }
-    }
-    let cfg = &core.cfg;
-    let me = cfg.advertised().to_owned();
-    let me_peer = cfg.peer_advertised();
-    if let Some(join) = &cfg.join {
-        let mut backoff = Duration::from_millis(200);
-        loop {
-            match join_once(join, cfg.id, &me, &me_peer, cfg.learner_only).await {
-                Ok(()) => {
-                    tracing::info!(via = %join, "joined the cluster");
-                    return;
-                }
-                Err(e) => tracing::warn!(via = %join, error = %e, "join failed; retrying"),
-            }
-            tokio::select! {
-                () = tokio::time::sleep(backoff) => {}
-                _ = stop.changed() => return,
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
-        }
-    }
-    let members: BTreeMap<u64, ServerNode> = if cfg.peers.is_empty() {
-        [(cfg.id, ServerNode::new(me_peer, me))].into()
-    } else {
-        if cfg.peers.iter().map(|p| p.id).min() != Some(cfg.id) {
-            return; // the smallest id initializes; this one is added by it
-        }
-        // validate() checked that every peer address derives.
-        cfg.peers.iter().map(|p| (p.id, ServerNode::new(p.peer().unwrap_or_default(), p.addr.clone()))).collect()
-    };
-    match core.raft.initialize(members).await {
-        Ok(()) => tracing::info!("initialized a new cluster"),
-        Err(e) => tracing::info!(error = %e, "not initializing (already initialized?)"),
-    }
-}
-
-async fn join_once(via: &str, id: u64, addr: &str, peer_addr: &str, learner_only: bool) -> Result<(), String> {
-    let uri = if via.contains("://") { via.to_owned() } else { format!("http://{via}") };
-    let mut c = ClusterClient::connect(uri).await.map_err(|e| e.to_string())?;
-    c.add_server(suanli_proto::v1::AddServerRequest {
-        id,
-        addr: addr.to_owned(),
-        learner_only,
-        peer_addr: peer_addr.to_owned(),
-    })
-    .await
-    .map_err(|s| format!("{}: {}", s.code(), s.message()))?;
-    Ok(())
 }

@@ -1,6 +1,8 @@
 //! A local cluster of real `suanli server` processes on loopback ports, each with its own
 //! RocksDB directory in a temp dir: what the end-to-end tests, `suanli bench submit` and
 //! `suanli bench failover` run against. Processes are killed (SIGKILL) when it is dropped.
+//! The first start of [`ProcessCluster::start`] bootstraps (`--bootstrap --peers ...`), as an
+//! operator creates a cluster; [`ProcessCluster::spawn_waiting`] restarts one without it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -98,7 +100,7 @@ impl ProcessCluster {
     /// can be started later with [`ProcessCluster::spawn_joining`].
     pub fn start_one_of(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
         let mut c = Self::reserve(bin, n, extra)?;
-        c.launch(0, &[])?;
+        c.launch(0, &["--bootstrap"])?;
         Ok(c)
     }
 
@@ -108,8 +110,78 @@ impl ProcessCluster {
         self.launch(i, &["--join", &join])
     }
 
-    /// Starts (or restarts) server `i` (0-based) on its data directory.
+    /// Starts (or restarts) server `i` (0-based) on its data directory, with `--bootstrap`
+    /// and the initial voters (a restart with storage ignores both).
     pub fn spawn(&mut self, i: usize) -> std::io::Result<()> {
+        let peers = self.peers_flag();
+        self.launch(i, &["--bootstrap", "--peers", &peers])
+    }
+
+    /// Starts server `i` with its original `--peers` but without `--bootstrap`: what a wiped
+    /// server restarted by the same unit does. With empty storage it waits to be added.
+    pub fn spawn_waiting(&mut self, i: usize) -> std::io::Result<()> {
+        let peers = self.peers_flag();
+        self.launch(i, &["--peers", &peers])
+    }
+
+    /// Starts server `i`'s addresses and data directory under raft id `id`, with `membership`
+    /// flags (e.g. `--join A`): how tests try a reused id.
+    pub fn spawn_as(&mut self, i: usize, id: u64, membership: &[&str]) -> std::io::Result<()> {
+        self.launch_as(i, id, membership)
+    }
+
+    /// Deletes server `i`'s data directory (stop it first).
+    pub fn wipe(&mut self, i: usize) -> std::io::Result<()> {
+        let d = self.dir.path().join(format!("s{}", i + 1));
+        match std::fs::remove_dir_all(&d) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Sends SIGTERM to server `i` and waits up to `within` for it to exit; SIGKILL after
+    /// that, as systemd does. Answers its exit status and how long it took, or `None` (with
+    /// the time) when it had to be killed.
+    pub fn terminate(&mut self, i: usize, within: Duration) -> (Option<std::process::ExitStatus>, Duration) {
+        let t = Instant::now();
+        let Some(mut p) = self.procs[i].take() else { return (None, Duration::ZERO) };
+        let _ = Command::new("kill").args(["-TERM", &p.id().to_string()]).status();
+        loop {
+            if let Ok(Some(st)) = p.try_wait() {
+                return (Some(st), t.elapsed());
+            }
+            if t.elapsed() >= within {
+                let _ = p.kill();
+                let _ = p.wait();
+                return (None, t.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits up to `within` for server `i` to exit on its own; its exit status, or `None`
+    /// when it still runs.
+    pub fn wait_exit(&mut self, i: usize, within: Duration) -> Option<std::process::ExitStatus> {
+        let t = Instant::now();
+        loop {
+            let p = self.procs[i].as_mut()?;
+            if let Ok(Some(st)) = p.try_wait() {
+                self.procs[i] = None;
+                return Some(st);
+            }
+            if t.elapsed() >= within {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Server `i`'s process id, when it runs.
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.procs[i].as_ref().map(Child::id)
+    }
+
+    fn peers_flag(&self) -> String {
         let peers: Vec<String> = self
             .addrs
             .iter()
@@ -117,18 +189,21 @@ impl ProcessCluster {
             .enumerate()
             .map(|(k, (a, p))| format!("{}={a}/{p}", k + 1))
             .collect();
-        let peers = peers.join(",");
-        self.launch(i, &["--peers", &peers])
+        peers.join(",")
     }
 
     fn launch(&mut self, i: usize, membership: &[&str]) -> std::io::Result<()> {
+        self.launch_as(i, (i + 1) as u64, membership)
+    }
+
+    fn launch_as(&mut self, i: usize, id: u64, membership: &[&str]) -> std::io::Result<()> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.path().join(format!("s{}.log", i + 1)))?;
         let child = Command::new(&self.bin)
             .arg("server")
-            .args(["--id", &(i + 1).to_string(), "--listen", &self.addrs[i], "--peer-listen", &self.peer_addrs[i]])
+            .args(["--id", &id.to_string(), "--listen", &self.addrs[i], "--peer-listen", &self.peer_addrs[i]])
             .arg("--data-dir")
             .arg(self.dir.path().join(format!("s{}", i + 1)))
             .args(membership)

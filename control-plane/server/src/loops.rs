@@ -110,7 +110,9 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
 pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
     let period = Duration::from_millis(core.cfg.heartbeat_interval_ms);
     let ttl = Duration::from_millis(core.cfg.heartbeat_ttl_ms);
-    let mut leading = false;
+    // The term this server last led in: a leadership lost and won back between two ticks
+    // is a new leadership too (the nodes heartbeated to another leader meanwhile).
+    let mut leading: Option<u64> = None;
     loop {
         tokio::select! {
             () = tokio::time::sleep(period) => {}
@@ -119,9 +121,10 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         // Halted (read-only): no node can be declared down; once applying again, every node
         // gets a full TTL, as under a new leader.
         if !core.is_leader() || core.halted().is_some() {
-            leading = false;
+            leading = None;
             continue;
         }
+        let term = core.raft.metrics().borrow().current_term;
         let t = Instant::now();
         let ready: Vec<NodeId> = core.state.read(|s: &State| {
             s.nodes().values().filter(|n| n.status == NodeStatus::Ready).map(|n| n.node.id.clone()).collect()
@@ -129,10 +132,11 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         let mut down = Vec::new();
         {
             let mut hb = core.heartbeats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if !leading {
-                // A new leader has no heartbeat history: every node gets a full TTL from now.
+            if leading != Some(term) {
+                // A new leader has no heartbeat history: every node gets a full TTL from now
+                // (no earlier than the moment it became leader).
                 hb.clear();
-                leading = true;
+                leading = Some(term);
             }
             for id in ready {
                 let seen = *hb.entry(id.clone()).or_insert(t);
