@@ -32,5 +32,8 @@ pub use command::{
 };
 pub use config::{ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;
-pub use records::{Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason};
+pub use records::{
+    Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, Job, JobState, MAX_ATTEMPT_HISTORY, NodeRecord, NodeStatus,
+    StopReason,
+};
 pub use state::{SNAPSHOT_FORMAT, SnapshotError, State};

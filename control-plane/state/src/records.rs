@@ -3,7 +3,7 @@
 use crate::command::NodeMode;
 use crate::config::RetryPolicy;
 use serde::{Deserialize, Serialize};
-use suanli_model::{AllocId, Allocation, JobId, JobSpec, Node};
+use suanli_model::{AllocId, Allocation, JobId, JobSpec, Node, NodeId};
 
 /// Where a job is in its life cycle.
 ///
@@ -112,6 +112,37 @@ pub struct Job {
     pub allocs: Vec<AllocId>,
     /// Latest completed checkpoint.
     pub latest_checkpoint: Option<CheckpointRecord>,
+    /// Allocations of ended attempts, oldest first, the last [`MAX_ATTEMPT_HISTORY`] kept:
+    /// what `job status` shows once an attempt's allocations are gone. Absent in snapshots
+    /// of earlier builds (empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<AttemptRecord>,
+}
+
+/// How many ended allocations a job's [`Job::history`] keeps (the oldest go first).
+pub const MAX_ATTEMPT_HISTORY: usize = 20;
+
+/// One allocation of an ended attempt, as it ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    /// The attempt (the allocation's epoch).
+    pub attempt: u64,
+    /// The allocation.
+    pub alloc: AllocId,
+    /// Task group index and replica.
+    pub group: u32,
+    /// Replica within the group.
+    pub replica: u32,
+    /// The node it ran on.
+    pub node: NodeId,
+    /// When it was placed (seconds).
+    pub started_at: u64,
+    /// When it ended (seconds).
+    pub ended_at: u64,
+    /// How it ended.
+    pub state: AllocState,
+    /// The last message about it (exit status, failure, why it stopped).
+    pub message: String,
 }
 
 /// Where an allocation is.
@@ -232,5 +263,19 @@ impl NodeRecord {
     /// True when new work may be placed on it.
     pub fn accepts_work(&self) -> bool {
         self.status == NodeStatus::Ready && self.mode == NodeMode::Schedulable
+    }
+
+    /// Why it takes no new work, in the word pending reasons count it under (`down` before
+    /// the operator's mode: a down node would not take work even if uncordoned); `None` when
+    /// it accepts work.
+    /// Another condition that stops placements reads `not schedulable: <why>`.
+    pub fn unschedulable_reason(&self) -> Option<String> {
+        let word = match (&self.status, &self.mode) {
+            (NodeStatus::Down, _) => "down",
+            (NodeStatus::Ready, NodeMode::Draining) => "draining",
+            (NodeStatus::Ready, NodeMode::Cordoned) => "cordoned",
+            (NodeStatus::Ready, NodeMode::Schedulable) => return None,
+        };
+        Some(word.to_owned())
     }
 }

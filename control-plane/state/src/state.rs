@@ -5,7 +5,10 @@ use crate::command::{
     ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
 };
 use crate::config::StateConfig;
-use crate::records::{Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason};
+use crate::records::{
+    Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, Job, JobState, MAX_ATTEMPT_HISTORY, NodeRecord, NodeStatus,
+    StopReason,
+};
 use crate::usage::{LiveIndex, Usage};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -66,6 +69,11 @@ pub struct State {
     pub(crate) live_jobs: BTreeSet<JobId>,
     /// Finished jobs in finishing order (finish sequence -> job), oldest forgotten first.
     pub(crate) finished: BTreeMap<u64, JobId>,
+    /// The rolling digest of the replicated log up to the last entry applied, kept here by
+    /// the raft layer (`suanli_raft::Machine::set_log_digest`) so that snapshots carry it;
+    /// `cluster check` compares it across servers. 0 in snapshots of earlier builds.
+    #[serde(default)]
+    pub(crate) log_digest: u64,
     /// What live allocations use: derived from `allocs` and `nodes`, never serialized (so
     /// neither in snapshots nor in the state hash), rebuilt on restore.
     #[serde(skip)]
@@ -119,9 +127,20 @@ impl State {
             requests: BTreeMap::new(),
             live_jobs: BTreeSet::new(),
             finished: BTreeMap::new(),
+            log_digest: 0,
             live: LiveIndex::default(),
             parents: BTreeSet::new(),
         }
+    }
+
+    /// The rolling digest of the log applied so far (see `cluster check`).
+    pub fn log_digest(&self) -> u64 {
+        self.log_digest
+    }
+
+    /// Records the log digest after an entry was applied (the raft layer computes it).
+    pub fn set_log_digest(&mut self, digest: u64) {
+        self.log_digest = digest;
     }
 
     /// The replicated configuration.
@@ -610,6 +629,7 @@ impl State {
                 reason: String::new(),
                 allocs: Vec::new(),
                 latest_checkpoint: None,
+                history: Vec::new(),
             },
         );
         self.requests.insert(c.client_request_id, id);
@@ -861,9 +881,22 @@ impl State {
         let old = std::mem::take(&mut job.allocs);
         for a in old {
             if let Some(x) = self.allocs.remove(&a) {
+                job.history.push(AttemptRecord {
+                    attempt: x.alloc.epoch,
+                    alloc: x.alloc.id,
+                    group: x.alloc.group,
+                    replica: x.alloc.replica,
+                    node: x.alloc.node.clone(),
+                    started_at: x.alloc.started_at,
+                    ended_at: x.updated_at,
+                    state: x.state,
+                    message: x.message.clone(),
+                });
                 self.live.forget(&x);
             }
         }
+        let over = job.history.len().saturating_sub(MAX_ATTEMPT_HISTORY);
+        job.history.drain(..over);
     }
 
     // ---- agent reports -------------------------------------------------------------------
@@ -991,7 +1024,19 @@ impl State {
                 x
             })
             .collect();
-        ClusterView { nodes, queues: self.queues.values().cloned().collect(), pending, running, workload: Vec::new() }
+        let unschedulable = self
+            .nodes
+            .values()
+            .filter_map(|r| r.unschedulable_reason().map(|why| (r.node.id.clone(), why)))
+            .collect();
+        ClusterView {
+            nodes,
+            queues: self.queues.values().cloned().collect(),
+            pending,
+            running,
+            workload: Vec::new(),
+            unschedulable,
+        }
     }
 
     /// The quota vector of an allocation (device shares counted by the kind its node reports).

@@ -6,7 +6,8 @@ use common::*;
 use suanli_model::{AllocId, DeviceShare, Health, JobId, NodeId, Placement, Plan, Preemption, PreemptionReason};
 use suanli_state::{
     AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, JobState, NodeDown, NodeMode,
-    ReportedStatus, Response, RetryPolicy, SetNodeMode, State, StateConfig, StopReason, SubmitJob, UpdateConfig,
+    MAX_ATTEMPT_HISTORY, ReportedStatus, Response, RetryPolicy, SetNodeMode, State, StateConfig, StopReason, SubmitJob,
+    UpdateConfig,
 };
 
 fn job_state(s: &State, id: u64) -> JobState {
@@ -295,11 +296,36 @@ fn failures_retry_with_backoff_then_fail() {
         apply_ok(&mut s, report(a2, 1, ReportedStatus::Running, 41)),
         Response::Rejected(CommandError::StaleEpoch { reported: 1, current: 2, .. })
     ));
+    // The first attempt's allocation is gone from the state, but not from the job's history.
+    let h = &s.job(JobId(1)).expect("job").history;
+    assert_eq!(h.len(), 1, "{h:?}");
+    assert_eq!((h[0].attempt, h[0].alloc, h[0].state, h[0].started_at, h[0].ended_at), (1, a, AllocState::Failed, 3, 10));
     apply_ok(&mut s, report(a2, e2, ReportedStatus::Failed, 50));
     assert_eq!(job_state(&s, 1), JobState::Failed, "two attempts failed");
     // Repeating a terminal report is harmless; contradicting it is refused.
     assert_eq!(apply_ok(&mut s, report(a2, e2, ReportedStatus::Failed, 51)), Response::Done);
     assert!(matches!(apply_ok(&mut s, report(a2, e2, ReportedStatus::Succeeded, 51)), Response::Rejected(_)));
+}
+
+#[test]
+fn attempt_history_is_bounded_and_survives_a_snapshot() {
+    let mut s = cluster(1);
+    let retry = RetryPolicy { max_attempts: 100, backoff_base_s: 0, backoff_max_s: 0 };
+    let sub = SubmitJob { client_request_id: "a".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 1 };
+    apply_ok(&mut s, Command::SubmitJob(Box::new(sub)));
+    let n = MAX_ATTEMPT_HISTORY as u64 + 5;
+    for t in 0..n {
+        let now = 10 + t * 10;
+        assert_eq!(schedule_once(&mut s, now).placed.len(), 1, "attempt {}", t + 1);
+        let (a, e) = allocs_of(&s, 1)[0];
+        apply_ok(&mut s, report(a, e, ReportedStatus::Failed, now + 1));
+    }
+    let j = s.job(JobId(1)).expect("job");
+    assert_eq!(j.history.len(), MAX_ATTEMPT_HISTORY, "bounded");
+    assert_eq!(j.history.first().map(|h| h.attempt), Some(6), "the oldest went first");
+    assert_eq!(j.history.last().map(|h| h.attempt), Some(n));
+    let back = State::restore(&s.snapshot().expect("snapshot")).expect("restore");
+    assert_eq!(back.job(JobId(1)).expect("job").history, j.history);
 }
 
 #[test]
