@@ -205,7 +205,7 @@ mod tests {
         std::fs::write(&files[1], b"new 3\n").expect("write");
         assert_eq!(read_all(&files, 0), b"old 1\nold 2\nnew 3\n");
         // A tail reaches back into the rotated file; an offset counts from its start.
-        assert_eq!(read_all(&files, -9), b"ld 2\nnew 3\n");
+        assert_eq!(read_all(&files, -11), b"ld 2\nnew 3\n");
         assert_eq!(read_all(&files, -100), b"old 1\nold 2\nnew 3\n");
         assert_eq!(read_all(&files, 6), b"old 2\nnew 3\n");
         assert_eq!(read_all(&files, 13), b"ew 3\n");

@@ -260,10 +260,25 @@ pub enum NodeCmd {
         /// Node id.
         id: String,
     },
-    /// Stop new placements and move the node's work elsewhere.
+    /// Stop new placements and move the node's work elsewhere (through the preemption
+    /// path: checkpoint first where the job allows it).
     Drain {
         /// Node id.
         id: String,
+        /// Let running work go on this long before it is evicted (e.g. 90s, 10m, 1h; plain
+        /// numbers are seconds). Nothing new is placed meanwhile.
+        #[arg(long, value_parser = parse_duration_s, default_value = "0")]
+        grace: u64,
+        /// Disruption budget: evict at most this many jobs at once; the next goes when an
+        /// evicted one runs again elsewhere (0: no limit).
+        #[arg(long, default_value_t = 0)]
+        max_unavailable: u32,
+        /// Wait until no allocation is left on the node, printing progress.
+        #[arg(long)]
+        wait: bool,
+        /// With --wait: give up (exit 2) after this long (e.g. 30m).
+        #[arg(long, value_parser = parse_duration_s, default_value = "1h")]
+        timeout: u64,
     },
     /// Make a cordoned or draining node schedulable again.
     Uncordon {
@@ -768,6 +783,8 @@ fn node_json(n: &pb::NodeInfo) -> Value {
         })).collect::<Vec<_>>(),
         "labels": labels, "updated_at": n.updated_at, "reason": n.reason, "allocations": n.allocations,
         "agent_addr": n.agent_addr,
+        "drain_deadline": n.drain_deadline, "drain_max_unavailable": n.drain_max_unavailable,
+        "drain_moving": n.drain_moving,
         "stats": n.stats.iter().map(|s| json!({
             "id": s.id, "utilization_pct": s.utilization_pct, "memory_used_mib": s.memory_used_mib,
             "power_w": s.power_w, "temperature_c": s.temperature_c, "ecc_errors": s.ecc_errors,
@@ -1439,11 +1456,86 @@ async fn pool(args: ConnArgs, cmd: PoolCmd) -> anyhow::Result<()> {
     }
 }
 
+/// A duration for a flag: `90`, `90s`, `10m`, `2h`, `1d`, in seconds.
+fn parse_duration_s(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 90s, 10m, 1h)"))?;
+    let mult = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{s:?}: unit {unit:?} is not s, m, h or d")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too long"))
+}
+
+/// Drain progress as one line: allocations left, jobs away, time to the deadline.
+fn drain_progress(n: &pb::NodeInfo) -> String {
+    let mut s = format!("{} allocations left", n.allocations);
+    if n.drain_max_unavailable > 0 {
+        s += &format!(", {} of at most {} jobs away", n.drain_moving, n.drain_max_unavailable);
+    }
+    let now = now_s();
+    if n.drain_deadline > now {
+        s += &format!(", running work evicted in {}s", n.drain_deadline - now);
+    }
+    s
+}
+
+/// `node drain --wait`: polls the node until no allocation is left on it.
+async fn wait_drained(conn: &mut Conn, id: &str, timeout_s: u64) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_s);
+    let mut last = String::new();
+    loop {
+        let n = conn
+            .call(|ch| {
+                let id = id.to_owned();
+                async move { pb::nodes_client::NodesClient::new(ch).get(pb::GetNodeRequest { id, stale: false }).await }
+            })
+            .await
+            .map_err(status_err)?;
+        if n.mode != pb::NodeMode::Draining as i32 {
+            bail!("node {id} is no longer draining (mode {})", mode_name(n.mode));
+        }
+        if n.allocations == 0 {
+            println!("node {id} drained: no allocations left");
+            return Ok(());
+        }
+        let p = drain_progress(&n);
+        if p != last {
+            println!("node {id}: {p}");
+            last = p;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!("node {id} still has {} allocations after {timeout_s}s (--timeout)", n.allocations);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 async fn set_mode(conn: &mut Conn, out: Output, id: String, mode: pb::NodeMode) -> anyhow::Result<()> {
+    set_mode_with(conn, out, id, mode, 0, 0).await
+}
+
+async fn set_mode_with(
+    conn: &mut Conn,
+    out: Output,
+    id: String,
+    mode: pb::NodeMode,
+    grace_s: u64,
+    max_unavailable: u32,
+) -> anyhow::Result<()> {
     conn.call(|ch| {
         let id = id.clone();
         async move {
-            pb::nodes_client::NodesClient::new(ch).set_mode(pb::SetNodeModeRequest { id, mode: mode as i32 }).await
+            pb::nodes_client::NodesClient::new(ch)
+                .set_mode(pb::SetNodeModeRequest { id, mode: mode as i32, grace_s, max_unavailable })
+                .await
         }
     })
     .await
@@ -1486,7 +1578,12 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
                                 vec![n.id.clone(), n.pool.clone(), dash(&n.status), mode_name(n.mode).to_owned()];
                             row.extend(usage_cols(n.used.as_ref(), n.capacity.as_ref()));
                             row.push(n.allocations.to_string());
-                            row.push(dash(&n.reason));
+                            let now = now_s();
+                            row.push(if n.mode == pb::NodeMode::Draining as i32 && n.drain_deadline > now {
+                                format!("drain: evicts in {}s", n.drain_deadline - now)
+                            } else {
+                                dash(&n.reason)
+                            });
                             row
                         })
                         .collect();
@@ -1521,6 +1618,10 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
                             ("capacity", res(n.capacity.as_ref())),
                             ("used", res(n.used.as_ref())),
                             ("allocations", n.allocations.to_string()),
+                            (
+                                "drain",
+                                if n.mode == pb::NodeMode::Draining as i32 { drain_progress(&n) } else { "-".into() },
+                            ),
                             ("labels", dash(&labels)),
                             ("updated", format!("{} ago", age(n.updated_at))),
                         ])
@@ -1571,7 +1672,10 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
             }
         }
         NodeCmd::Cordon { id } => set_mode(&mut conn, out, id, pb::NodeMode::Cordoned).await,
-        NodeCmd::Drain { id } => set_mode(&mut conn, out, id, pb::NodeMode::Draining).await,
+        NodeCmd::Drain { id, grace, max_unavailable, wait, timeout } => {
+            set_mode_with(&mut conn, out, id.clone(), pb::NodeMode::Draining, grace, max_unavailable).await?;
+            if wait { wait_drained(&mut conn, &id, timeout).await } else { Ok(()) }
+        }
         NodeCmd::Uncordon { id } => set_mode(&mut conn, out, id, pb::NodeMode::Schedulable).await,
         NodeCmd::Register { file, keep_alive } => register(&mut conn, out, &file, keep_alive).await,
     }

@@ -374,7 +374,13 @@ impl Nodes for Api {
             Ok(pb::NodeMode::Draining) => suanli_state::NodeMode::Draining,
             _ => return Err(invalid("mode", format!("{} is not one of schedulable, cordoned, draining", r.mode))),
         };
-        self.0.propose(Command::SetNodeMode(SetNodeMode { node: NodeId(r.id), mode, now: now_s() })).await?;
+        const MAX_GRACE_S: u64 = 366 * 24 * 3600;
+        if r.grace_s > MAX_GRACE_S {
+            return Err(invalid("grace_s", format!("{} s is more than a year ({MAX_GRACE_S} s)", r.grace_s)));
+        }
+        let drain = (mode == suanli_state::NodeMode::Draining)
+            .then_some(suanli_state::DrainOptions { grace_s: r.grace_s, max_unavailable: r.max_unavailable });
+        self.0.propose(Command::SetNodeMode(SetNodeMode { node: NodeId(r.id), mode, now: now_s(), drain })).await?;
         self.0.kick.notify_one();
         ok(pb::SetNodeModeResponse {})
     }

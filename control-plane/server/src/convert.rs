@@ -234,6 +234,9 @@ pub fn node(s: &State, r: &NodeRecord) -> pb::NodeInfo {
         allocations: count,
         agent_addr: r.node.agent_addr.clone(),
         stats: Vec::new(),
+        drain_deadline: r.drain.as_ref().map_or(0, |d| d.deadline),
+        drain_max_unavailable: r.drain.as_ref().map_or(0, |d| d.max_unavailable),
+        drain_moving: r.drain.as_ref().map_or(0, |d| u32::try_from(d.moving.len()).unwrap_or(u32::MAX)),
     }
 }
 

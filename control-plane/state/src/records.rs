@@ -3,6 +3,7 @@
 use crate::command::NodeMode;
 use crate::config::RetryPolicy;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
 use suanli_model::{AllocId, Allocation, JobId, JobSpec, Node, NodeId};
 
 /// Where a job is in its life cycle.
@@ -257,6 +258,22 @@ pub struct NodeRecord {
     pub updated_at: u64,
     /// Why it is down, if it is.
     pub reason: String,
+    /// The drain in progress while the mode is draining (none in snapshots of earlier
+    /// builds: their drains evicted everything at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain: Option<DrainPlan>,
+}
+
+/// A drain in progress on one node.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DrainPlan {
+    /// Replicated time (seconds) from which running work is evicted; before it, nothing new
+    /// is placed and running work may finish by itself.
+    pub deadline: u64,
+    /// Jobs this drain may have away at once (0: no limit).
+    pub max_unavailable: u32,
+    /// Jobs this drain evicted that are not yet running again (nor finished).
+    pub moving: BTreeSet<JobId>,
 }
 
 impl NodeRecord {

@@ -6,8 +6,8 @@ use crate::command::{
 };
 use crate::config::StateConfig;
 use crate::records::{
-    Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, Job, JobState, MAX_ATTEMPT_HISTORY, NodeRecord, NodeStatus,
-    StopReason,
+    Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, DrainPlan, Job, JobState, MAX_ATTEMPT_HISTORY, NodeRecord,
+    NodeStatus, StopReason,
 };
 use crate::usage::{LiveIndex, Usage};
 use serde::{Deserialize, Serialize};
@@ -253,6 +253,7 @@ impl State {
         match result {
             Ok((resp, Effect::Changed)) => {
                 self.revision = rev;
+                self.advance_drains(rev);
                 resp
             }
             Ok((resp, Effect::Unchanged)) => resp,
@@ -415,9 +416,10 @@ impl State {
             .unwrap_or_default();
         let mut node = c.node;
         node.schedulable = mode == NodeMode::Schedulable;
+        let drain = self.nodes.get(&id).and_then(|r| r.drain.clone());
         self.nodes.insert(
             id.clone(),
-            NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new() },
+            NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new(), drain },
         );
         let kinds_changed = self.nodes.get(&id).is_some_and(|r| {
             r.node.devices.iter().map(|d| (d.id.clone(), d.kind)).collect::<BTreeMap<_, _>>() != old_kinds
@@ -508,17 +510,106 @@ impl State {
         self.node_rec(&c.node)?;
         let now = self.tick(c.now);
         if let Some(r) = self.nodes.get_mut(&c.node) {
+            let was_draining = r.mode == NodeMode::Draining && r.drain.is_some();
+            r.drain = match (c.mode, c.drain) {
+                (NodeMode::Draining, Some(o)) => Some(DrainPlan {
+                    deadline: now.saturating_add(o.grace_s),
+                    max_unavailable: o.max_unavailable,
+                    // Jobs already away count against the new budget too.
+                    moving: r.drain.take().map(|d| d.moving).unwrap_or_default(),
+                }),
+                (NodeMode::Draining, None) if was_draining => r.drain.take(),
+                (NodeMode::Draining, None) => Some(DrainPlan { deadline: now, ..DrainPlan::default() }),
+                _ => None,
+            };
             r.mode = c.mode;
             r.node.schedulable = c.mode == NodeMode::Schedulable;
             r.updated_at = now;
         }
-        if c.mode == NodeMode::Draining {
-            let live: Vec<AllocId> = self.allocs_on(&c.node).filter(|a| a.is_live()).map(|a| a.alloc.id).collect();
-            for aid in live {
-                self.stop_for_requeue(aid, StopReason::Drain, now, rev);
+        // Evicting what is due happens after every change ([`State::advance_drains`]).
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    // ---- drains --------------------------------------------------------------------------
+
+    /// Whether a job evicted by a drain is back (running elsewhere) or over.
+    fn settled(&self, id: JobId) -> bool {
+        self.jobs.get(&id).is_none_or(|j| {
+            matches!(j.state, JobState::Running | JobState::Succeeded | JobState::Failed | JobState::Cancelled)
+        })
+    }
+
+    /// The live allocations on `node` still asked to run, by job (job order: deterministic).
+    fn runnable_on(&self, node: &NodeId) -> BTreeMap<JobId, Vec<AllocId>> {
+        let mut by_job: BTreeMap<JobId, Vec<AllocId>> = BTreeMap::new();
+        for a in self.allocs_on(node).filter(|a| a.is_live() && a.desired == Desired::Run) {
+            by_job.entry(a.alloc.job).or_default().push(a.alloc.id);
+        }
+        by_job
+    }
+
+    /// How many more jobs the drain of `node` may evict now (0 before its deadline).
+    fn drain_room(&self, node: &NodeId, now: u64) -> usize {
+        let Some(plan) = self.nodes.get(node).and_then(|r| r.drain.as_ref()) else {
+            return 0;
+        };
+        if plan.deadline > now {
+            return 0;
+        }
+        if plan.max_unavailable == 0 {
+            return usize::MAX;
+        }
+        let away = plan.moving.iter().filter(|j| !self.settled(**j)).count();
+        (plan.max_unavailable as usize).saturating_sub(away)
+    }
+
+    /// Moves every drain along at the state's time: forgets evicted jobs that are back, and
+    /// once a drain's grace period is over evicts the jobs still running on its node, as many
+    /// at once as its budget allows (each through the preemption path: the whole attempt
+    /// stops, checkpointing first where the job allows it, and is requeued elsewhere).
+    /// Called after every command that changed the state, so time and reports drive it.
+    fn advance_drains(&mut self, rev: u64) {
+        let now = self.clock;
+        let draining: Vec<NodeId> =
+            self.nodes.iter().filter(|(_, r)| r.drain.is_some()).map(|(id, _)| id.clone()).collect();
+        for node in draining {
+            let settled: Vec<JobId> = self
+                .nodes
+                .get(&node)
+                .and_then(|r| r.drain.as_ref())
+                .map(|p| p.moving.iter().copied().filter(|j| self.settled(*j)).collect())
+                .unwrap_or_default();
+            if let Some(p) = self.nodes.get_mut(&node).and_then(|r| r.drain.as_mut()) {
+                for j in settled {
+                    p.moving.remove(&j);
+                }
+            }
+            let room = self.drain_room(&node, now);
+            if room == 0 {
+                continue;
+            }
+            for (job, allocs) in self.runnable_on(&node).into_iter().take(room) {
+                for aid in allocs {
+                    self.stop_for_requeue(aid, StopReason::Drain, now, rev);
+                }
+                if let Some(p) = self.nodes.get_mut(&node).and_then(|r| r.drain.as_mut()) {
+                    p.moving.insert(job);
+                }
             }
         }
-        Ok((Response::Done, Effect::Changed))
+    }
+
+    /// Draining nodes where work is due for eviction at `now` (grace over, budget free) but
+    /// still runs: the leader proposes a [`SetNodeMode`] without a plan for each, which
+    /// evicts it (the state machine reads no clock, so time must come in a command).
+    pub fn drains_due(&self, now: u64) -> Vec<NodeId> {
+        self.nodes
+            .iter()
+            .filter(|(id, r)| {
+                r.drain.is_some() && self.drain_room(id, now) > 0 && !self.runnable_on(id).is_empty()
+            })
+            .map(|(id, _)| id.clone())
+            .collect()
     }
 
     fn node_down(&mut self, c: NodeDown, rev: u64) -> Applied {
