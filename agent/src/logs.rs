@@ -83,8 +83,13 @@ impl Cursor {
     fn start(files: &[PathBuf; 2], requested: i64) -> Cursor {
         let (old, cur) = (file_len(&files[0]), file_len(&files[1]));
         let total = old + cur;
-        let at = if requested < 0 { total.saturating_sub(requested.unsigned_abs()) } else { (requested as u64).min(total) };
-        if at < old { Cursor { file: 0, offset: at, base: 0, inode: 0 } } else { Cursor { file: 1, offset: at - old, base: old, inode: 0 } }
+        let at =
+            if requested < 0 { total.saturating_sub(requested.unsigned_abs()) } else { (requested as u64).min(total) };
+        if at < old {
+            Cursor { file: 0, offset: at, base: 0, inode: 0 }
+        } else {
+            Cursor { file: 1, offset: at - old, base: old, inode: 0 }
+        }
     }
 
     /// The next chunk (empty at the end of the current file), and moves past it. A rotation

@@ -15,8 +15,8 @@
 use crate::spec;
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, Subcommand, ValueEnum};
-use std::collections::BTreeMap;
 use serde_json::{Value, json};
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -1232,7 +1232,10 @@ fn pick_alloc(j: &pb::JobInfo, task: Option<&str>, alloc: Option<u64>) -> anyhow
             j.attempts
                 .iter()
                 .rev()
-                .find(|h| h.replica == replica && group.map_or(h.group == 0, |g| h.group.to_string() == g || task_group_named(j, h.group, g)))
+                .find(|h| {
+                    h.replica == replica
+                        && group.map_or(h.group == 0, |g| h.group.to_string() == g || task_group_named(j, h.group, g))
+                })
                 .map(|h| (h.alloc_id, h.node.clone()))
                 .ok_or(e)
         }

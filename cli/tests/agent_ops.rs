@@ -67,7 +67,8 @@ async fn failed_attempts_are_listed_and_rotated_logs_are_read() {
     // `job logs` reads the rotated file, then the current one: exactly what the two files hold.
     let alloc = &j.allocs[0];
     let dir = a.data_dir().join("allocs").join(format!("{}-{}", alloc.id, alloc.epoch));
-    let rotated = std::fs::read(dir.join("stdout.log.1")).unwrap_or_else(|e| panic!("{}: no rotated log: {e}", dir.display()));
+    let rotated =
+        std::fs::read(dir.join("stdout.log.1")).unwrap_or_else(|e| panic!("{}: no rotated log: {e}", dir.display()));
     let current = std::fs::read(dir.join("stdout.log")).unwrap();
     assert!(!rotated.is_empty() && !current.is_empty());
     let full: Vec<u8> = (0..1000).flat_map(|i| format!("line {i:04} abcdefghi\n").into_bytes()).collect();
@@ -122,7 +123,10 @@ async fn drain_waits_grace_and_budget_then_reports_done() {
     ok(&addr, &["node", "uncordon", "node-b"]);
 
     let t0 = Instant::now();
-    let out = ok(&addr, &["node", "drain", "node-a", "--grace", "2s", "--max-unavailable", "1", "--wait", "--timeout", "90s"]);
+    let out = ok(
+        &addr,
+        &["node", "drain", "node-a", "--grace", "2s", "--max-unavailable", "1", "--wait", "--timeout", "90s"],
+    );
     let took = t0.elapsed();
     assert!(out.starts_with("node node-a draining"), "{out}");
     assert!(out.contains("node node-a: 3 allocations left"), "no progress shown: {out}");
@@ -149,9 +153,29 @@ async fn drain_waits_grace_and_budget_then_reports_done() {
     let mut order: Vec<usize> = (0..3).collect();
     order.sort_by_key(|&i| ends[i]);
     for w in order.windows(2) {
-        assert!(ends[w[1]] >= starts[w[0]], "job {} evicted before job {} ran again: {ends:?} {starts:?}", ids[w[1]], ids[w[0]]);
+        assert!(
+            ends[w[1]] >= starts[w[0]],
+            "job {} evicted before job {} ran again: {ends:?} {starts:?}",
+            ids[w[1]],
+            ids[w[0]]
+        );
     }
     let n = ok(&addr, &["node", "get", "node-a"]);
     assert!(n.contains("allocations") && n.contains("drain"), "{n}");
+
+    // A job that fits nowhere: its pending reason counts node-a as draining, not cordoned.
+    let mut big = spec(9);
+    big["groups"][0]["resources"]["cpu_milli"] = serde_json::json!(1_000_000);
+    let id = submit(&addr, "big", &big).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = ok(&addr, &["job", "status", &id.to_string()]);
+        if out.contains("nodes fit") {
+            assert!(out.contains("1 draining") && !out.contains("cordoned"), "{out}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no pending reason within 20 s: {out}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     drop((a, b));
 }

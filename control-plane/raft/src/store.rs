@@ -604,15 +604,13 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> StateMachineStore<C, M> {
             v.map(|b| from_json(&b)).transpose()?
         };
         let applied = match meta {
-            None => {
-                Applied {
-                    machine: M::empty(),
-                    last_applied: None,
-                    membership: StoredMembership::default(),
-                    halt: None,
-                    digests: DigestWindow::default(),
-                }
-            }
+            None => Applied {
+                machine: M::empty(),
+                last_applied: None,
+                membership: StoredMembership::default(),
+                halt: None,
+                digests: DigestWindow::default(),
+            },
             Some(meta) => {
                 let data = db
                     .get_cf(cf(&db, CF_SNAPSHOT)?, KEY_SNAP_DATA)

@@ -200,7 +200,8 @@ impl ServerConfig {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::new("config", format!("{}: {e}", path.display())))?;
-        Self::from_toml(&text).map_err(|e| ConfigError { message: format!("{} (in {})", e.message, path.display()), ..e })
+        Self::from_toml(&text)
+            .map_err(|e| ConfigError { message: format!("{} (in {})", e.message, path.display()), ..e })
     }
 
     /// Parses TOML text strictly: an unknown key in any table (`[raft]` included) is an error

@@ -6,8 +6,8 @@ use crate::command::{
 };
 use crate::config::StateConfig;
 use crate::records::{
-    Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, DrainPlan, Job, JobState, MAX_ATTEMPT_HISTORY, NodeRecord,
-    NodeStatus, StopReason,
+    Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, DrainPlan, Job, JobState, MAX_ATTEMPT_HISTORY,
+    NodeRecord, NodeStatus, StopReason,
 };
 use crate::usage::{LiveIndex, Usage};
 use serde::{Deserialize, Serialize};
@@ -71,8 +71,10 @@ pub struct State {
     pub(crate) finished: BTreeMap<u64, JobId>,
     /// The rolling digest of the replicated log up to the last entry applied, kept here by
     /// the raft layer (`suanli_raft::Machine::set_log_digest`) so that snapshots carry it;
-    /// `cluster check` compares it across servers. 0 in snapshots of earlier builds.
-    #[serde(default)]
+    /// `cluster check` compares it across servers. Bookkeeping of the log, not state: left
+    /// out of [`State::state_hash`] (a refused command changes it), carried in the snapshot
+    /// envelope; 0 in snapshots of earlier builds.
+    #[serde(skip)]
     pub(crate) log_digest: u64,
     /// What live allocations use: derived from `allocs` and `nodes`, never serialized (so
     /// neither in snapshots nor in the state hash), rebuilt on restore.
@@ -88,6 +90,9 @@ pub struct State {
 struct SnapshotEnvelope<S> {
     format: u32,
     state: S,
+    /// [`State::log_digest`] at the snapshot.
+    #[serde(default)]
+    log_digest: u64,
 }
 
 impl Default for State {
@@ -190,7 +195,7 @@ impl State {
 
     /// Serializes the whole state (with its format version).
     pub fn snapshot(&self) -> Result<Vec<u8>, SnapshotError> {
-        Ok(serde_json::to_vec(&SnapshotEnvelope { format: SNAPSHOT_FORMAT, state: self })?)
+        Ok(serde_json::to_vec(&SnapshotEnvelope { format: SNAPSHOT_FORMAT, state: self, log_digest: self.log_digest })?)
     }
 
     /// Rebuilds a state from [`State::snapshot`] bytes.
@@ -206,6 +211,7 @@ impl State {
         let e: SnapshotEnvelope<State> = serde_json::from_slice(bytes)?;
         e.state.config.validate()?;
         let mut s = e.state;
+        s.log_digest = e.log_digest;
         s.live = LiveIndex::build(&s.allocs, &s.nodes, &s.jobs);
         s.reindex_parents();
         Ok(s)
@@ -605,9 +611,7 @@ impl State {
     pub fn drains_due(&self, now: u64) -> Vec<NodeId> {
         self.nodes
             .iter()
-            .filter(|(id, r)| {
-                r.drain.is_some() && self.drain_room(id, now) > 0 && !self.runnable_on(id).is_empty()
-            })
+            .filter(|(id, r)| r.drain.is_some() && self.drain_room(id, now) > 0 && !self.runnable_on(id).is_empty())
             .map(|(id, _)| id.clone())
             .collect()
     }
@@ -1115,11 +1119,8 @@ impl State {
                 x
             })
             .collect();
-        let unschedulable = self
-            .nodes
-            .values()
-            .filter_map(|r| r.unschedulable_reason().map(|why| (r.node.id.clone(), why)))
-            .collect();
+        let unschedulable =
+            self.nodes.values().filter_map(|r| r.unschedulable_reason().map(|why| (r.node.id.clone(), why))).collect();
         ClusterView {
             nodes,
             queues: self.queues.values().cloned().collect(),

@@ -5,9 +5,9 @@ mod common;
 use common::*;
 use suanli_model::{AllocId, DeviceShare, Health, JobId, NodeId, Placement, Plan, Preemption, PreemptionReason};
 use suanli_state::{
-    AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, JobState, NodeDown, NodeMode,
-    DrainOptions, MAX_ATTEMPT_HISTORY, ReportedStatus, Response, RetryPolicy, SetNodeMode, State, StateConfig, StopReason, SubmitJob,
-    UpdateConfig,
+    AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, DrainOptions, JobState,
+    MAX_ATTEMPT_HISTORY, NodeDown, NodeMode, ReportedStatus, Response, RetryPolicy, SetNodeMode, State, StateConfig,
+    StopReason, SubmitJob, UpdateConfig,
 };
 
 fn job_state(s: &State, id: u64) -> JobState {
@@ -211,7 +211,10 @@ fn a_plan_is_rechecked_against_health_cordons_and_job_state() {
     assert!(o.placed.is_empty() && o.refused_jobs[0].1.contains("unhealthy"), "{o:?}");
 
     let mut t = s.clone();
-    apply_ok(&mut t, Command::SetNodeMode(SetNodeMode { node: n0.clone(), mode: NodeMode::Cordoned, now: 2, drain: None }));
+    apply_ok(
+        &mut t,
+        Command::SetNodeMode(SetNodeMode { node: n0.clone(), mode: NodeMode::Cordoned, now: 2, drain: None }),
+    );
     let Response::PlanApplied(o) = apply_ok(&mut t, Command::ApplyPlan(ApplyPlan { plan: plan.clone(), now: 2 }))
     else {
         panic!()
@@ -299,7 +302,10 @@ fn failures_retry_with_backoff_then_fail() {
     // The first attempt's allocation is gone from the state, but not from the job's history.
     let h = &s.job(JobId(1)).expect("job").history;
     assert_eq!(h.len(), 1, "{h:?}");
-    assert_eq!((h[0].attempt, h[0].alloc, h[0].state, h[0].started_at, h[0].ended_at), (1, a, AllocState::Failed, 3, 10));
+    assert_eq!(
+        (h[0].attempt, h[0].alloc, h[0].state, h[0].started_at, h[0].ended_at),
+        (1, a, AllocState::Failed, 3, 10)
+    );
     apply_ok(&mut s, report(a2, e2, ReportedStatus::Failed, 50));
     assert_eq!(job_state(&s, 1), JobState::Failed, "two attempts failed");
     // Repeating a terminal report is harmless; contradicting it is refused.
@@ -315,7 +321,8 @@ fn stopping_for_drain(s: &State, a: AllocId) -> bool {
 fn a_drain_waits_its_grace_then_evicts_within_its_budget() {
     let mut s = cluster(2);
     let (n0, n1) = (NodeId::from("n0"), NodeId::from("n1"));
-    let mode = |node: &NodeId, mode, now, drain| Command::SetNodeMode(SetNodeMode { node: node.clone(), mode, now, drain });
+    let mode =
+        |node: &NodeId, mode, now, drain| Command::SetNodeMode(SetNodeMode { node: node.clone(), mode, now, drain });
     // Three jobs, all on n0.
     apply_ok(&mut s, mode(&n1, NodeMode::Cordoned, 1, None));
     for i in 0..3 {
@@ -377,6 +384,16 @@ fn attempt_history_is_bounded_and_survives_a_snapshot() {
 }
 
 #[test]
+fn the_log_digest_rides_in_snapshots_but_not_in_the_state_hash() {
+    let mut s = cluster(1);
+    let hash = s.state_hash();
+    s.set_log_digest(0xfeed);
+    assert_eq!(s.state_hash(), hash, "the log digest is not state");
+    let back = State::restore(&s.snapshot().expect("snapshot")).expect("restore");
+    assert_eq!(back.log_digest(), 0xfeed);
+}
+
+#[test]
 fn a_lost_node_requeues_its_jobs_without_counting_a_failure() {
     let mut s = cluster(2);
     apply_ok(&mut s, submit("a", spec("q", 1, 4, 0), 1));
@@ -423,7 +440,10 @@ fn drain_and_unhealthy_devices_move_work() {
     let (b, eb) = allocs_of(&s, 1)[0];
     let node_b = s.allocs()[&b].alloc.node.clone();
     apply_ok(&mut s, report(b, eb, ReportedStatus::Running, 7));
-    apply_ok(&mut s, Command::SetNodeMode(SetNodeMode { node: node_b.clone(), mode: NodeMode::Draining, now: 8, drain: None }));
+    apply_ok(
+        &mut s,
+        Command::SetNodeMode(SetNodeMode { node: node_b.clone(), mode: NodeMode::Draining, now: 8, drain: None }),
+    );
     assert!(matches!(&s.allocs()[&b].desired, Desired::Stop { reason: StopReason::Drain, .. }));
     apply_ok(&mut s, report(b, eb, ReportedStatus::Stopped, 9));
     assert_eq!(job_state(&s, 1), JobState::Pending);
