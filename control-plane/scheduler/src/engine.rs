@@ -913,7 +913,7 @@ mod tests {
     fn pending_reasons_name_each_node_state() {
         let mut nodes = Vec::new();
         for (i, schedulable) in [false, false, false, false, true].into_iter().enumerate() {
-            nodes.push(Node { id: NodeId::new(&format!("n{i}")), schedulable, ..node() });
+            nodes.push(Node { id: NodeId::new(format!("n{i}")), schedulable, ..node() });
         }
         let unschedulable: BTreeMap<NodeId, String> = [("n0", "down"), ("n1", "draining"), ("n2", "cordoned")]
             .into_iter()

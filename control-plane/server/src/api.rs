@@ -534,14 +534,15 @@ impl Cluster for Api {
         // Replication progress (`matched_index`) is known to the leader only: a follower asks
         // the leader, once (a forwarded call is answered where it lands), and answers from its
         // own view when no leader answers.
-        if !self.0.is_leader() && req.metadata().get(FORWARDED).is_none() {
-            if let Ok(mut c) = self.leader_cluster_client() {
-                let mut fwd = Request::new(pb::MembersRequest {});
-                fwd.metadata_mut().insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
-                fwd.set_timeout(self.0.timeout());
-                if let Ok(r) = c.members(fwd).await {
-                    return Ok(r);
-                }
+        if !self.0.is_leader()
+            && req.metadata().get(FORWARDED).is_none()
+            && let Ok(mut c) = self.leader_cluster_client()
+        {
+            let mut fwd = Request::new(pb::MembersRequest {});
+            fwd.metadata_mut().insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+            fwd.set_timeout(self.0.timeout());
+            if let Ok(r) = c.members(fwd).await {
+                return Ok(r);
             }
         }
         let m = self.0.raft.metrics().borrow().clone();

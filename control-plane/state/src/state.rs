@@ -238,7 +238,7 @@ impl State {
             Command::UpsertQueue(c) => self.upsert_queue(c, rev),
             Command::DeleteQueue(c) => self.delete_queue(c),
             Command::RegisterNode(c) => self.register_node(*c, rev),
-            Command::SetNodeMode(c) => self.set_node_mode(c, rev),
+            Command::SetNodeMode(c) => self.set_node_mode(c),
             Command::NodeDown(c) => self.node_down(c, rev),
             Command::DeviceHealth(c) => self.device_health(c, rev),
             Command::SubmitJob(c) => self.submit_job(*c, rev),
@@ -512,7 +512,7 @@ impl State {
         }
     }
 
-    fn set_node_mode(&mut self, c: SetNodeMode, rev: u64) -> Applied {
+    fn set_node_mode(&mut self, c: SetNodeMode) -> Applied {
         self.node_rec(&c.node)?;
         let now = self.tick(c.now);
         if let Some(r) = self.nodes.get_mut(&c.node) {
