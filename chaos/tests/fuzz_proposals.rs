@@ -335,7 +335,10 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
         Rpc::DeleteQueue => QueuesClient::new(ch).delete(pb::DeleteQueueRequest { id: k.text.clone() }).await.map(drop),
         Rpc::SetMode => {
             let id = if k.flag { "fz-node".to_owned() } else { k.text.clone() };
-            NodesClient::new(ch).set_mode(pb::SetNodeModeRequest { id, mode: k.small }).await.map(drop)
+            NodesClient::new(ch)
+                .set_mode(pb::SetNodeModeRequest { id, mode: k.small, ..Default::default() })
+                .await
+                .map(drop)
         }
         Rpc::Register => {
             let req = pb::RegisterNodeRequest { node_json: text, agent_version: k.text.clone() };

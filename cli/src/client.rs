@@ -21,6 +21,7 @@ use crate::spec;
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use serde_json::{Value, json};
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -268,10 +269,25 @@ pub enum NodeCmd {
         /// Node id.
         id: String,
     },
-    /// Stop new placements and move the node's work elsewhere.
+    /// Stop new placements and move the node's work elsewhere (through the preemption
+    /// path: checkpoint first where the job allows it).
     Drain {
         /// Node id.
         id: String,
+        /// Let running work go on this long before it is evicted (e.g. 90s, 10m, 1h; plain
+        /// numbers are seconds). Nothing new is placed meanwhile.
+        #[arg(long, value_parser = parse_duration_s, default_value = "0")]
+        grace: u64,
+        /// Disruption budget: evict at most this many jobs at once; the next goes when an
+        /// evicted one runs again elsewhere (0: no limit).
+        #[arg(long, default_value_t = 0)]
+        max_unavailable: u32,
+        /// Wait until no allocation is left on the node, printing progress.
+        #[arg(long)]
+        wait: bool,
+        /// With --wait: give up (exit 2) after this long (e.g. 30m).
+        #[arg(long, value_parser = parse_duration_s, default_value = "1h")]
+        timeout: u64,
     },
     /// Make a cordoned or draining node schedulable again.
     Uncordon {
@@ -324,6 +340,17 @@ pub enum ClusterCmd {
         /// Its raft node id.
         #[arg(long)]
         id: u64,
+    },
+    /// Check that the servers agree: every member's digest of its applied log at the
+    /// leader's commit index, compared. Exits non-zero on a mismatch or a member that does
+    /// not answer.
+    Check {
+        /// Compare at this log index instead of the leader's commit index.
+        #[arg(long)]
+        index: Option<u64>,
+        /// How long each server may take to apply up to the index, in milliseconds.
+        #[arg(long, default_value_t = 5_000)]
+        wait_ms: u64,
     },
     /// Build a snapshot now.
     Snapshot,
@@ -764,6 +791,10 @@ fn job_json(j: &pb::JobInfo) -> Value {
         "spec": spec, "revision": j.revision, "client_request_id": j.client_request_id,
         "queue_position": j.queue_position, "latest_checkpoint_uri": j.latest_checkpoint_uri,
         "omitted_allocs": j.omitted_allocs,
+        "attempts": j.attempts.iter().map(|h| json!({
+            "attempt": h.attempt, "alloc_id": h.alloc_id, "group": h.group, "replica": h.replica, "node": h.node,
+            "started_at": h.started_at, "ended_at": h.ended_at, "state": h.state, "message": h.message,
+        })).collect::<Vec<_>>(),
     })
 }
 
@@ -804,6 +835,8 @@ fn node_json(n: &pb::NodeInfo) -> Value {
         })).collect::<Vec<_>>(),
         "labels": labels, "updated_at": n.updated_at, "reason": n.reason, "allocations": n.allocations,
         "agent_addr": n.agent_addr, "pressure": n.pressure,
+        "drain_deadline": n.drain_deadline, "drain_max_unavailable": n.drain_max_unavailable,
+        "drain_moving": n.drain_moving,
         "stats": n.stats.iter().map(|s| json!({
             "id": s.id, "utilization_pct": s.utilization_pct, "memory_used_mib": s.memory_used_mib,
             "power_w": s.power_w, "temperature_c": s.temperature_c, "ecc_errors": s.ecc_errors,
@@ -989,6 +1022,40 @@ fn print_job(j: &pb::JobInfo) {
         kv.push(("checkpoint", j.latest_checkpoint_uri.clone()));
     }
     println!("{}", fields(&kv));
+    print_allocs(j);
+    print_attempts(j);
+}
+
+/// The ended attempts' allocations (oldest first): where each ran and how it ended.
+fn print_attempts(j: &pb::JobInfo) {
+    if j.attempts.is_empty() {
+        return;
+    }
+    println!("past attempts:");
+    let rows: Vec<Vec<String>> = j
+        .attempts
+        .iter()
+        .map(|h| {
+            vec![
+                h.attempt.to_string(),
+                h.alloc_id.to_string(),
+                format!("{}/{}", h.group, h.replica),
+                h.node.clone(),
+                format!("{} ago", age(h.started_at)),
+                format!("{} ago", age(h.ended_at)),
+                h.state.clone(),
+                dash(&h.message),
+            ]
+        })
+        .collect();
+    let t = table(&["ATTEMPT", "ALLOC", "GROUP/REPLICA", "NODE", "STARTED", "ENDED", "STATE", "MESSAGE"], &rows);
+    for l in t.lines() {
+        println!("  {l}");
+    }
+}
+
+/// The current attempt's allocations.
+fn print_allocs(j: &pb::JobInfo) {
     if j.allocs.is_empty() {
         println!("allocations: none");
         return;
@@ -1127,8 +1194,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
                 .call(|ch| async move { jobs_client(ch).get(pb::GetJobRequest { job_id: id, stale: false }).await })
                 .await
                 .map_err(status_err)?;
-            let a = pick_alloc(&j, task.as_deref(), alloc)?;
-            let node_id = a.node.clone();
+            let (alloc_id, node_id) = pick_alloc(&j, task.as_deref(), alloc)?;
             let n = conn
                 .call(|ch| {
                     let node_id = node_id.clone();
@@ -1151,7 +1217,7 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("connecting to the agent of node {} at {}", n.id, n.agent_addr))?;
             let req = pb::LogsRequest {
-                alloc_id: a.id,
+                alloc_id,
                 stream: if stderr { "stderr" } else { "stdout" }.into(),
                 offset: tail.map_or(0, |t| -i64::try_from(t).unwrap_or(i64::MAX)),
                 follow,
@@ -1197,22 +1263,57 @@ async fn job(args: ConnArgs, cmd: JobCmd) -> anyhow::Result<()> {
 
 /// The allocation `job logs` shows: `alloc` if given, else the latest attempt of `task`
 /// (`GROUP-REPLICA`, default the first task).
-fn pick_alloc<'a>(j: &'a pb::JobInfo, task: Option<&str>, alloc: Option<u64>) -> anyhow::Result<&'a pb::AllocInfo> {
+/// The allocation whose log `job logs` shows, as (allocation id, node): `--alloc` (current or
+/// past attempt), else the task's allocation in the latest attempt, else (a job waiting to
+/// be retried) the task's allocation in the last past attempt.
+fn pick_alloc(j: &pb::JobInfo, task: Option<&str>, alloc: Option<u64>) -> anyhow::Result<(u64, String)> {
     if let Some(id) = alloc {
+        let past = j.attempts.iter().find(|h| h.alloc_id == id).map(|h| (h.alloc_id, h.node.clone()));
         return j
             .allocs
             .iter()
             .find(|a| a.id == id)
+            .map(|a| (a.id, a.node.clone()))
+            .or(past)
             .with_context(|| format!("alloc: job {} has no allocation {id}", j.id));
     }
-    let (group, replica) = match task {
-        None => (None, 0),
+    match pick_current(j, task) {
+        Ok(a) => Ok((a.id, a.node.clone())),
+        Err(e) => {
+            let (group, replica) = parse_task(task)?;
+            j.attempts
+                .iter()
+                .rev()
+                .find(|h| {
+                    h.replica == replica
+                        && group.map_or(h.group == 0, |g| h.group.to_string() == g || task_group_named(j, h.group, g))
+                })
+                .map(|h| (h.alloc_id, h.node.clone()))
+                .ok_or(e)
+        }
+    }
+}
+
+/// Whether group `index` of the job's spec is named `name`.
+fn task_group_named(j: &pb::JobInfo, index: u32, name: &str) -> bool {
+    let spec: Value = serde_json::from_str(&j.spec_json).unwrap_or(Value::Null);
+    spec["groups"][index as usize]["name"].as_str() == Some(name)
+}
+
+/// `GROUP-REPLICA` as (group, replica); none: the first group's replica 0.
+fn parse_task(task: Option<&str>) -> anyhow::Result<(Option<&str>, u32)> {
+    match task {
+        None => Ok((None, 0)),
         Some(t) => {
             let (g, r) = t.rsplit_once('-').with_context(|| format!("task: {t:?} is not GROUP-REPLICA"))?;
             let r: u32 = r.parse().with_context(|| format!("task: replica {r:?} in {t:?} is not a number"))?;
-            (Some(g), r)
+            Ok((Some(g), r))
         }
-    };
+    }
+}
+
+fn pick_current<'a>(j: &'a pb::JobInfo, task: Option<&str>) -> anyhow::Result<&'a pb::AllocInfo> {
+    let (group, replica) = parse_task(task)?;
     j.allocs
         .iter()
         .filter(|a| a.replica == replica && group.is_none_or(|g| a.group_name == g || a.group.to_string() == g))
@@ -1410,11 +1511,86 @@ async fn pool(args: ConnArgs, cmd: PoolCmd) -> anyhow::Result<()> {
     }
 }
 
+/// A duration for a flag: `90`, `90s`, `10m`, `2h`, `1d`, in seconds.
+fn parse_duration_s(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 90s, 10m, 1h)"))?;
+    let mult = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{s:?}: unit {unit:?} is not s, m, h or d")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too long"))
+}
+
+/// Drain progress as one line: allocations left, jobs away, time to the deadline.
+fn drain_progress(n: &pb::NodeInfo) -> String {
+    let mut s = format!("{} allocations left", n.allocations);
+    if n.drain_max_unavailable > 0 {
+        s += &format!(", {} of at most {} jobs away", n.drain_moving, n.drain_max_unavailable);
+    }
+    let now = now_s();
+    if n.drain_deadline > now {
+        s += &format!(", running work evicted in {}s", n.drain_deadline - now);
+    }
+    s
+}
+
+/// `node drain --wait`: polls the node until no allocation is left on it.
+async fn wait_drained(conn: &mut Conn, id: &str, timeout_s: u64) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout_s);
+    let mut last = String::new();
+    loop {
+        let n = conn
+            .call(|ch| {
+                let id = id.to_owned();
+                async move { pb::nodes_client::NodesClient::new(ch).get(pb::GetNodeRequest { id, stale: false }).await }
+            })
+            .await
+            .map_err(status_err)?;
+        if n.mode != pb::NodeMode::Draining as i32 {
+            bail!("node {id} is no longer draining (mode {})", mode_name(n.mode));
+        }
+        if n.allocations == 0 {
+            println!("node {id} drained: no allocations left");
+            return Ok(());
+        }
+        let p = drain_progress(&n);
+        if p != last {
+            println!("node {id}: {p}");
+            last = p;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!("node {id} still has {} allocations after {timeout_s}s (--timeout)", n.allocations);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 async fn set_mode(conn: &mut Conn, out: Output, id: String, mode: pb::NodeMode) -> anyhow::Result<()> {
+    set_mode_with(conn, out, id, mode, 0, 0).await
+}
+
+async fn set_mode_with(
+    conn: &mut Conn,
+    out: Output,
+    id: String,
+    mode: pb::NodeMode,
+    grace_s: u64,
+    max_unavailable: u32,
+) -> anyhow::Result<()> {
     conn.call(|ch| {
         let id = id.clone();
         async move {
-            pb::nodes_client::NodesClient::new(ch).set_mode(pb::SetNodeModeRequest { id, mode: mode as i32 }).await
+            pb::nodes_client::NodesClient::new(ch)
+                .set_mode(pb::SetNodeModeRequest { id, mode: mode as i32, grace_s, max_unavailable })
+                .await
         }
     })
     .await
@@ -1457,8 +1633,13 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
                                 vec![n.id.clone(), n.pool.clone(), dash(&n.status), mode_name(n.mode).to_owned()];
                             row.extend(usage_cols(n.used.as_ref(), n.capacity.as_ref()));
                             row.push(n.allocations.to_string());
-                            // Why it takes no work: down, or a condition its agent reported.
-                            let why = [n.reason.as_str(), n.pressure.as_str()]
+                            // Why it takes no work: down, a drain in progress, or a condition its
+                            // agent reported.
+                            let now = now_s();
+                            let drain = (n.mode == pb::NodeMode::Draining as i32 && n.drain_deadline > now)
+                                .then(|| format!("drain: evicts in {}s", n.drain_deadline - now))
+                                .unwrap_or_default();
+                            let why = [n.reason.as_str(), drain.as_str(), n.pressure.as_str()]
                                 .into_iter()
                                 .filter(|r| !r.is_empty())
                                 .collect::<Vec<_>>()
@@ -1499,6 +1680,10 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
                             ("capacity", res(n.capacity.as_ref())),
                             ("used", res(n.used.as_ref())),
                             ("allocations", n.allocations.to_string()),
+                            (
+                                "drain",
+                                if n.mode == pb::NodeMode::Draining as i32 { drain_progress(&n) } else { "-".into() },
+                            ),
                             ("labels", dash(&labels)),
                             ("updated", format!("{} ago", age(n.updated_at))),
                         ])
@@ -1549,7 +1734,10 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
             }
         }
         NodeCmd::Cordon { id } => set_mode(&mut conn, out, id, pb::NodeMode::Cordoned).await,
-        NodeCmd::Drain { id } => set_mode(&mut conn, out, id, pb::NodeMode::Draining).await,
+        NodeCmd::Drain { id, grace, max_unavailable, wait, timeout } => {
+            set_mode_with(&mut conn, out, id.clone(), pb::NodeMode::Draining, grace, max_unavailable).await?;
+            if wait { wait_drained(&mut conn, &id, timeout).await } else { Ok(()) }
+        }
         NodeCmd::Uncordon { id } => set_mode(&mut conn, out, id, pb::NodeMode::Schedulable).await,
         NodeCmd::Register { file, keep_alive } => register(&mut conn, out, &file, keep_alive).await,
     }
@@ -1625,6 +1813,89 @@ async fn register(conn: &mut Conn, out: Output, file: &std::path::Path, keep_ali
 
 // ---------------------------------------------------------------------------------------------
 // Cluster.
+
+/// `cluster check`: asks each member (at its client address) for its log digest at one
+/// index and compares them with the leader's (or, with no leader answering, the most common).
+async fn check(conn: &mut Conn, out: Output, index: Option<u64>, wait_ms: u64) -> anyhow::Result<()> {
+    let cc = pb::cluster_client::ClusterClient::new;
+    let m = conn.call(|ch| async move { cc(ch).members(pb::MembersRequest {}).await }).await.map_err(status_err)?;
+    let index = index.unwrap_or(m.commit_index);
+    let direct = Conn {
+        addrs: vec![String::new()],
+        current: None,
+        request_timeout: Some(Duration::from_millis(wait_ms).max(REQUEST_TIMEOUT) + Duration::from_secs(1)),
+    };
+    let mut answers: Vec<(&pb::Member, Result<pb::DigestResponse, String>)> = Vec::new();
+    for member in &m.members {
+        let r = match direct.connect(&member.addr).await {
+            Err(e) => Err(format!("unreachable: {e}")),
+            Ok(ch) => cc(ch)
+                .digest(pb::DigestRequest { index, wait_ms })
+                .await
+                .map(tonic::Response::into_inner)
+                .map_err(|s| format!("{}: {}", code_name(s.code()), s.message())),
+        };
+        answers.push((member, r));
+    }
+    let mut counts: BTreeMap<u64, usize> = BTreeMap::new();
+    for (_, r) in &answers {
+        if let Ok(d) = r {
+            *counts.entry(d.digest).or_default() += 1;
+        }
+    }
+    let leader = answers.iter().find(|(mb, r)| mb.leader && r.is_ok()).and_then(|(_, r)| r.as_ref().ok());
+    let most = counts.iter().max_by_key(|(d, n)| (**n, std::cmp::Reverse(**d))).map(|(d, _)| *d);
+    let reference = leader.map(|d| d.digest).or(most);
+    let mut bad = 0usize;
+    let verdicts: Vec<(&pb::Member, &Result<pb::DigestResponse, String>, &str)> = answers
+        .iter()
+        .map(|(mb, r)| {
+            let v = match r {
+                Ok(d) if Some(d.digest) == reference => "OK",
+                Ok(_) => "MISMATCH",
+                Err(_) => "ERROR",
+            };
+            if v != "OK" {
+                bad += 1;
+            }
+            (*mb, r, v)
+        })
+        .collect();
+    match out {
+        Output::Json => print_value(&json!({
+            "index": index,
+            "ok": bad == 0,
+            "servers": verdicts.iter().map(|(mb, r, v)| match r {
+                Ok(d) => json!({"id": mb.id, "addr": mb.addr, "result": v, "applied_index": d.applied_index,
+                    "digest": format!("{:016x}", d.digest)}),
+                Err(e) => json!({"id": mb.id, "addr": mb.addr, "result": v, "error": e}),
+            }).collect::<Vec<_>>(),
+        }))?,
+        Output::Table => {
+            let rows: Vec<Vec<String>> = verdicts
+                .iter()
+                .map(|(mb, r, v)| match r {
+                    Ok(d) => vec![
+                        mb.id.to_string(),
+                        mb.addr.clone(),
+                        d.applied_index.to_string(),
+                        format!("{:016x}", d.digest),
+                        (*v).to_owned(),
+                    ],
+                    Err(e) => vec![mb.id.to_string(), mb.addr.clone(), "-".into(), "-".into(), format!("{v}: {e}")],
+                })
+                .collect();
+            println!("{}", table(&["ID", "ADDR", "APPLIED", "DIGEST", "RESULT"], &rows));
+            if bad == 0 {
+                println!("all {} servers agree at log index {index}", rows.len());
+            }
+        }
+    }
+    if bad > 0 {
+        anyhow::bail!("{bad} of {} servers do not agree at log index {index} (or did not answer)", answers.len());
+    }
+    Ok(())
+}
 
 async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
     let mut conn = Conn::new(&args)?;
@@ -1715,6 +1986,7 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
                 }
             }
         }
+        ClusterCmd::Check { index, wait_ms } => check(&mut conn, out, index, wait_ms).await,
         ClusterCmd::Snapshot => {
             let r = conn
                 .call(|ch| async move { cc(ch).snapshot(pb::SnapshotRequest {}).await })

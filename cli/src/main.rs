@@ -6,6 +6,7 @@ mod agent_cmd;
 mod bench;
 mod bench_cluster;
 mod client;
+mod logging;
 mod plugin;
 mod serve;
 mod sim;
@@ -24,6 +25,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser, Debug)]
 #[command(name = "suanli", version, about, long_about = None)]
 struct Cli {
+    /// Log line format of `server`, `agent` and `dev` on stderr: `text` (coloured only when
+    /// stderr is a terminal) or `json` (one JSON object per line).
+    #[arg(long, global = true, env = "SUANLI_LOG_FORMAT", value_enum, default_value_t = logging::LogFormat::Text)]
+    log_format: logging::LogFormat,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -82,9 +87,31 @@ fn tune_allocator() {
     }
 }
 
+/// Restores the default action of SIGPIPE (end the process quietly), as other Unix tools
+/// have it: Rust's runtime ignores SIGPIPE, so `suanli job list | head -1` would see EPIPE on
+/// its next write and `println!` would panic. Only for the commands that print results and
+/// then end (client commands, `sim`, `bench`); the server, the agent and the processes they
+/// talk to over pipes (plugin host, task shim) keep SIGPIPE ignored and handle EPIPE as an error.
+#[allow(unsafe_code)]
+fn quiet_on_closed_stdout() {
+    #[cfg(unix)]
+    // SAFETY: `signal` with SIG_DFL only changes this process's disposition of one signal,
+    // before any thread is started; no handler code runs.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> std::process::ExitCode {
     tune_allocator();
     let cli = Cli::parse();
+    if matches!(
+        cli.cmd,
+        Cmd::Sim(_) | Cmd::Bench(_) | Cmd::Job(_) | Cmd::Queue(_) | Cmd::Pool(_) | Cmd::Node(_) | Cmd::Cluster(_)
+    ) {
+        quiet_on_closed_stdout();
+    }
+    logging::set_format(cli.log_format);
     let res = match cli.cmd {
         Cmd::PluginHost(a) => return plugin::host(a),
         Cmd::TaskShim(a) => return agent_cmd::shim(a),

@@ -104,11 +104,9 @@ impl ServerArgs {
     }
 }
 
-/// Logs to stderr, filtered by `SUANLI_LOG` (default `default`).
+/// Logs to stderr, filtered by `SUANLI_LOG` (default `default`), in `--log-format`.
 pub(crate) fn init_logging(default: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SUANLI_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    crate::logging::init(default);
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -24,7 +24,7 @@ use support::{
 
 async fn set_mode(addr: &str, id: &str, mode: pb::NodeMode) {
     NodesClient::new(channel(addr).await.unwrap())
-        .set_mode(pb::SetNodeModeRequest { id: id.into(), mode: mode as i32 })
+        .set_mode(pb::SetNodeModeRequest { id: id.into(), mode: mode as i32, ..Default::default() })
         .await
         .unwrap();
 }

@@ -224,6 +224,11 @@ fn client_commands_against_a_real_cluster() {
     assert!(out.contains(&lead_addr), "{out}");
     let m = json(&["cluster", "members", "--server", &fol, "--output", "json"]);
     assert_eq!(m["members"].as_array().map(Vec::len), Some(3), "{m:#}");
+    // Asked through a follower, replication progress is the leader's: every healthy voter has
+    // matched some of the log (a follower alone knows none of it).
+    for member in m["members"].as_array().unwrap() {
+        assert!(member["matched_index"].as_u64().unwrap_or(0) > 0, "matched 0 through a follower: {m:#}");
+    }
     let out = ok(&["cluster", "leader", "--server", &fol]);
     assert!(out.starts_with(&format!("leader {} at {lead_addr} (term ", leader + 1)), "{out}");
     let out = ok(&["cluster", "snapshot", "--server", &all]);

@@ -97,7 +97,7 @@ async fn bad_requests_name_the_field_and_change_nothing() {
         .expect_err("bad filter");
     assert!(s.message().contains("states[0]"), "{s:?}");
     let s = NodesClient::new(ch.clone())
-        .set_mode(pb::SetNodeModeRequest { id: "n".into(), mode: 42 })
+        .set_mode(pb::SetNodeModeRequest { id: "n".into(), mode: 42, ..Default::default() })
         .await
         .expect_err("bad mode");
     assert!(s.message().starts_with("mode"), "{s:?}");

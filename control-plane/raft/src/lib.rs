@@ -40,7 +40,8 @@ pub use network::{GrpcNetwork, GrpcNetworkFactory, RaftService};
 pub use node::ServerNode;
 pub use settings::{RaftSettings, SettingsError};
 pub use store::{
-    Applied, Halt, LogStore, MachineHandle, SnapshotBuilder, StateMachineStore, StoreConfig, fnv1a, open_db,
+    Applied, DIGEST_WINDOW, DigestMiss, DigestWindow, Halt, LogStore, MachineHandle, SnapshotBuilder,
+    StateMachineStore, StoreConfig, fnv1a, open_db,
 };
 
 use openraft::Raft;

@@ -87,6 +87,15 @@ pub trait Machine: Send + Sync + Sized + 'static {
     /// An empty machine (before any log entry or snapshot).
     fn empty() -> Self;
 
+    /// The rolling digest of the applied log ([`crate::DigestWindow`]) stored in the machine,
+    /// so that its snapshots carry it; 0 when the machine keeps none.
+    fn log_digest(&self) -> u64 {
+        0
+    }
+
+    /// Stores the rolling digest after each applied entry (see [`Machine::log_digest`]).
+    fn set_log_digest(&mut self, _digest: u64) {}
+
     /// Applies one command. Must be deterministic: no clock, no I/O, no randomness.
     fn apply(&mut self, cmd: Self::Command) -> Self::Response;
 
@@ -125,6 +134,14 @@ impl Machine for suanli_state::State {
 
     fn empty() -> Self {
         suanli_state::State::default()
+    }
+
+    fn log_digest(&self) -> u64 {
+        suanli_state::State::log_digest(self)
+    }
+
+    fn set_log_digest(&mut self, digest: u64) {
+        suanli_state::State::set_log_digest(self, digest);
     }
 
     fn apply(&mut self, cmd: Self::Command) -> Self::Response {

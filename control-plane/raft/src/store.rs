@@ -84,6 +84,72 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
     h
 }
 
+/// FNV-1a 64 continued from `h` over `bytes` (`fnv1a(b) == fnv1a_extend(FNV_OFFSET, b)`).
+fn fnv1a_extend(mut h: u64, bytes: &[u8]) -> u64 {
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// How many (index, digest) pairs of the most recently applied entries a replica keeps
+/// (16 bytes each): `cluster check` compares servers at an index inside this window.
+pub const DIGEST_WINDOW: usize = 65_536;
+
+/// The rolling digest of the applied log: after entry `i`, `d(i) = FNV-1a 64 over
+/// (d(i-1), i, term, payload, response)` where the payload is a command's bytes as the log
+/// carries them (a blank entry's is empty, a membership's its JSON) and the response is the
+/// state machine's answer as JSON. Deterministic, so equal on every replica at the same
+/// index; carried in the machine ([`crate::Machine::log_digest`]), hence in snapshots, so it
+/// survives restarts and snapshot installs. Not for security.
+#[derive(Debug, Clone, Default)]
+pub struct DigestWindow {
+    recent: std::collections::VecDeque<(u64, u64)>,
+}
+
+/// Why a digest at an index is not available.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DigestMiss {
+    /// Not applied here yet (the last applied index).
+    Ahead(u64),
+    /// Older than the window (the oldest index kept).
+    Behind(u64),
+}
+
+impl DigestWindow {
+    fn reset(&mut self, index: u64, digest: u64) {
+        self.recent.clear();
+        self.recent.push_back((index, digest));
+    }
+
+    fn push(&mut self, index: u64, digest: u64) {
+        if self.recent.len() >= DIGEST_WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((index, digest));
+    }
+
+    /// The last applied index and its digest.
+    pub fn last(&self) -> (u64, u64) {
+        self.recent.back().copied().unwrap_or((0, 0))
+    }
+
+    /// The digest after entry `index` was applied.
+    pub fn at(&self, index: u64) -> Result<u64, DigestMiss> {
+        let (last, _) = self.last();
+        if index > last {
+            return Err(DigestMiss::Ahead(last));
+        }
+        let first = self.recent.front().map_or(0, |f| f.0);
+        // Indexes are increasing but may skip (entries halted at are not applied).
+        match self.recent.binary_search_by_key(&index, |p| p.0) {
+            Ok(i) => Ok(self.recent[i].1),
+            Err(_) => Err(DigestMiss::Behind(first)),
+        }
+    }
+}
+
 fn synced() -> WriteOptions {
     let mut w = WriteOptions::default();
     w.set_sync(true);
@@ -399,6 +465,30 @@ pub struct Applied<M> {
     /// [`Halt`]). Never persisted: a restart re-applies the log and halts at the same entry
     /// again, unless the build now knows it.
     pub halt: Option<Halt>,
+    /// Digests of the most recently applied entries (see [`DigestWindow`]).
+    pub digests: DigestWindow,
+}
+
+impl<M: Machine> Applied<M> {
+    /// Records entry `log_id` as applied, with what it carried and what it answered.
+    fn advance(&mut self, log_id: LogId<u64>, payload: &[u8], response: &[u8]) {
+        let mut h = fnv1a_extend(self.machine.log_digest(), &[0x5a]);
+        h = fnv1a_extend(h, &log_id.index.to_le_bytes());
+        h = fnv1a_extend(h, &log_id.leader_id.term.to_le_bytes());
+        h = fnv1a_extend(h, &(payload.len() as u64).to_le_bytes());
+        h = fnv1a_extend(h, payload);
+        h = fnv1a_extend(h, response);
+        self.machine.set_log_digest(h);
+        self.digests.push(log_id.index, h);
+        self.last_applied = Some(log_id);
+    }
+
+    /// Starts the window over at the machine's own index (a restored or installed snapshot).
+    fn restart_digests(&mut self) {
+        let index = self.last_applied.map_or(0, |l| l.index);
+        let d = self.machine.log_digest();
+        self.digests.reset(index, d);
+    }
 }
 
 /// Why a replica stopped applying its log, and where. The server stays up, read-only for the
@@ -447,6 +537,16 @@ impl<M> MachineHandle<M> {
     pub fn read_applied<R>(&self, f: impl FnOnce(u64, &M) -> R) -> R {
         let g = read_lock(&self.shared);
         f(g.last_applied.map_or(0, |l| l.index), &g.machine)
+    }
+
+    /// The rolling log digest after entry `index` was applied here (see [`DigestWindow`]).
+    pub fn digest_at(&self, index: u64) -> Result<u64, DigestMiss> {
+        read_lock(&self.shared).digests.at(index)
+    }
+
+    /// The last applied index and the log digest there.
+    pub fn last_digest(&self) -> (u64, u64) {
+        read_lock(&self.shared).digests.last()
     }
 
     /// Last applied log index (0 before any).
@@ -504,9 +604,13 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> StateMachineStore<C, M> {
             v.map(|b| from_json(&b)).transpose()?
         };
         let applied = match meta {
-            None => {
-                Applied { machine: M::empty(), last_applied: None, membership: StoredMembership::default(), halt: None }
-            }
+            None => Applied {
+                machine: M::empty(),
+                last_applied: None,
+                membership: StoredMembership::default(),
+                halt: None,
+                digests: DigestWindow::default(),
+            },
             Some(meta) => {
                 let data = db
                     .get_cf(cf(&db, CF_SNAPSHOT)?, KEY_SNAP_DATA)
@@ -524,9 +628,12 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> StateMachineStore<C, M> {
                     last_applied: meta.last_log_id,
                     membership: meta.last_membership.clone(),
                     halt: None,
+                    digests: DigestWindow::default(),
                 }
             }
         };
+        let mut applied = applied;
+        applied.restart_digests();
         let index = applied.last_applied.map_or(0, |l| l.index);
         let (tx, rx) = watch::channel(index);
         Ok(Self {
@@ -612,16 +719,24 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> RaftStateMachine<C> for StateM
                             "skip order applied: entries from the halted one to here are skipped; applying again"
                         );
                         a.halt = None;
-                        a.last_applied = Some(e.log_id);
-                        out.push(M::internal_response());
+                        let r = M::internal_response();
+                        let rb = serde_json::to_vec(&r).unwrap_or_default();
+                        let payload = match &e.payload {
+                            EntryPayload::Normal(raw) => raw.bytes().clone(),
+                            _ => Bytes::new(),
+                        };
+                        a.advance(e.log_id, &payload, &rb);
+                        out.push(r);
                     } else {
                         out.push(M::halted_response(h));
                     }
                     continue;
                 }
+                let mut payload = Bytes::new();
                 let resp = match e.payload {
                     EntryPayload::Blank => M::internal_response(),
                     EntryPayload::Normal(raw) => {
+                        payload = raw.bytes().clone();
                         // Bytes a server of this group encoded. One this build cannot read or
                         // may not apply (a kind too new for it) halts the group here, read-only,
                         // with the state unchanged: never a storage error, which would stop
@@ -657,11 +772,13 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> RaftStateMachine<C> for StateM
                         }
                     }
                     EntryPayload::Membership(m) => {
+                        payload = Bytes::from(serde_json::to_vec(&m).unwrap_or_default());
                         a.membership = StoredMembership::new(Some(e.log_id), m);
                         M::internal_response()
                     }
                 };
-                a.last_applied = Some(e.log_id);
+                let rb = serde_json::to_vec(&resp).unwrap_or_default();
+                a.advance(e.log_id, &payload, &rb);
                 out.push(resp);
             }
             a.last_applied.map_or(0, |l| l.index)
@@ -701,6 +818,7 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> RaftStateMachine<C> for StateM
             a.halt = None;
             a.last_applied = meta.last_log_id;
             a.membership = meta.last_membership.clone();
+            a.restart_digests();
             a.last_applied.map_or(0, |l| l.index)
         };
         self.applied_tx.send_replace(last);

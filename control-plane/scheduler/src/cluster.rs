@@ -284,6 +284,9 @@ pub struct Cluster {
     /// Position of each node in the fixed tie-break order.
     rank: Vec<u32>,
     total_gpu_milli: u64,
+    /// Why nodes that take no new work take none, by node index (see
+    /// [`crate::ClusterView::unschedulable`]); only for pending reasons.
+    unschedulable: BTreeMap<u32, String>,
     scratch_key: Vec<u64>,
     scratch_devs: Vec<DevState>,
 }
@@ -317,6 +320,7 @@ impl Cluster {
             ties,
             rank: (0..nodes.len() as u32).collect(),
             total_gpu_milli: 0,
+            unschedulable: BTreeMap::new(),
             scratch_key: Vec::new(),
             scratch_devs: Vec::new(),
         };
@@ -1056,6 +1060,13 @@ impl Cluster {
             .collect()
     }
 
+    /// Records why nodes with `schedulable = false` take no new work (node ids not in this
+    /// cluster are ignored). Used by [`Cluster::explain`] only: placement never reads it.
+    pub fn set_unschedulable_reasons(&mut self, reasons: &BTreeMap<NodeId, String>) {
+        self.unschedulable =
+            reasons.iter().filter_map(|(id, why)| self.node_index.get(id).map(|&i| (i, why.clone()))).collect();
+    }
+
     /// Tallies why each node cannot host `shape` (for operator-facing reasons). Works per
     /// class, so it costs O(active classes), not O(nodes).
     pub fn explain(&self, shape: ShapeId) -> MisfitTally {
@@ -1070,7 +1081,12 @@ impl Cluster {
             let reason = if !s.allows_group(c.group) {
                 Some("excluded by pool/region/label constraints".to_owned())
             } else if !g.schedulable {
-                Some("cordoned".to_owned())
+                // Each node its own word: down, draining, cordoned, not schedulable: <why>.
+                for m in &c.members {
+                    let why = self.unschedulable.get(m).map_or("cordoned", String::as_str);
+                    *t.reasons.entry(why.to_owned()).or_default() += 1;
+                }
+                continue;
             } else {
                 crate::policy::misfit(
                     g,

@@ -66,6 +66,11 @@ pub struct ClusterView {
     /// Recent workload for fragmentation-aware placement. Empty: derived from pending and
     /// running work.
     pub workload: Vec<WorkloadSample>,
+    /// Why each node with `schedulable = false` takes no new work, as pending reasons name it:
+    /// `down`, `draining`, `cordoned`, or `not schedulable: <why>`. A node missing here is
+    /// reported as `cordoned` (traces and hand-written views mark cordons only).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub unschedulable: BTreeMap<NodeId, String>,
 }
 
 /// Knobs of the engine; every limit is explicit.
@@ -221,6 +226,7 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
     let probe =
         policy::build(&cfg.policy, Norms { max_cpu_milli: 1, max_dev_milli: 1000 }, &Profile::default(), cfg.weights)?;
     let mut cluster = Cluster::new(&view.nodes, &cfg.limits, probe.needs_tags(), probe.tie_break())?;
+    cluster.set_unschedulable_reasons(&view.unschedulable);
     let kinds = Kinds::new(&view.nodes, &view.running);
     let mut quota = QuotaBook::new(&view.queues);
     cluster.occupy_all(
@@ -897,9 +903,35 @@ mod tests {
             pending: vec![job],
             running: vec![Arc::new(alloc)],
             workload: vec![],
+            unschedulable: BTreeMap::new(),
         };
         let plan = schedule(&view, 100, 1, &SchedulerConfig::default()).expect("plan");
         plan.preemptions.iter().map(|p| p.reason).collect()
+    }
+
+    #[test]
+    fn pending_reasons_name_each_node_state() {
+        let mut nodes = Vec::new();
+        for (i, schedulable) in [false, false, false, false, true].into_iter().enumerate() {
+            nodes.push(Node { id: NodeId::new(format!("n{i}")), schedulable, ..node() });
+        }
+        let unschedulable: BTreeMap<NodeId, String> = [("n0", "down"), ("n1", "draining"), ("n2", "cordoned")]
+            .into_iter()
+            .map(|(n, w)| (NodeId::new(n), w.to_owned()))
+            .collect();
+        let mut job = gpu_job(1, "a", 0);
+        job.spec.groups[0].resources.cpu_milli = 1_000_000;
+        let view = ClusterView {
+            nodes,
+            queues: vec![queue("a", None, None)],
+            pending: vec![job],
+            unschedulable,
+            ..Default::default()
+        };
+        let plan = schedule(&view, 100, 1, &SchedulerConfig::default()).expect("plan");
+        let why = &plan.unplaced.first().expect("the job cannot be placed").reason;
+        // n3 has no recorded reason: a plain cordon (as traces mark it).
+        assert!(why.contains("0/5 nodes fit: 2 cordoned, 1 down, 1 draining, 1 insufficient cpu"), "{why}");
     }
 
     #[test]

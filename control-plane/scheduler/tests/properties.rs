@@ -625,7 +625,11 @@ fn build_case(
         max_preemptions_per_job: conf.max_preemptions,
         ..SchedulerConfig::default()
     };
-    Case { view: ClusterView { nodes, queues, pending, running, workload: Vec::new() }, cfg, seed }
+    Case {
+        view: ClusterView { nodes, queues, pending, running, workload: Vec::new(), ..Default::default() },
+        cfg,
+        seed,
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

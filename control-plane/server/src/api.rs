@@ -38,6 +38,10 @@ pub struct Api(pub Arc<Core>, pub crate::batch::Batcher);
 /// Most jobs in one `SubmitMany` call.
 pub const MAX_JOBS_PER_CALL: usize = 1024;
 
+/// Metadata a server sets on a read it forwards to the leader, so the call is answered where
+/// it lands and never forwarded a second time.
+const FORWARDED: &str = "suanli-forwarded";
+
 /// A refused job of a `SubmitMany` call: its status, the field path prefixed with its place.
 fn refused(s: &Status, i: usize) -> pb::SubmitJobResult {
     pb::SubmitJobResult {
@@ -370,7 +374,13 @@ impl Nodes for Api {
             Ok(pb::NodeMode::Draining) => suanli_state::NodeMode::Draining,
             _ => return Err(invalid("mode", format!("{} is not one of schedulable, cordoned, draining", r.mode))),
         };
-        self.0.propose(Command::SetNodeMode(SetNodeMode { node: NodeId(r.id), mode, now: now_s() })).await?;
+        const MAX_GRACE_S: u64 = 366 * 24 * 3600;
+        if r.grace_s > MAX_GRACE_S {
+            return Err(invalid("grace_s", format!("{} s is more than a year ({MAX_GRACE_S} s)", r.grace_s)));
+        }
+        let drain = (mode == suanli_state::NodeMode::Draining)
+            .then_some(suanli_state::DrainOptions { grace_s: r.grace_s, max_unavailable: r.max_unavailable });
+        self.0.propose(Command::SetNodeMode(SetNodeMode { node: NodeId(r.id), mode, now: now_s(), drain })).await?;
         self.0.kick.notify_one();
         ok(pb::SetNodeModeResponse {})
     }
@@ -528,7 +538,21 @@ async fn add_server(core: &Core, id: u64, node: ServerNode, learner_only: bool) 
 
 #[tonic::async_trait]
 impl Cluster for Api {
-    async fn members(&self, _req: Request<pb::MembersRequest>) -> Resp<pb::MembersResponse> {
+    async fn members(&self, req: Request<pb::MembersRequest>) -> Resp<pb::MembersResponse> {
+        // Replication progress (`matched_index`) is known to the leader only: a follower asks
+        // the leader, once (a forwarded call is answered where it lands), and answers from its
+        // own view when no leader answers.
+        if !self.0.is_leader()
+            && req.metadata().get(FORWARDED).is_none()
+            && let Ok(mut c) = self.leader_cluster_client()
+        {
+            let mut fwd = Request::new(pb::MembersRequest {});
+            fwd.metadata_mut().insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+            fwd.set_timeout(self.0.timeout());
+            if let Ok(r) = c.members(fwd).await {
+                return Ok(r);
+            }
+        }
         let m = self.0.raft.metrics().borrow().clone();
         let membership = m.membership_config.membership();
         let voters: BTreeSet<u64> = membership.voter_ids().collect();
@@ -602,6 +626,30 @@ impl Cluster for Api {
         let rm: BTreeSet<u64> = [r.id].into();
         change_membership(&self.0, ChangeMembers::RemoveNodes(rm)).await?;
         ok(pb::RemoveServerResponse {})
+    }
+
+    async fn digest(&self, req: Request<pb::DigestRequest>) -> Resp<pb::DigestResponse> {
+        let r = req.into_inner();
+        let state = &self.0.state;
+        let index = if r.index == 0 { state.last_digest().0 } else { r.index };
+        let wait = Duration::from_millis(r.wait_ms).min(self.0.timeout());
+        if tokio::time::timeout(wait, state.wait_applied(index)).await.is_err() {
+            return Err(Status::deadline_exceeded(format!(
+                "index: {index} is not applied here within {} ms (applied up to {})",
+                wait.as_millis(),
+                state.applied_index()
+            )));
+        }
+        let digest = state.digest_at(index).map_err(|miss| match miss {
+            suanli_raft::DigestMiss::Ahead(last) => {
+                Status::unavailable(format!("index: {index} is not applied here (applied up to {last}); retry"))
+            }
+            suanli_raft::DigestMiss::Behind(oldest) => Status::out_of_range(format!(
+                "index: {index} is older than the log digests this server keeps (from {oldest}; the last {} entries)",
+                suanli_raft::DIGEST_WINDOW
+            )),
+        })?;
+        ok(pb::DigestResponse { id: self.0.id, index, digest, applied_index: state.applied_index() })
     }
 
     async fn version(&self, _req: Request<pb::VersionRequest>) -> Resp<pb::VersionResponse> {

@@ -215,7 +215,25 @@ impl ServerConfig {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::new("config", format!("{}: {e}", path.display())))?;
-        toml::from_str(&text).map_err(|e| ConfigError::new("config", format!("{}: {e}", path.display())))
+        Self::from_toml(&text)
+            .map_err(|e| ConfigError { message: format!("{} (in {})", e.message, path.display()), ..e })
+    }
+
+    /// Parses TOML text strictly: an unknown key in any table (`[raft]` included) is an error
+    /// naming its dotted path, e.g. `raft.heartbeat_ms`.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let de = toml::de::Deserializer::parse(text).map_err(|e| ConfigError::new("config", e.to_string()))?;
+        suanli_model::input::decode(de).map_err(|e| {
+            // Tables that deny unknown fields themselves fail inside the parser (with TOML's
+            // snippet); the others are caught by the strict decoder. One message for both.
+            let message = if e.message == suanli_model::input::UNKNOWN_FIELD || e.message.contains("unknown field `") {
+                "unknown key; not a server setting (a misspelled key is refused, not ignored; see docs/control-plane.md)"
+                    .to_owned()
+            } else {
+                e.message
+            };
+            ConfigError::new(if e.field.is_empty() { "config" } else { &e.field }, message)
+        })
     }
 
     /// Largest reply a client-facing service encodes (4 x `max_request_bytes`): lists return
@@ -323,6 +341,19 @@ impl ServerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unknown_keys_in_any_table_are_named() {
+        let e = ServerConfig::from_toml("[raft]\nheartbeat_ms = 5\n").expect_err("unknown raft key");
+        assert_eq!(e.field, "raft.heartbeat_ms", "{e}");
+        assert!(e.message.starts_with("unknown key"), "{e}");
+        let e = ServerConfig::from_toml("[[peers]]\nid = 1\naddr = \"a:1\"\nx = 1\n").expect_err("peer key");
+        assert_eq!(e.field, "peers[0].x", "{e}");
+        let e = ServerConfig::from_toml("listen_addr = \"a:1\"\n").expect_err("top-level key");
+        assert_eq!((e.field.as_str(), e.message.starts_with("unknown key")), ("listen_addr", true), "{e}");
+        let c = ServerConfig::from_toml("id = 3\n[raft]\nheartbeat_interval_ms = 70\n").expect("known keys");
+        assert_eq!((c.id, c.raft.heartbeat_interval_ms), (3, 70));
+    }
 
     #[test]
     fn defaults_validate_and_bad_values_name_the_field() {

@@ -114,6 +114,22 @@ pub fn job(s: &State, j: &Job, queue_position: u64, view: JobView) -> pb::JobInf
         latest_checkpoint_uri: j.latest_checkpoint.as_ref().map(|c| c.uri.clone()).unwrap_or_default(),
         summary,
         omitted_allocs: 0,
+        attempts: if summary { Vec::new() } else { j.history.iter().map(attempt).collect() },
+    }
+}
+
+/// One ended allocation of a job's history on the wire.
+fn attempt(h: &suanli_state::AttemptRecord) -> pb::AttemptInfo {
+    pb::AttemptInfo {
+        attempt: h.attempt,
+        alloc_id: h.alloc.0,
+        group: h.group,
+        replica: h.replica,
+        node: h.node.as_str().to_owned(),
+        started_at: h.started_at,
+        ended_at: h.ended_at,
+        state: serde_plain(&h.state),
+        message: h.message.clone(),
     }
 }
 
@@ -219,6 +235,9 @@ pub fn node(s: &State, r: &NodeRecord) -> pb::NodeInfo {
         agent_addr: r.node.agent_addr.clone(),
         stats: Vec::new(),
         pressure: r.pressure.clone(),
+        drain_deadline: r.drain.as_ref().map_or(0, |d| d.deadline),
+        drain_max_unavailable: r.drain.as_ref().map_or(0, |d| d.max_unavailable),
+        drain_moving: r.drain.as_ref().map_or(0, |d| u32::try_from(d.moving.len()).unwrap_or(u32::MAX)),
     }
 }
 

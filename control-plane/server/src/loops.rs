@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use suanli_model::{NodeId, Plan};
 use suanli_scheduler::{SchedulerConfig, schedule};
-use suanli_state::{ApplyPlan, Command, NodeDown, NodeStatus, Response, State};
+use suanli_state::{ApplyPlan, Command, NodeDown, NodeStatus, Response, SetNodeMode, State};
 use tokio::sync::watch;
 
 /// Refused reasons-only plans are written at most this often (they carry no placement).
@@ -143,6 +143,20 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
                 if t.duration_since(seen) > ttl {
                     down.push(id);
                 }
+            }
+        }
+        // Drains whose grace period ran out (or whose budget freed up) with work still on
+        // their node: the state machine evicts at the time a command brings.
+        let due = core.state.read(|s: &State| s.drains_due(now_s()));
+        for id in due {
+            let cmd = Command::SetNodeMode(SetNodeMode {
+                node: id.clone(),
+                mode: suanli_state::NodeMode::Draining,
+                now: now_s(),
+                drain: None,
+            });
+            if let Err(e) = core.propose_local(cmd).await {
+                tracing::info!(node = %id, error = %e.message(), "drain step not committed");
             }
         }
         for id in down {

@@ -65,6 +65,23 @@ pub struct SetNodeMode {
     pub mode: NodeMode,
     /// Leader's time, seconds.
     pub now: u64,
+    /// With [`NodeMode::Draining`]: a new drain plan (grace, budget), replacing any before.
+    /// `None`: a node already draining keeps its plan (the leader sends this when a grace
+    /// period has run out, to evict what is due); otherwise an immediate drain without a
+    /// budget, as before drain plans existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain: Option<DrainOptions>,
+}
+
+/// How a drain empties its node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DrainOptions {
+    /// Seconds running work may go on finishing by itself before it is evicted (through
+    /// the preemption path: checkpoint first where the job allows it). 0: evict now.
+    pub grace_s: u64,
+    /// Disruption budget: at most this many jobs evicted by this drain may be away at once
+    /// (stopped and not yet running again elsewhere). 0: no limit.
+    pub max_unavailable: u32,
 }
 
 /// The leader saw no heartbeat within the TTL: the node's work is lost and requeued.

@@ -27,10 +27,13 @@ mod usage;
 
 pub use command::{
     AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth,
-    NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response,
+    DrainOptions, NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response,
     SetNodeMode, SkipEntry, SubmitJob, UpdateConfig, UpsertQueue, check_encoded_size, encode_command,
 };
 pub use config::{ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;
-pub use records::{Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason};
+pub use records::{
+    Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, DrainPlan, Job, JobState, MAX_ATTEMPT_HISTORY,
+    NodeRecord, NodeStatus, StopReason,
+};
 pub use state::{SNAPSHOT_FORMAT, SnapshotError, State};

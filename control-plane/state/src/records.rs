@@ -3,7 +3,8 @@
 use crate::command::NodeMode;
 use crate::config::RetryPolicy;
 use serde::{Deserialize, Serialize};
-use suanli_model::{AllocId, Allocation, JobId, JobSpec, Node};
+use std::collections::BTreeSet;
+use suanli_model::{AllocId, Allocation, JobId, JobSpec, Node, NodeId};
 
 /// Where a job is in its life cycle.
 ///
@@ -112,6 +113,37 @@ pub struct Job {
     pub allocs: Vec<AllocId>,
     /// Latest completed checkpoint.
     pub latest_checkpoint: Option<CheckpointRecord>,
+    /// Allocations of ended attempts, oldest first, the last [`MAX_ATTEMPT_HISTORY`] kept:
+    /// what `job status` shows once an attempt's allocations are gone. Absent in snapshots
+    /// of earlier builds (empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<AttemptRecord>,
+}
+
+/// How many ended allocations a job's [`Job::history`] keeps (the oldest go first).
+pub const MAX_ATTEMPT_HISTORY: usize = 20;
+
+/// One allocation of an ended attempt, as it ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    /// The attempt (the allocation's epoch).
+    pub attempt: u64,
+    /// The allocation.
+    pub alloc: AllocId,
+    /// Task group index and replica.
+    pub group: u32,
+    /// Replica within the group.
+    pub replica: u32,
+    /// The node it ran on.
+    pub node: NodeId,
+    /// When it was placed (seconds).
+    pub started_at: u64,
+    /// When it ended (seconds).
+    pub ended_at: u64,
+    /// How it ended.
+    pub state: AllocState,
+    /// The last message about it (exit status, failure, why it stopped).
+    pub message: String,
 }
 
 /// Where an allocation is.
@@ -230,11 +262,47 @@ pub struct NodeRecord {
     /// empty when none. Survives re-registration; only the agent's heartbeats clear it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub pressure: String,
+    /// The drain in progress while the mode is draining (none in snapshots of earlier
+    /// builds: their drains evicted everything at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain: Option<DrainPlan>,
+}
+
+/// A drain in progress on one node.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DrainPlan {
+    /// Replicated time (seconds) from which running work is evicted; before it, nothing new
+    /// is placed and running work may finish by itself.
+    pub deadline: u64,
+    /// Jobs this drain may have away at once (0: no limit).
+    pub max_unavailable: u32,
+    /// Jobs this drain evicted that are not yet running again (nor finished).
+    pub moving: BTreeSet<JobId>,
 }
 
 impl NodeRecord {
     /// True when new work may be placed on it.
     pub fn accepts_work(&self) -> bool {
         self.status == NodeStatus::Ready && self.mode == NodeMode::Schedulable && self.pressure.is_empty()
+    }
+
+    /// Why it takes no new work, in the word pending reasons count it under (`down` before
+    /// the operator's mode: a down node would not take work even if uncordoned); `None` when
+    /// it accepts work.
+    /// Another condition that stops placements reads `not schedulable: <why>`.
+    pub fn unschedulable_reason(&self) -> Option<String> {
+        let word = match (&self.status, &self.mode) {
+            (NodeStatus::Down, _) => "down",
+            (NodeStatus::Ready, NodeMode::Draining) => "draining",
+            (NodeStatus::Ready, NodeMode::Cordoned) => "cordoned",
+            (NodeStatus::Ready, NodeMode::Schedulable) if self.pressure.is_empty() => return None,
+            // A condition its agent reported: counted under its kind ("disk pressure"), not
+            // under the changing numbers of the message.
+            (NodeStatus::Ready, NodeMode::Schedulable) => {
+                let kind = self.pressure.split(':').next().unwrap_or_default().trim();
+                return Some(format!("not schedulable: {kind}"));
+            }
+        };
+        Some(word.to_owned())
     }
 }

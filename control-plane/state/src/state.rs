@@ -5,7 +5,10 @@ use crate::command::{
     RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
 };
 use crate::config::StateConfig;
-use crate::records::{Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason};
+use crate::records::{
+    Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, DrainPlan, Job, JobState, MAX_ATTEMPT_HISTORY,
+    NodeRecord, NodeStatus, StopReason,
+};
 use crate::usage::{LiveIndex, Usage};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -66,6 +69,13 @@ pub struct State {
     pub(crate) live_jobs: BTreeSet<JobId>,
     /// Finished jobs in finishing order (finish sequence -> job), oldest forgotten first.
     pub(crate) finished: BTreeMap<u64, JobId>,
+    /// The rolling digest of the replicated log up to the last entry applied, kept here by
+    /// the raft layer (`suanli_raft::Machine::set_log_digest`) so that snapshots carry it;
+    /// `cluster check` compares it across servers. Bookkeeping of the log, not state: left
+    /// out of [`State::state_hash`] (a refused command changes it), carried in the snapshot
+    /// envelope; 0 in snapshots of earlier builds.
+    #[serde(skip)]
+    pub(crate) log_digest: u64,
     /// What live allocations use: derived from `allocs` and `nodes`, never serialized (so
     /// neither in snapshots nor in the state hash), rebuilt on restore.
     #[serde(skip)]
@@ -80,6 +90,9 @@ pub struct State {
 struct SnapshotEnvelope<S> {
     format: u32,
     state: S,
+    /// [`State::log_digest`] at the snapshot.
+    #[serde(default)]
+    log_digest: u64,
 }
 
 impl Default for State {
@@ -119,9 +132,20 @@ impl State {
             requests: BTreeMap::new(),
             live_jobs: BTreeSet::new(),
             finished: BTreeMap::new(),
+            log_digest: 0,
             live: LiveIndex::default(),
             parents: BTreeSet::new(),
         }
+    }
+
+    /// The rolling digest of the log applied so far (see `cluster check`).
+    pub fn log_digest(&self) -> u64 {
+        self.log_digest
+    }
+
+    /// Records the log digest after an entry was applied (the raft layer computes it).
+    pub fn set_log_digest(&mut self, digest: u64) {
+        self.log_digest = digest;
     }
 
     /// The replicated configuration.
@@ -171,7 +195,7 @@ impl State {
 
     /// Serializes the whole state (with its format version).
     pub fn snapshot(&self) -> Result<Vec<u8>, SnapshotError> {
-        Ok(serde_json::to_vec(&SnapshotEnvelope { format: SNAPSHOT_FORMAT, state: self })?)
+        Ok(serde_json::to_vec(&SnapshotEnvelope { format: SNAPSHOT_FORMAT, state: self, log_digest: self.log_digest })?)
     }
 
     /// Rebuilds a state from [`State::snapshot`] bytes.
@@ -187,6 +211,7 @@ impl State {
         let e: SnapshotEnvelope<State> = serde_json::from_slice(bytes)?;
         e.state.config.validate()?;
         let mut s = e.state;
+        s.log_digest = e.log_digest;
         s.live = LiveIndex::build(&s.allocs, &s.nodes, &s.jobs);
         s.reindex_parents();
         Ok(s)
@@ -213,7 +238,7 @@ impl State {
             Command::UpsertQueue(c) => self.upsert_queue(c, rev),
             Command::DeleteQueue(c) => self.delete_queue(c),
             Command::RegisterNode(c) => self.register_node(*c, rev),
-            Command::SetNodeMode(c) => self.set_node_mode(c, rev),
+            Command::SetNodeMode(c) => self.set_node_mode(c),
             Command::NodeDown(c) => self.node_down(c, rev),
             Command::DeviceHealth(c) => self.device_health(c, rev),
             Command::NodeCondition(c) => self.node_condition(c),
@@ -235,6 +260,7 @@ impl State {
         match result {
             Ok((resp, Effect::Changed)) => {
                 self.revision = rev;
+                self.advance_drains(rev);
                 resp
             }
             Ok((resp, Effect::Unchanged)) => resp,
@@ -398,9 +424,10 @@ impl State {
             .unwrap_or_default();
         let mut node = c.node;
         node.schedulable = mode == NodeMode::Schedulable;
+        let drain = self.nodes.get(&id).and_then(|r| r.drain.clone());
         self.nodes.insert(
             id.clone(),
-            NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new(), pressure },
+            NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new(), pressure, drain },
         );
         let kinds_changed = self.nodes.get(&id).is_some_and(|r| {
             r.node.devices.iter().map(|d| (d.id.clone(), d.kind)).collect::<BTreeMap<_, _>>() != old_kinds
@@ -487,21 +514,108 @@ impl State {
         }
     }
 
-    fn set_node_mode(&mut self, c: SetNodeMode, rev: u64) -> Applied {
+    fn set_node_mode(&mut self, c: SetNodeMode) -> Applied {
         self.node_rec(&c.node)?;
         let now = self.tick(c.now);
         if let Some(r) = self.nodes.get_mut(&c.node) {
+            let was_draining = r.mode == NodeMode::Draining && r.drain.is_some();
+            r.drain = match (c.mode, c.drain) {
+                (NodeMode::Draining, Some(o)) => Some(DrainPlan {
+                    deadline: now.saturating_add(o.grace_s),
+                    max_unavailable: o.max_unavailable,
+                    // Jobs already away count against the new budget too.
+                    moving: r.drain.take().map(|d| d.moving).unwrap_or_default(),
+                }),
+                (NodeMode::Draining, None) if was_draining => r.drain.take(),
+                (NodeMode::Draining, None) => Some(DrainPlan { deadline: now, ..DrainPlan::default() }),
+                _ => None,
+            };
             r.mode = c.mode;
             r.node.schedulable = c.mode == NodeMode::Schedulable;
             r.updated_at = now;
         }
-        if c.mode == NodeMode::Draining {
-            let live: Vec<AllocId> = self.allocs_on(&c.node).filter(|a| a.is_live()).map(|a| a.alloc.id).collect();
-            for aid in live {
-                self.stop_for_requeue(aid, StopReason::Drain, now, rev);
+        // Evicting what is due happens after every change ([`State::advance_drains`]).
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    // ---- drains --------------------------------------------------------------------------
+
+    /// Whether a job evicted by a drain is back (running elsewhere) or over.
+    fn settled(&self, id: JobId) -> bool {
+        self.jobs.get(&id).is_none_or(|j| {
+            matches!(j.state, JobState::Running | JobState::Succeeded | JobState::Failed | JobState::Cancelled)
+        })
+    }
+
+    /// The live allocations on `node` still asked to run, by job (job order: deterministic).
+    fn runnable_on(&self, node: &NodeId) -> BTreeMap<JobId, Vec<AllocId>> {
+        let mut by_job: BTreeMap<JobId, Vec<AllocId>> = BTreeMap::new();
+        for a in self.allocs_on(node).filter(|a| a.is_live() && a.desired == Desired::Run) {
+            by_job.entry(a.alloc.job).or_default().push(a.alloc.id);
+        }
+        by_job
+    }
+
+    /// How many more jobs the drain of `node` may evict now (0 before its deadline).
+    fn drain_room(&self, node: &NodeId, now: u64) -> usize {
+        let Some(plan) = self.nodes.get(node).and_then(|r| r.drain.as_ref()) else {
+            return 0;
+        };
+        if plan.deadline > now {
+            return 0;
+        }
+        if plan.max_unavailable == 0 {
+            return usize::MAX;
+        }
+        let away = plan.moving.iter().filter(|j| !self.settled(**j)).count();
+        (plan.max_unavailable as usize).saturating_sub(away)
+    }
+
+    /// Moves every drain along at the state's time: forgets evicted jobs that are back, and
+    /// once a drain's grace period is over evicts the jobs still running on its node, as many
+    /// at once as its budget allows (each through the preemption path: the whole attempt
+    /// stops, checkpointing first where the job allows it, and is requeued elsewhere).
+    /// Called after every command that changed the state, so time and reports drive it.
+    fn advance_drains(&mut self, rev: u64) {
+        let now = self.clock;
+        let draining: Vec<NodeId> =
+            self.nodes.iter().filter(|(_, r)| r.drain.is_some()).map(|(id, _)| id.clone()).collect();
+        for node in draining {
+            let settled: Vec<JobId> = self
+                .nodes
+                .get(&node)
+                .and_then(|r| r.drain.as_ref())
+                .map(|p| p.moving.iter().copied().filter(|j| self.settled(*j)).collect())
+                .unwrap_or_default();
+            if let Some(p) = self.nodes.get_mut(&node).and_then(|r| r.drain.as_mut()) {
+                for j in settled {
+                    p.moving.remove(&j);
+                }
+            }
+            let room = self.drain_room(&node, now);
+            if room == 0 {
+                continue;
+            }
+            for (job, allocs) in self.runnable_on(&node).into_iter().take(room) {
+                for aid in allocs {
+                    self.stop_for_requeue(aid, StopReason::Drain, now, rev);
+                }
+                if let Some(p) = self.nodes.get_mut(&node).and_then(|r| r.drain.as_mut()) {
+                    p.moving.insert(job);
+                }
             }
         }
-        Ok((Response::Done, Effect::Changed))
+    }
+
+    /// Draining nodes where work is due for eviction at `now` (grace over, budget free) but
+    /// still runs: the leader proposes a [`SetNodeMode`] without a plan for each, which
+    /// evicts it (the state machine reads no clock, so time must come in a command).
+    pub fn drains_due(&self, now: u64) -> Vec<NodeId> {
+        self.nodes
+            .iter()
+            .filter(|(id, r)| r.drain.is_some() && self.drain_room(id, now) > 0 && !self.runnable_on(id).is_empty())
+            .map(|(id, _)| id.clone())
+            .collect()
     }
 
     fn node_down(&mut self, c: NodeDown, rev: u64) -> Applied {
@@ -623,6 +737,7 @@ impl State {
                 reason: String::new(),
                 allocs: Vec::new(),
                 latest_checkpoint: None,
+                history: Vec::new(),
             },
         );
         self.requests.insert(c.client_request_id, id);
@@ -874,9 +989,22 @@ impl State {
         let old = std::mem::take(&mut job.allocs);
         for a in old {
             if let Some(x) = self.allocs.remove(&a) {
+                job.history.push(AttemptRecord {
+                    attempt: x.alloc.epoch,
+                    alloc: x.alloc.id,
+                    group: x.alloc.group,
+                    replica: x.alloc.replica,
+                    node: x.alloc.node.clone(),
+                    started_at: x.alloc.started_at,
+                    ended_at: x.updated_at,
+                    state: x.state,
+                    message: x.message.clone(),
+                });
                 self.live.forget(&x);
             }
         }
+        let over = job.history.len().saturating_sub(MAX_ATTEMPT_HISTORY);
+        job.history.drain(..over);
     }
 
     // ---- agent reports -------------------------------------------------------------------
@@ -1004,7 +1132,16 @@ impl State {
                 x
             })
             .collect();
-        ClusterView { nodes, queues: self.queues.values().cloned().collect(), pending, running, workload: Vec::new() }
+        let unschedulable =
+            self.nodes.values().filter_map(|r| r.unschedulable_reason().map(|why| (r.node.id.clone(), why))).collect();
+        ClusterView {
+            nodes,
+            queues: self.queues.values().cloned().collect(),
+            pending,
+            running,
+            workload: Vec::new(),
+            unschedulable,
+        }
     }
 
     /// The quota vector of an allocation (device shares counted by the kind its node reports).

@@ -5,9 +5,9 @@ mod common;
 use common::*;
 use suanli_model::{AllocId, DeviceShare, Health, JobId, NodeId, Placement, Plan, Preemption, PreemptionReason};
 use suanli_state::{
-    AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, JobState, NodeCondition, NodeDown,
-    NodeMode, ReportedStatus, Response, RetryPolicy, SetNodeMode, State, StateConfig, StopReason, SubmitJob,
-    UpdateConfig,
+    AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, DrainOptions, JobState,
+    MAX_ATTEMPT_HISTORY, NodeCondition, NodeDown, NodeMode, ReportedStatus, Response, RetryPolicy, SetNodeMode, State,
+    StateConfig, StopReason, SubmitJob, UpdateConfig,
 };
 
 fn job_state(s: &State, id: u64) -> JobState {
@@ -239,7 +239,10 @@ fn a_plan_is_rechecked_against_health_cordons_and_job_state() {
     assert!(o.placed.is_empty() && o.refused_jobs[0].1.contains("unhealthy"), "{o:?}");
 
     let mut t = s.clone();
-    apply_ok(&mut t, Command::SetNodeMode(SetNodeMode { node: n0.clone(), mode: NodeMode::Cordoned, now: 2 }));
+    apply_ok(
+        &mut t,
+        Command::SetNodeMode(SetNodeMode { node: n0.clone(), mode: NodeMode::Cordoned, now: 2, drain: None }),
+    );
     let Response::PlanApplied(o) = apply_ok(&mut t, Command::ApplyPlan(ApplyPlan { plan: plan.clone(), now: 2 }))
     else {
         panic!()
@@ -324,11 +327,98 @@ fn failures_retry_with_backoff_then_fail() {
         apply_ok(&mut s, report(a2, 1, ReportedStatus::Running, 41)),
         Response::Rejected(CommandError::StaleEpoch { reported: 1, current: 2, .. })
     ));
+    // The first attempt's allocation is gone from the state, but not from the job's history.
+    let h = &s.job(JobId(1)).expect("job").history;
+    assert_eq!(h.len(), 1, "{h:?}");
+    assert_eq!(
+        (h[0].attempt, h[0].alloc, h[0].state, h[0].started_at, h[0].ended_at),
+        (1, a, AllocState::Failed, 3, 10)
+    );
     apply_ok(&mut s, report(a2, e2, ReportedStatus::Failed, 50));
     assert_eq!(job_state(&s, 1), JobState::Failed, "two attempts failed");
     // Repeating a terminal report is harmless; contradicting it is refused.
     assert_eq!(apply_ok(&mut s, report(a2, e2, ReportedStatus::Failed, 51)), Response::Done);
     assert!(matches!(apply_ok(&mut s, report(a2, e2, ReportedStatus::Succeeded, 51)), Response::Rejected(_)));
+}
+
+fn stopping_for_drain(s: &State, a: AllocId) -> bool {
+    matches!(&s.allocs()[&a].desired, Desired::Stop { reason: StopReason::Drain, .. })
+}
+
+#[test]
+fn a_drain_waits_its_grace_then_evicts_within_its_budget() {
+    let mut s = cluster(2);
+    let (n0, n1) = (NodeId::from("n0"), NodeId::from("n1"));
+    let mode =
+        |node: &NodeId, mode, now, drain| Command::SetNodeMode(SetNodeMode { node: node.clone(), mode, now, drain });
+    // Three jobs, all on n0.
+    apply_ok(&mut s, mode(&n1, NodeMode::Cordoned, 1, None));
+    for i in 0..3 {
+        apply_ok(&mut s, submit(&format!("j{i}"), spec("q", 1, 1, 0), 1));
+    }
+    assert_eq!(schedule_once(&mut s, 2).placed.len(), 3);
+    let first: Vec<(AllocId, u64)> = (1..=3).map(|j| allocs_of(&s, j)[0]).collect();
+    for &(a, e) in &first {
+        apply_ok(&mut s, report(a, e, ReportedStatus::Running, 3));
+    }
+    apply_ok(&mut s, mode(&n1, NodeMode::Schedulable, 4, None));
+
+    // Grace 100 s, at most one job away at once: nothing moves before the deadline.
+    let opts = DrainOptions { grace_s: 100, max_unavailable: 1 };
+    apply_ok(&mut s, mode(&n0, NodeMode::Draining, 10, Some(opts)));
+    assert!(first.iter().all(|(a, _)| !stopping_for_drain(&s, *a)), "evicted within the grace period");
+    assert_eq!(s.cluster_view(11).unschedulable.get(&n0).map(String::as_str), Some("draining"));
+    assert!(s.drains_due(109).is_empty());
+    assert_eq!(s.drains_due(110), vec![n0.clone()]);
+    // The leader's drain step at the deadline evicts one job (job order), no more.
+    apply_ok(&mut s, mode(&n0, NodeMode::Draining, 110, None));
+    let evicted: Vec<bool> = first.iter().map(|(a, _)| stopping_for_drain(&s, *a)).collect();
+    assert_eq!(evicted, vec![true, false, false]);
+    assert!(s.drains_due(111).is_empty(), "the budget is used");
+    assert_eq!(s.nodes()[&n0].drain.as_ref().map(|d| d.moving.len()), Some(1));
+    // The evicted job stops, is placed on n1: still away until it runs.
+    apply_ok(&mut s, report(first[0].0, first[0].1, ReportedStatus::Stopped, 111));
+    assert_eq!(schedule_once(&mut s, 112).placed.len(), 1);
+    let (b, eb) = allocs_of(&s, 1)[0];
+    assert_eq!(s.allocs()[&b].alloc.node, n1);
+    assert!(!stopping_for_drain(&s, first[1].0), "job 1 is placed, not running: still away");
+    // Running again: the budget frees and the next job is evicted in the same step.
+    apply_ok(&mut s, report(b, eb, ReportedStatus::Running, 113));
+    assert!(stopping_for_drain(&s, first[1].0) && !stopping_for_drain(&s, first[2].0));
+    // Uncordoning ends the drain and its plan.
+    apply_ok(&mut s, mode(&n0, NodeMode::Schedulable, 114, None));
+    assert!(s.nodes()[&n0].drain.is_none() && s.drains_due(1000).is_empty());
+}
+
+#[test]
+fn attempt_history_is_bounded_and_survives_a_snapshot() {
+    let mut s = cluster(1);
+    let retry = RetryPolicy { max_attempts: 100, backoff_base_s: 0, backoff_max_s: 0 };
+    let sub = SubmitJob { client_request_id: "a".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 1 };
+    apply_ok(&mut s, Command::SubmitJob(Box::new(sub)));
+    let n = MAX_ATTEMPT_HISTORY as u64 + 5;
+    for t in 0..n {
+        let now = 10 + t * 10;
+        assert_eq!(schedule_once(&mut s, now).placed.len(), 1, "attempt {}", t + 1);
+        let (a, e) = allocs_of(&s, 1)[0];
+        apply_ok(&mut s, report(a, e, ReportedStatus::Failed, now + 1));
+    }
+    let j = s.job(JobId(1)).expect("job");
+    assert_eq!(j.history.len(), MAX_ATTEMPT_HISTORY, "bounded");
+    assert_eq!(j.history.first().map(|h| h.attempt), Some(6), "the oldest went first");
+    assert_eq!(j.history.last().map(|h| h.attempt), Some(n));
+    let back = State::restore(&s.snapshot().expect("snapshot")).expect("restore");
+    assert_eq!(back.job(JobId(1)).expect("job").history, j.history);
+}
+
+#[test]
+fn the_log_digest_rides_in_snapshots_but_not_in_the_state_hash() {
+    let mut s = cluster(1);
+    let hash = s.state_hash();
+    s.set_log_digest(0xfeed);
+    assert_eq!(s.state_hash(), hash, "the log digest is not state");
+    let back = State::restore(&s.snapshot().expect("snapshot")).expect("restore");
+    assert_eq!(back.log_digest(), 0xfeed);
 }
 
 #[test]
@@ -378,7 +468,10 @@ fn drain_and_unhealthy_devices_move_work() {
     let (b, eb) = allocs_of(&s, 1)[0];
     let node_b = s.allocs()[&b].alloc.node.clone();
     apply_ok(&mut s, report(b, eb, ReportedStatus::Running, 7));
-    apply_ok(&mut s, Command::SetNodeMode(SetNodeMode { node: node_b.clone(), mode: NodeMode::Draining, now: 8 }));
+    apply_ok(
+        &mut s,
+        Command::SetNodeMode(SetNodeMode { node: node_b.clone(), mode: NodeMode::Draining, now: 8, drain: None }),
+    );
     assert!(matches!(&s.allocs()[&b].desired, Desired::Stop { reason: StopReason::Drain, .. }));
     apply_ok(&mut s, report(b, eb, ReportedStatus::Stopped, 9));
     assert_eq!(job_state(&s, 1), JobState::Pending);

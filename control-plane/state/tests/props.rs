@@ -138,6 +138,7 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
             node: nid(*node),
             mode: [NodeMode::Schedulable, NodeMode::Cordoned, NodeMode::Draining][*mode as usize % 3],
             now: *now,
+            drain: None,
         }),
         Op::Cancel { job } => {
             Command::CancelJob(CancelJob { job: JobId(u64::from(*job)), reason: String::new(), now: *now })
