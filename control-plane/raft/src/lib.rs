@@ -31,6 +31,7 @@ mod frame;
 mod machine;
 mod network;
 mod node;
+pub mod restore;
 mod settings;
 mod store;
 
@@ -99,6 +100,17 @@ pub enum OpenError {
     Fatal(#[from] openraft::error::Fatal<u64>),
 }
 
+/// A RocksDB error at open: corruption is [`OpenError::Damaged`] (with the runbook), the rest
+/// [`OpenError::Db`].
+fn db_error(dir: &str, source: rocksdb::Error) -> OpenError {
+    match source.kind() {
+        rocksdb::ErrorKind::Corruption => {
+            OpenError::Damaged { dir: dir.to_owned(), found: format!("RocksDB refused to recover it: {source}") }
+        }
+        _ => OpenError::Db { dir: dir.to_owned(), source },
+    }
+}
+
 /// Opens (creating if needed) a raft node of any group: storage in `dir`, gRPC network to
 /// peers. A fresh cluster still needs `raft.initialize(members)` on one node; a restarted node
 /// recovers its log, vote and snapshot and rejoins on its own.
@@ -116,12 +128,7 @@ where
 {
     let config = settings.openraft_config()?;
     let shown = dir.display().to_string();
-    let db = open_db(dir).map_err(|source| match source.kind() {
-        rocksdb::ErrorKind::Corruption => {
-            OpenError::Damaged { dir: shown.clone(), found: format!("RocksDB refused to recover it: {source}") }
-        }
-        _ => OpenError::Db { dir: shown.clone(), source },
-    })?;
+    let db = open_db(dir).map_err(|source| db_error(&shown, source))?;
     let log = LogStore::<C>::new(db.clone()).with_append_bytes(settings.append_bytes()).with_marker(dir)?;
     let snapshot = StateMachineStore::<C, M>::snapshot_log_id(&db)?;
     if let Err(found) = log.check_at_open(snapshot)? {

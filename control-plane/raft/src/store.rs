@@ -83,6 +83,40 @@ pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
     Ok(Arc::new(DB::open_cf_descriptors(&opts, dir, cfs)?))
 }
 
+/// Opens an existing database read only (offline tools: nothing in `dir` changes).
+pub fn open_db_read_only(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
+    let mut opts = Options::default();
+    opts.set_wal_recovery_mode(rocksdb::DBRecoveryMode::TolerateCorruptedTailRecords);
+    opts.set_paranoid_checks(true);
+    Ok(Arc::new(DB::open_cf_for_read_only(&opts, dir, [CF_LOGS, CF_META, CF_SNAPSHOT], false)?))
+}
+
+/// Writes the raft state of a new one-server cluster into an empty database: the snapshot
+/// (`state`, at log id `(term 1, id, index 1)`, membership: `id` the only voter at `node`),
+/// the log purged up to it, committed there, and a vote for `id` in term 1. One synced write.
+pub fn write_restored(db: &DB, id: u64, node: ServerNode, state: &[u8]) -> Result<LogId<u64>, SErr> {
+    let at = LogId::new(openraft::CommittedLeaderId::new(1, id), 1);
+    let membership = openraft::Membership::new(
+        vec![std::collections::BTreeSet::from([id])],
+        std::collections::BTreeMap::from([(id, node)]),
+    );
+    let meta = SnapshotMeta {
+        last_log_id: Some(at),
+        last_membership: StoredMembership::new(Some(at), membership),
+        snapshot_id: format!("restored-1-{id}-1"),
+    };
+    let mut batch = WriteBatch::default();
+    let snap = cf(db, CF_SNAPSHOT)?;
+    batch.put_cf(snap, KEY_SNAP_META, to_json(&meta)?);
+    batch.put_cf(snap, KEY_SNAP_DATA, state);
+    let m = cf(db, CF_META)?;
+    batch.put_cf(m, KEY_LAST_PURGED, to_json(&at)?);
+    batch.put_cf(m, KEY_COMMITTED, to_json(&Some(at))?);
+    batch.put_cf(m, KEY_VOTE, to_json(&Vote::new(1u64, id))?);
+    db.write_opt(batch, &synced()).map_err(|e| StorageIOError::write(&e))?;
+    Ok(at)
+}
+
 /// FNV-1a, 64 bits: a stable hash (the same on every server and build) for comparing log
 /// entries and state snapshots across servers. Not for security.
 pub fn fnv1a(bytes: &[u8]) -> u64 {
@@ -694,6 +728,12 @@ impl<M> MachineHandle<M> {
     pub fn read_applied<R>(&self, f: impl FnOnce(u64, &M) -> R) -> R {
         let g = read_lock(&self.shared);
         f(g.last_applied.map_or(0, |l| l.index), &g.machine)
+    }
+
+    /// Reads the applied machine with its raft bookkeeping (last applied log id,
+    /// membership), under one lock.
+    pub fn read_full<R>(&self, f: impl FnOnce(&Applied<M>) -> R) -> R {
+        f(&read_lock(&self.shared))
     }
 
     /// Last applied log index (0 before any).

@@ -30,7 +30,12 @@ impl AgentApi {
         pb::RegisterNodeResponse {
             heartbeat_interval_ms: self.0.cfg.heartbeat_interval_ms,
             heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
+            cluster_id: self.cluster_id(),
         }
+    }
+
+    fn cluster_id(&self) -> String {
+        self.0.state.read(|s| s.cluster_id().to_owned())
     }
 
     fn seen(&self, node: &NodeId) {
@@ -62,7 +67,11 @@ impl Agent for AgentApi {
         let known = self.0.state.read(|s| s.nodes().get(&id).map(|n| n.status == NodeStatus::Ready));
         if known != Some(true) {
             // Unknown, or declared down: the agent registers again with its inventory.
-            return ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: false });
+            return ok(pb::HeartbeatResponse {
+                heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
+                known: false,
+                cluster_id: self.cluster_id(),
+            });
         }
         // Only a leader a quorum still follows may renew the agent's lease.
         self.0.confirm_leader(Duration::from_millis(self.0.cfg.raft.heartbeat_interval_ms.max(50) * 2)).await?;
@@ -80,7 +89,7 @@ impl Agent for AgentApi {
             self.0.propose(cmd).await?;
             self.0.kick.notify_one();
         }
-        ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: true })
+        ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: true, cluster_id: self.cluster_id() })
     }
 
     type WatchAllocationsStream = ReceiverStream<Result<pb::AllocationsUpdate, Status>>;
@@ -166,13 +175,13 @@ async fn watch_allocations(
     let mut applied = core.state.subscribe();
     let mut last: Option<Vec<pb::AllocInfo>> = None;
     loop {
-        let (rev, allocs) = core.state.read(|s| {
+        let (rev, allocs, cluster_id) = core.state.read(|s| {
             let v: Vec<pb::AllocInfo> =
                 s.allocs_on(&id).filter(|a| a.is_live()).map(|a| convert::alloc(a, s.job(a.alloc.job))).collect();
-            (s.revision(), v)
+            (s.revision(), v, s.cluster_id().to_owned())
         });
         if last.as_ref() != Some(&allocs) {
-            let update = pb::AllocationsUpdate { revision: rev, allocs: allocs.clone() };
+            let update = pb::AllocationsUpdate { revision: rev, allocs: allocs.clone(), cluster_id };
             if tx.send(Ok(update)).await.is_err() {
                 return;
             }
