@@ -1691,7 +1691,9 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
                         r.allocs
                     );
                     if let Some(h) = r.halted_at {
-                        println!("warning: the source's log halted at entry {h} (a command this build cannot apply): the state stops before it");
+                        println!(
+                            "warning: the source's log halted at entry {h} (a command this build cannot apply): the state stops before it"
+                        );
                     }
                     println!(
                         "start it with: suanli server --id {id} --data-dir {} --listen {}   (then add servers with --join)",

@@ -41,7 +41,8 @@ pub use network::{GrpcNetwork, GrpcNetworkFactory, RaftService};
 pub use node::ServerNode;
 pub use settings::{RaftSettings, SettingsError};
 pub use store::{
-    Applied, Halt, LogStore, MARKER_FILE, MachineHandle, SnapshotBuilder, StateMachineStore, StoreConfig, fnv1a, open_db,
+    Applied, Halt, LogStore, MARKER_FILE, MachineHandle, SnapshotBuilder, StateMachineStore, StoreConfig, fnv1a,
+    open_db,
 };
 
 use openraft::Raft;

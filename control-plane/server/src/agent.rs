@@ -89,7 +89,11 @@ impl Agent for AgentApi {
             self.0.propose(cmd).await?;
             self.0.kick.notify_one();
         }
-        ok(pb::HeartbeatResponse { heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms, known: true, cluster_id: self.cluster_id() })
+        ok(pb::HeartbeatResponse {
+            heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
+            known: true,
+            cluster_id: self.cluster_id(),
+        })
     }
 
     type WatchAllocationsStream = ReceiverStream<Result<pb::AllocationsUpdate, Status>>;

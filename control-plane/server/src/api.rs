@@ -710,12 +710,10 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
         | Command::NodeDown(_)
         | Command::UpdateConfig(_)
         | Command::SkipEntry(_)
-        | Command::SetClusterId(_) => {
-            Err(invalid(
-                "command_json.kind",
-                format!("{:?} is built by the leader only and is never forwarded", cmd.kind()),
-            ))
-        }
+        | Command::SetClusterId(_) => Err(invalid(
+            "command_json.kind",
+            format!("{:?} is built by the leader only and is never forwarded", cmd.kind()),
+        )),
         Command::Batch(b) => {
             for (i, c) in b.commands.iter().enumerate() {
                 if matches!(c, Command::Batch(_)) {

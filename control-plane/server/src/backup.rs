@@ -61,7 +61,13 @@ pub enum BackupError {
     State(String),
     /// Writing or reading a data dir failed.
     #[error(transparent)]
-    Open(#[from] suanli_raft::OpenError),
+    Open(Box<suanli_raft::OpenError>),
+}
+
+impl From<suanli_raft::OpenError> for BackupError {
+    fn from(e: suanli_raft::OpenError) -> Self {
+        BackupError::Open(Box::new(e))
+    }
 }
 
 /// A new random cluster id: 32 hex digits (128 bits from the standard library's OS-seeded
@@ -117,16 +123,15 @@ pub fn header_for(
 /// Reads and checks a backup file's bytes: the magic, the header, the length and the checksum.
 pub fn decode(bytes: &[u8]) -> Result<(BackupHeader, &[u8]), BackupError> {
     let bad = |m: String| BackupError::Format(m);
-    let rest = bytes
-        .strip_prefix(MAGIC)
-        .ok_or_else(|| bad("it does not start with \"SUANLI-BACKUP 1\" (not a suanli backup, or a newer format)".into()))?;
+    let rest = bytes.strip_prefix(MAGIC).ok_or_else(|| {
+        bad("it does not start with \"SUANLI-BACKUP 1\" (not a suanli backup, or a newer format)".into())
+    })?;
     let end = rest
         .iter()
         .take(MAX_HEADER_BYTES)
         .position(|&b| b == b'\n')
         .ok_or_else(|| bad(format!("no header line within {MAX_HEADER_BYTES} bytes")))?;
-    let header: BackupHeader =
-        serde_json::from_slice(&rest[..end]).map_err(|e| bad(format!("header: {e}")))?;
+    let header: BackupHeader = serde_json::from_slice(&rest[..end]).map_err(|e| bad(format!("header: {e}")))?;
     if header.format != FORMAT {
         return Err(bad(format!("header.format is {}; this build reads format {FORMAT}", header.format)));
     }
@@ -140,7 +145,10 @@ pub fn decode(bytes: &[u8]) -> Result<(BackupHeader, &[u8]), BackupError> {
     }
     let sum = format!("{:016x}", suanli_raft::fnv1a(state));
     if sum != header.checksum {
-        return Err(bad(format!("checksum mismatch: the state hashes to {sum}, header.checksum says {}", header.checksum)));
+        return Err(bad(format!(
+            "checksum mismatch: the state hashes to {sum}, header.checksum says {}",
+            header.checksum
+        )));
     }
     Ok((header, state))
 }

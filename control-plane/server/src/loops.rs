@@ -42,7 +42,9 @@ pub async fn identity(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         if core.halted().is_none() && core.state.read(|s| s.cluster_id().is_empty()) {
             let id = crate::backup::new_cluster_id();
             match core.propose_local(Command::SetClusterId(suanli_state::SetClusterId { id: id.clone() })).await {
-                Ok(_) => tracing::info!(cluster_id = %core.state.read(|s| s.cluster_id().to_owned()), "the cluster has its identity"),
+                Ok(_) => {
+                    tracing::info!(cluster_id = %core.state.read(|s| s.cluster_id().to_owned()), "the cluster has its identity")
+                }
                 Err(e) => tracing::warn!(error = %e, "could not set the cluster id yet; retrying"),
             }
         }

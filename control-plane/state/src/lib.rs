@@ -27,8 +27,8 @@ mod usage;
 
 pub use command::{
     AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth,
-    NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetClusterId, SetNodeMode, SkipEntry,
-    SubmitJob, UpdateConfig, UpsertQueue, check_encoded_size, encode_command,
+    NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetClusterId,
+    SetNodeMode, SkipEntry, SubmitJob, UpdateConfig, UpsertQueue, check_encoded_size, encode_command,
 };
 pub use config::{ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;

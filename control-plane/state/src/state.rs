@@ -106,7 +106,8 @@ pub(crate) fn cut(s: &str, max: usize) -> String {
 
 /// A cluster id is 1 to 64 characters of `[0-9a-z-]`.
 fn check_cluster_id(id: &str) -> Result<(), CommandError> {
-    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_digit() || b.is_ascii_lowercase() || b == b'-') {
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_digit() || b.is_ascii_lowercase() || b == b'-')
+    {
         return Err(CommandError::Invalid {
             field: "id".into(),
             message: format!("a cluster id is 1 to 64 characters of [0-9a-z-]; got {} bytes", id.len()),
