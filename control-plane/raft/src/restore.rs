@@ -89,10 +89,10 @@ pub fn write_data_dir(dir: &Path, id: u64, node: ServerNode, state: &[u8]) -> Re
     let shown = dir.display().to_string();
     let not_empty = std::fs::read_dir(dir).map(|mut d| d.next().is_some()).unwrap_or(false);
     if not_empty {
-        return Err(OpenError::Damaged {
-            dir: shown,
-            found: "the directory is not empty; restore writes a new data dir only".into(),
-        });
+        let msg = format!(
+            "data_dir {shown} is not empty: a restore writes a new data dir only (give an empty or absent one)"
+        );
+        return Err(OpenError::Storage(openraft::StorageIOError::write(&std::io::Error::other(msg)).into()));
     }
     std::fs::create_dir_all(dir).map_err(|e| {
         OpenError::Storage(openraft::StorageIOError::write(&std::io::Error::other(format!("{shown}: {e}"))).into())

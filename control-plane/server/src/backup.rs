@@ -59,6 +59,9 @@ pub enum BackupError {
     /// The state inside it does not load.
     #[error("the backup's state does not load: {0}")]
     State(String),
+    /// The new data dir already holds something.
+    #[error("data_dir {0} is not empty: a restore writes a new data dir only (give an empty or absent one)")]
+    NotEmpty(String),
     /// Writing or reading a data dir failed.
     #[error(transparent)]
     Open(Box<suanli_raft::OpenError>),
@@ -172,6 +175,9 @@ pub struct Restored {
 
 /// Gives `state` a new cluster id and writes it as a new one-server data dir.
 fn write_new(state: &[u8], dir: &Path, id: u64, node: ServerNode) -> Result<Restored, BackupError> {
+    if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
+        return Err(BackupError::NotEmpty(dir.display().to_string()));
+    }
     let mut s = State::restore(state).map_err(|e| BackupError::State(e.to_string()))?;
     let source = s.cluster_id().to_owned();
     let cluster_id = new_cluster_id();
@@ -226,6 +232,23 @@ mod tests {
         let e = decode(&flipped).expect_err("flipped").to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
         assert!(decode(b"hello").expect_err("not one").to_string().contains("SUANLI-BACKUP"));
+    }
+
+    #[test]
+    fn a_restore_writes_only_a_new_data_dir() {
+        let mut s = State::default();
+        s.reset_cluster_id("abc").expect("valid");
+        let state = s.snapshot().expect("snapshot");
+        let file = encode(&header_for("abc", None, StoredMembership::default(), &state, 1), &state).expect("encodes");
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::write(dir.path().join("CURRENT"), b"x").expect("write");
+        let node = ServerNode::new("127.0.0.1:2", "127.0.0.1:1");
+        let e = restore_backup(&file, dir.path(), 1, node.clone()).expect_err("refused").to_string();
+        assert!(e.contains("is not empty"), "{e}");
+        let fresh = dir.path().join("new");
+        let r = restore_backup(&file, &fresh, 1, node).expect("restores");
+        assert_eq!(r.source_cluster_id, "abc");
+        assert_ne!(r.cluster_id, "abc");
     }
 
     #[test]
