@@ -625,10 +625,22 @@ pub(crate) struct Reporter {
     pending: std::sync::Mutex<BTreeMap<(u64, u64), (u64, Report)>>,
     version: std::sync::atomic::AtomicU64,
     notify: tokio::sync::Notify,
+    /// While set (the node switches to another cluster), nothing is queued or sent: reports
+    /// of the old cluster's allocations must never reach the new one, whose ids may repeat.
+    held: std::sync::atomic::AtomicBool,
 }
 
 impl Reporter {
+    /// Drops every pending report, and (`on`) every report until released (`hold(false)`).
+    pub fn hold(&self, on: bool) {
+        self.held.store(on, Ordering::SeqCst);
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+    }
+
     pub fn enqueue(&self, r: Report) {
+        if self.held.load(Ordering::SeqCst) {
+            return;
+        }
         let v = self.version.fetch_add(1, Ordering::Relaxed);
         let mut p = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let key = (r.alloc, r.epoch);
@@ -648,6 +660,9 @@ impl Reporter {
     }
 
     fn batch(&self, n: usize) -> Vec<(u64, Report)> {
+        if self.held.load(Ordering::SeqCst) {
+            return Vec::new();
+        }
         let p = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         p.values().take(n).cloned().collect()
     }

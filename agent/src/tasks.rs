@@ -108,6 +108,12 @@ pub(crate) struct Tasks {
     max_rev: u64,
     /// Since when only sets older than `max_rev` arrive.
     stale_since: Option<Instant>,
+    /// The cluster this node runs work for (persisted in `<data_dir>/cluster-id`; `None`
+    /// before the first set that names one).
+    cluster_id: Option<String>,
+    /// Set while switching to another cluster: its id, and its latest set (applied once the
+    /// old cluster's tasks have stopped and their directories are moved aside).
+    switching: Option<(String, Option<pb::AllocationsUpdate>)>,
 }
 
 fn lock(agent: &Agent) -> std::sync::MutexGuard<'_, Tasks> {
@@ -119,6 +125,10 @@ fn alloc_dir(agent: &Agent, k: Key) -> PathBuf {
 }
 
 const REV_FILE: &str = "watch-revision";
+/// The id of the cluster this node runs work for.
+pub const CLUSTER_FILE: &str = "cluster-id";
+/// Where the work of earlier clusters is moved: `<data_dir>/old-clusters/<id>-<unix s>/`.
+pub const OLD_CLUSTERS_DIR: &str = "old-clusters";
 /// The space of `stop.json`, reserved when the allocation directory is made.
 const STOP_RESERVED_FILE: &str = ".stop.json.reserved";
 /// Bytes reserved for `stop.json` (a reason is at most a few hundred bytes).
@@ -132,6 +142,8 @@ pub(crate) fn recover(agent: &Arc<Agent>) -> std::io::Result<()> {
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(0);
     lock(agent).max_rev = rev;
+    let cluster = std::fs::read_to_string(agent.cfg.data_dir.join(CLUSTER_FILE)).ok().map(|s| s.trim().to_owned());
+    lock(agent).cluster_id = cluster.filter(|c| !c.is_empty());
     let mut keys = Vec::new();
     for e in std::fs::read_dir(agent.cfg.allocs_dir())? {
         let e = e?;
@@ -346,9 +358,93 @@ pub(crate) async fn manage(agent: Arc<Agent>, mut rx: watch::Receiver<Option<pb:
     }
 }
 
+/// Checks the set's cluster id against the one this node ran work for. `true`: go on with
+/// the set. `false`: a switch to another cluster is under way (the set waits for it).
+fn same_cluster(agent: &Arc<Agent>, t: &mut Tasks, u: &pb::AllocationsUpdate) -> bool {
+    if let Some((_, latest)) = &mut t.switching {
+        *latest = Some(u.clone());
+        return false;
+    }
+    if u.cluster_id.is_empty() || t.cluster_id.as_deref() == Some(u.cluster_id.as_str()) {
+        return true;
+    }
+    let Some(old) = t.cluster_id.clone() else {
+        // The first cluster named: this node's work is for it.
+        if let Err(e) = sys::write_atomic(&agent.cfg.data_dir.join(CLUSTER_FILE), u.cluster_id.as_bytes()) {
+            tracing::warn!(error = %e, "persisting the cluster id");
+        }
+        t.cluster_id = Some(u.cluster_id.clone());
+        tracing::info!(cluster_id = %u.cluster_id, "running work for this cluster");
+        return true;
+    };
+    tracing::error!(
+        was = %old,
+        now = %u.cluster_id,
+        tasks = t.map.values().filter(|e| !e.ended).count(),
+        "THE CONTROL PLANE IS ANOTHER CLUSTER (restored from a backup, or rebuilt): stopping every task of the old cluster, moving its allocation directories aside, then running the new cluster's work"
+    );
+    agent.reporter.hold(true);
+    for e in t.map.values() {
+        request_stop(e, format!("the control plane is now cluster {} (was {old})", u.cluster_id), Duration::ZERO);
+    }
+    t.switching = Some((u.cluster_id.clone(), Some(u.clone())));
+    let a = agent.clone();
+    tokio::spawn(switch_cluster(a, old));
+    false
+}
+
+/// Waits for the old cluster's tasks to end (at most the longest stop grace plus 30 s), moves
+/// its allocation directories, journal and watch revision to `old-clusters/`, adopts the new
+/// cluster id, registers again and applies the new cluster's latest set.
+async fn switch_cluster(agent: Arc<Agent>, old: String) {
+    let deadline = Instant::now() + Duration::from_millis(agent.cfg.stop_grace_max_ms) + Duration::from_secs(30);
+    while lock(&agent).map.values().any(|e| !e.ended) && Instant::now() < deadline {
+        if !crate::control::pause(&agent, Duration::from_millis(50)).await {
+            return;
+        }
+    }
+    let data = agent.cfg.data_dir.clone();
+    let aside = data.join(OLD_CLUSTERS_DIR).join(format!("{old}-{}", sys::now_s()));
+    let update = {
+        let mut t = lock(&agent);
+        if t.map.values().any(|e| !e.ended) {
+            tracing::error!("tasks of the old cluster did not stop in time; moving their directories anyway");
+        }
+        let moved = std::fs::create_dir_all(&aside)
+            .and_then(|()| std::fs::rename(agent.cfg.allocs_dir(), aside.join("allocs")))
+            .and_then(|()| std::fs::create_dir_all(agent.cfg.allocs_dir()));
+        if let Err(e) = moved {
+            tracing::error!(error = %e, to = %aside.display(), "moving the old cluster's allocation directories aside failed; removing them");
+            let _ = std::fs::remove_dir_all(agent.cfg.allocs_dir());
+            let _ = std::fs::create_dir_all(agent.cfg.allocs_dir());
+        }
+        for f in [crate::journal::JOURNAL_FILE, REV_FILE] {
+            let _ = std::fs::rename(data.join(f), aside.join(f));
+        }
+        let Some((new, update)) = t.switching.take() else { return };
+        if let Err(e) = sys::write_atomic(&data.join(CLUSTER_FILE), new.as_bytes()) {
+            tracing::warn!(error = %e, "persisting the cluster id");
+        }
+        t.map.clear();
+        t.max_rev = 0;
+        t.stale_since = None;
+        t.cluster_id = Some(new.clone());
+        tracing::warn!(cluster_id = %new, old_work = %aside.display(), "now running work for the new cluster; the old cluster's directories are kept aside");
+        update
+    };
+    agent.reporter.hold(false);
+    agent.reregister.notify_one();
+    if let Some(u) = update {
+        reconcile(&agent, u);
+    }
+}
+
 fn reconcile(agent: &Arc<Agent>, u: pb::AllocationsUpdate) {
     let cfg = &agent.cfg;
     let mut t = lock(agent);
+    if !same_cluster(agent, &mut t, &u) {
+        return;
+    }
     // A set older than one already applied (a lagging server after a reconnect) may lack
     // allocations placed since: it may start tasks but must not stop any.
     let fresh = if u.revision >= t.max_rev {

@@ -357,6 +357,42 @@ pub enum ClusterCmd {
     /// The server's build, the command kinds it applies, and whether it halted at a log
     /// entry it cannot apply (then the group is read-only there).
     Version,
+    /// Online backup: the state at a linearizable point, through any server, written to FILE
+    /// (checked, then renamed into place). Restore it with `cluster restore`.
+    Backup {
+        /// The backup file to write (replaced if it exists).
+        file: PathBuf,
+    },
+    /// Offline: write a NEW data dir for a new one-server cluster (a new cluster id, a fresh
+    /// log, this server the only member) from a backup FILE, or from a stopped server's data
+    /// dir (--from-data-dir: recovery from a lost quorum). Then `suanli server --data-dir DIR
+    /// --id N --listen ...` starts it; add the other servers with --join.
+    Restore {
+        /// The backup file (`cluster backup`); or give --from-data-dir.
+        #[arg(required_unless_present = "from_data_dir", conflicts_with = "from_data_dir")]
+        file: Option<PathBuf>,
+        /// A stopped server's data dir to rebuild from (read, never changed).
+        #[arg(long)]
+        from_data_dir: Option<PathBuf>,
+        /// The new data dir (must not exist, or be empty).
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// The raft id of the server that will run on it.
+        #[arg(long)]
+        id: u64,
+        /// Its client listener, as `suanli server --listen` will get it.
+        #[arg(long)]
+        listen: String,
+        /// Its advertised client address (default: --listen).
+        #[arg(long)]
+        advertise: Option<String>,
+        /// Its peer listener (default: --listen's port + 1).
+        #[arg(long)]
+        peer_listen: Option<String>,
+        /// Its advertised peer address (default: the peer listener).
+        #[arg(long)]
+        peer_advertise: Option<String>,
+    },
     /// Skip the log entry the group halted at (a command no server can apply); every server
     /// applies again after it. Give the index and kind `cluster version` shows.
     SkipEntry {
@@ -1897,17 +1933,119 @@ async fn check(conn: &mut Conn, out: Output, index: Option<u64>, wait_ms: u64) -
     Ok(())
 }
 
+/// Most bytes `cluster backup` accepts from a server.
+const MAX_BACKUP_BYTES: u64 = 64 << 30;
+/// Longest wait for the next chunk of a backup.
+const BACKUP_STALL: Duration = Duration::from_secs(60);
+
 async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
     let mut conn = Conn::new(&args)?;
     let out = args.output;
     let cc = pb::cluster_client::ClusterClient::new;
     match cmd {
+        ClusterCmd::Backup { file } => {
+            let mut sconn = conn.streaming();
+            let mut stream = sconn
+                .call(|ch| async move { cc(ch).max_decoding_message_size(4 << 20).backup(pb::BackupRequest {}).await })
+                .await
+                .map_err(status_err)?;
+            let mut bytes: Vec<u8> = Vec::new();
+            loop {
+                let m = tokio::time::timeout(BACKUP_STALL, stream.message())
+                    .await
+                    .map_err(|_| anyhow::anyhow!("the backup stream stalled for {BACKUP_STALL:?}"))?
+                    .map_err(status_err)?;
+                let Some(chunk) = m else { break };
+                anyhow::ensure!(
+                    (bytes.len() + chunk.data.len()) as u64 <= MAX_BACKUP_BYTES,
+                    "the backup is larger than {MAX_BACKUP_BYTES} bytes; refusing it"
+                );
+                bytes.extend_from_slice(&chunk.data);
+            }
+            let (h, _) = suanli_server::backup::decode(&bytes).context("checking the backup received")?;
+            let tmp = file.with_extension("partial");
+            {
+                use std::io::Write as _;
+                let mut f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+                f.write_all(&bytes).with_context(|| format!("writing {}", tmp.display()))?;
+                f.sync_all()?;
+            }
+            std::fs::rename(&tmp, &file).with_context(|| format!("renaming into {}", file.display()))?;
+            let index = h.last_applied.map_or(0, |l| l.index);
+            match out {
+                Output::Json => print_value(&json!({
+                    "file": file.display().to_string(), "bytes": bytes.len(), "cluster_id": h.cluster_id,
+                    "last_applied_index": index, "server_id": h.server_id, "checksum": h.checksum,
+                })),
+                Output::Table => {
+                    println!(
+                        "backup of cluster {} at log index {index} (served by server {}) written to {} ({} bytes, checksum {})",
+                        dash(&h.cluster_id),
+                        h.server_id,
+                        file.display(),
+                        bytes.len(),
+                        h.checksum
+                    );
+                    Ok(())
+                }
+            }
+        }
+        ClusterCmd::Restore { file, from_data_dir, data_dir, id, listen, advertise, peer_listen, peer_advertise } => {
+            let cfg = suanli_server::ServerConfig {
+                id,
+                listen,
+                advertise,
+                peer_listen,
+                peer_advertise,
+                data_dir: data_dir.clone(),
+                ..suanli_server::ServerConfig::default()
+            };
+            cfg.validate()?;
+            let node = suanli_raft::ServerNode::new(cfg.peer_advertised(), cfg.advertised().to_owned());
+            let r = match (&file, &from_data_dir) {
+                (Some(f), _) => {
+                    let bytes = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
+                    suanli_server::backup::restore_backup(&bytes, &data_dir, id, node)?
+                }
+                (None, Some(old)) => suanli_server::backup::restore_data_dir(old, &data_dir, id, node).await?,
+                (None, None) => anyhow::bail!("give a backup FILE or --from-data-dir"),
+            };
+            let index = r.source_last_applied.map_or(0, |l| l.index);
+            match out {
+                Output::Json => print_value(&json!({
+                    "data_dir": data_dir.display().to_string(), "id": id, "cluster_id": r.cluster_id,
+                    "source_cluster_id": r.source_cluster_id, "source_last_applied_index": index,
+                    "jobs": r.jobs, "allocs": r.allocs, "halted_at": r.halted_at,
+                })),
+                Output::Table => {
+                    println!(
+                        "new cluster {} written to {} (server {id} its only member): the state of cluster {} at log index {index}, {} jobs, {} allocations",
+                        r.cluster_id,
+                        data_dir.display(),
+                        dash(&r.source_cluster_id),
+                        r.jobs,
+                        r.allocs
+                    );
+                    if let Some(h) = r.halted_at {
+                        println!(
+                            "warning: the source's log halted at entry {h} (a command this build cannot apply): the state stops before it"
+                        );
+                    }
+                    println!(
+                        "start it with: suanli server --id {id} --data-dir {} --listen {}   (then add servers with --join)",
+                        data_dir.display(),
+                        cfg.listen
+                    );
+                    Ok(())
+                }
+            }
+        }
         ClusterCmd::Members => {
             let r =
                 conn.call(|ch| async move { cc(ch).members(pb::MembersRequest {}).await }).await.map_err(status_err)?;
             match out {
                 Output::Json => print_value(&json!({
-                    "term": r.term, "commit_index": r.commit_index,
+                    "term": r.term, "commit_index": r.commit_index, "cluster_id": r.cluster_id,
                     "members": r.members.iter().map(|m| json!({
                         "id": m.id, "addr": m.addr, "peer_addr": m.peer_addr, "voter": m.voter, "leader": m.leader, "matched_index": m.matched_index,
                     })).collect::<Vec<_>>(),
@@ -1934,7 +2072,7 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
                         })
                         .collect();
                     println!("{}", table(&["ID", "ADDR", "PEER", "ROLE", "MATCHED"], &rows));
-                    println!("term {}, commit index {}", r.term, r.commit_index);
+                    println!("cluster {}, term {}, commit index {}", dash(&r.cluster_id), r.term, r.commit_index);
                     Ok(())
                 }
             }
@@ -2008,10 +2146,11 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
             match out {
                 Output::Json => print_value(&json!({
                     "id": r.id, "version": r.version, "command_version": r.command_version,
-                    "command_kinds": r.command_kinds, "halt": halt,
+                    "command_kinds": r.command_kinds, "halt": halt, "cluster_id": r.cluster_id,
                 })),
                 Output::Table => {
                     println!("server {}: suanli {} (commands v{})", r.id, r.version, r.command_version);
+                    println!("cluster {}", dash(&r.cluster_id));
                     println!("applies: {}", r.command_kinds.join(", "));
                     match &r.halt {
                         None => println!("applying the log (not halted)"),

@@ -31,6 +31,7 @@ mod frame;
 mod machine;
 mod network;
 mod node;
+pub mod restore;
 mod settings;
 mod store;
 
@@ -40,7 +41,7 @@ pub use network::{GrpcNetwork, GrpcNetworkFactory, RaftService};
 pub use node::ServerNode;
 pub use settings::{RaftSettings, SettingsError};
 pub use store::{
-    Applied, DIGEST_WINDOW, DigestMiss, DigestWindow, Halt, LogStore, MachineHandle, SnapshotBuilder,
+    Applied, DIGEST_WINDOW, DigestMiss, DigestWindow, Halt, LogStore, MARKER_FILE, MachineHandle, SnapshotBuilder,
     StateMachineStore, StoreConfig, fnv1a, open_db,
 };
 
@@ -81,12 +82,34 @@ pub enum OpenError {
         /// RocksDB's error.
         source: rocksdb::Error,
     },
+    /// The stored log, vote or state is damaged or inconsistent: the server must not run on
+    /// it (it may have voted or acknowledged on what was lost).
+    #[error(
+        "raft storage at {dir} is damaged: {found}. This server must not run on this data: follow the runbook \"Corruption: a server refuses to start\" in docs/operations.md (keep a copy, wipe the data dir, rejoin under a new id)"
+    )]
+    Damaged {
+        /// The data directory.
+        dir: String,
+        /// What was found, with the numbers.
+        found: String,
+    },
     /// The persisted state could not be read.
     #[error("raft storage: {0}")]
     Storage(#[from] openraft::StorageError<u64>),
     /// openraft refused to start.
     #[error("raft: {0}")]
     Fatal(#[from] openraft::error::Fatal<u64>),
+}
+
+/// A RocksDB error at open: corruption is [`OpenError::Damaged`] (with the runbook), the rest
+/// [`OpenError::Db`].
+fn db_error(dir: &str, source: rocksdb::Error) -> OpenError {
+    match source.kind() {
+        rocksdb::ErrorKind::Corruption => {
+            OpenError::Damaged { dir: dir.to_owned(), found: format!("RocksDB refused to recover it: {source}") }
+        }
+        _ => OpenError::Db { dir: dir.to_owned(), source },
+    }
 }
 
 /// Opens (creating if needed) a raft node of any group: storage in `dir`, gRPC network to
@@ -105,8 +128,13 @@ where
     M: Machine<Response = C::R>,
 {
     let config = settings.openraft_config()?;
-    let db = open_db(dir).map_err(|source| OpenError::Db { dir: dir.display().to_string(), source })?;
-    let log = LogStore::<C>::new(db.clone()).with_append_bytes(settings.append_bytes());
+    let shown = dir.display().to_string();
+    let db = open_db(dir).map_err(|source| db_error(&shown, source))?;
+    let log = LogStore::<C>::new(db.clone()).with_append_bytes(settings.append_bytes()).with_marker(dir)?;
+    let snapshot = StateMachineStore::<C, M>::snapshot_log_id(&db)?;
+    if let Err(found) = log.check_at_open(snapshot)? {
+        return Err(OpenError::Damaged { dir: shown, found });
+    }
     let reader = log.clone();
     let sm = StateMachineStore::<C, M>::open(db)?;
     let handle = sm.handle();

@@ -65,12 +65,56 @@ impl<C> StoreConfig for C where
 type SErr = StorageError<u64>;
 
 /// Opens (or creates) the database with our column families.
+///
+/// The WAL is recovered with RocksDB's `TolerateCorruptedTailRecords`: a record torn at the
+/// very end of the WAL (a crash in the middle of a write that was therefore never synced, so
+/// never acknowledged) is dropped, and any other damage (a checksum mismatch anywhere, a bad
+/// record before the end) refuses to open (`ErrorKind::Corruption`), where RocksDB's default
+/// (point in time) would silently drop every record after it. A WAL cut at a record boundary
+/// (or mid-record) loses acknowledged entries without a checksum error: the durable marker
+/// ([`LogStore::with_marker`]) catches that at open. Paranoid checks stay on.
 pub fn open_db(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
     let mut opts = Options::default();
     opts.create_if_missing(true);
     opts.create_missing_column_families(true);
+    opts.set_wal_recovery_mode(rocksdb::DBRecoveryMode::TolerateCorruptedTailRecords);
+    opts.set_paranoid_checks(true);
     let cfs = [CF_LOGS, CF_META, CF_SNAPSHOT].map(|n| ColumnFamilyDescriptor::new(n, Options::default()));
     Ok(Arc::new(DB::open_cf_descriptors(&opts, dir, cfs)?))
+}
+
+/// Opens an existing database read only (offline tools: nothing in `dir` changes).
+pub fn open_db_read_only(dir: &Path) -> Result<Arc<DB>, rocksdb::Error> {
+    let mut opts = Options::default();
+    opts.set_wal_recovery_mode(rocksdb::DBRecoveryMode::TolerateCorruptedTailRecords);
+    opts.set_paranoid_checks(true);
+    Ok(Arc::new(DB::open_cf_for_read_only(&opts, dir, [CF_LOGS, CF_META, CF_SNAPSHOT], false)?))
+}
+
+/// Writes the raft state of a new one-server cluster into an empty database: the snapshot
+/// (`state`, at log id `(term 1, id, index 1)`, membership: `id` the only voter at `node`),
+/// the log purged up to it, committed there, and a vote for `id` in term 1. One synced write.
+pub fn write_restored(db: &DB, id: u64, node: ServerNode, state: &[u8]) -> Result<LogId<u64>, SErr> {
+    let at = LogId::new(openraft::CommittedLeaderId::new(1, id), 1);
+    let membership = openraft::Membership::new(
+        vec![std::collections::BTreeSet::from([id])],
+        std::collections::BTreeMap::from([(id, node)]),
+    );
+    let meta = SnapshotMeta {
+        last_log_id: Some(at),
+        last_membership: StoredMembership::new(Some(at), membership),
+        snapshot_id: format!("restored-1-{id}-1"),
+    };
+    let mut batch = WriteBatch::default();
+    let snap = cf(db, CF_SNAPSHOT)?;
+    batch.put_cf(snap, KEY_SNAP_META, to_json(&meta)?);
+    batch.put_cf(snap, KEY_SNAP_DATA, state);
+    let m = cf(db, CF_META)?;
+    batch.put_cf(m, KEY_LAST_PURGED, to_json(&at)?);
+    batch.put_cf(m, KEY_COMMITTED, to_json(&Some(at))?);
+    batch.put_cf(m, KEY_VOTE, to_json(&Vote::new(1u64, id))?);
+    db.write_opt(batch, &synced()).map_err(|e| StorageIOError::write(&e))?;
+    Ok(at)
 }
 
 /// FNV-1a, 64 bits: a stable hash (the same on every server and build) for comparing log
@@ -164,7 +208,10 @@ fn synced() -> WriteOptions {
 /// - `raft::skip-fsync` (BROKEN on purpose, for proving the chaos checker): `return` makes log
 ///   appends (`lie = true`) neither synced nor logged ahead, so acknowledged entries live only
 ///   in memory, as on a disk whose cache lies about fsync, and die with the process.
-fn durable(lie: bool) -> Result<WriteOptions, std::io::Error> {
+///
+/// The flag says whether the write is really durable (false only on the lying disk, whose
+/// writes must not raise the durable marker either).
+fn durable(lie: bool) -> Result<(WriteOptions, bool), std::io::Error> {
     #[cfg(feature = "failpoints")]
     {
         if let Some(msg) = fail::eval("raft::fsync", |arg| arg.unwrap_or_else(|| "injected fsync error".into())) {
@@ -174,11 +221,77 @@ fn durable(lie: bool) -> Result<WriteOptions, std::io::Error> {
             let mut w = WriteOptions::default();
             w.set_sync(false);
             w.disable_wal(true);
-            return Ok(w);
+            return Ok((w, false));
         }
     }
     let _ = lie;
-    Ok(synced())
+    Ok((synced(), true))
+}
+
+// ---- durable marker -----------------------------------------------------------------------
+
+/// Name of the durable marker file, beside the database files in the data directory.
+pub const MARKER_FILE: &str = "RAFT-DURABLE";
+
+/// The durable marker: the log's end and the vote's term as last synced, kept in a small file
+/// outside RocksDB, so a WAL that lost acknowledged records without a checksum error (cut at a
+/// record boundary, or a torn tail RocksDB tolerates) is caught at open: the log is then
+/// shorter than the marker says. Raised (one 64-byte `pwrite`, no fsync of its own) after each
+/// synced append or vote, so it never names more than was synced; lowered and fsynced before
+/// a truncation, so it never names entries a truncation legitimately removed. Losing a raise
+/// (power loss before the page cache reached the disk) only weakens the check.
+struct Marker {
+    file: std::fs::File,
+    /// One past the last log index synced (0: no entry).
+    next: u64,
+    /// The highest vote term synced.
+    term: u64,
+}
+
+impl Marker {
+    fn encode(next: u64, term: u64) -> [u8; 64] {
+        let body = format!("suanli-durable v1 next={next} term={term}");
+        let line = format!("{body} sum={:016x}", fnv1a(body.as_bytes()));
+        let mut buf = [b' '; 64];
+        buf[..line.len()].copy_from_slice(line.as_bytes());
+        buf[63] = b'\n';
+        buf
+    }
+
+    /// `(next, term)`, or `None` for a file that is not a marker this build wrote.
+    fn decode(bytes: &[u8]) -> Option<(u64, u64)> {
+        let text = std::str::from_utf8(bytes).ok()?.trim_end();
+        let (body, sum) = text.rsplit_once(" sum=")?;
+        if u64::from_str_radix(sum, 16).ok()? != fnv1a(body.as_bytes()) {
+            return None;
+        }
+        let mut parts = body.strip_prefix("suanli-durable v1 ")?.split(' ');
+        let next = parts.next()?.strip_prefix("next=")?.parse().ok()?;
+        let term = parts.next()?.strip_prefix("term=")?.parse().ok()?;
+        Some((next, term))
+    }
+
+    fn write(&mut self, next: u64, term: u64, sync: bool) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt as _;
+        self.file.write_all_at(&Self::encode(next, term), 0)?;
+        if sync {
+            self.file.sync_data()?;
+        }
+        self.next = next;
+        self.term = term;
+        Ok(())
+    }
+
+    /// Raises the marker after a synced write; a failure only weakens the check (logged).
+    fn raise(m: &std::sync::Mutex<Marker>, next: u64, term: u64) {
+        let mut g = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (n, t) = (g.next.max(next), g.term.max(term));
+        if (n, t) != (g.next, g.term)
+            && let Err(e) = g.write(n, t, false)
+        {
+            tracing::warn!(error = %e, "could not raise the durable marker; the rollback check at the next start is weaker");
+        }
+    }
 }
 
 /// The index a key of the logs column family names (big-endian u64).
@@ -228,17 +341,32 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, SErr> + Send 
 
 // ---- log ----------------------------------------------------------------------------------
 
+/// The stored log's shape, as read at open.
+struct Stored {
+    last_purged: Option<LogId<u64>>,
+    /// The first index kept.
+    first: Option<u64>,
+    /// The first gap between kept entries (`from..=to` missing).
+    hole: Option<(u64, u64)>,
+    /// The last log id (the last entry, or the purged id).
+    last: Option<LogId<u64>>,
+    vote_term: u64,
+    committed: Option<LogId<u64>>,
+}
+
 /// The raft log in RocksDB.
 pub struct LogStore<C> {
     db: Arc<DB>,
     /// Byte budget of one replication read ([`crate::RaftSettings::max_append_bytes`]).
     append_bytes: usize,
+    /// The durable marker, when opened with [`LogStore::with_marker`].
+    marker: Option<Arc<std::sync::Mutex<Marker>>>,
     _c: PhantomData<C>,
 }
 
 impl<C> Clone for LogStore<C> {
     fn clone(&self) -> Self {
-        Self { db: self.db.clone(), append_bytes: self.append_bytes, _c: PhantomData }
+        Self { db: self.db.clone(), append_bytes: self.append_bytes, marker: self.marker.clone(), _c: PhantomData }
     }
 }
 
@@ -246,7 +374,140 @@ impl<C: StoreConfig> LogStore<C> {
     /// A log store over an open database (see [`open_db`]); replication reads are bounded by
     /// entry count only.
     pub fn new(db: Arc<DB>) -> Self {
-        Self { db, append_bytes: usize::MAX, _c: PhantomData }
+        Self { db, append_bytes: usize::MAX, marker: None, _c: PhantomData }
+    }
+
+    /// Keeps the durable marker ([`MARKER_FILE`] in `dir`): reads it if present (see
+    /// [`LogStore::check_at_open`]), else creates it from what the database holds now (a new
+    /// data dir, or one written by a build without the marker).
+    pub fn with_marker(mut self, dir: &Path) -> Result<Self, SErr> {
+        let path = dir.join(MARKER_FILE);
+        let io = |e: std::io::Error| {
+            SErr::from(StorageIOError::read(&std::io::Error::other(format!("{}: {e}", path.display()))))
+        };
+        let file =
+            std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io)?;
+        let mut bytes = Vec::new();
+        {
+            use std::io::Read as _;
+            (&file).read_to_end(&mut bytes).map_err(io)?;
+        }
+        let found = Marker::decode(&bytes);
+        if found.is_none() && !bytes.is_empty() {
+            tracing::warn!(path = %path.display(), "the durable marker is unreadable (torn by a power loss?); rewriting it from the log, without the rollback check this time");
+        }
+        let mut m = Marker { file, next: 0, term: 0 };
+        match found {
+            Some((next, term)) => (m.next, m.term) = (next, term),
+            None => {
+                let st = self.stored()?;
+                let next = st.last.map_or(0, |l| l.index.saturating_add(1));
+                m.write(next, st.vote_term, true).map_err(io)?;
+            }
+        }
+        self.marker = Some(Arc::new(std::sync::Mutex::new(m)));
+        Ok(self)
+    }
+
+    /// What the marker says was synced: `(one past the last log index, vote term)`.
+    pub fn marker(&self) -> Option<(u64, u64)> {
+        self.marker.as_ref().map(|m| {
+            let g = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            (g.next, g.term)
+        })
+    }
+
+    /// Reads the stored log's shape (walks every key of the log: at open only).
+    fn stored(&self) -> Result<Stored, SErr> {
+        let last_purged: Option<LogId<u64>> = get_meta(&self.db, KEY_LAST_PURGED)?;
+        let vote: Option<Vote<u64>> = get_meta(&self.db, KEY_VOTE)?;
+        let committed: Option<Option<LogId<u64>>> = get_meta(&self.db, KEY_COMMITTED)?;
+        let logs = cf(&self.db, CF_LOGS)?;
+        let mut it = self.db.raw_iterator_cf(logs);
+        it.seek_to_first();
+        let mut first = None;
+        let mut prev: Option<u64> = None;
+        let mut hole = None;
+        while it.valid() {
+            let idx = log_index(it.key().unwrap_or_default())?;
+            first.get_or_insert(idx);
+            if hole.is_none()
+                && let Some(p) = prev
+                && idx != p.saturating_add(1)
+            {
+                hole = Some((p.saturating_add(1), idx.saturating_sub(1)));
+            }
+            prev = Some(idx);
+            it.next();
+        }
+        it.status().map_err(|e| StorageIOError::read_logs(&e))?;
+        let last_entry = self.last_entry()?;
+        Ok(Stored {
+            last_purged,
+            first,
+            hole,
+            last: last_entry.or(last_purged),
+            vote_term: vote.map_or(0, |v| v.leader_id.term),
+            committed: committed.flatten(),
+        })
+    }
+
+    /// The consistency checks at open: the log has no hole between the purged id and its last
+    /// entry, holds every entry the persisted commit index and the snapshot (`snapshot`: its
+    /// last log id) cover, is not older than the vote's term, and is not shorter (nor the vote
+    /// older) than the durable marker says was synced. `Err` says what was found, in numbers.
+    pub fn check_at_open(&self, snapshot: Option<LogId<u64>>) -> Result<Result<(), String>, SErr> {
+        let st = self.stored()?;
+        let last = st.last.map(|l| l.index);
+        let show = |i: Option<u64>| i.map_or_else(|| "none".to_owned(), |i| i.to_string());
+        let mut found = Vec::new();
+        let start = st.last_purged.map_or(0, |p| p.index.saturating_add(1));
+        if let Some(first) = st.first
+            && first != start
+        {
+            found.push(format!(
+                "the log starts at index {first} but entries are purged only up to {}: a hole",
+                show(st.last_purged.map(|p| p.index))
+            ));
+        }
+        if let Some((a, b)) = st.hole {
+            found.push(format!("entries {a}..={b} are missing from the log: a hole"));
+        }
+        if let Some(c) = st.committed
+            && last < Some(c.index)
+        {
+            found.push(format!("the last log index is {} but index {} was committed here", show(last), c.index));
+        }
+        if let Some(s) = snapshot
+            && last < Some(s.index)
+        {
+            found.push(format!(
+                "the last log index is {} but the state machine's snapshot covers up to {}",
+                show(last),
+                s.index
+            ));
+        }
+        let last_term = st.last.map_or(0, |l| l.leader_id.term);
+        if st.vote_term < last_term {
+            found.push(format!("the vote's term is {} but the last log entry's term is {last_term}", st.vote_term));
+        }
+        if let Some((next, term)) = self.marker() {
+            let have = last.map_or(0, |l| l.saturating_add(1));
+            if have < next {
+                found.push(format!(
+                    "the log ends at index {} but entries up to {} were synced here ({MARKER_FILE}): the log went back",
+                    show(last),
+                    next - 1
+                ));
+            }
+            if st.vote_term < term {
+                found.push(format!(
+                    "the vote's term is {} but term {term} was voted in here ({MARKER_FILE}): the vote went back",
+                    st.vote_term
+                ));
+            }
+        }
+        Ok(if found.is_empty() { Ok(()) } else { Err(found.join("; ")) })
     }
 
     /// Bounds what one replication read returns to about `bytes` of stored entries (at least
@@ -360,9 +621,14 @@ impl<C: StoreConfig> RaftLogStorage<C> for LogStore<C> {
     async fn save_vote(&mut self, vote: &Vote<u64>) -> Result<(), SErr> {
         let db = self.db.clone();
         let bytes = to_json(vote)?;
+        let marker = self.marker.clone();
+        let term = vote.leader_id.term;
         blocking(move || {
-            let w = durable(false).map_err(|e| StorageIOError::write_vote(&e))?;
+            let (w, _) = durable(false).map_err(|e| StorageIOError::write_vote(&e))?;
             db.put_cf_opt(cf(&db, CF_META)?, KEY_VOTE, bytes, &w).map_err(|e| StorageIOError::write_vote(&e))?;
+            if let Some(m) = &marker {
+                Marker::raise(m, 0, term);
+            }
             Ok(())
         })
         .await
@@ -400,14 +666,20 @@ impl<C: StoreConfig> RaftLogStorage<C> for LogStore<C> {
         // that lost its acknowledged writes comes back (and the checker can see what is
         // missing) instead of staying uninitialized.
         let mut lie = true;
+        let mut last = None;
         for e in entries {
             lie &= !matches!(e.payload, EntryPayload::Membership(_));
             batch.put_cf(logs, e.log_id.index.to_be_bytes(), encode_entry(&e)?);
+            last = Some(e.log_id.index);
         }
         let db = self.db.clone();
+        let marker = self.marker.clone();
         let res = blocking(move || {
-            let w = durable(lie).map_err(|e| StorageIOError::write_logs(&e))?;
+            let (w, really) = durable(lie).map_err(|e| StorageIOError::write_logs(&e))?;
             db.write_opt(batch, &w).map_err(|e| StorageIOError::write_logs(&e))?;
+            if really && let (Some(m), Some(last)) = (&marker, last) {
+                Marker::raise(m, last.saturating_add(1), 0);
+            }
             Ok(())
         })
         .await;
@@ -420,7 +692,17 @@ impl<C: StoreConfig> RaftLogStorage<C> for LogStore<C> {
 
     async fn truncate(&mut self, log_id: LogId<u64>) -> Result<(), SErr> {
         let db = self.db.clone();
+        let marker = self.marker.clone();
         blocking(move || {
+            if let Some(m) = &marker {
+                // Lowered (and synced) first: a crash between the two leaves a marker that
+                // names no removed entry.
+                let mut g = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if g.next > log_id.index {
+                    let term = g.term;
+                    g.write(log_id.index, term, true).map_err(|e| StorageIOError::write_logs(&e))?;
+                }
+            }
             let mut batch = WriteBatch::default();
             let logs = cf(&db, CF_LOGS)?;
             batch.delete_range_cf(logs, log_id.index.to_be_bytes(), u64::MAX.to_be_bytes());
@@ -539,6 +821,12 @@ impl<M> MachineHandle<M> {
         f(g.last_applied.map_or(0, |l| l.index), &g.machine)
     }
 
+    /// Reads the applied machine with its raft bookkeeping (last applied log id,
+    /// membership), under one lock.
+    pub fn read_full<R>(&self, f: impl FnOnce(&Applied<M>) -> R) -> R {
+        f(&read_lock(&self.shared))
+    }
+
     /// The rolling log digest after entry `index` was applied here (see [`DigestWindow`]).
     pub fn digest_at(&self, index: u64) -> Result<u64, DigestMiss> {
         read_lock(&self.shared).digests.at(index)
@@ -650,11 +938,44 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> StateMachineStore<C, M> {
         MachineHandle { shared: self.shared.clone(), applied: self.applied_rx.clone() }
     }
 
+    /// The snapshot's last log id, as persisted (what the machine is restored from at open).
+    pub fn snapshot_log_id(db: &DB) -> Result<Option<LogId<u64>>, SErr> {
+        let v = db.get_cf(cf(db, CF_SNAPSHOT)?, KEY_SNAP_META).map_err(|e| StorageIOError::read_snapshot(None, &e))?;
+        let meta: Option<SnapshotMeta<u64, ServerNode>> = v.map(|b| from_json(&b)).transpose()?;
+        Ok(meta.and_then(|m| m.last_log_id))
+    }
+
     fn persist_snapshot(db: &DB, meta: &SnapshotMeta<u64, ServerNode>, data: &[u8]) -> Result<(), SErr> {
+        Self::persist_snapshot_purging(db, meta, data, false)
+    }
+
+    /// Persists a snapshot; with `installed` (one received from the leader), a log that ends
+    /// before the snapshot is purged up to it in the same write, so the stored log never ends
+    /// before the stored snapshot (what [`LogStore::check_at_open`] relies on; openraft would
+    /// purge it right after anyway).
+    fn persist_snapshot_purging(
+        db: &DB,
+        meta: &SnapshotMeta<u64, ServerNode>,
+        data: &[u8],
+        installed: bool,
+    ) -> Result<(), SErr> {
         let mut batch = WriteBatch::default();
         let snap = cf(db, CF_SNAPSHOT)?;
         batch.put_cf(snap, KEY_SNAP_META, to_json(meta)?);
         batch.put_cf(snap, KEY_SNAP_DATA, data);
+        if installed && let Some(last) = meta.last_log_id {
+            let logs = cf(db, CF_LOGS)?;
+            let log_last = match db.iterator_cf(logs, IteratorMode::End).next() {
+                None => None,
+                Some(r) => Some(log_index(&r.map_err(|e| StorageIOError::read_logs(&e))?.0)?),
+            };
+            let purged: Option<LogId<u64>> = get_meta(db, KEY_LAST_PURGED)?;
+            let ends = log_last.or(purged.map(|p| p.index));
+            if ends < Some(last.index) {
+                batch.put_cf(cf(db, CF_META)?, KEY_LAST_PURGED, to_json(&last)?);
+                batch.delete_range_cf(logs, 0u64.to_be_bytes(), last.index.saturating_add(1).to_be_bytes());
+            }
+        }
         db.write_opt(batch, &synced()).map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
         Ok(())
     }
@@ -810,7 +1131,7 @@ impl<C: StoreConfig, M: Machine<Response = C::R>> RaftStateMachine<C> for StateM
             .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &std::io::Error::other(e)))?;
         let db = self.db.clone();
         let m2 = meta.clone();
-        blocking(move || Self::persist_snapshot(&db, &m2, &data)).await?;
+        blocking(move || Self::persist_snapshot_purging(&db, &m2, &data, true)).await?;
         let last = {
             let mut a = write_lock(&self.shared);
             a.machine = machine;
@@ -937,5 +1258,121 @@ mod tests {
         sm.apply([batch]).await.expect("applies");
         assert_eq!(h.halt().map(|h| (h.index, h.kind)), Some((8, "nope".to_owned())));
         assert_eq!(h.read(|s| s.queues().len()), 2, "no part of the batch applied");
+    }
+
+    /// A data dir holding entries `range` (term 2), a vote for term `vote_term`, and the
+    /// given committed and purged ids; the durable marker made from it.
+    fn shaped(
+        range: impl IntoIterator<Item = u64>,
+        vote_term: u64,
+        committed: Option<u64>,
+        purged: Option<u64>,
+    ) -> (tempfile::TempDir, Arc<DB>) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = open_db(dir.path()).expect("db");
+        let logs = cf(&db, CF_LOGS).expect("cf");
+        for i in range {
+            let e = Entry::<TypeConfig> {
+                log_id: LogId::new(CommittedLeaderId::new(2, 1), i),
+                payload: EntryPayload::Blank,
+            };
+            db.put_cf(logs, i.to_be_bytes(), encode_entry(&e).expect("frame")).expect("put");
+        }
+        let meta = cf(&db, CF_META).expect("cf");
+        let vote = Vote::new(vote_term, 1);
+        db.put_cf(meta, KEY_VOTE, to_json(&vote).expect("json")).expect("put");
+        let id = |i: u64| LogId::new(CommittedLeaderId::new(2, 1), i);
+        if let Some(c) = committed {
+            db.put_cf(meta, KEY_COMMITTED, to_json(&Some(id(c))).expect("json")).expect("put");
+        }
+        if let Some(p) = purged {
+            db.put_cf(meta, KEY_LAST_PURGED, to_json(&id(p)).expect("json")).expect("put");
+        }
+        (dir, db)
+    }
+
+    fn check(dir: &tempfile::TempDir, db: &Arc<DB>, snapshot: Option<u64>) -> Result<(), String> {
+        let log = LogStore::<TypeConfig>::new(db.clone()).with_marker(dir.path()).expect("marker");
+        log.check_at_open(snapshot.map(|i| LogId::new(CommittedLeaderId::new(2, 1), i))).expect("reads")
+    }
+
+    #[test]
+    fn a_consistent_log_opens() {
+        let (d, db) = shaped(0..=10, 2, Some(10), None);
+        assert_eq!(check(&d, &db, Some(8)), Ok(()));
+        let (d, db) = shaped(6..=10, 2, Some(9), Some(5));
+        assert_eq!(check(&d, &db, Some(5)), Ok(()));
+        // Everything purged: the purged id is the log's end.
+        let (d, db) = shaped(std::iter::empty(), 2, Some(7), Some(7));
+        assert_eq!(check(&d, &db, Some(7)), Ok(()));
+    }
+
+    #[test]
+    fn a_log_that_ends_before_the_committed_index_is_refused() {
+        let (d, db) = shaped(0..=10, 2, Some(14), None);
+        let e = check(&d, &db, None).expect_err("refused");
+        assert!(e.contains("last log index is 10 but index 14 was committed"), "{e}");
+    }
+
+    #[test]
+    fn a_log_that_ends_before_the_snapshot_is_refused() {
+        let (d, db) = shaped(0..=10, 2, Some(10), None);
+        let e = check(&d, &db, Some(12)).expect_err("refused");
+        assert!(e.contains("last log index is 10 but the state machine's snapshot covers up to 12"), "{e}");
+    }
+
+    #[test]
+    fn holes_in_the_log_are_refused() {
+        let (d, db) = shaped(0..=10, 2, Some(10), None);
+        db.delete_cf(cf(&db, CF_LOGS).expect("cf"), 4u64.to_be_bytes()).expect("delete");
+        let e = check(&d, &db, None).expect_err("refused");
+        assert!(e.contains("entries 4..=4 are missing"), "{e}");
+        // A gap between the purged id and the first entry kept is a hole too.
+        let (d, db) = shaped(9..=12, 2, Some(12), Some(5));
+        let e = check(&d, &db, None).expect_err("refused");
+        assert!(e.contains("starts at index 9 but entries are purged only up to 5"), "{e}");
+    }
+
+    #[test]
+    fn a_vote_older_than_the_last_entry_is_refused() {
+        let (d, db) = shaped(0..=10, 1, Some(10), None);
+        let e = check(&d, &db, None).expect_err("refused");
+        assert!(e.contains("vote's term is 1 but the last log entry's term is 2"), "{e}");
+    }
+
+    #[test]
+    fn a_log_or_vote_that_went_back_past_the_durable_marker_is_refused() {
+        let (d, db) = shaped(0..=10, 2, Some(8), None);
+        assert_eq!(check(&d, &db, None), Ok(()), "first open writes the marker");
+        // The WAL loses its tail at a record boundary: entries 9 and 10, and the commit
+        // pointer with them; no checksum fails. Only the marker knows.
+        db.delete_range_cf(cf(&db, CF_LOGS).expect("cf"), 9u64.to_be_bytes(), 11u64.to_be_bytes()).expect("cut");
+        let e = check(&d, &db, None).expect_err("refused");
+        assert!(e.contains("log ends at index 8 but entries up to 10 were synced here"), "{e}");
+        // The vote going back is caught the same way.
+        let (d, db) = shaped(0..=3, 5, None, None);
+        assert_eq!(check(&d, &db, None), Ok(()));
+        db.put_cf(cf(&db, CF_META).expect("cf"), KEY_VOTE, to_json(&Vote::new(3u64, 1u64)).expect("json"))
+            .expect("put");
+        let e = check(&d, &db, None).expect_err("refused");
+        assert!(e.contains("vote's term is 3 but term 5 was voted in here"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn the_marker_follows_appends_and_truncations() {
+        let (d, db) = shaped(0..=3, 2, Some(1), None);
+        let mut log = LogStore::<TypeConfig>::new(db.clone()).with_marker(d.path()).expect("marker");
+        assert_eq!(log.marker(), Some((4, 2)));
+        // A truncation lowers the marker before it removes entries: the log then opens.
+        log.truncate(LogId::new(CommittedLeaderId::new(2, 1), 2)).await.expect("truncate");
+        assert_eq!(log.marker(), Some((2, 2)));
+        drop(log);
+        assert_eq!(check(&d, &db, None), Ok(()));
+        // And the marker on disk says what memory said.
+        let bytes = std::fs::read(d.path().join(MARKER_FILE)).expect("marker file");
+        assert_eq!(Marker::decode(&bytes), Some((2, 2)));
+        // A marker that is not one (torn by a power loss) is rewritten, not trusted.
+        std::fs::write(d.path().join(MARKER_FILE), b"garbage").expect("write");
+        assert_eq!(check(&d, &db, None), Ok(()));
     }
 }

@@ -36,7 +36,12 @@ impl AgentApi {
             heartbeat_interval_ms: self.0.cfg.heartbeat_interval_ms,
             heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
             members: self.0.member_addrs(),
+            cluster_id: self.cluster_id(),
         }
+    }
+
+    fn cluster_id(&self) -> String {
+        self.0.state.read(|s| s.cluster_id().to_owned())
     }
 
     fn seen(&self, node: &NodeId) {
@@ -75,6 +80,7 @@ impl Agent for AgentApi {
                 heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
                 known: false,
                 members: self.0.member_addrs(),
+                cluster_id: self.cluster_id(),
             });
         };
         // Only a leader a quorum still follows may renew the agent's lease.
@@ -105,6 +111,7 @@ impl Agent for AgentApi {
             heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
             known: true,
             members: self.0.member_addrs(),
+            cluster_id: self.cluster_id(),
         })
     }
 
@@ -191,13 +198,13 @@ async fn watch_allocations(
     let mut applied = core.state.subscribe();
     let mut last: Option<Vec<pb::AllocInfo>> = None;
     loop {
-        let (rev, allocs) = core.state.read(|s| {
+        let (rev, allocs, cluster_id) = core.state.read(|s| {
             let v: Vec<pb::AllocInfo> =
                 s.allocs_on(&id).filter(|a| a.is_live()).map(|a| convert::alloc(a, s.job(a.alloc.job))).collect();
-            (s.revision(), v)
+            (s.revision(), v, s.cluster_id().to_owned())
         });
         if last.as_ref() != Some(&allocs) {
-            let update = pb::AllocationsUpdate { revision: rev, allocs: allocs.clone() };
+            let update = pb::AllocationsUpdate { revision: rev, allocs: allocs.clone(), cluster_id };
             if tx.send(Ok(update)).await.is_err() {
                 return;
             }

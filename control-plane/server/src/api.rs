@@ -573,7 +573,12 @@ impl Cluster for Api {
                     .unwrap_or(0),
             })
             .collect();
-        ok(pb::MembersResponse { members, term: m.current_term, commit_index: m.last_applied.map_or(0, |l| l.index) })
+        ok(pb::MembersResponse {
+            members,
+            term: m.current_term,
+            commit_index: m.last_applied.map_or(0, |l| l.index),
+            cluster_id: self.0.state.read(|s| s.cluster_id().to_owned()),
+        })
     }
 
     async fn leader(&self, _req: Request<pb::LeaderRequest>) -> Resp<pb::LeaderResponse> {
@@ -664,6 +669,7 @@ impl Cluster for Api {
                 kind: h.kind,
                 reason: h.reason,
             }),
+            cluster_id: self.0.state.read(|s| s.cluster_id().to_owned()),
         })
     }
 
@@ -700,6 +706,34 @@ impl Cluster for Api {
         ok(pb::SkipEntryResponse { index })
     }
 
+    type BackupStream = tokio_stream::wrappers::ReceiverStream<Result<pb::BackupChunk, Status>>;
+
+    async fn backup(&self, _req: Request<pb::BackupRequest>) -> Resp<Self::BackupStream> {
+        let permit = self.0.backups.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted("a backup is already being served by this server: one at a time; retry after it")
+        })?;
+        // The read barrier: the state served includes every write committed before this call.
+        self.0.read(false, |_| ()).await?;
+        let (cluster_id, last_applied, membership, state) = self.0.state.read_full(|a| {
+            (a.machine.cluster_id().to_owned(), a.last_applied, a.membership.clone(), a.machine.snapshot())
+        });
+        let state = state.map_err(|e| Status::internal(format!("encoding the state: {e}")))?;
+        let header = crate::backup::header_for(&cluster_id, last_applied, membership, &state, self.0.id);
+        let file = crate::backup::encode(&header, &state).map_err(|e| Status::internal(e.to_string()))?;
+        drop(state);
+        tracing::info!(bytes = file.len(), last_applied = ?last_applied.map(|l| l.index), %cluster_id, "serving a backup");
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            let _permit = permit;
+            for chunk in file.chunks(crate::backup::CHUNK_BYTES) {
+                if tx.send(Ok(pb::BackupChunk { data: chunk.to_vec() })).await.is_err() {
+                    return; // the client went away
+                }
+            }
+        });
+        ok(tokio_stream::wrappers::ReceiverStream::new(rx))
+    }
+
     async fn snapshot(&self, _req: Request<pb::SnapshotRequest>) -> Resp<pb::SnapshotResponse> {
         let target = self.0.raft.metrics().borrow().last_applied.map_or(0, |l| l.index);
         self.0.raft.trigger().snapshot().await.map_err(|e| Status::unavailable(e.to_string()))?;
@@ -728,12 +762,14 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
                 Command::KINDS.join(", ")
             ),
         )),
-        Command::ApplyPlan(_) | Command::NodeDown(_) | Command::UpdateConfig(_) | Command::SkipEntry(_) => {
-            Err(invalid(
-                "command_json.kind",
-                format!("{:?} is built by the leader only and is never forwarded", cmd.kind()),
-            ))
-        }
+        Command::ApplyPlan(_)
+        | Command::NodeDown(_)
+        | Command::UpdateConfig(_)
+        | Command::SkipEntry(_)
+        | Command::SetClusterId(_) => Err(invalid(
+            "command_json.kind",
+            format!("{:?} is built by the leader only and is never forwarded", cmd.kind()),
+        )),
         Command::Batch(b) => {
             for (i, c) in b.commands.iter().enumerate() {
                 if matches!(c, Command::Batch(_)) {
@@ -837,6 +873,7 @@ impl Internal for Api {
             entries: digests.into_iter().map(|(index, term, hash)| pb::LogDigest { index, term, hash }).collect(),
             halted_index: halt.as_ref().map_or(0, |h| h.index),
             halted_reason: halt.map(|h| h.reason).unwrap_or_default(),
+            cluster_id: self.0.state.read(|s| s.cluster_id().to_owned()),
         })
     }
 }

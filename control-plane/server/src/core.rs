@@ -58,6 +58,8 @@ pub struct Core {
     pub log: suanli_raft::LogStore<suanli_raft::TypeConfig>,
     /// When a quorum last confirmed this server's leadership (taken before the round).
     confirmed: tokio::sync::Mutex<Option<Instant>>,
+    /// One `Cluster.Backup` at a time (each holds the whole state in memory while it streams).
+    pub backups: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 impl Core {
@@ -80,6 +82,7 @@ impl Core {
             channels: Mutex::new(HashMap::new()),
             log,
             confirmed: tokio::sync::Mutex::new(None),
+            backups: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
         }
     }
 

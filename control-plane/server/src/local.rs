@@ -104,6 +104,40 @@ impl ProcessCluster {
         Ok(c)
     }
 
+    /// Reserves `n` addresses and a temp dir, starting nothing (e.g. to restore a data dir
+    /// first, then [`ProcessCluster::spawn_initialized`]).
+    pub fn prepare(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
+        Self::reserve(bin, n, extra)
+    }
+
+    /// Server `i`'s data directory.
+    pub fn data_dir(&self, i: usize) -> PathBuf {
+        self.dir.path().join(format!("s{}", i + 1))
+    }
+
+    /// Starts server `i` with neither `--peers` nor `--join`: for a data dir that is already
+    /// initialized (a restored one).
+    pub fn spawn_initialized(&mut self, i: usize) -> std::io::Result<()> {
+        self.launch(i, &[])
+    }
+
+    /// Waits up to `within` for server `i` to exit on its own; its exit status (`None`: still
+    /// running, or not started).
+    pub fn wait_exit(&mut self, i: usize, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            let p = self.procs[i].as_mut()?;
+            if let Ok(Some(st)) = p.try_wait() {
+                self.procs[i] = None;
+                return Some(st);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Starts server `i` with `--join` through server `via` (a new member of a running cluster).
     pub fn spawn_joining(&mut self, i: usize, via: usize) -> std::io::Result<()> {
         let join = self.addrs[via].clone();

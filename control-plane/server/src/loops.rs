@@ -27,6 +27,35 @@ async fn until_leader(core: &Core, stop: &mut watch::Receiver<bool>) -> bool {
     }
 }
 
+/// Gives the cluster its identity: while it has none, its leader proposes a new random id
+/// (drawn here, so apply stays deterministic; apply keeps the first one committed). Ends once
+/// the applied state has one.
+pub async fn identity(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        if !core.state.read(|s| s.cluster_id().is_empty()) {
+            return;
+        }
+        if !core.is_leader() && !until_leader(&core, &mut stop).await {
+            return;
+        }
+        if core.halted().is_none() && core.state.read(|s| s.cluster_id().is_empty()) {
+            let id = crate::backup::new_cluster_id();
+            match core.propose_local(Command::SetClusterId(suanli_state::SetClusterId { id: id.clone() })).await {
+                Ok(_) => {
+                    tracing::info!(cluster_id = %core.state.read(|s| s.cluster_id().to_owned()), "the cluster has its identity")
+                }
+                Err(e) => tracing::warn!(error = %e, "could not set the cluster id yet; retrying"),
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            _ = stop.changed() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
 /// Whether any unplaced job's reason differs from the one it shows now.
 fn reasons_changed(s: &State, plan: &Plan) -> bool {
     let max = s.config().max_message_len;

@@ -226,6 +226,16 @@ pub struct SkipEntry {
     pub kind: String,
 }
 
+/// Sets the cluster's identity, once: written by the first leader of a new cluster (a random
+/// id it drew before proposing, so apply stays deterministic). A later one with another id is
+/// refused; the same id again changes nothing. Agents compare it with the id they ran work
+/// for, so a restored cluster (which gets a new id offline) is never confused with its source.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetClusterId {
+    /// The id: 1 to 64 characters of `[0-9a-z-]`.
+    pub id: String,
+}
+
 /// Several commands committed as one log entry (group commit of concurrent requests). Each
 /// is applied in order exactly as if it had its own entry: each gets its own response and, if
 /// it changes the state, its own revision. A batch may not contain a batch.
@@ -343,6 +353,8 @@ commands! {
     Batch(Batch) = "batch", ignorable: false;
     /// Skip a halted entry (operator recovery).
     SkipEntry(SkipEntry) = "skip_entry", ignorable: false;
+    /// Set the cluster id (once). Ignorable: an older server only lacks the id.
+    SetClusterId(SetClusterId) = "set_cluster_id", ignorable: true;
 }
 
 impl Command {

@@ -28,6 +28,7 @@ mod usage;
 pub use command::{
     AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth,
     DrainOptions, NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response,
+    SetClusterId,
     SetNodeMode, SkipEntry, SubmitJob, UpdateConfig, UpsertQueue, check_encoded_size, encode_command,
 };
 pub use config::{ConfigError, RetryPolicy, StateConfig};

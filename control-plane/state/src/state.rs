@@ -84,6 +84,10 @@ pub struct State {
     /// `queues`, never serialized, rebuilt on restore and whenever a queue changes.
     #[serde(skip)]
     pub(crate) parents: BTreeSet<QueueId>,
+    /// The cluster's identity ([`Command::SetClusterId`]; empty until the first leader sets
+    /// it). Not written while empty, so states from before it hash as they did.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub(crate) cluster_id: String,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -113,6 +117,18 @@ pub(crate) fn cut(s: &str, max: usize) -> String {
     s[..end].to_owned()
 }
 
+/// A cluster id is 1 to 64 characters of `[0-9a-z-]`.
+fn check_cluster_id(id: &str) -> Result<(), CommandError> {
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_digit() || b.is_ascii_lowercase() || b == b'-')
+    {
+        return Err(CommandError::Invalid {
+            field: "id".into(),
+            message: format!("a cluster id is 1 to 64 characters of [0-9a-z-]; got {} bytes", id.len()),
+        });
+    }
+    Ok(())
+}
+
 impl State {
     /// An empty state with `config` (validate it first; every replica must start from the
     /// same configuration, so servers should start from the default and change it with
@@ -135,6 +151,7 @@ impl State {
             log_digest: 0,
             live: LiveIndex::default(),
             parents: BTreeSet::new(),
+            cluster_id: String::new(),
         }
     }
 
@@ -146,6 +163,19 @@ impl State {
     /// Records the log digest after an entry was applied (the raft layer computes it).
     pub fn set_log_digest(&mut self, digest: u64) {
         self.log_digest = digest;
+    }
+
+    /// The cluster's identity (empty until the first leader set it).
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// Replaces the cluster id outside the log: only for building a new cluster's first state
+    /// offline (`suanli cluster restore`), never on a running replica.
+    pub fn reset_cluster_id(&mut self, id: &str) -> Result<(), CommandError> {
+        check_cluster_id(id)?;
+        id.clone_into(&mut self.cluster_id);
+        Ok(())
     }
 
     /// The replicated configuration.
@@ -248,6 +278,7 @@ impl State {
             Command::AllocStatus(c) => self.alloc_status(c, rev),
             Command::ReportCheckpoint(c) => self.report_checkpoint(c, rev),
             Command::UpdateConfig(c) => self.update_config(*c),
+            Command::SetClusterId(c) => self.set_cluster_id(c),
             Command::Batch(b) => return self.apply_batch(b),
             // Read only while halted, by the raft layer; met here, the entry was applied.
             Command::SkipEntry(c) => Err(CommandError::Conflict {
@@ -391,6 +422,21 @@ impl State {
         }
         self.queues.remove(&c.queue);
         self.reindex_parents();
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    fn set_cluster_id(&mut self, c: crate::command::SetClusterId) -> Applied {
+        check_cluster_id(&c.id)?;
+        if self.cluster_id == c.id {
+            return Ok((Response::Done, Effect::Unchanged));
+        }
+        if !self.cluster_id.is_empty() {
+            return Err(CommandError::Conflict {
+                field: "id".into(),
+                message: format!("the cluster id is already {}; it never changes", self.cluster_id),
+            });
+        }
+        self.cluster_id = c.id;
         Ok((Response::Done, Effect::Changed))
     }
 
