@@ -1510,6 +1510,7 @@ async fn register(conn: &mut Conn, out: Output, file: &std::path::Path, keep_ali
     let req = pb::RegisterNodeRequest {
         node_json: serde_json::to_string(&node)?,
         agent_version: format!("suanli-cli/{}", env!("CARGO_PKG_VERSION")),
+        ..Default::default()
     };
     let ac = pb::agent_client::AgentClient::new;
     let r = register_once(conn, &req).await?;

@@ -138,6 +138,16 @@ pub struct ServerConfig {
     pub max_list_bytes: usize,
     /// Most requests in flight on one connection.
     pub max_concurrent_per_connection: usize,
+    /// Most the leader's wall clock may differ from the median of its followers' before it
+    /// stops acting on its own clock (docs/control-plane.md, "Clocks"); also how far the
+    /// cluster's time may run ahead of that median.
+    pub max_clock_skew_ms: u64,
+    /// The clock drift bound ρ, in thousandths: the most the leader's clock rate may differ
+    /// from its followers' (measured), and the most any clock is assumed to drift when the
+    /// heartbeat TTL is checked against an agent's fence.
+    pub max_clock_drift_permille: u64,
+    /// How often the leader samples its followers' clocks (`Internal.Clock`).
+    pub clock_check_interval_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -168,6 +178,9 @@ impl Default for ServerConfig {
             max_list: 10_000,
             max_list_bytes: DEFAULT_MAX_LIST_BYTES,
             max_concurrent_per_connection: 1_024,
+            max_clock_skew_ms: 500,
+            max_clock_drift_permille: 50,
+            clock_check_interval_ms: 500,
         }
     }
 }
@@ -293,6 +306,9 @@ impl ServerConfig {
         let reply_limit = self.max_reply_bytes() as u64;
         range("max_list_bytes", self.max_list_bytes as u64, 1024, reply_limit.saturating_sub(1024))?;
         range("max_concurrent_per_connection", self.max_concurrent_per_connection as u64, 1, 1_000_000)?;
+        range("max_clock_skew_ms", self.max_clock_skew_ms, 10, 3_600_000)?;
+        range("max_clock_drift_permille", self.max_clock_drift_permille, 1, 500)?;
+        range("clock_check_interval_ms", self.clock_check_interval_ms, 10, 60_000)?;
         Ok(())
     }
 }

@@ -21,6 +21,7 @@
 mod agent;
 mod api;
 mod batch;
+mod clock;
 pub mod config;
 mod convert;
 mod core;
@@ -141,6 +142,7 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         tokio::spawn(bootstrap(core.clone(), stop_rx.clone())),
         tokio::spawn(loops::scheduling(core.clone(), stop_rx.clone())),
         tokio::spawn(loops::liveness(core.clone(), stop_rx.clone())),
+        tokio::spawn(clock::sampling(core.clone(), stop_rx.clone())),
     ];
     tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), peer_listen = %peer_addr, peer_advertise = %cfg.peer_advertised(), data_dir = %cfg.data_dir.display(), "suanli server listening");
     let fatal = Arc::new(std::sync::Mutex::new(None::<String>));

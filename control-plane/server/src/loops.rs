@@ -4,11 +4,12 @@
 //! ```text
 //!  scheduling: wake (kick | interval) ─▶ view = state.cluster_view(now) ─▶ schedule(view, now,
 //!              seed ^ applied index) ─▶ ApplyPlan{plan, now} through raft (apply re-checks it)
-//!  liveness:   every heartbeat interval ─▶ ready node silent for the TTL ─▶ NodeDown through
-//!              raft (its allocations are lost and their jobs requeued by apply)
+//!  liveness:   every heartbeat interval ─▶ ready node silent for its TTL (never shorter than
+//!              its agent's fence under the drift bound) and a clock check passed since
+//!              ─▶ NodeDown through raft (its allocations are lost and their jobs requeued)
 //! ```
 
-use crate::core::{Core, now_s};
+use crate::core::Core;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use suanli_model::{NodeId, Plan};
@@ -67,7 +68,7 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         if !core.is_leader() || core.halted().is_some() {
             continue;
         }
-        let now = now_s();
+        let now = core.now_s();
         let view = core.state.read(|s| s.cluster_view(now));
         if view.pending.is_empty() {
             continue;
@@ -111,6 +112,7 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
     let period = Duration::from_millis(core.cfg.heartbeat_interval_ms);
     let ttl = Duration::from_millis(core.cfg.heartbeat_ttl_ms);
     let mut leading = false;
+    let mut deferred = std::collections::BTreeSet::new();
     loop {
         tokio::select! {
             () = tokio::time::sleep(period) => {}
@@ -123,8 +125,17 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             continue;
         }
         let t = Instant::now();
-        let ready: Vec<NodeId> = core.state.read(|s: &State| {
-            s.nodes().values().filter(|n| n.status == NodeStatus::Ready).map(|n| n.node.id.clone()).collect()
+        let drift = core.cfg.max_clock_drift_permille;
+        let ready: Vec<(NodeId, Duration)> = core.state.read(|s: &State| {
+            s.nodes()
+                .values()
+                .filter(|n| n.status == NodeStatus::Ready)
+                .map(|n| {
+                    // Never shorter than what the agent's fence needs under the drift bound.
+                    let need = crate::clock::ttl_for_fence(n.fence, core.cfg.heartbeat_ttl_ms, drift);
+                    (n.node.id.clone(), ttl.max(Duration::from_millis(need)))
+                })
+                .collect()
         });
         let mut down = Vec::new();
         {
@@ -134,17 +145,26 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
                 hb.clear();
                 leading = true;
             }
-            for id in ready {
+            for (id, ttl) in ready {
                 let seen = *hb.entry(id.clone()).or_insert(t);
-                if t.duration_since(seen) > ttl {
-                    down.push(id);
+                if t.duration_since(seen) <= ttl {
+                    deferred.remove(&id);
+                    continue;
+                }
+                // A clock check must have passed after the TTL was reached: a leader clock
+                // running fast, or one off its followers', declares nobody down.
+                if core.clock.passed_since(seen + ttl) {
+                    down.push((id, ttl));
+                } else if deferred.insert(id.clone()) {
+                    tracing::warn!(node = %id, clock = %core.clock.line(), "node silent past its TTL; not declared down until this leader's clock check passes");
                 }
             }
         }
-        for id in down {
+        for (id, ttl) in down {
+            deferred.remove(&id);
             let reason = format!("no heartbeat for {} ms", ttl.as_millis());
             tracing::warn!(node = %id, %reason, "declaring node down");
-            let cmd = Command::NodeDown(NodeDown { node: id.clone(), reason, now: now_s() });
+            let cmd = Command::NodeDown(NodeDown { node: id.clone(), reason, now: core.now_s() });
             match core.propose_local(cmd).await {
                 Ok(_) => {
                     core.heartbeats.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&id);
