@@ -15,6 +15,9 @@
 //! 7. **isolated leader** (scenarios that isolate one): it acknowledged nothing invoked after
 //!    it was cut off.
 //! 8. **stays writable** (scenarios with the hostile client): checked in [`crate::hostile`].
+//! 9. **bounded time**: no server's cluster time is ahead of the harness's real clock by more
+//!    than the bound, and no job waits out a retry backoff longer than the workload's longest
+//!    from real time (a leader's wrong clock froze neither).
 
 use crate::history::{Op, OpKind, Outcome};
 use crate::nemesis::Isolation;
@@ -256,6 +259,33 @@ pub fn settled(j: &pb::JobInfo, now_s: u64) -> bool {
         "pending" | "requeuing" => j.attempt > 0 && j.not_before > now_s,
         _ => false,
     }
+}
+
+/// Invariant 9: servers whose cluster time (`(id, seconds)`) is ahead of `now_s` by more than
+/// `bound_s`, and jobs whose retry backoff ends later than `max_backoff_s` + `bound_s` from
+/// `now_s`.
+pub fn time_ahead(
+    times: &[(u64, u64)],
+    jobs: &[pb::JobInfo],
+    now_s: u64,
+    bound_s: u64,
+    max_backoff_s: u64,
+) -> Vec<String> {
+    let mut out: Vec<String> = times
+        .iter()
+        .filter(|(_, t)| *t > now_s.saturating_add(bound_s))
+        .map(|(id, t)| format!("server {id}: cluster time {} s ahead of real time (bound {bound_s} s)", t - now_s))
+        .collect();
+    let limit = now_s.saturating_add(bound_s).saturating_add(max_backoff_s);
+    out.extend(jobs.iter().filter(|j| j.not_before > limit).map(|j| {
+        format!(
+            "job {} ({}) not before {} s from now (longest backoff {max_backoff_s} s)",
+            j.id,
+            j.state,
+            j.not_before - now_s
+        )
+    }));
+    out
 }
 
 /// Invariant 6: entries that differ between servers at one committed index.

@@ -212,6 +212,7 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
         clients: opts.clients,
         heartbeat_ttl_ms: 3_000,
         server_env,
+        fake_clocks: scn.clocks,
     };
     let mut cluster = Cluster::start(&opts.bin, shape, seed, opts.keep).await.context("starting the cluster")?;
     tracing::info!(scenario = scn.name, seed, dir = %cluster.dir().display(), "cluster up");
@@ -281,6 +282,30 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
                 bound.as_secs(),
                 unsettled.join("; ")
             ),
+        },
+    });
+
+    // (9) bounded time: what every server applied against the harness's real clock.
+    let mut times = Vec::new();
+    for i in cluster.up_servers() {
+        if let Ok(r) = cluster.inspect(i, 0, 0).await {
+            times.push((r.id, r.cluster_time_s));
+        }
+    }
+    let ahead = checker::time_ahead(&times, &jobs, history::now_ms() / 1000, TIME_BOUND_S, spec.max_backoff_s());
+    verdicts.push(Verdict {
+        name: "bounded time",
+        ok: ahead.is_empty() && !times.is_empty(),
+        detail: if times.is_empty() {
+            "no server answered Internal.Inspect".to_owned()
+        } else if ahead.is_empty() {
+            format!(
+                "cluster time on {} servers within {TIME_BOUND_S} s of real time; every retry backoff within the workload's {} s",
+                times.len(),
+                spec.max_backoff_s()
+            )
+        } else {
+            sample(&ahead)
         },
     });
 
@@ -385,6 +410,10 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
         dir,
     })
 }
+
+/// How far cluster time may run ahead of real time (invariant 9): the servers'
+/// `max_clock_skew_ms` (500 ms), whole seconds in commands, and a clock sample's age.
+pub const TIME_BOUND_S: u64 = 3;
 
 /// Sets the flag when dropped.
 struct StopOnDrop(Arc<AtomicBool>);

@@ -1673,10 +1673,13 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
                 Output::Json => print_value(&json!({
                     "id": r.id, "version": r.version, "command_version": r.command_version,
                     "command_kinds": r.command_kinds, "halt": halt,
+                    "clock": r.clock, "cluster_time_s": r.cluster_time_s,
                 })),
                 Output::Table => {
                     println!("server {}: suanli {} (commands v{})", r.id, r.version, r.command_version);
                     println!("applies: {}", r.command_kinds.join(", "));
+                    println!("clock: {}", r.clock);
+                    println!("cluster time: {} s since the Unix epoch", r.cluster_time_s);
                     match &r.halt {
                         None => println!("applying the log (not halted)"),
                         Some(h) => println!(

@@ -5,8 +5,8 @@
 //!      ─▶ a sample per answer (wall offset at the RTT midpoint, monotonic pair)
 //!      ─▶ Verdict: skew = leader − followers' median; drift = leader's rate vs theirs
 //!  stamping (leader, every proposal, forwarded ones included):
-//!      now = clamp(want, state time, max(time at leadership start + monotonic elapsed,
-//!                                        followers' median) + max_clock_skew_ms)
+//!      now = clamp(want, state time, (followers' median when fresh, else time at leadership
+//!                                     start + monotonic elapsed) + max_clock_skew_ms)
 //!      want = the leader's wall clock, or the followers' median when its clock failed the check
 //!  liveness: a node is declared down only after a check that passed once its heartbeat age
 //!      reached the TTL (a fast leader clock cannot declare it down early)
@@ -156,8 +156,16 @@ pub fn judge(
         drifts.push(i64::try_from(d).unwrap_or(i64::MAX));
     }
     let answered = offsets.len();
-    let skew_ms = median(offsets).map(|o| -o);
-    let drift_permille = median(drifts);
+    // The medians count the leader's own clock (offset 0, rate 0), so with three voters one
+    // bad clock, the leader's or a follower's, never moves them.
+    let with_self = |mut v: Vec<i64>| {
+        (!v.is_empty()).then(|| {
+            v.push(0);
+            v
+        })
+    };
+    let skew_ms = with_self(offsets).and_then(median).map(|o| -o);
+    let drift_permille = with_self(drifts).and_then(median);
     let max_skew = i64::try_from(max_skew_ms).unwrap_or(i64::MAX);
     let max_drift = i64::try_from(max_drift_permille).unwrap_or(i64::MAX);
     let check = match (skew_ms, drift_permille) {
@@ -180,7 +188,8 @@ pub struct Bounds {
     /// Cluster time at leadership start plus the monotonic time since (ms); None on a
     /// cluster that has no time yet.
     pub elapsed_ms: Option<u64>,
-    /// The followers' median wall clock now (ms), when fresh.
+    /// The median of the voters' wall clocks now, this one's included (ms), when fresh (it then
+    /// replaces the elapsed bound).
     pub median_ms: Option<u64>,
     /// Whether this server has no other voter (its clock is the only one).
     pub solo: bool,
@@ -193,11 +202,16 @@ pub struct Bounds {
 /// The time a leader stamps (ms): `clamp(want, floor, ceiling)`, pure.
 pub fn bounded_ms(b: Bounds) -> u64 {
     let want = if b.trusted { b.wall_ms } else { b.median_ms.unwrap_or(b.wall_ms) };
-    let ceiling = match (b.elapsed_ms, b.median_ms) {
+    // The voters' median when fresh (it also lets a cluster restarted after a long stop catch
+    // up with real time), else the elapsed time since the leadership began; a leader whose
+    // clock failed the check takes the lower of the two (with two voters a bad clock moves
+    // the median by half its error).
+    let ceiling = match (b.median_ms, b.elapsed_ms) {
         _ if b.solo => None,
-        (None, None) => None,
-        (e, m) => Some(e.unwrap_or(0).max(m.unwrap_or(0)).saturating_add(b.slack_ms)),
+        (Some(m), Some(e)) if !b.trusted => Some(m.min(e)),
+        (m, e) => m.or(e),
     };
+    let ceiling = ceiling.map(|c| c.saturating_add(b.slack_ms));
     let t = match ceiling {
         Some(c) => want.min(c),
         None => want,
@@ -267,7 +281,14 @@ impl ClockGuard {
             .filter(|s| now.saturating_duration_since(s.at) <= fresh)
             .map(|s| s.offset_ms)
             .collect();
-        let median_ms = median(offsets).map(|o| wall.saturating_add_signed(o));
+        let median_ms = (!offsets.is_empty())
+            .then(|| {
+                let mut v = offsets;
+                v.push(0);
+                median(v)
+            })
+            .flatten()
+            .map(|o| wall.saturating_add_signed(o));
         bounded_ms(Bounds {
             wall_ms: wall,
             floor_ms,
@@ -425,6 +446,10 @@ mod tests {
         // Followers sampled: bounded by their median + slack, and it stamps their median.
         let t = bounded_ms(Bounds { elapsed_ms: Some(real), median_ms: Some(real), trusted: false, ..b(real + H, real) });
         assert_eq!(t, real);
+        // Two voters: the median is half an hour ahead; the elapsed bound holds it.
+        let half = real + H / 2;
+        let t = bounded_ms(Bounds { elapsed_ms: Some(real), median_ms: Some(half), trusted: false, ..b(real + H, real) });
+        assert_eq!(t, real + 500);
     }
 
     #[test]
@@ -466,7 +491,7 @@ mod tests {
         let fresh = Duration::from_millis(1_500);
         let (m, now) = samples(&[(-3_600_000, 1.0), (-3_600_010, 1.0)], 2_000, 2);
         let v = judge(&m, now, 2, fresh, 500, 50);
-        assert_eq!((v.check, v.skew_ms), (Check::Skewed, Some(3_600_005)));
+        assert_eq!((v.check, v.skew_ms), (Check::Skewed, Some(3_600_000)));
         assert!(!v.passed() && !v.wall_trusted());
         // A leader running 2x: its monotonic span is twice the followers'.
         let (m, now) = samples(&[(0, 2.0), (0, 2.0)], 2_000, 2);
@@ -476,6 +501,12 @@ mod tests {
         let v = judge(&m, now, 2, fresh, 500, 50);
         assert_eq!(v.check, Check::Ok, "{v:?}");
         assert!(v.passed());
+        // One follower an hour ahead, or running 2x: the median (the leader's clock counted)
+        // holds, and the leader is fine.
+        let (m, now) = samples(&[(3_600_000, 1.0), (10, 1.0)], 2_000, 2);
+        assert_eq!(judge(&m, now, 2, fresh, 500, 50).check, Check::Ok);
+        let (m, now) = samples(&[(0, 0.5), (0, 1.0)], 2_000, 2);
+        assert_eq!(judge(&m, now, 2, fresh, 500, 50).check, Check::Ok);
         // Too short a window, or too slow a round trip, to judge the rate: not passed yet.
         let (m, now) = samples(&[(0, 1.0)], 500, 2);
         assert_eq!(judge(&m, now, 2, fresh, 500, 50).check, Check::Unknown);
