@@ -56,6 +56,8 @@ pub struct Sample {
     pub at: Instant,
     /// The follower's wall clock minus this server's, at the midpoint (ms).
     pub offset_ms: i64,
+    /// The follower's wall clock (ms) as it answered.
+    pub remote_wall_ms: u64,
     /// The follower's monotonic clock (ms since it started).
     pub remote_mono_ms: u64,
     /// The call's round trip (ms): the uncertainty of the midpoint is half of it.
@@ -264,7 +266,11 @@ impl ClockGuard {
     /// The time (ms) to stamp now: a leader in `term` bounds its clock; a follower answers its
     /// own wall clock (the leader stamps forwarded commands again). Never below `floor_ms`.
     pub fn now_ms(&self, leading_term: Option<u64>, floor_ms: u64, solo: bool) -> u64 {
-        let wall = wall_ms();
+        self.now_ms_at(wall_ms(), leading_term, floor_ms, solo)
+    }
+
+    /// [`ClockGuard::now_ms`] with the wall clock read as `wall` (tests step it).
+    fn now_ms_at(&self, wall: u64, leading_term: Option<u64>, floor_ms: u64, solo: bool) -> u64 {
         let Some(term) = leading_term else { return wall.max(floor_ms) };
         let mut g = self.lock();
         let now = Instant::now();
@@ -274,21 +280,21 @@ impl ClockGuard {
         }
         let elapsed_ms = g.anchor.and_then(|(t, at)| (t > 0).then(|| t.saturating_add(ms(now - at))));
         let fresh = self.interval * 3;
-        let offsets: Vec<i64> = g
+        // Each follower's clock now: its answer plus this server's monotonic time since (not
+        // its wall clock, which may just have stepped).
+        let mut clocks: Vec<i64> = g
             .samples
             .values()
             .filter_map(|s| s.back())
             .filter(|s| now.saturating_duration_since(s.at) <= fresh)
-            .map(|s| s.offset_ms)
+            .map(|s| i64::try_from(s.remote_wall_ms.saturating_add(ms(now - s.at))).unwrap_or(i64::MAX))
             .collect();
-        let median_ms = (!offsets.is_empty())
-            .then(|| {
-                let mut v = offsets;
-                v.push(0);
-                median(v)
-            })
-            .flatten()
-            .map(|o| wall.saturating_add_signed(o));
+        let median_ms = if clocks.is_empty() {
+            None
+        } else {
+            clocks.push(i64::try_from(wall).unwrap_or(i64::MAX));
+            median(clocks).and_then(|m| u64::try_from(m).ok())
+        };
         bounded_ms(Bounds {
             wall_ms: wall,
             floor_ms,
@@ -411,7 +417,13 @@ pub async fn sampling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
                 let mid = t0 + rtt / 2;
                 let local_mid = w0.saturating_add(ms(rtt / 2));
                 let offset_ms = i64::try_from(i128::from(r.wall_ms) - i128::from(local_mid)).unwrap_or(i64::MAX);
-                Some((id, Sample { at: mid, offset_ms, remote_mono_ms: r.mono_ms, rtt_ms: ms(rtt) }))
+                Some((id, Sample {
+                    at: mid,
+                    offset_ms,
+                    remote_wall_ms: r.wall_ms,
+                    remote_mono_ms: r.mono_ms,
+                    rtt_ms: ms(rtt),
+                }))
             });
         }
         while let Some(r) = calls.join_next().await {
@@ -477,10 +489,10 @@ mod tests {
         let mut m = BTreeMap::new();
         for (i, (off, rate)) in offsets_and_rates.iter().enumerate() {
             let mut q = VecDeque::new();
-            q.push_back(Sample { at: t0, offset_ms: *off, remote_mono_ms: 1_000, rtt_ms });
+            q.push_back(Sample { at: t0, offset_ms: *off, remote_wall_ms: 0, remote_mono_ms: 1_000, rtt_ms });
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
             let remote = 1_000 + (span_ms as f64 / rate) as u64;
-            q.push_back(Sample { at: now, offset_ms: *off, remote_mono_ms: remote, rtt_ms });
+            q.push_back(Sample { at: now, offset_ms: *off, remote_wall_ms: 0, remote_mono_ms: remote, rtt_ms });
             m.insert(i as u64 + 2, q);
         }
         (m, now)
@@ -539,5 +551,22 @@ mod tests {
         assert!(t >= floor && t <= floor + 500 + 1_000, "{t} vs {floor}");
         // A follower stamps its own clock (the leader stamps again).
         assert!(g.now_ms(None, floor, false) >= floor + 59_000);
+    }
+
+    #[test]
+    fn a_wall_clock_stepped_after_the_last_sample_is_still_bounded_by_the_followers() {
+        let g = ClockGuard::new(&crate::config::ServerConfig::default());
+        let real = wall_ms();
+        for peer in [2, 3] {
+            g.record(peer, Sample { at: Instant::now(), offset_ms: 0, remote_wall_ms: real, remote_mono_ms: 5, rtt_ms: 1 });
+        }
+        g.check(&[2, 3]);
+        // The leader's wall clock steps an hour ahead before the next check: its stamp stays
+        // within the slack of the voters' median (the followers' clocks, aged by its
+        // monotonic clock).
+        let t = g.now_ms_at(real + H, Some(4), real - 1_000, false);
+        assert!(t <= real + 500 + 1_000, "stamped {} ms ahead", t - real);
+        // And an hour behind: never below the state time.
+        assert_eq!(g.now_ms_at(real - H, Some(4), real - 1_000, false), real - 1_000);
     }
 }
