@@ -142,20 +142,20 @@ pub fn judge(
             continue;
         }
         offsets.push(last.offset_ms);
-        let Some(first) = s.front() else { continue };
-        let local = ms(last.at.saturating_duration_since(first.at));
-        let remote = last.remote_mono_ms.saturating_sub(first.remote_mono_ms);
-        if local < MIN_RATE_SPAN_MS || remote == 0 {
-            continue;
+        // The rate over the shortest recent span that measures it well enough (a clock that
+        // just turned fast shows at once, not diluted by the whole window): at least
+        // MIN_RATE_SPAN_MS, and long enough that the midpoints' uncertainty (half a round
+        // trip each) is under half the bound.
+        let measured = s.iter().rev().skip(1).find_map(|first| {
+            let local = ms(last.at.saturating_duration_since(first.at));
+            let remote = last.remote_mono_ms.saturating_sub(first.remote_mono_ms);
+            let uncertain = (first.rtt_ms + last.rtt_ms) / 2;
+            (local >= MIN_RATE_SPAN_MS && remote > 0 && uncertain.saturating_mul(1000) / remote <= max_drift_permille / 2)
+                .then(|| i128::from(local) * 1000 / i128::from(remote) - 1000)
+        });
+        if let Some(d) = measured {
+            drifts.push(i64::try_from(d).unwrap_or(i64::MAX));
         }
-        // The midpoints are uncertain by half a round trip each: judge the rate only where
-        // that uncertainty is under half the bound.
-        let uncertain = (first.rtt_ms + last.rtt_ms) / 2;
-        if uncertain.saturating_mul(1000) / remote > max_drift_permille / 2 {
-            continue;
-        }
-        let d = i128::from(local) * 1000 / i128::from(remote) - 1000;
-        drifts.push(i64::try_from(d).unwrap_or(i64::MAX));
     }
     let answered = offsets.len();
     // The medians count the leader's own clock (offset 0, rate 0), so with three voters one
