@@ -361,4 +361,15 @@ mod tests {
         let differ = [(1, vec![d(2, 1, 8)]), (2, vec![d(2, 2, 7)])];
         assert_eq!(log_disagreements(&differ).len(), 1);
     }
+
+    #[test]
+    fn time_ahead_of_real_time_or_a_long_backoff_is_caught() {
+        let job = |id: u64, not_before: u64| pb::JobInfo { id, not_before, state: "pending".into(), ..Default::default() };
+        let now = 1_000_000;
+        assert!(time_ahead(&[(1, now + 3), (2, now - 10)], &[job(1, now + 5)], now, 3, 2).is_empty());
+        let bad = time_ahead(&[(1, now + 3_600), (2, now)], &[job(7, now + 3_602), job(8, now + 1)], now, 3, 2);
+        assert_eq!(bad.len(), 2, "{bad:?}");
+        assert!(bad[0].contains("server 1") && bad[0].contains("3600 s ahead"), "{bad:?}");
+        assert!(bad[1].contains("job 7") && bad[1].contains("3602 s"), "{bad:?}");
+    }
 }

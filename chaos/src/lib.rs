@@ -292,15 +292,17 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
             times.push((r.id, r.cluster_time_s));
         }
     }
-    let ahead = checker::time_ahead(&times, &jobs, history::now_ms() / 1000, TIME_BOUND_S, spec.max_backoff_s());
+    let now_s = history::now_ms() / 1000;
+    let ahead = checker::time_ahead(&times, &jobs, now_s, TIME_BOUND_S, spec.max_backoff_s());
     verdicts.push(Verdict {
         name: "bounded time",
         ok: ahead.is_empty() && !times.is_empty(),
         detail: if times.is_empty() {
             "no server answered Internal.Inspect".to_owned()
         } else if ahead.is_empty() {
+            let lead = times.iter().map(|(_, t)| i128::from(*t) - i128::from(now_s)).max().unwrap_or(0);
             format!(
-                "cluster time on {} servers within {TIME_BOUND_S} s of real time; every retry backoff within the workload's {} s",
+                "cluster time on {} servers at most {lead:+} s from real time (bound {TIME_BOUND_S} s); every retry backoff within the workload's {} s",
                 times.len(),
                 spec.max_backoff_s()
             )
