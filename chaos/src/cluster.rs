@@ -414,11 +414,38 @@ impl Cluster {
         self.dir.path().join(format!("s{}.faketime", i + 1))
     }
 
-    /// Sets server `i`'s clock fault (libfaketime reads its file again within a second). The
+    /// Sets server `i`'s clock fault and returns once the server's clock (`Internal.Clock`)
+    /// shows it: libfaketime reads its file again within a second or two, and a fault must not
+    /// overlap the next one (two servers of three off is a majority of wrong clocks). The
     /// cluster must have been started with [`Shape::fake_clocks`]. A rate is continuous: the
     /// offset written makes the fast clock start from the real time of now. Back from a rate
     /// to `None` would step the monotonic clock back: restart the server instead.
-    pub fn set_clock(&self, i: usize, f: ClockFault) -> anyhow::Result<()> {
+    pub async fn set_clock(&self, i: usize, f: ClockFault) -> anyhow::Result<()> {
+        self.write_clock(i, f)?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(ch) = channel(&self.servers[i].peer_addr, Duration::from_secs(1)).await {
+                let req = pb::ClockRequest { group: "region".into() };
+                if let Ok(r) = InternalClient::new(ch).clock(req).await {
+                    let ahead_ms = i128::from(r.into_inner().wall_ms) - i128::from(crate::history::now_ms());
+                    let shows = match f {
+                        ClockFault::None => ahead_ms.abs() < 1_000,
+                        ClockFault::Skew(s) => (ahead_ms - i128::from(s) * 1000).abs() < 1_000,
+                        ClockFault::Rate(_) => ahead_ms > 200,
+                    };
+                    if shows {
+                        return Ok(());
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("server {}'s clock did not show {f:?} within 10 s (is libfaketime preloaded?)", self.servers[i].id);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn write_clock(&self, i: usize, f: ClockFault) -> anyhow::Result<()> {
         if self.shape.fake_clocks.is_none() {
             bail!("set_clock: this cluster was started without fake clocks");
         }

@@ -356,15 +356,15 @@ async fn inject(
         Kind::ClockSkew(r) => {
             let Some(i) = role(cluster, r, rng).await else { return Ok(None) };
             let s: i64 = if rng.below(2) == 0 { 3_600 } else { -3_600 };
-            cluster.set_clock(i, ClockFault::Skew(s))?;
+            cluster.set_clock(i, ClockFault::Skew(s)).await?;
             h.fault(format!("clock of {} ({r:?}) stepped {s:+} s", name(cluster, i)));
             tokio::time::sleep(hold).await;
-            cluster.set_clock(i, ClockFault::None)?;
+            cluster.set_clock(i, ClockFault::None).await?;
             h.fault(format!("clock of {} back to real time", name(cluster, i)));
         }
         Kind::ClockRate(r) => {
             let Some(i) = role(cluster, r, rng).await else { return Ok(None) };
-            cluster.set_clock(i, ClockFault::Rate(2))?;
+            cluster.set_clock(i, ClockFault::Rate(2)).await?;
             h.fault(format!("clocks of {} ({r:?}) run 2x", name(cluster, i)));
             tokio::time::sleep(hold).await;
             cluster.kill_server(i);
@@ -374,7 +374,7 @@ async fn inject(
         Kind::FastLeaderPausedAgent => {
             let Some(i) = role(cluster, Role::Leader, rng).await else { return Ok(None) };
             let a = rng.below(cluster.agents.len() as u64) as usize;
-            cluster.set_clock(i, ClockFault::Rate(2))?;
+            cluster.set_clock(i, ClockFault::Rate(2)).await?;
             cluster.pause_agent(a, true);
             h.fault(format!("clocks of leader {} run 2x; SIGSTOP agent {}", name(cluster, i), cluster.agents[a].node));
             tokio::time::sleep(hold).await;

@@ -83,7 +83,7 @@ fn a_leader_an_hour_ahead_then_killed_leaves_cluster_time_and_backoffs_bounded()
         let mut c = start(FakeClocks::Wall, 1).await?;
         let l = c.wait_leader(Duration::from_secs(10)).await?;
         let addr = c.servers[l].addr.clone();
-        c.set_clock(l, ClockFault::Skew(3_600))?;
+        c.set_clock(l, ClockFault::Skew(3_600)).await?;
         eprintln!("server {}'s wall clock is an hour ahead", c.servers[l].id);
         // Failing jobs with an 8 s backoff, submitted through the fast leader while it leads
         // (from before libfaketime picks the step up to after the clock check caught it).
@@ -173,7 +173,7 @@ fn a_leader_at_twice_the_rate_starts_no_second_attempt_before_the_first_is_fence
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
         let l = c.leader().await.unwrap_or(l);
-        c.set_clock(l, ClockFault::Rate(2))?;
+        c.set_clock(l, ClockFault::Rate(2)).await?;
         c.pause_agent(a, true);
         eprintln!("server {}'s clocks run 2x; agent {} (running job {id}) is stopped", c.servers[l].id, c.agents[a].node);
         // Past the TTL (3 s) in the fast leader's clock after 1.5 s of real time; hold 5 s.
