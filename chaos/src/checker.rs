@@ -364,7 +364,8 @@ mod tests {
 
     #[test]
     fn time_ahead_of_real_time_or_a_long_backoff_is_caught() {
-        let job = |id: u64, not_before: u64| pb::JobInfo { id, not_before, state: "pending".into(), ..Default::default() };
+        let job =
+            |id: u64, not_before: u64| pb::JobInfo { id, not_before, state: "pending".into(), ..Default::default() };
         let now = 1_000_000;
         assert!(time_ahead(&[(1, now + 3), (2, now - 10)], &[job(1, now + 5)], now, 3, 2).is_empty());
         let bad = time_ahead(&[(1, now + 3_600), (2, now)], &[job(7, now + 3_602), job(8, now + 1)], now, 3, 2);

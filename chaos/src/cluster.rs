@@ -439,7 +439,10 @@ impl Cluster {
                 }
             }
             if Instant::now() > deadline {
-                bail!("server {}'s clock did not show {f:?} within 10 s (is libfaketime preloaded?)", self.servers[i].id);
+                bail!(
+                    "server {}'s clock did not show {f:?} within 10 s (is libfaketime preloaded?)",
+                    self.servers[i].id
+                );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

@@ -13,7 +13,8 @@
 //! 4. **recovery**: wait (bounded) until every job is running or finished;
 //! 5. **checks** ([`checker`]): acknowledged writes, over-commit and double runs from the
 //!    agents' journals, recovery, state-hash convergence, log agreement, the isolated leader;
-//!    in scenarios with the hostile client ([`hostile`]), that the cluster stays writable.
+//!    in scenarios with the hostile client ([`hostile`]), that the cluster stays writable; that
+//!    cluster time and retry backoffs stayed bounded by real time.
 //!
 //! Scenarios are listed in [`scenario::SCENARIOS`] and documented in chaos/README.md.
 

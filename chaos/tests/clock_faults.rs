@@ -175,7 +175,10 @@ fn a_leader_at_twice_the_rate_starts_no_second_attempt_before_the_first_is_fence
         let l = c.leader().await.unwrap_or(l);
         c.set_clock(l, ClockFault::Rate(2)).await?;
         c.pause_agent(a, true);
-        eprintln!("server {}'s clocks run 2x; agent {} (running job {id}) is stopped", c.servers[l].id, c.agents[a].node);
+        eprintln!(
+            "server {}'s clocks run 2x; agent {} (running job {id}) is stopped",
+            c.servers[l].id, c.agents[a].node
+        );
         // Past the TTL (3 s) in the fast leader's clock after 1.5 s of real time; hold 5 s.
         let mut line = String::new();
         let t = Instant::now();
@@ -212,7 +215,11 @@ fn a_leader_at_twice_the_rate_starts_no_second_attempt_before_the_first_is_fence
             second.at_ms
         );
         let fenced = fenced.expect("the first attempt's exit.json records its fence");
-        assert!(fenced <= second.at_ms, "the second attempt started {} ms before the first was fenced", fenced - second.at_ms);
+        assert!(
+            fenced <= second.at_ms,
+            "the second attempt started {} ms before the first was fenced",
+            fenced - second.at_ms
+        );
         let run = run.expect("the first attempt's run ended in its journal");
         assert!(run.fenced, "the first attempt was ended by its fence");
         assert!(

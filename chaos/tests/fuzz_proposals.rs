@@ -338,7 +338,7 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
             NodesClient::new(ch).set_mode(pb::SetNodeModeRequest { id, mode: k.small }).await.map(drop)
         }
         Rpc::Register => {
-            let req = pb::RegisterNodeRequest { node_json: text, agent_version: k.text.clone() , ..Default::default() };
+            let req = pb::RegisterNodeRequest { node_json: text, agent_version: k.text.clone(), ..Default::default() };
             AgentClient::new(ch).register(req).await.map(drop)
         }
         Rpc::Heartbeat => {

@@ -11,7 +11,9 @@ use suanli_model::{AllocId, Health, Node, NodeId};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_client::AgentClient;
 use suanli_proto::v1::agent_server::Agent;
-use suanli_state::{AgentFence, AllocStatus, Command, DeviceHealth, NodeStatus, RegisterNode, ReportCheckpoint, ReportedStatus};
+use suanli_state::{
+    AgentFence, AllocStatus, Command, DeviceHealth, NodeStatus, RegisterNode, ReportCheckpoint, ReportedStatus,
+};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status};
 
@@ -45,9 +47,8 @@ impl Agent for AgentApi {
         let r = req.into_inner();
         let node: Node = decode_json("node_json", &r.node_json, self.0.cfg.max_request_bytes)?;
         let id = node.id.clone();
-        let fence = r
-            .fence_reported
-            .then_some(AgentFence { after_ms: r.fence_after_ms, kill_grace_ms: r.fence_kill_grace_ms });
+        let fence =
+            r.fence_reported.then_some(AgentFence { after_ms: r.fence_after_ms, kill_grace_ms: r.fence_kill_grace_ms });
         let ttl = self.0.cfg.heartbeat_ttl_ms;
         let need = crate::clock::ttl_for_fence(fence, ttl, self.0.cfg.max_clock_drift_permille);
         if need > ttl {
@@ -93,7 +94,8 @@ impl Agent for AgentApi {
         }
         for d in r.devices {
             let health = if d.healthy { Health::Healthy } else { Health::Unhealthy };
-            let cmd = Command::DeviceHealth(DeviceHealth { node: id.clone(), device: d.device, health, now: self.0.now_s() });
+            let cmd =
+                Command::DeviceHealth(DeviceHealth { node: id.clone(), device: d.device, health, now: self.0.now_s() });
             self.0.propose(cmd).await?;
             self.0.kick.notify_one();
         }

@@ -150,7 +150,9 @@ pub fn judge(
             let local = ms(last.at.saturating_duration_since(first.at));
             let remote = last.remote_mono_ms.saturating_sub(first.remote_mono_ms);
             let uncertain = (first.rtt_ms + last.rtt_ms) / 2;
-            (local >= MIN_RATE_SPAN_MS && remote > 0 && uncertain.saturating_mul(1000) / remote <= max_drift_permille / 2)
+            (local >= MIN_RATE_SPAN_MS
+                && remote > 0
+                && uncertain.saturating_mul(1000) / remote <= max_drift_permille / 2)
                 .then(|| i128::from(local) * 1000 / i128::from(remote) - 1000)
         });
         if let Some(d) = measured {
@@ -359,9 +361,23 @@ impl ClockGuard {
         self.lock().verdict
     }
 
-    /// One line for `cluster version` and `Internal.Inspect`.
+    /// One line for `cluster version` and `Internal.Inspect`: the verdict, and on a leader
+    /// each follower's clock against its own as last sampled (which server is off).
     pub fn line(&self) -> String {
-        self.describe(&self.verdict())
+        let (v, each) = {
+            let g = self.lock();
+            let each: Vec<String> = g
+                .samples
+                .iter()
+                .filter_map(|(id, s)| s.back().map(|s| format!("server {id} {:+} ms", s.offset_ms)))
+                .collect();
+            (g.verdict, each)
+        };
+        let mut line = self.describe(&v);
+        if !each.is_empty() {
+            line += &format!("; followers against this server: {}", each.join(", "));
+        }
+        line
     }
 
     fn describe(&self, v: &Verdict) -> String {
@@ -372,7 +388,9 @@ impl ClockGuard {
         match v.check {
             Check::Follower => "not checked here: the leader checks its clock against this server's".into(),
             Check::Solo => "the only voter: nothing to compare with, its own clock is cluster time".into(),
-            Check::Unknown => format!("checking: skew {skew}, rate {drift} ({of}); no node is declared down until it passes"),
+            Check::Unknown => {
+                format!("checking: skew {skew}, rate {drift} ({of}); no node is declared down until it passes")
+            }
             Check::Ok => format!("ok: skew {skew} (limit {s} ms), rate {drift} (limit {d}‰), {of}"),
             Check::Skewed => format!(
                 "SKEWED: this leader's clock is {skew} off its followers' median (limit {s} ms): it stamps their median time and declares no node down"
@@ -401,7 +419,10 @@ pub async fn sampling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             let m = core.raft.metrics();
             let m = m.borrow();
             let mem = m.membership_config.membership();
-            mem.voter_ids().filter(|id| *id != core.id).filter_map(|id| mem.get_node(&id).map(|n| (id, n.addr.clone()))).collect()
+            mem.voter_ids()
+                .filter(|id| *id != core.id)
+                .filter_map(|id| mem.get_node(&id).map(|n| (id, n.addr.clone())))
+                .collect()
         };
         let mut calls = tokio::task::JoinSet::new();
         for (id, addr) in &voters {
@@ -417,13 +438,16 @@ pub async fn sampling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
                 let mid = t0 + rtt / 2;
                 let local_mid = w0.saturating_add(ms(rtt / 2));
                 let offset_ms = i64::try_from(i128::from(r.wall_ms) - i128::from(local_mid)).unwrap_or(i64::MAX);
-                Some((id, Sample {
-                    at: mid,
-                    offset_ms,
-                    remote_wall_ms: r.wall_ms,
-                    remote_mono_ms: r.mono_ms,
-                    rtt_ms: ms(rtt),
-                }))
+                Some((
+                    id,
+                    Sample {
+                        at: mid,
+                        offset_ms,
+                        remote_wall_ms: r.wall_ms,
+                        remote_mono_ms: r.mono_ms,
+                        rtt_ms: ms(rtt),
+                    },
+                ))
             });
         }
         while let Some(r) = calls.join_next().await {
@@ -456,11 +480,13 @@ mod tests {
         let t = bounded_ms(Bounds { elapsed_ms: Some(real + 2_000), ..b(real + H, real) });
         assert_eq!(t, real + 2_500);
         // Followers sampled: bounded by their median + slack, and it stamps their median.
-        let t = bounded_ms(Bounds { elapsed_ms: Some(real), median_ms: Some(real), trusted: false, ..b(real + H, real) });
+        let t =
+            bounded_ms(Bounds { elapsed_ms: Some(real), median_ms: Some(real), trusted: false, ..b(real + H, real) });
         assert_eq!(t, real);
         // Two voters: the median is half an hour ahead; the elapsed bound holds it.
         let half = real + H / 2;
-        let t = bounded_ms(Bounds { elapsed_ms: Some(real), median_ms: Some(half), trusted: false, ..b(real + H, real) });
+        let t =
+            bounded_ms(Bounds { elapsed_ms: Some(real), median_ms: Some(half), trusted: false, ..b(real + H, real) });
         assert_eq!(t, real + 500);
     }
 
@@ -483,7 +509,11 @@ mod tests {
         assert_eq!(bounded_ms(Bounds { solo: true, elapsed_ms: Some(5), ..b(old + H, 0) }), old + H);
     }
 
-    fn samples(offsets_and_rates: &[(i64, f64)], span_ms: u64, rtt_ms: u64) -> (BTreeMap<u64, VecDeque<Sample>>, Instant) {
+    fn samples(
+        offsets_and_rates: &[(i64, f64)],
+        span_ms: u64,
+        rtt_ms: u64,
+    ) -> (BTreeMap<u64, VecDeque<Sample>>, Instant) {
         let t0 = Instant::now();
         let now = t0 + Duration::from_millis(span_ms);
         let mut m = BTreeMap::new();
@@ -558,7 +588,10 @@ mod tests {
         let g = ClockGuard::new(&crate::config::ServerConfig::default());
         let real = wall_ms();
         for peer in [2, 3] {
-            g.record(peer, Sample { at: Instant::now(), offset_ms: 0, remote_wall_ms: real, remote_mono_ms: 5, rtt_ms: 1 });
+            g.record(
+                peer,
+                Sample { at: Instant::now(), offset_ms: 0, remote_wall_ms: real, remote_mono_ms: 5, rtt_ms: 1 },
+            );
         }
         g.check(&[2, 3]);
         // The leader's wall clock steps an hour ahead before the next check: its stamp stays

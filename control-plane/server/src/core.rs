@@ -30,7 +30,6 @@ use tonic::transport::{Channel, Endpoint};
 /// Metadata key that names the leader's address on UNAVAILABLE answers.
 pub const LEADER_HEADER: &str = "suanli-leader";
 
-
 /// The shared core of one server.
 pub struct Core {
     /// This server's raft id.

@@ -32,5 +32,7 @@ pub use command::{
 };
 pub use config::{ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;
-pub use records::{AgentFence, Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason};
+pub use records::{
+    AgentFence, Alloc, AllocState, CheckpointRecord, Desired, Job, JobState, NodeRecord, NodeStatus, StopReason,
+};
 pub use state::{SNAPSHOT_FORMAT, SnapshotError, State};

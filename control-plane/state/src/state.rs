@@ -398,7 +398,14 @@ impl State {
         node.schedulable = mode == NodeMode::Schedulable;
         self.nodes.insert(
             id.clone(),
-            NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new(), fence: c.fence },
+            NodeRecord {
+                node,
+                status: NodeStatus::Ready,
+                mode,
+                updated_at: now,
+                reason: String::new(),
+                fence: c.fence,
+            },
         );
         let kinds_changed = self.nodes.get(&id).is_some_and(|r| {
             r.node.devices.iter().map(|d| (d.id.clone(), d.kind)).collect::<BTreeMap<_, _>>() != old_kinds

@@ -604,7 +604,8 @@ fn stamping_sets_every_time_a_command_carries_but_a_plans() {
 fn an_agents_fence_is_kept_and_old_entries_without_it_decode() {
     let mut s = cluster(0);
     let fence = suanli_state::AgentFence { after_ms: 1000, kill_grace_ms: 0 };
-    let c = Command::RegisterNode(Box::new(suanli_state::RegisterNode { node: node("f", 1), now: 5, fence: Some(fence) }));
+    let c =
+        Command::RegisterNode(Box::new(suanli_state::RegisterNode { node: node("f", 1), now: 5, fence: Some(fence) }));
     apply_ok(&mut s, c);
     let r = &s.nodes()[&NodeId::from("f")];
     assert_eq!(r.fence, Some(fence));
