@@ -356,11 +356,6 @@ impl ClockGuard {
         self.lock().last_pass.is_some_and(|p| p >= t)
     }
 
-    /// The last verdict.
-    pub fn verdict(&self) -> Verdict {
-        self.lock().verdict
-    }
-
     /// One line for `cluster version` and `Internal.Inspect`: the verdict, and on a leader
     /// each follower's clock against its own as last sampled (which server is off).
     pub fn line(&self) -> String {
