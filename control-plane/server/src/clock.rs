@@ -356,6 +356,11 @@ impl ClockGuard {
         self.lock().last_pass.is_some_and(|p| p >= t)
     }
 
+    /// Whether the last check passed.
+    pub fn passing(&self) -> bool {
+        self.lock().verdict.passed()
+    }
+
     /// One line for `cluster version` and `Internal.Inspect`: the verdict, and on a leader
     /// each follower's clock against its own as last sampled (which server is off).
     pub fn line(&self) -> String {

@@ -122,6 +122,7 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         // gets a full TTL, as under a new leader.
         if !core.is_leader() || core.halted().is_some() {
             leading = false;
+            deferred.clear();
             continue;
         }
         let t = Instant::now();
@@ -152,10 +153,11 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
                     continue;
                 }
                 // A clock check must have passed after the TTL was reached: a leader clock
-                // running fast, or one off its followers', declares nobody down.
+                // running fast, or one off its followers', declares nobody down. (Logged only
+                // while the check fails: one passing but not yet repeated is no news.)
                 if core.clock.passed_since(seen + ttl) {
                     down.push((id, ttl));
-                } else if deferred.insert(id.clone()) {
+                } else if !core.clock.passing() && deferred.insert(id.clone()) {
                     tracing::warn!(node = %id, clock = %core.clock.line(), "node silent past its TTL; not declared down until this leader's clock check passes");
                 }
             }
