@@ -608,7 +608,7 @@ impl Cluster for Api {
                 kind: h.kind,
                 reason: h.reason,
             }),
-            clock: self.0.clock.line(),
+            clock: self.0.clock.line(self.0.is_leader()),
             cluster_time_s: self.0.state.read(suanli_state::State::clock),
         })
     }
@@ -775,7 +775,7 @@ impl Internal for Api {
             halted_index: halt.as_ref().map_or(0, |h| h.index),
             halted_reason: halt.map(|h| h.reason).unwrap_or_default(),
             cluster_time_s: self.0.state.read(suanli_state::State::clock),
-            clock: self.0.clock.line(),
+            clock: self.0.clock.line(self.0.is_leader()),
         })
     }
 

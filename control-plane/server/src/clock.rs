@@ -363,8 +363,8 @@ impl ClockGuard {
 
     /// One line for `cluster version` and `Internal.Inspect`: the verdict, and on a leader
     /// each follower's clock against its own as last sampled (which server is off).
-    pub fn line(&self) -> String {
-        let (v, each) = {
+    pub fn line(&self, leading: bool) -> String {
+        let (mut v, each) = {
             let g = self.lock();
             let each: Vec<String> = g
                 .samples
@@ -373,6 +373,9 @@ impl ClockGuard {
                 .collect();
             (g.verdict, each)
         };
+        if leading && v.check == Check::Follower {
+            v.check = Check::Unknown; // leading, not checked yet
+        }
         let mut line = self.describe(&v);
         if !each.is_empty() {
             line += &format!("; followers against this server: {}", each.join(", "));

@@ -158,7 +158,7 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
                 if core.clock.passed_since(seen + ttl) {
                     down.push((id, ttl));
                 } else if !core.clock.passing() && deferred.insert(id.clone()) {
-                    tracing::warn!(node = %id, clock = %core.clock.line(), "node silent past its TTL; not declared down until this leader's clock check passes");
+                    tracing::warn!(node = %id, clock = %core.clock.line(core.is_leader()), "node silent past its TTL; not declared down until this leader's clock check passes");
                 }
             }
         }
