@@ -18,6 +18,15 @@ if ! have_libclang; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends libclang-dev >/dev/null
 fi
+# libfaketime: the chaos harness's clock faults (clock-skew, clock-rate) preload it into a
+# server. Without it those scenarios fail (they never skip).
+if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] && [ ! -e /usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1 ]; then
+  echo "setup: installing faketime (libfaketime, for the chaos harness's clock faults)"
+  SUDO=""
+  if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends faketime >/dev/null
+fi
 for c in rustfmt clippy; do
   if ! rustup component list --installed 2>/dev/null | grep -q "^$c"; then
     rustup component add "$c" >/dev/null 2>&1 || true

@@ -395,7 +395,15 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
                 return;
             }
         };
-        let req = pb::RegisterNodeRequest { node_json: json, agent_version: env!("CARGO_PKG_VERSION").into() };
+        // The fence travels with the registration: the leader's liveness waits it out
+        // (docs/control-plane.md, "Clocks").
+        let req = pb::RegisterNodeRequest {
+            node_json: json,
+            agent_version: env!("CARGO_PKG_VERSION").into(),
+            fence_after_ms: agent.cfg.fence_after_ms,
+            fence_kill_grace_ms: agent.cfg.fence_kill_grace_ms,
+            fence_reported: agent.cfg.fence,
+        };
         let resp = agent.servers.call(|mut c| {
             let req = req.clone();
             async move { c.register(req).await }

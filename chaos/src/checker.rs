@@ -15,6 +15,9 @@
 //! 7. **isolated leader** (scenarios that isolate one): it acknowledged nothing invoked after
 //!    it was cut off.
 //! 8. **stays writable** (scenarios with the hostile client): checked in [`crate::hostile`].
+//! 9. **bounded time**: no server's cluster time is ahead of the harness's real clock by more
+//!    than the bound, and no job waits out a retry backoff longer than the workload's longest
+//!    from real time (a leader's wrong clock froze neither).
 
 use crate::history::{Op, OpKind, Outcome};
 use crate::nemesis::Isolation;
@@ -258,6 +261,33 @@ pub fn settled(j: &pb::JobInfo, now_s: u64) -> bool {
     }
 }
 
+/// Invariant 9: servers whose cluster time (`(id, seconds)`) is ahead of `now_s` by more than
+/// `bound_s`, and jobs whose retry backoff ends later than `max_backoff_s` + `bound_s` from
+/// `now_s`.
+pub fn time_ahead(
+    times: &[(u64, u64)],
+    jobs: &[pb::JobInfo],
+    now_s: u64,
+    bound_s: u64,
+    max_backoff_s: u64,
+) -> Vec<String> {
+    let mut out: Vec<String> = times
+        .iter()
+        .filter(|(_, t)| *t > now_s.saturating_add(bound_s))
+        .map(|(id, t)| format!("server {id}: cluster time {} s ahead of real time (bound {bound_s} s)", t - now_s))
+        .collect();
+    let limit = now_s.saturating_add(bound_s).saturating_add(max_backoff_s);
+    out.extend(jobs.iter().filter(|j| j.not_before > limit).map(|j| {
+        format!(
+            "job {} ({}) not before {} s from now (longest backoff {max_backoff_s} s)",
+            j.id,
+            j.state,
+            j.not_before - now_s
+        )
+    }));
+    out
+}
+
 /// Invariant 6: entries that differ between servers at one committed index.
 pub fn log_disagreements(views: &[(u64, Vec<pb::LogDigest>)]) -> Vec<String> {
     let mut at: BTreeMap<u64, BTreeMap<(u64, u64), BTreeSet<u64>>> = BTreeMap::new();
@@ -330,5 +360,17 @@ mod tests {
         assert!(log_disagreements(&same).is_empty());
         let differ = [(1, vec![d(2, 1, 8)]), (2, vec![d(2, 2, 7)])];
         assert_eq!(log_disagreements(&differ).len(), 1);
+    }
+
+    #[test]
+    fn time_ahead_of_real_time_or_a_long_backoff_is_caught() {
+        let job =
+            |id: u64, not_before: u64| pb::JobInfo { id, not_before, state: "pending".into(), ..Default::default() };
+        let now = 1_000_000;
+        assert!(time_ahead(&[(1, now + 3), (2, now - 10)], &[job(1, now + 5)], now, 3, 2).is_empty());
+        let bad = time_ahead(&[(1, now + 3_600), (2, now)], &[job(7, now + 3_602), job(8, now + 1)], now, 3, 2);
+        assert_eq!(bad.len(), 2, "{bad:?}");
+        assert!(bad[0].contains("server 1") && bad[0].contains("3600 s ahead"), "{bad:?}");
+        assert!(bad[1].contains("job 7") && bad[1].contains("3602 s"), "{bad:?}");
     }
 }

@@ -50,6 +50,50 @@ pub struct Shape {
     pub heartbeat_ttl_ms: u64,
     /// Extra environment for every server (e.g. `SUANLI_FAILPOINTS` for a broken build).
     pub server_env: Vec<(String, String)>,
+    /// Servers run under libfaketime, their clocks settable with [`Cluster::set_clock`].
+    pub fake_clocks: Option<FakeClocks>,
+}
+
+/// Which of a server's clocks libfaketime fakes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FakeClocks {
+    /// The wall clock only (`FAKETIME_DONT_FAKE_MONOTONIC=1`): a skew is a step of the wall
+    /// clock, as an NTP step or an operator's `date -s` makes; `Instant`s are untouched.
+    Wall,
+    /// Wall and monotonic clocks (and sleeps): a rate fault makes the whole process run fast.
+    All,
+}
+
+/// A server's clock fault.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ClockFault {
+    /// The real clock.
+    None,
+    /// The wall clock this many seconds off (positive: ahead).
+    Skew(i64),
+    /// The clocks running this many times as fast as real time, from now on (no jump).
+    Rate(u32),
+}
+
+/// Where libfaketime is: `$SUANLI_CHAOS_LIBFAKETIME`, or Debian's `faketime` package paths.
+/// Missing, clock faults cannot run: an error that says how to install it (never a skip).
+pub fn libfaketime() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("SUANLI_CHAOS_LIBFAKETIME") {
+        return Ok(PathBuf::from(p));
+    }
+    for p in [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/faketime/libfaketime.so.1",
+        "/usr/local/lib/faketime/libfaketime.so.1",
+    ] {
+        if Path::new(p).exists() {
+            return Ok(PathBuf::from(p));
+        }
+    }
+    bail!(
+        "libfaketime is missing, and the clock faults need it: run scripts/setup.sh (apt-get install faketime) or set SUANLI_CHAOS_LIBFAKETIME"
+    )
 }
 
 /// A server process slot.
@@ -64,6 +108,8 @@ pub struct ServerProc {
     child: Option<Child>,
     /// SIGSTOPped now.
     pub paused: bool,
+    /// When its process was spawned (libfaketime counts a rate from its start).
+    started: Option<Instant>,
 }
 
 /// An agent process slot.
@@ -138,6 +184,9 @@ impl Cluster {
     /// Starts `shape.servers` servers (one initial cluster), `shape.agents` agents and every
     /// link's proxy; returns once a leader is known and the `default` queue exists.
     pub async fn start(bin: &Path, shape: Shape, seed: u64, keep: bool) -> anyhow::Result<Cluster> {
+        if shape.fake_clocks.is_some() {
+            libfaketime()?;
+        }
         let dir = tempfile::Builder::new().prefix("suanli-chaos-").disable_cleanup(keep).tempdir()?;
         // The servers' ports stay bound until the proxies (which bind ports of their own) are
         // up: released first, one could be handed to a proxy, and that server never starts.
@@ -155,6 +204,7 @@ impl Cluster {
                 dir: dir.path().join(format!("s{}", i + 1)),
                 child: None,
                 paused: false,
+                started: None,
             })
             .collect();
         let mut links = BTreeMap::new();
@@ -345,9 +395,77 @@ impl Cluster {
         for (k, v) in &self.shape.server_env {
             cmd.env(k, v);
         }
+        if let Some(fake) = self.shape.fake_clocks {
+            // A restarted server starts on the real clock: a fault never outlives its process.
+            let file = self.faketime_path(i);
+            write_atomically(&file, "+0\n")?;
+            cmd.env("LD_PRELOAD", libfaketime()?)
+                .env("FAKETIME_TIMESTAMP_FILE", &file)
+                .env("FAKETIME_CACHE_DURATION", "1")
+                .env_remove("FAKETIME");
+            if fake == FakeClocks::Wall {
+                cmd.env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+            }
+        }
         self.servers[i].child = Some(cmd.spawn().context("starting suanli server")?);
+        self.servers[i].started = Some(Instant::now());
         self.servers[i].paused = false;
         Ok(())
+    }
+
+    fn faketime_path(&self, i: usize) -> PathBuf {
+        self.dir.path().join(format!("s{}.faketime", i + 1))
+    }
+
+    /// Sets server `i`'s clock fault and returns once the server's clock (`Internal.Clock`)
+    /// shows it: libfaketime reads its file again within a second or two, and a fault must not
+    /// overlap the next one (two servers of three off is a majority of wrong clocks). The
+    /// cluster must have been started with [`Shape::fake_clocks`]. A rate is continuous: the
+    /// offset written makes the fast clock start from the real time of now. Back from a rate
+    /// to `None` would step the monotonic clock back: restart the server instead.
+    pub async fn set_clock(&self, i: usize, f: ClockFault) -> anyhow::Result<()> {
+        self.write_clock(i, f)?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(ch) = channel(&self.servers[i].peer_addr, Duration::from_secs(1)).await {
+                let req = pb::ClockRequest { group: "region".into() };
+                if let Ok(r) = InternalClient::new(ch).clock(req).await {
+                    let ahead_ms = i128::from(r.into_inner().wall_ms) - i128::from(crate::history::now_ms());
+                    let shows = match f {
+                        ClockFault::None => ahead_ms.abs() < 1_000,
+                        ClockFault::Skew(s) => (ahead_ms - i128::from(s) * 1000).abs() < 1_000,
+                        ClockFault::Rate(_) => ahead_ms > 200,
+                    };
+                    if shows {
+                        return Ok(());
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "server {}'s clock did not show {f:?} within 10 s (is libfaketime preloaded?)",
+                    self.servers[i].id
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn write_clock(&self, i: usize, f: ClockFault) -> anyhow::Result<()> {
+        if self.shape.fake_clocks.is_none() {
+            bail!("set_clock: this cluster was started without fake clocks");
+        }
+        let text = match f {
+            ClockFault::None => "+0".to_owned(),
+            ClockFault::Skew(s) => format!("{s:+}"),
+            ClockFault::Rate(x) => {
+                // libfaketime: fake = start + offset + (real - start) * x; continuous now when
+                // offset = -(real - start) * (x - 1).
+                let since = self.servers[i].started.map_or(0.0, |t| t.elapsed().as_secs_f64());
+                format!("{:+.3} x{x}", -since * f64::from(x.saturating_sub(1)))
+            }
+        };
+        write_atomically(&self.faketime_path(i), &format!("{text}\n"))
     }
 
     /// SIGKILL server `i` (continued first if paused, so it dies at once) and reap it.
@@ -629,6 +747,13 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         self.stop_all();
     }
+}
+
+fn write_atomically(path: &Path, text: &str) -> anyhow::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
 }
 
 /// Signals a process the harness started: each is the leader of its own process group

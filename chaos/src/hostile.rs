@@ -336,8 +336,11 @@ impl Hostile {
                     }
                     _ => {
                         let node = r#"{"id":"hostile-node","pool":"default","cpu_milli":1000,"memory_mib":1024,"devices":[],"sneaky":1}"#;
-                        let req =
-                            pb::RegisterNodeRequest { node_json: node.to_owned(), agent_version: "hostile".into() };
+                        let req = pb::RegisterNodeRequest {
+                            node_json: node.to_owned(),
+                            agent_version: "hostile".into(),
+                            ..Default::default()
+                        };
                         ("a node with an unknown field", AgentClient::new(ch).register(req).await.map(|_| ()))
                     }
                 };

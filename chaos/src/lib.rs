@@ -13,7 +13,8 @@
 //! 4. **recovery**: wait (bounded) until every job is running or finished;
 //! 5. **checks** ([`checker`]): acknowledged writes, over-commit and double runs from the
 //!    agents' journals, recovery, state-hash convergence, log agreement, the isolated leader;
-//!    in scenarios with the hostile client ([`hostile`]), that the cluster stays writable.
+//!    in scenarios with the hostile client ([`hostile`]), that the cluster stays writable; that
+//!    cluster time and retry backoffs stayed bounded by real time.
 //!
 //! Scenarios are listed in [`scenario::SCENARIOS`] and documented in chaos/README.md.
 
@@ -212,6 +213,7 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
         clients: opts.clients,
         heartbeat_ttl_ms: 3_000,
         server_env,
+        fake_clocks: scn.clocks,
     };
     let mut cluster = Cluster::start(&opts.bin, shape, seed, opts.keep).await.context("starting the cluster")?;
     tracing::info!(scenario = scn.name, seed, dir = %cluster.dir().display(), "cluster up");
@@ -281,6 +283,32 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
                 bound.as_secs(),
                 unsettled.join("; ")
             ),
+        },
+    });
+
+    // (9) bounded time: what every server applied against the harness's real clock.
+    let mut times = Vec::new();
+    for i in cluster.up_servers() {
+        if let Ok(r) = cluster.inspect(i, 0, 0).await {
+            times.push((r.id, r.cluster_time_s));
+        }
+    }
+    let now_s = history::now_ms() / 1000;
+    let ahead = checker::time_ahead(&times, &jobs, now_s, TIME_BOUND_S, spec.max_backoff_s());
+    verdicts.push(Verdict {
+        name: "bounded time",
+        ok: ahead.is_empty() && !times.is_empty(),
+        detail: if times.is_empty() {
+            "no server answered Internal.Inspect".to_owned()
+        } else if ahead.is_empty() {
+            let lead = times.iter().map(|(_, t)| i128::from(*t) - i128::from(now_s)).max().unwrap_or(0);
+            format!(
+                "cluster time on {} servers at most {lead:+} s from real time (bound {TIME_BOUND_S} s); every retry backoff within the workload's {} s",
+                times.len(),
+                spec.max_backoff_s()
+            )
+        } else {
+            sample(&ahead)
         },
     });
 
@@ -385,6 +413,10 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
         dir,
     })
 }
+
+/// How far cluster time may run ahead of real time (invariant 9): the servers'
+/// `max_clock_skew_ms` (500 ms), whole seconds in commands, and a clock sample's age.
+pub const TIME_BOUND_S: u64 = 3;
 
 /// Sets the flag when dropped.
 struct StopOnDrop(Arc<AtomicBool>);

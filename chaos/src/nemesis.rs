@@ -8,7 +8,7 @@
 //! Steps run one after another: inject, hold, heal. Every injection and heal is recorded in
 //! the history.
 
-use crate::cluster::{Cluster, From};
+use crate::cluster::{ClockFault, Cluster, From};
 use crate::history::{History, now_ms};
 use crate::proxy::Fault;
 use serde::Serialize;
@@ -67,6 +67,18 @@ pub enum Kind {
     /// gets SIGTERM (SIGKILL after 15 s, as systemd does), is started again and caught up
     /// before the next; the hold is the pause between two servers.
     RollingRestart,
+    /// A server's wall clock stepped an hour ahead or behind (seeded), stepped back after the
+    /// hold (libfaketime; the scenario runs its servers under it).
+    ClockSkew(Role),
+    /// A server's clocks (wall, monotonic, sleeps) run twice as fast; after the hold it is
+    /// restarted on the real clock (stepping a monotonic clock back is no fault a real
+    /// machine has).
+    ClockRate(Role),
+    /// The leader's clocks run twice as fast while an agent is SIGSTOPped for the hold (past
+    /// the heartbeat TTL in the leader's clock, not in real time): the node must not be
+    /// declared down before the agent's own fence fired (no double run). The agent is
+    /// continued and the server restarted on the real clock after the hold.
+    FastLeaderPausedAgent,
 }
 
 /// How long a SIGTERMed server may take before the rolling restart SIGKILLs it (systemd's
@@ -348,6 +360,40 @@ async fn inject(
             tokio::time::sleep(hold).await;
             cluster.heal_links();
             h.fault("network healthy again".into());
+        }
+        Kind::ClockSkew(r) => {
+            let Some(i) = role(cluster, r, rng).await else { return Ok(None) };
+            let s: i64 = if rng.below(2) == 0 { 3_600 } else { -3_600 };
+            cluster.set_clock(i, ClockFault::Skew(s)).await?;
+            h.fault(format!("clock of {} ({r:?}) stepped {s:+} s", name(cluster, i)));
+            tokio::time::sleep(hold).await;
+            cluster.set_clock(i, ClockFault::None).await?;
+            h.fault(format!("clock of {} back to real time", name(cluster, i)));
+        }
+        Kind::ClockRate(r) => {
+            let Some(i) = role(cluster, r, rng).await else { return Ok(None) };
+            cluster.set_clock(i, ClockFault::Rate(2)).await?;
+            h.fault(format!("clocks of {} ({r:?}) run 2x", name(cluster, i)));
+            tokio::time::sleep(hold).await;
+            cluster.kill_server(i);
+            cluster.start_server(i)?;
+            h.fault(format!("restart {} on the real clock", name(cluster, i)));
+        }
+        Kind::FastLeaderPausedAgent => {
+            let Some(i) = role(cluster, Role::Leader, rng).await else { return Ok(None) };
+            let a = rng.below(cluster.agents.len() as u64) as usize;
+            cluster.set_clock(i, ClockFault::Rate(2)).await?;
+            cluster.pause_agent(a, true);
+            h.fault(format!("clocks of leader {} run 2x; SIGSTOP agent {}", name(cluster, i), cluster.agents[a].node));
+            tokio::time::sleep(hold).await;
+            cluster.pause_agent(a, false);
+            cluster.kill_server(i);
+            cluster.start_server(i)?;
+            h.fault(format!(
+                "SIGCONT agent {}; restart {} on the real clock",
+                cluster.agents[a].node,
+                name(cluster, i)
+            ));
         }
         Kind::PowerLoss => {
             h.fault("power loss: every server SIGKILLed at once".into());

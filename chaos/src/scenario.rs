@@ -1,5 +1,6 @@
 //! The named scenarios (documented in chaos/README.md).
 
+use crate::cluster::FakeClocks;
 use crate::nemesis::{Kind, Role};
 
 /// A scenario: a cluster shape and the faults its nemesis draws from.
@@ -20,6 +21,8 @@ pub struct Scenario {
     /// The hostile client ([`crate::hostile`]) runs alongside the workload, and invariant 8
     /// (stays writable) is checked.
     pub hostile: bool,
+    /// Servers run under libfaketime (the clock faults need it).
+    pub clocks: Option<FakeClocks>,
 }
 
 /// Every scenario.
@@ -32,6 +35,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (500, 2_500),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "follower-kill-pause",
@@ -41,6 +45,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (500, 3_000),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "partition",
@@ -50,6 +55,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (1_000, 4_000),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "leader-isolated",
@@ -59,6 +65,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (3_000, 6_000),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "bridge",
@@ -68,6 +75,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (1_500, 4_000),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "agents",
@@ -77,6 +85,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (1_000, 5_000),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "plugin-faults",
@@ -86,6 +95,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (1_000, 3_000),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "membership",
@@ -95,6 +105,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (500, 2_000),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "disk",
@@ -104,6 +115,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (1_000, 3_000),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "flaky-net",
@@ -113,6 +125,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (2_000, 5_000),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "power-loss",
@@ -122,6 +135,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (300, 1_500),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "rolling-restart",
@@ -140,6 +154,27 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (500, 2_500),
         short: true,
         hostile: true,
+        clocks: None,
+    },
+    Scenario {
+        name: "clock-skew",
+        about: "a server's wall clock stepped an hour ahead or behind (the leader's, or a follower's), then back",
+        servers: 3,
+        kinds: &[Kind::ClockSkew(Role::Leader), Kind::ClockSkew(Role::Follower)],
+        hold_ms: (2_000, 5_000),
+        short: true,
+        hostile: false,
+        clocks: Some(FakeClocks::Wall),
+    },
+    Scenario {
+        name: "clock-rate",
+        about: "a server's clocks running twice as fast; the leader's while an agent is paused past the TTL",
+        servers: 3,
+        kinds: &[Kind::FastLeaderPausedAgent, Kind::ClockRate(Role::Follower)],
+        hold_ms: (3_000, 5_000),
+        short: true,
+        hostile: false,
+        clocks: Some(FakeClocks::All),
     },
     Scenario {
         name: "mixed",
@@ -166,6 +201,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (1_000, 3_000),
         short: true,
         hostile: false,
+        clocks: None,
     },
 ];
 

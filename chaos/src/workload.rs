@@ -32,6 +32,16 @@ pub struct WorkloadSpec {
     pub request_timeout_ms: u64,
 }
 
+/// The retry policy of every submission: 3 attempts, 1-2 s backoff.
+const RETRY: pb::RetryPolicy = pb::RetryPolicy { max_attempts: 3, backoff_base_s: 1, backoff_max_s: 2 };
+
+impl WorkloadSpec {
+    /// The longest retry backoff a submitted job can wait (s).
+    pub fn max_backoff_s(&self) -> u64 {
+        RETRY.backoff_max_s
+    }
+}
+
 impl Default for WorkloadSpec {
     fn default() -> Self {
         Self { think_ms: 150, task_ms: (300, 1500), submit_pct: 70, request_timeout_ms: 1000 }
@@ -163,7 +173,7 @@ impl Client {
         self.seq += 1;
         let request_id = format!("c{}-{}", self.id, self.seq);
         let spec_json = self.job_spec(&request_id);
-        let retry = Some(pb::RetryPolicy { max_attempts: 3, backoff_base_s: 1, backoff_max_s: 2 });
+        let retry = Some(RETRY);
         let invoked = now_ms();
         let (asked, r) = self
             .attempt(|ch| {

@@ -341,7 +341,7 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
                 .map(drop)
         }
         Rpc::Register => {
-            let req = pb::RegisterNodeRequest { node_json: text, agent_version: k.text.clone() };
+            let req = pb::RegisterNodeRequest { node_json: text, agent_version: k.text.clone(), ..Default::default() };
             AgentClient::new(ch).register(req).await.map(drop)
         }
         Rpc::Heartbeat => {

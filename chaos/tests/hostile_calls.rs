@@ -309,7 +309,8 @@ async fn a_client_holding_every_watch_slot_leaves_agents_theirs() {
     let l = c.wait_leader(Duration::from_secs(30)).await.expect("leader");
     writes(&c, l, "w").await.expect("writes");
     let node = serde_json::json!({"id": "n1", "pool": "cpu", "cpu_milli": 8000, "memory_mib": 16000});
-    let req = pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into() };
+    let req =
+        pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into(), ..Default::default() };
     let ch = channel(&c.addrs[l]).await.expect("connect");
     suanli_proto::v1::agent_client::AgentClient::new(ch).register(req).await.expect("register");
     for i in 0..3 {

@@ -138,7 +138,11 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
             let node = serde_json::json!({"id": format!("bench-node-{n}"), "pool": "bench",
                 "cpu_milli": 64_000u64, "memory_mib": 512_000u64});
             agent
-                .register(pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "bench".into() })
+                .register(pb::RegisterNodeRequest {
+                    node_json: node.to_string(),
+                    agent_version: "bench".into(),
+                    ..Default::default()
+                })
                 .await?;
         }
 

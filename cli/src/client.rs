@@ -1793,6 +1793,7 @@ async fn register(conn: &mut Conn, out: Output, file: &std::path::Path, keep_ali
     let req = pb::RegisterNodeRequest {
         node_json: serde_json::to_string(&node)?,
         agent_version: format!("suanli-cli/{}", env!("CARGO_PKG_VERSION")),
+        ..Default::default()
     };
     let ac = pb::agent_client::AgentClient::new;
     let r = register_once(conn, &req).await?;
@@ -2147,11 +2148,14 @@ async fn cluster(args: ConnArgs, cmd: ClusterCmd) -> anyhow::Result<()> {
                 Output::Json => print_value(&json!({
                     "id": r.id, "version": r.version, "command_version": r.command_version,
                     "command_kinds": r.command_kinds, "halt": halt, "cluster_id": r.cluster_id,
+                    "clock": r.clock, "cluster_time_s": r.cluster_time_s,
                 })),
                 Output::Table => {
                     println!("server {}: suanli {} (commands v{})", r.id, r.version, r.command_version);
                     println!("cluster {}", dash(&r.cluster_id));
                     println!("applies: {}", r.command_kinds.join(", "));
+                    println!("clock: {}", r.clock);
+                    println!("cluster time: {} s since the Unix epoch", r.cluster_time_s);
                     match &r.halt {
                         None => println!("applying the log (not halted)"),
                         Some(h) => println!(

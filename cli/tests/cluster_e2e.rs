@@ -79,7 +79,8 @@ async fn leader_killed_mid_stream_then_full_restart() {
     for n in 0..2 {
         let node = serde_json::json!({"id": format!("node-{n}"), "pool": "cpu", "cpu_milli": 1_000_000u64,
             "memory_mib": 4_000_000u64});
-        let req = pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "e2e".into() };
+        let req =
+            pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "e2e".into(), ..Default::default() };
         AgentClient::new(ch.clone()).register(req).await.unwrap();
     }
 

@@ -176,7 +176,8 @@ async fn queues_pools_nodes_and_jobs_come_back_once_across_small_pages() {
         let id = format!("node-{i:02}");
         let node = serde_json::json!({"id": id, "pool": format!("pool-{}", i % 6), "cpu_milli": 64000,
             "memory_mib": 256000, "labels": {"rack": format!("r{i}")}});
-        let req = pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into() };
+        let req =
+            pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into(), ..Default::default() };
         AgentClient::new(ch.clone()).register(req).await.unwrap();
         nodes.push(id);
     }

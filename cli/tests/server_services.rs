@@ -71,7 +71,8 @@ async fn jobs_on_new_connection(addr: &str) -> JobsClient<tonic::transport::Chan
 
 async fn register(addr: &str, node: &str) {
     let node = serde_json::json!({"id": node, "pool": "cpu", "cpu_milli": 8000, "memory_mib": 16000});
-    let req = pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into() };
+    let req =
+        pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into(), ..Default::default() };
     AgentClient::new(channel(addr).await.unwrap()).register(req).await.unwrap();
 }
 

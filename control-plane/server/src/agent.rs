@@ -3,7 +3,7 @@
 //! raft.
 
 use crate::convert;
-use crate::core::{Core, now_s};
+use crate::core::Core;
 use crate::status::{decode_json, invalid};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,7 +12,8 @@ use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_client::AgentClient;
 use suanli_proto::v1::agent_server::Agent;
 use suanli_state::{
-    AllocStatus, Command, DeviceHealth, NodeCondition, NodeStatus, RegisterNode, ReportCheckpoint, ReportedStatus,
+    AgentFence, AllocStatus, Command, DeviceHealth, NodeCondition, NodeStatus, RegisterNode, ReportCheckpoint,
+    ReportedStatus,
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status};
@@ -53,9 +54,25 @@ impl AgentApi {
 #[tonic::async_trait]
 impl Agent for AgentApi {
     async fn register(&self, req: Request<pb::RegisterNodeRequest>) -> Resp<pb::RegisterNodeResponse> {
-        let node: Node = decode_json("node_json", &req.into_inner().node_json, self.0.cfg.max_request_bytes)?;
+        let r = req.into_inner();
+        let node: Node = decode_json("node_json", &r.node_json, self.0.cfg.max_request_bytes)?;
         let id = node.id.clone();
-        self.0.propose(Command::RegisterNode(Box::new(RegisterNode { node, now: now_s() }))).await?;
+        let fence =
+            r.fence_reported.then_some(AgentFence { after_ms: r.fence_after_ms, kill_grace_ms: r.fence_kill_grace_ms });
+        let ttl = self.0.cfg.heartbeat_ttl_ms;
+        let need = crate::clock::ttl_for_fence(fence, ttl, self.0.cfg.max_clock_drift_permille);
+        if need > ttl {
+            let total = fence.map_or(0, |f| f.total_ms(ttl));
+            tracing::warn!(
+                node = %id,
+                fence_ms = total,
+                heartbeat_ttl_ms = ttl,
+                needed_ms = need,
+                "the agent's fence_after_ms + fence_kill_grace_ms does not fit the heartbeat TTL under the clock drift bound: the node is declared down only after {need} ms without a heartbeat (docs/control-plane.md, \"Clocks\")"
+            );
+        }
+        let cmd = RegisterNode { node, now: self.0.now_s(), fence };
+        self.0.propose(Command::RegisterNode(Box::new(cmd))).await?;
         if self.0.is_leader() {
             self.seen(&id);
         }
@@ -97,13 +114,14 @@ impl Agent for AgentApi {
         // heartbeat; the message is bounded so that a long one does not differ every time.
         let reported: String = r.disk_pressure.chars().take(MAX_PRESSURE_CHARS).collect();
         if reported != pressure {
-            let cmd = Command::NodeCondition(NodeCondition { node: id.clone(), pressure: reported, now: now_s() });
+            let cmd = Command::NodeCondition(NodeCondition { node: id.clone(), pressure: reported, now: self.0.now_s() });
             self.0.propose(cmd).await?;
             self.0.kick.notify_one();
         }
         for d in r.devices {
             let health = if d.healthy { Health::Healthy } else { Health::Unhealthy };
-            let cmd = Command::DeviceHealth(DeviceHealth { node: id.clone(), device: d.device, health, now: now_s() });
+            let cmd =
+                Command::DeviceHealth(DeviceHealth { node: id.clone(), device: d.device, health, now: self.0.now_s() });
             self.0.propose(cmd).await?;
             self.0.kick.notify_one();
         }
@@ -164,7 +182,7 @@ impl Agent for AgentApi {
             epoch: r.epoch,
             status,
             message: r.message,
-            now: now_s(),
+            now: self.0.now_s(),
         });
         self.0.propose(cmd).await?;
         if status != ReportedStatus::Running {
@@ -181,7 +199,7 @@ impl Agent for AgentApi {
             uri: r.uri,
             step: r.step,
             size_bytes: r.size_bytes,
-            now: now_s(),
+            now: self.0.now_s(),
         });
         self.0.propose(cmd).await?;
         ok(pb::ReportCheckpointResponse {})

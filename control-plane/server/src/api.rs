@@ -2,7 +2,7 @@
 //! `Internal` service, over the shared [`Core`].
 
 use crate::convert::{self, JobView};
-use crate::core::{Core, now_s};
+use crate::core::Core;
 use crate::page::{self, Page};
 use crate::status::{decode_json, invalid, invalid_model, unavailable};
 use openraft::ChangeMembers;
@@ -185,7 +185,7 @@ impl Jobs for Api {
         let r = req.into_inner();
         let max = self.0.state.read(|s| s.config().max_message_len);
         check_text(|| "reason".into(), &r.reason, max).map_err(|e| invalid_model(&e))?;
-        let cmd = Command::CancelJob(CancelJob { job: JobId(r.job_id), reason: r.reason, now: now_s() });
+        let cmd = Command::CancelJob(CancelJob { job: JobId(r.job_id), reason: r.reason, now: self.0.now_s() });
         self.0.propose(cmd).await?;
         self.0.kick.notify_one();
         ok(pb::CancelJobResponse {})
@@ -380,7 +380,7 @@ impl Nodes for Api {
         }
         let drain = (mode == suanli_state::NodeMode::Draining)
             .then_some(suanli_state::DrainOptions { grace_s: r.grace_s, max_unavailable: r.max_unavailable });
-        self.0.propose(Command::SetNodeMode(SetNodeMode { node: NodeId(r.id), mode, now: now_s(), drain })).await?;
+        self.0.propose(Command::SetNodeMode(SetNodeMode { node: NodeId(r.id), mode, now: self.0.now_s(), drain })).await?;
         self.0.kick.notify_one();
         ok(pb::SetNodeModeResponse {})
     }
@@ -423,7 +423,7 @@ impl Api {
             client_request_id: r.client_request_id,
             spec,
             retry,
-            now: now_s(),
+            now: self.0.now_s(),
         })))
     }
 }
@@ -670,6 +670,8 @@ impl Cluster for Api {
                 reason: h.reason,
             }),
             cluster_id: self.0.state.read(|s| s.cluster_id().to_owned()),
+            clock: self.0.clock.line(self.0.is_leader()),
+            cluster_time_s: self.0.state.read(suanli_state::State::clock),
         })
     }
 
@@ -874,6 +876,15 @@ impl Internal for Api {
             halted_index: halt.as_ref().map_or(0, |h| h.index),
             halted_reason: halt.map(|h| h.reason).unwrap_or_default(),
             cluster_id: self.0.state.read(|s| s.cluster_id().to_owned()),
+            cluster_time_s: self.0.state.read(suanli_state::State::clock),
+            clock: self.0.clock.line(self.0.is_leader()),
         })
+    }
+
+    async fn clock(&self, req: Request<pb::ClockRequest>) -> Resp<pb::ClockResponse> {
+        if req.into_inner().group != self.0.cfg.raft.group {
+            return Err(Status::not_found("group: not served here"));
+        }
+        ok(pb::ClockResponse { wall_ms: crate::clock::wall_ms(), mono_ms: self.0.clock.mono_ms() })
     }
 }

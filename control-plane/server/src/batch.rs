@@ -114,7 +114,8 @@ async fn propose_batch(core: &Core, batch: Vec<(Command, Reply)>) {
             continue;
         }
         let (cmds, replies): (Vec<Command>, Vec<Reply>) = batch.into_iter().unzip();
-        let cmd = Command::Batch(Batch { commands: cmds });
+        let mut cmd = Command::Batch(Batch { commands: cmds });
+        cmd.stamp(core.now_s());
         let encoded = match suanli_raft::encode(&cmd) {
             Ok(e) => e,
             Err(e) => {

@@ -150,6 +150,16 @@ pub struct ServerConfig {
     /// On SIGTERM: how long the listeners let open requests finish before the remaining
     /// connections (agent watch streams, idle HTTP/2 connections) are closed.
     pub shutdown_grace_ms: u64,
+    /// Most the leader's wall clock may differ from the median of its followers' before it
+    /// stops acting on its own clock (docs/control-plane.md, "Clocks"); also how far the
+    /// cluster's time may run ahead of that median.
+    pub max_clock_skew_ms: u64,
+    /// The clock drift bound ρ, in thousandths: the most the leader's clock rate may differ
+    /// from its followers' (measured), and the most any clock is assumed to drift when the
+    /// heartbeat TTL is checked against an agent's fence.
+    pub max_clock_drift_permille: u64,
+    /// How often the leader samples its followers' clocks (`Internal.Clock`).
+    pub clock_check_interval_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -183,6 +193,9 @@ impl Default for ServerConfig {
             max_concurrent_per_connection: 1_024,
             leader_handoff_ms: 2_000,
             shutdown_grace_ms: 5_000,
+            max_clock_skew_ms: 500,
+            max_clock_drift_permille: 50,
+            clock_check_interval_ms: 500,
         }
     }
 }
@@ -334,6 +347,9 @@ impl ServerConfig {
         range("max_concurrent_per_connection", self.max_concurrent_per_connection as u64, 1, 1_000_000)?;
         range("leader_handoff_ms", self.leader_handoff_ms, 0, 60_000)?;
         range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 600_000)?;
+        range("max_clock_skew_ms", self.max_clock_skew_ms, 10, 3_600_000)?;
+        range("max_clock_drift_permille", self.max_clock_drift_permille, 1, 500)?;
+        range("clock_check_interval_ms", self.clock_check_interval_ms, 10, 60_000)?;
         Ok(())
     }
 }

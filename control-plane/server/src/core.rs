@@ -16,7 +16,7 @@ use openraft::ServerState;
 use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use suanli_model::NodeId;
 use suanli_proto::v1::internal_client::InternalClient;
 use suanli_proto::v1::{ProposeRequest, ReadIndexRequest};
@@ -29,11 +29,6 @@ use tonic::transport::{Channel, Endpoint};
 
 /// Metadata key that names the leader's address on UNAVAILABLE answers.
 pub const LEADER_HEADER: &str = "suanli-leader";
-
-/// Seconds since the Unix epoch (the time commands carry).
-pub fn now_s() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
 
 /// The shared core of one server.
 pub struct Core {
@@ -60,6 +55,8 @@ pub struct Core {
     confirmed: tokio::sync::Mutex<Option<Instant>>,
     /// One `Cluster.Backup` at a time (each holds the whole state in memory while it streams).
     pub backups: std::sync::Arc<tokio::sync::Semaphore>,
+    /// The leader's clock check and the bound on the time it stamps (leader memory).
+    pub clock: crate::clock::ClockGuard,
 }
 
 impl Core {
@@ -70,7 +67,9 @@ impl Core {
         state: StateHandle,
         log: suanli_raft::LogStore<suanli_raft::TypeConfig>,
     ) -> Self {
+        let clock = crate::clock::ClockGuard::new(&cfg);
         Self {
+            clock,
             id: cfg.id,
             watchers: WatchSlots::new(cfg.watch_limits()),
             cfg,
@@ -90,6 +89,21 @@ impl Core {
     pub fn stats_of(&self, node: &NodeId) -> Vec<suanli_proto::v1::DeviceStats> {
         let m = self.device_stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         m.get(node).cloned().unwrap_or_default()
+    }
+
+    /// Cluster time to stamp on a command now (seconds): on the leader, its clock bounded by
+    /// the state's time, the elapsed time of its leadership and its followers' clocks
+    /// (docs/control-plane.md, "Clocks"); elsewhere this server's clock, which the leader
+    /// replaces when the command reaches it.
+    pub fn now_s(&self) -> u64 {
+        let floor_ms = self.state.read(State::clock).saturating_mul(1000);
+        let (term, solo) = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            let leading = (m.state == ServerState::Leader).then_some(m.current_term);
+            (leading, m.membership_config.membership().voter_ids().all(|v| v == self.id))
+        };
+        self.clock.now_ms(term, floor_ms, solo) / 1000
     }
 
     /// The configured request timeout.
@@ -189,7 +203,8 @@ impl Core {
     }
 
     /// Like [`Core::propose`] but returns a refusal as a [`Response::Rejected`].
-    pub async fn propose_raw(&self, cmd: Command) -> Result<(Response, u64), Status> {
+    pub async fn propose_raw(&self, mut cmd: Command) -> Result<(Response, u64), Status> {
+        cmd.stamp(self.now_s());
         // Encoded once: the log, the transport and a retry all share these bytes.
         let cmd = suanli_raft::encode(&cmd).map_err(|e| rejection(&e))?;
         self.propose_encoded(cmd).await
@@ -253,10 +268,13 @@ impl Core {
 
     /// Proposes on this server only (the `Internal.Propose` handler): never forwards again.
     /// `SkipEntry` is the one command proposed while halted.
-    pub async fn propose_local(&self, cmd: Command) -> Result<(Response, u64), Status> {
+    /// Every time the command carries is stamped here, by the leader (a follower's stamp is
+    /// replaced).
+    pub async fn propose_local(&self, mut cmd: Command) -> Result<(Response, u64), Status> {
         if !matches!(cmd, Command::SkipEntry(_)) {
             self.refuse_if_halted()?;
         }
+        cmd.stamp(self.now_s());
         let r = tokio::time::timeout(self.timeout(), suanli_raft::write(&self.raft, &self.state, cmd)).await;
         match r {
             Err(_) => Err(Status::deadline_exceeded("the write did not commit within the request timeout")),

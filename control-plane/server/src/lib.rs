@@ -22,6 +22,7 @@ mod agent;
 mod api;
 pub mod backup;
 mod batch;
+mod clock;
 pub mod config;
 mod convert;
 mod core;
@@ -165,6 +166,7 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         tokio::spawn(loops::liveness(core.clone(), stop_rx.clone())),
         tokio::spawn(lifecycle::watch_membership(core.clone(), stop_rx.clone(), ending_tx)),
         tokio::spawn(loops::identity(core.clone(), stop_rx.clone())),
+        tokio::spawn(clock::sampling(core.clone(), stop_rx.clone())),
     ];
     tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), peer_listen = %peer_addr, peer_advertise = %cfg.peer_advertised(), data_dir = %cfg.data_dir.display(), "suanli server listening");
     let (done_tx, done_rx) = watch::channel(false);

@@ -4,11 +4,12 @@
 //! ```text
 //!  scheduling: wake (kick | interval) ─▶ view = state.cluster_view(now) ─▶ schedule(view, now,
 //!              seed ^ applied index) ─▶ ApplyPlan{plan, now} through raft (apply re-checks it)
-//!  liveness:   every heartbeat interval ─▶ ready node silent for the TTL ─▶ NodeDown through
-//!              raft (its allocations are lost and their jobs requeued by apply)
+//!  liveness:   every heartbeat interval ─▶ ready node silent for its TTL (never shorter than
+//!              its agent's fence under the drift bound) and a clock check passed since
+//!              ─▶ NodeDown through raft (its allocations are lost and their jobs requeued)
 //! ```
 
-use crate::core::{Core, now_s};
+use crate::core::Core;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use suanli_model::{NodeId, Plan};
@@ -96,7 +97,7 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         if !core.is_leader() || core.halted().is_some() {
             continue;
         }
-        let now = now_s();
+        let now = core.now_s();
         let view = core.state.read(|s| s.cluster_view(now));
         if view.pending.is_empty() {
             continue;
@@ -142,6 +143,7 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
     // The term this server last led in: a leadership lost and won back between two ticks
     // is a new leadership too (the nodes heartbeated to another leader meanwhile).
     let mut leading: Option<u64> = None;
+    let mut deferred = std::collections::BTreeSet::new();
     loop {
         tokio::select! {
             () = tokio::time::sleep(period) => {}
@@ -151,12 +153,22 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         // gets a full TTL, as under a new leader.
         if !core.is_leader() || core.halted().is_some() {
             leading = None;
+            deferred.clear();
             continue;
         }
         let term = core.raft.metrics().borrow().current_term;
         let t = Instant::now();
-        let ready: Vec<NodeId> = core.state.read(|s: &State| {
-            s.nodes().values().filter(|n| n.status == NodeStatus::Ready).map(|n| n.node.id.clone()).collect()
+        let drift = core.cfg.max_clock_drift_permille;
+        let ready: Vec<(NodeId, Duration)> = core.state.read(|s: &State| {
+            s.nodes()
+                .values()
+                .filter(|n| n.status == NodeStatus::Ready)
+                .map(|n| {
+                    // Never shorter than what the agent's fence needs under the drift bound.
+                    let need = crate::clock::ttl_for_fence(n.fence, core.cfg.heartbeat_ttl_ms, drift);
+                    (n.node.id.clone(), ttl.max(Duration::from_millis(need)))
+                })
+                .collect()
         });
         let mut down = Vec::new();
         {
@@ -167,31 +179,41 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
                 hb.clear();
                 leading = Some(term);
             }
-            for id in ready {
+            for (id, ttl) in ready {
                 let seen = *hb.entry(id.clone()).or_insert(t);
-                if t.duration_since(seen) > ttl {
-                    down.push(id);
+                if t.duration_since(seen) <= ttl {
+                    deferred.remove(&id);
+                    continue;
+                }
+                // A clock check must have passed after the TTL was reached: a leader clock
+                // running fast, or one off its followers', declares nobody down. (Logged only
+                // while the check fails: one passing but not yet repeated is no news.)
+                if core.clock.passed_since(seen + ttl) {
+                    down.push((id, ttl));
+                } else if !core.clock.passing() && deferred.insert(id.clone()) {
+                    tracing::warn!(node = %id, clock = %core.clock.line(core.is_leader()), "node silent past its TTL; not declared down until this leader's clock check passes");
                 }
             }
         }
         // Drains whose grace period ran out (or whose budget freed up) with work still on
         // their node: the state machine evicts at the time a command brings.
-        let due = core.state.read(|s: &State| s.drains_due(now_s()));
+        let due = core.state.read(|s: &State| s.drains_due(core.now_s()));
         for id in due {
             let cmd = Command::SetNodeMode(SetNodeMode {
                 node: id.clone(),
                 mode: suanli_state::NodeMode::Draining,
-                now: now_s(),
+                now: core.now_s(),
                 drain: None,
             });
             if let Err(e) = core.propose_local(cmd).await {
                 tracing::info!(node = %id, error = %e.message(), "drain step not committed");
             }
         }
-        for id in down {
+        for (id, ttl) in down {
+            deferred.remove(&id);
             let reason = format!("no heartbeat for {} ms", ttl.as_millis());
             tracing::warn!(node = %id, %reason, "declaring node down");
-            let cmd = Command::NodeDown(NodeDown { node: id.clone(), reason, now: now_s() });
+            let cmd = Command::NodeDown(NodeDown { node: id.clone(), reason, now: core.now_s() });
             match core.propose_local(cmd).await {
                 Ok(_) => {
                     core.heartbeats.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&id);

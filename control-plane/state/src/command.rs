@@ -41,6 +41,11 @@ pub struct RegisterNode {
     pub node: Node,
     /// Leader's time, seconds.
     pub now: u64,
+    /// The agent's fence, when it reported one: the node may be declared down only after
+    /// a heartbeat TTL long enough for it under the clock drift bound (docs/control-plane.md,
+    /// "Clocks"). Absent in entries written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence: Option<crate::records::AgentFence>,
 }
 
 /// Whether a node takes new work.
@@ -358,6 +363,31 @@ commands! {
 }
 
 impl Command {
+    /// Sets the time a command carries (the leader stamps every command it proposes, those
+    /// forwarded to it included; see docs/control-plane.md, "Clocks"). A plan keeps the `now`
+    /// it was computed for, and commands without a time are left as they are.
+    pub fn stamp(&mut self, now: u64) {
+        match self {
+            Command::RegisterNode(c) => c.now = now,
+            Command::SetNodeMode(c) => c.now = now,
+            Command::NodeDown(c) => c.now = now,
+            Command::DeviceHealth(c) => c.now = now,
+            Command::SubmitJob(c) => c.now = now,
+            Command::CancelJob(c) => c.now = now,
+            Command::AllocStatus(c) => c.now = now,
+            Command::ReportCheckpoint(c) => c.now = now,
+            Command::NodeCondition(c) => c.now = now,
+            Command::Batch(b) => b.commands.iter_mut().for_each(|c| c.stamp(now)),
+            Command::ApplyPlan(_)
+            | Command::UpsertQueue(_)
+            | Command::DeleteQueue(_)
+            | Command::UpdateConfig(_)
+            | Command::SkipEntry(_)
+            | Command::SetClusterId(_)
+            | Command::Unknown { .. } => {}
+        }
+    }
+
     /// The kind of the first command (this one, or one inside a batch) that this build does
     /// not know and may not skip: such a command must not be applied at all, so a replica
     /// halts before it rather than apply half a batch.

@@ -34,7 +34,7 @@ pub use command::{
 pub use config::{ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;
 pub use records::{
-    Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, DrainPlan, Job, JobState, MAX_ATTEMPT_HISTORY,
+    AgentFence, Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, DrainPlan, Job, JobState, MAX_ATTEMPT_HISTORY,
     NodeRecord, NodeStatus, StopReason,
 };
 pub use state::{SNAPSHOT_FORMAT, SnapshotError, State};

@@ -266,6 +266,9 @@ pub struct NodeRecord {
     /// builds: their drains evicted everything at once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drain: Option<DrainPlan>,
+    /// The agent's fence as it last registered (absent: it reported none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence: Option<AgentFence>,
 }
 
 /// A drain in progress on one node.
@@ -278,6 +281,26 @@ pub struct DrainPlan {
     pub max_unavailable: u32,
     /// Jobs this drain evicted that are not yet running again (nor finished).
     pub moving: BTreeSet<JobId>,
+}
+
+/// How long an agent lets its tasks run without a renewed lease (docs/agent.md, "The lease"):
+/// F then G, in the agent's own clock. The leader's liveness never declares the node down
+/// sooner (docs/control-plane.md, "Clocks").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentFence {
+    /// `fence_after_ms` (F); 0: automatic, half the heartbeat TTL.
+    pub after_ms: u64,
+    /// `fence_kill_grace_ms` (G); 0: automatic, a fifth of the heartbeat TTL.
+    pub kill_grace_ms: u64,
+}
+
+impl AgentFence {
+    /// F + G for a heartbeat TTL (the automatic values resolve as the agent resolves them).
+    pub fn total_ms(&self, ttl_ms: u64) -> u64 {
+        let f = if self.after_ms > 0 { self.after_ms } else { ttl_ms / 2 };
+        let g = if self.kill_grace_ms > 0 { self.kill_grace_ms } else { ttl_ms / 5 };
+        f.saturating_add(g)
+    }
 }
 
 impl NodeRecord {

@@ -473,7 +473,16 @@ impl State {
         let drain = self.nodes.get(&id).and_then(|r| r.drain.clone());
         self.nodes.insert(
             id.clone(),
-            NodeRecord { node, status: NodeStatus::Ready, mode, updated_at: now, reason: String::new(), pressure, drain },
+            NodeRecord {
+                node,
+                status: NodeStatus::Ready,
+                mode,
+                updated_at: now,
+                reason: String::new(),
+                fence: c.fence,
+                pressure,
+                drain,
+            },
         );
         let kinds_changed = self.nodes.get(&id).is_some_and(|r| {
             r.node.devices.iter().map(|d| (d.id.clone(), d.kind)).collect::<BTreeMap<_, _>>() != old_kinds

@@ -677,3 +677,65 @@ fn a_batch_applies_each_command_as_its_own_entry() {
     assert!(matches!(s.apply(nested), Response::Rejected(CommandError::Invalid { .. })));
     assert_eq!(s.state_hash(), before);
 }
+
+#[test]
+fn cluster_time_never_goes_backwards_and_a_retry_waits_from_it() {
+    let mut s = cluster(1);
+    apply_ok(&mut s, submit("a", spec("q", 1, 1, 0), 100));
+    assert_eq!(s.clock(), 100);
+    // A command stamped earlier (a leader whose clock is behind) does not move time back.
+    apply_ok(&mut s, Command::CancelJob(CancelJob { job: JobId(9), reason: "x".into(), now: 50 }));
+    assert_eq!(s.clock(), 100, "time is the latest seen, never an earlier stamp");
+    let retry = RetryPolicy { max_attempts: 3, backoff_base_s: 8, backoff_max_s: 60 };
+    let sub = SubmitJob { client_request_id: "b".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 90 };
+    apply_ok(&mut s, Command::SubmitJob(Box::new(sub)));
+    schedule_once(&mut s, 101);
+    let (a, e) = allocs_of(&s, 2)[0];
+    // The failure report is stamped behind cluster time: the backoff counts from cluster time.
+    apply_ok(&mut s, report(a, e, ReportedStatus::Failed, 95));
+    let j = s.job(JobId(2)).expect("job");
+    assert_eq!(j.not_before, 101 + 8, "8 s from the cluster's time, not from a stamp behind it");
+}
+
+#[test]
+fn stamping_sets_every_time_a_command_carries_but_a_plans() {
+    let mut c = Command::Batch(suanli_state::Batch {
+        commands: vec![
+            submit("a", spec("q", 1, 1, 0), 1),
+            Command::CancelJob(CancelJob { job: JobId(1), reason: "x".into(), now: 2 }),
+            register(node("n", 1), 3),
+        ],
+    });
+    c.stamp(77);
+    let Command::Batch(b) = &c else { panic!("a batch") };
+    for cmd in &b.commands {
+        let now = match cmd {
+            Command::SubmitJob(x) => x.now,
+            Command::CancelJob(x) => x.now,
+            Command::RegisterNode(x) => x.now,
+            other => panic!("unexpected {other:?}"),
+        };
+        assert_eq!(now, 77, "{cmd:?}");
+    }
+    let mut p = Command::ApplyPlan(ApplyPlan { plan: Plan::default(), now: 5 });
+    p.stamp(77);
+    assert_eq!(p, Command::ApplyPlan(ApplyPlan { plan: Plan::default(), now: 5 }), "a plan keeps its own now");
+}
+
+#[test]
+fn an_agents_fence_is_kept_and_old_entries_without_it_decode() {
+    let mut s = cluster(0);
+    let fence = suanli_state::AgentFence { after_ms: 1000, kill_grace_ms: 0 };
+    let c =
+        Command::RegisterNode(Box::new(suanli_state::RegisterNode { node: node("f", 1), now: 5, fence: Some(fence) }));
+    apply_ok(&mut s, c);
+    let r = &s.nodes()[&NodeId::from("f")];
+    assert_eq!(r.fence, Some(fence));
+    assert_eq!(fence.total_ms(3000), 1000 + 600, "automatic G is a fifth of the TTL");
+    // An entry written before the field existed decodes, and encodes back without it.
+    let old = register(node("g", 1), 6);
+    let text = serde_json::to_string(&old).expect("encodes");
+    assert!(!text.contains("fence"), "{text}");
+    let back: Command = serde_json::from_str(&text).expect("decodes");
+    assert_eq!(back, old);
+}

@@ -99,7 +99,7 @@ pub fn node_cmd() -> Command {
         schedulable: true,
         agent_addr: String::new(),
     };
-    Command::RegisterNode(Box::new(RegisterNode { node, now: 1 }))
+    Command::RegisterNode(Box::new(RegisterNode { node, now: 1, fence: None }))
 }
 
 pub fn submit_cmd(i: usize) -> Command {

@@ -70,7 +70,7 @@ pub fn upsert_queue(q: Queue) -> Command {
 }
 
 pub fn register(n: Node, now: u64) -> Command {
-    Command::RegisterNode(Box::new(RegisterNode { node: n, now }))
+    Command::RegisterNode(Box::new(RegisterNode { node: n, now, fence: None }))
 }
 
 pub fn submit(rid: &str, spec: JobSpec, now: u64) -> Command {
