@@ -145,6 +145,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hold_ms: (500, 1_500),
         short: true,
         hostile: false,
+        clocks: None,
     },
     Scenario {
         name: "hostile-client",

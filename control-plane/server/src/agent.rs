@@ -114,7 +114,8 @@ impl Agent for AgentApi {
         // heartbeat; the message is bounded so that a long one does not differ every time.
         let reported: String = r.disk_pressure.chars().take(MAX_PRESSURE_CHARS).collect();
         if reported != pressure {
-            let cmd = Command::NodeCondition(NodeCondition { node: id.clone(), pressure: reported, now: self.0.now_s() });
+            let cmd =
+                Command::NodeCondition(NodeCondition { node: id.clone(), pressure: reported, now: self.0.now_s() });
             self.0.propose(cmd).await?;
             self.0.kick.notify_one();
         }

@@ -380,7 +380,9 @@ impl Nodes for Api {
         }
         let drain = (mode == suanli_state::NodeMode::Draining)
             .then_some(suanli_state::DrainOptions { grace_s: r.grace_s, max_unavailable: r.max_unavailable });
-        self.0.propose(Command::SetNodeMode(SetNodeMode { node: NodeId(r.id), mode, now: self.0.now_s(), drain })).await?;
+        self.0
+            .propose(Command::SetNodeMode(SetNodeMode { node: NodeId(r.id), mode, now: self.0.now_s(), drain }))
+            .await?;
         self.0.kick.notify_one();
         ok(pb::SetNodeModeResponse {})
     }

@@ -193,23 +193,6 @@ impl ProcessCluster {
         }
     }
 
-    /// Waits up to `within` for server `i` to exit on its own; its exit status, or `None`
-    /// when it still runs.
-    pub fn wait_exit(&mut self, i: usize, within: Duration) -> Option<std::process::ExitStatus> {
-        let t = Instant::now();
-        loop {
-            let p = self.procs[i].as_mut()?;
-            if let Ok(Some(st)) = p.try_wait() {
-                self.procs[i] = None;
-                return Some(st);
-            }
-            if t.elapsed() >= within {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
     /// Server `i`'s process id, when it runs.
     pub fn pid(&self, i: usize) -> Option<u32> {
         self.procs[i].as_ref().map(Child::id)
