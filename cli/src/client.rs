@@ -1672,9 +1672,11 @@ async fn node(args: ConnArgs, cmd: NodeCmd) -> anyhow::Result<()> {
                             // Why it takes no work: down, a drain in progress, or a condition its
                             // agent reported.
                             let now = now_s();
-                            let drain = (n.mode == pb::NodeMode::Draining as i32 && n.drain_deadline > now)
-                                .then(|| format!("drain: evicts in {}s", n.drain_deadline - now))
-                                .unwrap_or_default();
+                            let drain = if n.mode == pb::NodeMode::Draining as i32 && n.drain_deadline > now {
+                                format!("drain: evicts in {}s", n.drain_deadline - now)
+                            } else {
+                                String::new()
+                            };
                             let why = [n.reason.as_str(), drain.as_str(), n.pressure.as_str()]
                                 .into_iter()
                                 .filter(|r| !r.is_empty())
