@@ -203,9 +203,18 @@ pub fn dev(args: DevArgs) -> Result<()> {
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|s| *s).await;
         };
-        let server = tokio::spawn(suanli_server::serve(cfg, stopped(stop_rx.clone())));
-        if let Err(e) = ensure_default_queue(&args.listen).await {
-            tracing::warn!(error = %e, "could not create the default queue");
+        let mut server = tokio::spawn(suanli_server::serve(cfg, stopped(stop_rx.clone())));
+        // A server that cannot start (a port in use, say) ends `suanli dev` at once, naming why.
+        tokio::select! {
+            r = &mut server => {
+                r.context("server task")??;
+                anyhow::bail!("the dev server stopped before it was ready");
+            }
+            r = ensure_default_queue(&args.listen) => {
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "could not create the default queue");
+                }
+            }
         }
         let mut handles = Vec::new();
         for a in agents {
@@ -219,7 +228,14 @@ pub fn dev(args: DevArgs) -> Result<()> {
             handles.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(),
             args.data_dir.display()
         );
-        shutdown_signal().await;
+        let mut ended = None;
+        tokio::select! {
+            () = shutdown_signal() => {}
+            r = &mut server => {
+                tracing::error!("the dev server stopped; stopping the agents");
+                ended = Some(r);
+            }
+        }
         let _ = stop_tx.send(true);
         for (id, h) in handles {
             match h.await {
@@ -228,7 +244,10 @@ pub fn dev(args: DevArgs) -> Result<()> {
                 Err(e) => tracing::warn!(agent = %id, error = %e, "agent task failed"),
             }
         }
-        server.await.context("server task")??;
+        match ended {
+            Some(r) => r.context("server task")??,
+            None => server.await.context("server task")??,
+        }
         Ok(())
     })
 }

@@ -58,7 +58,7 @@ fn examples() -> PathBuf {
 #[test]
 fn dev_runs_an_example_job_on_fake_gpus() {
     let dir = tempfile::tempdir().unwrap();
-    let port = suanli_server::local::free_ports(1).unwrap()[0];
+    let port = suanli_server::local::free_port_pair().unwrap();
     let addr = format!("127.0.0.1:{port}");
     let plugin_dir = Path::new(bin()).parent().unwrap().to_path_buf();
     let log = std::fs::File::create(dir.path().join("dev.log")).unwrap();

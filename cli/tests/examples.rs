@@ -381,7 +381,7 @@ fn run_every_job(addr: &str, dir: &Path, logs: &dyn Fn() -> String) {
 #[test]
 fn every_dev_example_runs_on_suanli_dev() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = suanli_server::local::free_ports(1).expect("a port")[0];
+    let port = suanli_server::local::free_port_pair().expect("a port pair");
     let addr = format!("127.0.0.1:{port}");
     let log = dir.path().join("dev.log");
     let _dev = spawn_logged(

@@ -17,6 +17,19 @@ pub fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
     ls.iter().map(|l| l.local_addr().map(|a| a.port())).collect()
 }
 
+/// A loopback port `p` with `p + 1` free too (a server's client port and its default peer
+/// port, as `suanli dev` and a server without `--peer-listen` use them).
+pub fn free_port_pair() -> std::io::Result<u16> {
+    for _ in 0..100 {
+        let a = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let p = a.local_addr()?.port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return Ok(p);
+        }
+    }
+    Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "no free loopback port pair in 100 tries"))
+}
+
 /// `n` loopback ports held open until the listeners are dropped: a caller that binds other
 /// sockets first (proxies, say) drops them just before starting the servers, so no other
 /// `bind(0)` of its own can be handed a server's port in between.
