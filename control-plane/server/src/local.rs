@@ -305,10 +305,14 @@ impl ProcessCluster {
                 .unwrap_or(0),
             Err(_) => 0,
         };
+        // Applied here, asked of this server alone (`Internal.Inspect` on its peer listener is
+        // never forwarded; `Cluster.Members` through a follower answers with the leader's view).
         loop {
-            if let Ok(ch) = channel(&self.addrs[i]).await
-                && let Ok(r) = ClusterClient::new(ch).members(pb::MembersRequest {}).await
-                && r.into_inner().commit_index >= target
+            if let Ok(ch) = channel(&self.peer_addrs[i]).await
+                && let Ok(r) = suanli_proto::v1::internal_client::InternalClient::new(ch)
+                    .inspect(pb::InspectRequest { group: "region".into(), log_from: 0, log_to: 0 })
+                    .await
+                && r.into_inner().applied_index >= target
             {
                 return Ok(());
             }
