@@ -50,8 +50,9 @@ fn acknowledging_without_fsync_is_caught_as_lost_writes_after_a_power_loss() {
     let r = run("power-loss", 3, Some(Broken::SkipFsync), 6_000);
     assert!(r.lost > 0, "acknowledged writes lost in the power loss went unnoticed");
     assert!(!verdict(&r, "acknowledged writes"));
-    // The cluster itself came back: it is the writes that are gone, not the servers.
-    assert!(verdict(&r, "convergence"));
+    // Nothing more is promised: servers that forget what they acknowledged may also forget
+    // their votes, so two leaders of one term, and logs that disagree, are possible too (the
+    // convergence and log agreement checks may fail as well, depending on the seed).
 }
 
 #[test]

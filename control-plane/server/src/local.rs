@@ -90,7 +90,32 @@ impl ProcessCluster {
         for i in 0..n {
             c.spawn(i)?;
         }
+        c.wait_listening(Duration::from_secs(60))?;
         Ok(c)
+    }
+
+    /// Waits until every running server's client port accepts connections (a server with
+    /// empty storage first asks its peers whether it was wiped, so it may listen later than
+    /// the first), or `within` passes, or one of them exits.
+    pub fn wait_listening(&mut self, within: Duration) -> std::io::Result<()> {
+        let deadline = Instant::now() + within;
+        for i in 0..self.addrs.len() {
+            while self.procs[i].is_some() {
+                let addr: std::net::SocketAddr = self.addrs[i].parse().map_err(std::io::Error::other)?;
+                if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                    break;
+                }
+                if let Some(Ok(Some(st))) = self.procs[i].as_mut().map(Child::try_wait) {
+                    self.procs[i] = None;
+                    return Err(std::io::Error::other(format!("server {} exited at start: {st}", i + 1)));
+                }
+                if Instant::now() >= deadline {
+                    return Err(std::io::Error::other(format!("server {} not listening within {within:?}", i + 1)));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
     }
 
     /// Like [`ProcessCluster::start`], with environment variables for every server (e.g.
@@ -101,6 +126,7 @@ impl ProcessCluster {
         for i in 0..n {
             c.spawn(i)?;
         }
+        c.wait_listening(Duration::from_secs(60))?;
         Ok(c)
     }
 
