@@ -576,7 +576,9 @@ impl State {
             let was_draining = r.mode == NodeMode::Draining && r.drain.is_some();
             r.drain = match (c.mode, c.drain) {
                 (NodeMode::Draining, Some(o)) => Some(DrainPlan {
-                    deadline: now.saturating_add(o.grace_s),
+                    // Cluster time counts whole seconds: one more makes the grace at least
+                    // `grace_s` of real time (a drain at 100.9 s is time 100).
+                    deadline: if o.grace_s == 0 { now } else { now.saturating_add(o.grace_s).saturating_add(1) },
                     max_unavailable: o.max_unavailable,
                     // Jobs already away count against the new budget too.
                     moving: r.drain.take().map(|d| d.moving).unwrap_or_default(),

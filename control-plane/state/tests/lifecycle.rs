@@ -368,10 +368,11 @@ fn a_drain_waits_its_grace_then_evicts_within_its_budget() {
     apply_ok(&mut s, mode(&n0, NodeMode::Draining, 10, Some(opts)));
     assert!(first.iter().all(|(a, _)| !stopping_for_drain(&s, *a)), "evicted within the grace period");
     assert_eq!(s.cluster_view(11).unschedulable.get(&n0).map(String::as_str), Some("draining"));
-    assert!(s.drains_due(109).is_empty());
-    assert_eq!(s.drains_due(110), vec![n0.clone()]);
+    // (The deadline is 10 + 100 + 1: cluster time counts whole seconds.)
+    assert!(s.drains_due(110).is_empty());
+    assert_eq!(s.drains_due(111), vec![n0.clone()]);
     // The leader's drain step at the deadline evicts one job (job order), no more.
-    apply_ok(&mut s, mode(&n0, NodeMode::Draining, 110, None));
+    apply_ok(&mut s, mode(&n0, NodeMode::Draining, 111, None));
     let evicted: Vec<bool> = first.iter().map(|(a, _)| stopping_for_drain(&s, *a)).collect();
     assert_eq!(evicted, vec![true, false, false]);
     assert!(s.drains_due(111).is_empty(), "the budget is used");
