@@ -333,9 +333,18 @@ async fn a_client_holding_every_watch_slot_leaves_agents_theirs() {
         assert_eq!(held.len(), 6, "the client pool of server {i} is full");
         // An agent's watch of its node still opens on that server, and the server serves.
         let mut agent = suanli_proto::v1::agent_client::AgentClient::new(channel(&c.addrs[i]).await.expect("connect"));
-        let req = pb::WatchAllocationsRequest { node_id: "n1".into(), from_revision: 0 };
-        let mut s =
-            agent.watch_allocations(req).await.expect("an agent's watch opens while clients hold theirs").into_inner();
+        // (A follower may not have applied the node's registration yet: NOT_FOUND until it has.)
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut s = loop {
+            let req = pb::WatchAllocationsRequest { node_id: "n1".into(), from_revision: 0 };
+            match agent.watch_allocations(req).await {
+                Ok(s) => break s.into_inner(),
+                Err(e) if e.code() == Code::NotFound && std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("an agent's watch opens while clients hold theirs: {e:?}"),
+            }
+        };
         let first = tokio::time::timeout(Duration::from_secs(10), s.message()).await.expect("in time");
         assert!(first.expect("a first update").is_some());
         writes(&c, i, &format!("while-held-{i}")).await.expect("writes while the client slots are held");
