@@ -19,6 +19,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ".suanli.v1.ProposeRequest.command_json",
         ".suanli.v1.ProposeResponse.response_json",
     ]);
+    // Ordered maps: whatever prints or hashes a map sees its keys in order.
+    config.btree_map(["."]);
+    // JSON through serde for clients (`--output json`): field names as in the .proto files.
+    config.type_attribute(".", "#[derive(serde::Serialize)]");
+    for f in [
+        ".suanli.v1.RaftMessage.body",
+        ".suanli.v1.SnapshotChunk.data",
+        ".suanli.v1.ProposeRequest.command_json",
+        ".suanli.v1.ProposeResponse.response_json",
+    ] {
+        config.field_attribute(f, "#[serde(skip)]");
+    }
+    config.field_attribute(".suanli.v1.NodeInfo.mode", "#[serde(serialize_with = \"crate::json::node_mode\")]");
+    config.field_attribute(
+        ".suanli.v1.JobInfo.spec_json",
+        "#[serde(rename = \"spec\", serialize_with = \"crate::json::embedded\")]",
+    );
     // The descriptors of every file, for gRPC server reflection (`FILE_DESCRIPTOR_SET`).
     let out = PathBuf::from(std::env::var_os("OUT_DIR").ok_or("OUT_DIR is not set")?);
     tonic_prost_build::configure()

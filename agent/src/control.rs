@@ -13,64 +13,38 @@
 //! The servers dialed are those of `servers` and the members the cluster names in its
 //! register and heartbeat answers (kept in `<data_dir>/servers.json` across restarts), so an
 //! agent configured with one server survives that server's removal. A `suanli-leader` hint
-//! naming one of them makes it the current one, unless `follow_leader_hints = false`; a hint
-//! naming any other address is never dialed.
+//! naming one of them is tried next, unless `follow_leader_hints = false`; a hint naming any
+//! other address is never dialed. Leader following, hung-server probes and the backoff are
+//! `suanli-client`'s; this module keeps what only an agent does.
 
 use crate::Agent;
 use crate::config::AgentConfig;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
+use suanli_client::backoff::{Backoff, Delays};
+use suanli_client::{ClientError, Connection, ConnectionConfig, LeaderHints};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_client::AgentClient;
-use tonic::transport::{Channel, Endpoint};
-use tonic::{Code, Status};
+use tonic::Code;
+use tonic::transport::Channel;
 
-/// The metadata key a server names the leader in (`suanli-server`'s `LEADER_HEADER`).
-const LEADER_HEADER: &str = "suanli-leader";
-
-/// Exponential backoff between `min` and `max`.
-pub(crate) struct Backoff {
-    min: Duration,
-    max: Duration,
-    cur: Duration,
+/// The retry delays of the agent's loops (registration, the watch, reports): from
+/// `retry_backoff_min_ms` doubling to `retry_backoff_max_ms`, as long as the agent runs.
+pub(crate) fn retry_delays(cfg: &AgentConfig) -> Delays {
+    Backoff::new(AgentConfig::ms(cfg.retry_backoff_min_ms), AgentConfig::ms(cfg.retry_backoff_max_ms)).delays()
 }
 
-impl Backoff {
-    pub fn new(min: Duration, max: Duration) -> Backoff {
-        Backoff { min, max, cur: min }
-    }
-    /// The next delay (doubling).
-    pub fn next_delay(&mut self) -> Duration {
-        let d = self.cur;
-        self.cur = (self.cur * 2).min(self.max);
-        d
-    }
-    pub fn reset(&mut self) {
-        self.cur = self.min;
-    }
-}
-
-/// One server the agent may dial.
-struct Conn {
-    addr: String,
-    unary: Channel,
-    stream: Channel,
-}
-
-/// Connections to every known server: the configured ones, then the members the cluster
-/// named (learned from register and heartbeat answers, kept in `<data_dir>/servers.json`).
+/// The agent's connections to the control plane, through `suanli-client`: unary calls and the
+/// allocation watch (no deadline, keepalives), both over the configured servers and the
+/// members the cluster named (learnt from register and heartbeat answers, kept in
+/// `<data_dir>/servers.json`).
 pub(crate) struct Servers {
-    configured: Vec<String>,
-    conns: std::sync::RwLock<Vec<Arc<Conn>>>,
-    follow_hints: bool,
-    connect_timeout: Duration,
-    rpc_timeout: Duration,
-    first_answer: Duration,
+    unary: Connection,
+    stream: Connection,
     learned_file: std::path::PathBuf,
-    cur: AtomicUsize,
 }
 
 /// Most member addresses learned from the cluster.
@@ -79,9 +53,9 @@ const MAX_LEARNED: usize = 16;
 pub(crate) const LEARNED_FILE: &str = "servers.json";
 
 /// Whether a failed call may succeed at another server (or later).
-pub(crate) fn retriable(s: &Status) -> bool {
+fn retriable(c: Code) -> bool {
     matches!(
-        s.code(),
+        c,
         Code::Unavailable
             | Code::Unknown
             | Code::DeadlineExceeded
@@ -94,25 +68,31 @@ pub(crate) fn retriable(s: &Status) -> bool {
 
 impl Servers {
     pub fn new(cfg: &AgentConfig) -> anyhow::Result<Servers> {
-        let s = Servers {
-            configured: cfg.servers.clone(),
-            conns: std::sync::RwLock::new(Vec::new()),
-            follow_hints: cfg.follow_leader_hints,
+        let conn = ConnectionConfig {
             connect_timeout: AgentConfig::ms(cfg.connect_timeout_ms),
-            rpc_timeout: AgentConfig::ms(cfg.rpc_timeout_ms),
+            request_timeout: Some(AgentConfig::ms(cfg.rpc_timeout_ms)),
             first_answer: AgentConfig::ms(cfg.first_answer_ms),
-            learned_file: cfg.data_dir.join(LEARNED_FILE),
-            cur: AtomicUsize::new(0),
+            probe_timeout: AgentConfig::ms(cfg.first_answer_ms),
+            // A hint names a server's own address, which may sit behind a proxy or a load
+            // balancer: only a listed one is dialed.
+            hints: if cfg.follow_leader_hints { LeaderHints::KnownOnly } else { LeaderHints::Ignore },
+            move_on: retriable,
+            ..ConnectionConfig::default()
         };
-        let mut conns = Vec::new();
-        for a in &cfg.servers {
-            conns.push(Arc::new(s.conn(a).map_err(|e| anyhow::anyhow!("servers: {a:?}: {e}"))?));
-        }
-        *s.conns.write().unwrap_or_else(std::sync::PoisonError::into_inner) = conns;
+        let unary = Connection::new(&cfg.servers, conn).map_err(|e| anyhow::anyhow!("servers: {e}"))?;
+        let stream = unary.streaming();
+        let s = Servers { unary, stream, learned_file: cfg.data_dir.join(LEARNED_FILE) };
         // Members learned before a restart: a configured server may be gone since.
         match std::fs::read(&s.learned_file) {
             Ok(b) => match serde_json::from_slice::<Vec<String>>(&b) {
-                Ok(learned) => s.add_learned(&learned),
+                Ok(learned) => {
+                    let mut all = learned;
+                    all.retain(|a| !s.unary.configured().contains(a));
+                    all.sort();
+                    all.dedup();
+                    all.truncate(MAX_LEARNED);
+                    s.set_learned(&all);
+                }
                 Err(e) => tracing::warn!(file = %s.learned_file.display(), error = %e, "ignoring the learned servers"),
             },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -121,31 +101,17 @@ impl Servers {
         Ok(s)
     }
 
-    fn conn(&self, a: &str) -> Result<Conn, tonic::transport::Error> {
-        let ep = Endpoint::from_shared(format!("http://{a}"))?.connect_timeout(self.connect_timeout).tcp_nodelay(true);
-        Ok(Conn {
-            addr: a.to_owned(),
-            unary: ep.clone().timeout(self.rpc_timeout).connect_lazy(),
-            // The watch is long-lived: no request deadline, but keepalives find a dead server.
-            stream: ep
-                .http2_keep_alive_interval(Duration::from_secs(5))
-                .keep_alive_timeout(Duration::from_secs(5))
-                .keep_alive_while_idle(true)
-                .connect_lazy(),
-        })
-    }
-
-    fn conns(&self) -> Vec<Arc<Conn>> {
-        self.conns.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
-    }
-
-    fn len(&self) -> usize {
-        self.conns.read().unwrap_or_else(std::sync::PoisonError::into_inner).len().max(1)
+    fn set_learned(&self, learned: &[String]) {
+        for bad in self.unary.set_learned(learned) {
+            tracing::warn!(addr = %bad, "a learned server address does not parse");
+        }
+        self.stream.set_learned(learned);
     }
 
     /// The addresses dialed: the configured ones, then the learned ones.
+    #[cfg(test)]
     pub fn addrs(&self) -> Vec<String> {
-        self.conns().iter().map(|c| c.addr.clone()).collect()
+        self.unary.addrs()
     }
 
     /// Takes the cluster's current member list: the known servers become the configured ones
@@ -156,18 +122,17 @@ impl Servers {
         }
         let mut learned: Vec<String> = members
             .iter()
-            .filter(|m| crate::config::check_host_port("members", m).is_ok() && !self.configured.contains(m))
+            .filter(|m| crate::config::check_host_port("members", m).is_ok() && !self.unary.configured().contains(m))
             .take(MAX_LEARNED)
             .cloned()
             .collect();
         learned.sort();
         learned.dedup();
-        let known: Vec<String> = self.addrs().into_iter().skip(self.configured.len()).collect();
-        if known == learned {
+        if self.unary.learned() == learned {
             return;
         }
-        tracing::info!(configured = ?self.configured, learned = ?learned, "servers learned from the cluster");
-        self.replace_learned(&learned);
+        tracing::info!(configured = ?self.unary.configured(), learned = ?learned, "servers learned from the cluster");
+        self.set_learned(&learned);
         let text = serde_json::to_vec(&learned).unwrap_or_default();
         let tmp = self.learned_file.with_extension("json.tmp");
         if let Err(e) = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &self.learned_file)) {
@@ -175,137 +140,29 @@ impl Servers {
         }
     }
 
-    fn add_learned(&self, learned: &[String]) {
-        let mut all: Vec<String> = self.addrs().into_iter().skip(self.configured.len()).collect();
-        all.extend(learned.iter().filter(|a| !self.configured.contains(a)).cloned());
-        all.sort();
-        all.dedup();
-        all.truncate(MAX_LEARNED);
-        self.replace_learned(&all);
-    }
-
-    fn replace_learned(&self, learned: &[String]) {
-        let old = self.conns();
-        let cur = old.get(self.current_in(old.len())).map(|c| c.addr.clone());
-        let mut next: Vec<Arc<Conn>> = old.iter().take(self.configured.len()).cloned().collect();
-        for a in learned {
-            match old.iter().find(|c| c.addr == *a) {
-                Some(c) => next.push(c.clone()),
-                None => match self.conn(a) {
-                    Ok(c) => next.push(Arc::new(c)),
-                    Err(e) => tracing::warn!(addr = %a, error = %e, "a learned server address does not parse"),
-                },
-            }
-        }
-        let pos = cur.and_then(|a| next.iter().position(|c| c.addr == a)).unwrap_or(0);
-        *self.conns.write().unwrap_or_else(std::sync::PoisonError::into_inner) = next;
-        self.cur.store(pos, Ordering::Relaxed);
-    }
-
-    fn current_in(&self, n: usize) -> usize {
-        self.cur.load(Ordering::Relaxed) % n.max(1)
-    }
-
-    pub fn current(&self) -> usize {
-        self.current_in(self.len())
-    }
-
-    pub fn addr(&self, i: usize) -> String {
-        let c = self.conns();
-        c.get(i % c.len().max(1)).map(|c| c.addr.clone()).unwrap_or_default()
-    }
-
-    /// Moves on from server `i` (unless someone already did).
-    pub fn advance(&self, i: usize) {
-        let n = self.len();
-        let _ = self.cur.compare_exchange(i, (i + 1) % n, Ordering::Relaxed, Ordering::Relaxed);
-    }
-
-    fn follow_leader_hint(&self, s: &Status) {
-        let hint = s.metadata().get(LEADER_HEADER).and_then(|v| v.to_str().ok());
-        if let Some(i) = hinted_server(&self.addrs(), hint, self.follow_hints) {
-            self.cur.store(i, Ordering::Relaxed);
-        }
-    }
-
-    pub fn stream_client(&self, i: usize) -> AgentClient<Channel> {
-        let c = self.conns();
-        AgentClient::new(c[i % c.len()].stream.clone())
-    }
-
     /// Calls `f` at the current server, moving through every server once on retriable errors
     /// and past a hung server (no answer within `first_answer_ms`, nor to a probe).
-    pub async fn call<T, F, Fut>(&self, f: F) -> Result<T, Status>
+    pub async fn call<T, F, Fut>(&self, f: F) -> Result<T, ClientError>
     where
         F: Fn(AgentClient<Channel>) -> Fut,
-        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        let mut last = Status::unavailable("no server tried");
-        for _ in 0..self.len() {
-            let i = self.current();
-            let conns = self.conns();
-            let conn = conns[i % conns.len()].clone();
-            let answer =
-                answer_unless_hung(conn.unary.clone(), self.first_answer, f(AgentClient::new(conn.unary.clone())))
-                    .await
-                    .unwrap_or_else(|| {
-                        Err(Status::deadline_exceeded(format!(
-                            "no answer within {} ms, nor to a probe",
-                            self.first_answer.as_millis() * 2
-                        )))
-                    });
-            match answer {
-                Ok(r) => return Ok(r.into_inner()),
-                Err(s) if retriable(&s) => {
-                    self.advance(i);
-                    self.follow_leader_hint(&s);
-                    last = Status::new(s.code(), format!("{}: {}", conn.addr, s.message()));
-                }
-                Err(s) => return Err(s),
-            }
-        }
-        Err(last)
+        self.unary.call(|ch| f(self.unary.agent(ch))).await
     }
-}
 
-/// `call`'s answer, or `None` when its server is hung: no answer within `wait`, and none to a
-/// `Cluster.Leader` probe on the same connection within `wait` either. A server that answers
-/// the probe (even with an error) is alive: the call keeps its own deadline.
-pub(crate) async fn answer_unless_hung<T>(ch: Channel, wait: Duration, call: impl Future<Output = T>) -> Option<T> {
-    tokio::pin!(call);
-    tokio::select! {
-        r = &mut call => return Some(r),
-        () = tokio::time::sleep(wait) => {}
+    /// Opens the node's allocation watch at the first server that answers.
+    pub async fn watch(
+        &self,
+        req: pb::WatchAllocationsRequest,
+    ) -> Result<tonic::Streaming<pb::AllocationsUpdate>, ClientError> {
+        self.stream
+            .call(|ch| {
+                let mut c = self.stream.agent(ch);
+                let req = req.clone();
+                async move { c.watch_allocations(req).await }
+            })
+            .await
     }
-    let probe = async move {
-        let mut req = tonic::Request::new(pb::LeaderRequest {});
-        req.set_timeout(wait);
-        tokio::time::timeout(wait, pb::cluster_client::ClusterClient::new(ch).leader(req)).await
-    };
-    tokio::select! {
-        r = &mut call => Some(r),
-        // An answer from the server, even an error, shows it is alive (only slow); a
-        // timeout or a transport failure of the probe is a hung or gone server.
-        p = probe => match p {
-            Ok(Ok(_)) => Some(call.await),
-            Ok(Err(s)) if !matches!(
-                s.code(),
-                tonic::Code::Cancelled | tonic::Code::DeadlineExceeded | tonic::Code::Unavailable | tonic::Code::Unknown
-            ) => Some(call.await),
-            _ => None,
-        },
-    }
-}
-
-/// The server to try next after a `suanli-leader` hint: its index in `addrs` when hints are
-/// followed and it names one of them. An address outside `addrs` is never dialed (the hint
-/// names a server's own address, which may sit behind a proxy or a load balancer).
-pub(crate) fn hinted_server(addrs: &[String], hint: Option<&str>, follow: bool) -> Option<usize> {
-    if !follow {
-        return None;
-    }
-    let hint = hint?;
-    addrs.iter().position(|a| a == hint)
 }
 
 /// F and G for a TTL, with a warning (once per TTL) when they break the fencing promise.
@@ -377,8 +234,7 @@ pub(crate) async fn pause(agent: &Agent, d: Duration) -> bool {
 /// Registration and heartbeats, forever (until the agent stops).
 pub(crate) async fn liveness(agent: Arc<Agent>) {
     let cfg = &agent.cfg;
-    let mut backoff =
-        Backoff::new(AgentConfig::ms(cfg.retry_backoff_min_ms), AgentConfig::ms(cfg.retry_backoff_max_ms));
+    let mut backoff = retry_delays(cfg);
     let mut failures = 0u64;
     let mut lease_failures = 0u64;
     let mut warned_ttl = u64::MAX;
@@ -415,7 +271,7 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
                 if failures == 1 || failures.is_power_of_two() {
                     tracing::warn!(code = ?s.code(), error = %s.message(), failures, "registering the node failed; retrying");
                 }
-                if !pause(&agent, backoff.next_delay()).await {
+                if !pause(&agent, backoff.next_or_max()).await {
                     return;
                 }
                 continue;
@@ -524,8 +380,7 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
 /// The allocation watch, forever: each full set goes to the task manager.
 pub(crate) async fn watch(agent: Arc<Agent>, tx: tokio::sync::watch::Sender<Option<pb::AllocationsUpdate>>) {
     let cfg = &agent.cfg;
-    let mut backoff =
-        Backoff::new(AgentConfig::ms(cfg.retry_backoff_min_ms), AgentConfig::ms(cfg.retry_backoff_max_ms));
+    let mut backoff = retry_delays(cfg);
     let mut registered = agent.registered.subscribe();
     let mut stop = agent.stop.clone();
     // Nothing to watch before the node is registered.
@@ -543,19 +398,13 @@ pub(crate) async fn watch(agent: Arc<Agent>, tx: tokio::sync::watch::Sender<Opti
         if *agent.stop.borrow() {
             return;
         }
-        let i = agent.servers.current();
         let req = pb::WatchAllocationsRequest { node_id: agent.node_id.clone(), from_revision: 0 };
         // A server answers the opening at once (the updates come later): one that does not
-        // within twice `first_answer_ms` is hung, and the next is tried.
-        let opened = tokio::time::timeout(
-            AgentConfig::ms(cfg.first_answer_ms.saturating_mul(2).min(cfg.rpc_timeout_ms)),
-            agent.servers.stream_client(i).watch_allocations(req),
-        )
-        .await
-        .unwrap_or_else(|_| Err(Status::deadline_exceeded("opening the allocation watch")));
+        // within `first_answer_ms`, nor answers a probe, is hung, and the next is tried.
+        let opened = agent.servers.watch(req).await;
+        let server = agent.servers.stream.current_addr().unwrap_or_default();
         match opened {
-            Ok(resp) => {
-                let mut s = resp.into_inner();
+            Ok(mut s) => {
                 let mut got = false;
                 loop {
                     tokio::select! {
@@ -565,23 +414,23 @@ pub(crate) async fn watch(agent: Arc<Agent>, tx: tokio::sync::watch::Sender<Opti
                                     got = true;
                                     failures = 0;
                                     backoff.reset();
-                                    tracing::info!(server = %agent.servers.addr(i), revision = u.revision, allocs = u.allocs.len(), "watching allocations");
+                                    tracing::info!(server = %server, revision = u.revision, allocs = u.allocs.len(), "watching allocations");
                                 }
                                 tx.send_replace(Some(u));
                             }
                             Ok(None) => {
-                                tracing::warn!(server = %agent.servers.addr(i), "allocation watch ended; reconnecting");
+                                tracing::warn!(server = %server, "allocation watch ended; reconnecting");
                                 break;
                             }
                             Err(e) => {
-                                tracing::warn!(server = %agent.servers.addr(i), code = ?e.code(), error = %e.message(), "allocation watch failed; reconnecting");
+                                tracing::warn!(server = %server, code = ?e.code(), error = %e.message(), "allocation watch failed; reconnecting");
                                 break;
                             }
                         },
                         _ = stop.changed() => return,
                     }
                 }
-                agent.servers.advance(i);
+                agent.servers.stream.advance();
             }
             Err(s) if s.code() == Code::NotFound => {
                 tracing::warn!(error = %s.message(), "the server does not know this node: registering again");
@@ -599,12 +448,11 @@ pub(crate) async fn watch(agent: Arc<Agent>, tx: tokio::sync::watch::Sender<Opti
             Err(s) => {
                 failures += 1;
                 if failures == 1 || failures.is_power_of_two() {
-                    tracing::warn!(server = %agent.servers.addr(i), code = ?s.code(), error = %s.message(), "cannot open the allocation watch");
+                    tracing::warn!(code = ?s.code(), error = %s.message(), "cannot open the allocation watch");
                 }
-                agent.servers.advance(i);
             }
         }
-        if !pause(&agent, backoff.next_delay()).await {
+        if !pause(&agent, backoff.next_or_max()).await {
             return;
         }
     }
@@ -687,8 +535,7 @@ impl Reporter {
 /// `reported` marker in its allocation directory so a restarted agent does not send it again.
 pub(crate) async fn report_loop(agent: Arc<Agent>) {
     let cfg = &agent.cfg;
-    let mut backoff =
-        Backoff::new(AgentConfig::ms(cfg.retry_backoff_min_ms), AgentConfig::ms(cfg.retry_backoff_max_ms));
+    let mut backoff = retry_delays(cfg);
     let mut stop = agent.stop.clone();
     loop {
         let batch = agent.reporter.batch(cfg.report_concurrency);
@@ -748,7 +595,7 @@ pub(crate) async fn report_loop(agent: Arc<Agent>) {
             }
         }
         if failed {
-            if !pause(&agent, backoff.next_delay()).await {
+            if !pause(&agent, backoff.next_or_max()).await {
                 return;
             }
         } else {
@@ -763,7 +610,7 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn learned_members_are_dialed_kept_and_followed_by_hints() {
+    async fn learned_members_are_dialed_and_kept() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = AgentConfig {
             servers: vec!["127.0.0.1:7400".into()],
@@ -775,8 +622,6 @@ mod tests {
         // A member list naming the configured server, two others, and garbage.
         s.learn(&["127.0.0.1:7402".into(), "127.0.0.1:7400".into(), "127.0.0.1:7401".into(), "no port".into()]);
         assert_eq!(s.addrs(), ["127.0.0.1:7400", "127.0.0.1:7401", "127.0.0.1:7402"]);
-        assert_eq!(hinted_server(&s.addrs(), Some("127.0.0.1:7402"), true), Some(2));
-        assert_eq!(hinted_server(&s.addrs(), Some("10.9.9.9:7400"), true), None);
         // Kept across a restart.
         let again = Servers::new(&cfg).unwrap();
         assert_eq!(again.addrs(), s.addrs());
@@ -802,22 +647,13 @@ mod tests {
     }
 
     #[test]
-    fn leader_hints_name_only_configured_servers() {
-        let addrs: Vec<String> = ["10.0.0.1:7400", "10.0.0.2:7400"].map(String::from).to_vec();
-        assert_eq!(hinted_server(&addrs, Some("10.0.0.2:7400"), true), Some(1));
-        assert_eq!(hinted_server(&addrs, Some("10.9.9.9:7400"), true), None, "never a server not configured");
-        assert_eq!(hinted_server(&addrs, None, true), None);
-        // follow_leader_hints = false: the hint is ignored, the agent moves round the list.
-        assert_eq!(hinted_server(&addrs, Some("10.0.0.2:7400"), false), None);
-    }
-
-    #[test]
-    fn backoff_doubles_to_its_max() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(300));
-        assert_eq!(b.next_delay(), Duration::from_millis(100));
-        assert_eq!(b.next_delay(), Duration::from_millis(200));
-        assert_eq!(b.next_delay(), Duration::from_millis(300));
+    fn retry_delays_double_to_the_configured_max() {
+        let cfg = AgentConfig { retry_backoff_min_ms: 100, retry_backoff_max_ms: 300, ..AgentConfig::default() };
+        let mut b = retry_delays(&cfg);
+        assert_eq!(b.next_or_max(), Duration::from_millis(100));
+        assert_eq!(b.next_or_max(), Duration::from_millis(200));
+        assert_eq!(b.next_or_max(), Duration::from_millis(300));
         b.reset();
-        assert_eq!(b.next_delay(), Duration::from_millis(100));
+        assert_eq!(b.next_or_max(), Duration::from_millis(100));
     }
 }

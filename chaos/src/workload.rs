@@ -2,16 +2,18 @@
 //! nemesis works, each through its own proxies, recording every operation in the history.
 //!
 //! A submission whose outcome is unknown (timeout, unavailable) is retried with the same client
-//! request id, on another server, a few times: the control plane promises that a retry never
+//! request id on the other servers (once each, following a leader hint through the client's own
+//! link), through `suanli-client`'s connection: the control plane promises that a retry never
 //! creates a second job, and the checker verifies it. An operation that stays unknown is
 //! recorded as `info`; one refused for good as `fail`.
 
-use crate::cluster::{From, lazy_channel};
+use crate::cluster::From;
 use crate::history::{History, Op, OpKind, Outcome, now_ms};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+use suanli_client::{ClientError, Connection, ConnectionConfig, LeaderHints};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::jobs_client::JobsClient;
 use suanli_proto::v1::queues_client::QueuesClient;
@@ -48,12 +50,13 @@ impl Default for WorkloadSpec {
     }
 }
 
-/// One client: a channel per server through its own links.
+/// One client: a connection over its own links to every server.
 pub struct Client {
     id: usize,
-    chans: Vec<Channel>,
-    /// Advertised address → server index (to follow leader hints through our own links).
-    by_addr: BTreeMap<String, usize>,
+    /// Leader hints (advertised addresses) are followed through the link to that server.
+    conn: Connection,
+    /// Link address → server index (the history records servers by index).
+    by_link: BTreeMap<String, usize>,
     rng: DetRng,
     spec: WorkloadSpec,
     seq: u64,
@@ -73,13 +76,23 @@ impl Client {
         history: History,
     ) -> anyhow::Result<Client> {
         let t = Duration::from_millis(spec.request_timeout_ms);
-        let chans = links.iter().map(|a| lazy_channel(a, t)).collect::<anyhow::Result<Vec<_>>>()?;
-        let by_addr = advertised.iter().enumerate().map(|(i, a)| (a.clone(), i)).collect();
-        Ok(Client { id, chans, by_addr, rng: DetRng::new(seed), spec, seq: 0, jobs: Vec::new(), history })
+        let cfg = ConnectionConfig {
+            connect_timeout: Duration::from_millis(500),
+            request_timeout: Some(t),
+            first_answer: t,
+            probe_timeout: t,
+            hints: LeaderHints::KnownOnly,
+            move_on: unknown,
+            aliases: advertised.iter().cloned().zip(links.iter().cloned()).collect(),
+            ..ConnectionConfig::default()
+        };
+        let conn = Connection::new(links, cfg)?;
+        let by_link = links.iter().enumerate().map(|(i, a)| (a.clone(), i)).collect();
+        Ok(Client { id, conn, by_link, rng: DetRng::new(seed), spec, seq: 0, jobs: Vec::new(), history })
     }
 
     fn pick_server(&mut self) -> usize {
-        self.rng.below(self.chans.len() as u64) as usize
+        self.rng.below(self.by_link.len() as u64) as usize
     }
 
     fn job_spec(&mut self, name: &str) -> String {
@@ -133,35 +146,18 @@ impl Client {
         }
     }
 
-    /// Runs `f` against a server, retrying unknown outcomes up to 3 more times (following a
-    /// leader hint through our own link, else another server). Returns every server asked, in
-    /// order, and the final result.
-    async fn attempt<T, F, Fut>(&mut self, mut f: F) -> (Vec<usize>, Result<T, tonic::Status>)
+    /// Runs `f` through the connection, starting at a server picked at random: an unknown
+    /// outcome moves on to the next server (a leader hint first), each asked once. Returns every
+    /// server asked, in order, and the final result.
+    async fn attempt<T, F, Fut>(&mut self, f: F) -> (Vec<usize>, Result<T, ClientError>)
     where
         F: FnMut(Channel) -> Fut,
-        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        let mut server = self.pick_server();
+        self.conn.start_at(self.pick_server());
         let mut asked = Vec::new();
-        loop {
-            asked.push(server);
-            let r = f(self.chans[server].clone()).await;
-            match &r {
-                Err(s) if unknown(s.code()) && asked.len() < 4 => {
-                    let hint = s
-                        .metadata()
-                        .get(suanli_server::LEADER_HEADER)
-                        .and_then(|v| v.to_str().ok())
-                        .and_then(|a| self.by_addr.get(a).copied());
-                    server = match hint {
-                        Some(h) if h != server => h,
-                        _ => (server + 1 + self.rng.below(self.chans.len() as u64 - 1) as usize) % self.chans.len(),
-                    };
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                _ => return (asked, r),
-            }
-        }
+        let r = self.conn.call_traced(f, &mut asked).await;
+        (asked.iter().filter_map(|a| self.by_link.get(a).copied()).collect(), r)
     }
 
     fn record(&self, kind: OpKind, invoked_ms: u64, asked: Vec<usize>, outcome: Outcome) {
@@ -179,7 +175,7 @@ impl Client {
             .attempt(|ch| {
                 let req =
                     pb::SubmitJobRequest { client_request_id: request_id.clone(), spec_json: spec_json.clone(), retry };
-                async move { JobsClient::new(ch).submit(req).await.map(tonic::Response::into_inner) }
+                async move { JobsClient::new(ch).submit(req).await }
             })
             .await;
         let outcome = match r {
@@ -196,14 +192,11 @@ impl Client {
         let invoked = now_ms();
         let (asked, r) = self
             .attempt(|ch| async move {
-                JobsClient::new(ch)
-                    .cancel(pb::CancelJobRequest { job_id: job, reason: "chaos workload".into() })
-                    .await
-                    .map(|_| ())
+                JobsClient::new(ch).cancel(pb::CancelJobRequest { job_id: job, reason: "chaos workload".into() }).await
             })
             .await;
         let outcome = match r {
-            Ok(()) => Outcome::Ok { job: None },
+            Ok(_) => Outcome::Ok { job: None },
             Err(s) => classify(&s),
         };
         self.record(OpKind::Cancel { job }, invoked, asked, outcome);
@@ -218,11 +211,11 @@ impl Client {
         let (asked, r) = self
             .attempt(|ch| {
                 let q = q.clone();
-                async move { QueuesClient::new(ch).upsert(pb::UpsertQueueRequest { queue_json: q }).await.map(|_| ()) }
+                async move { QueuesClient::new(ch).upsert(pb::UpsertQueueRequest { queue_json: q }).await }
             })
             .await;
         let outcome = match r {
-            Ok(()) => Outcome::Ok { job: None },
+            Ok(_) => Outcome::Ok { job: None },
             Err(s) => classify(&s),
         };
         self.record(OpKind::Queue { queue, gpu_milli }, invoked, asked, outcome);
@@ -231,12 +224,10 @@ impl Client {
     async fn read(&mut self, job: u64) {
         let invoked = now_ms();
         let (asked, r) = self
-            .attempt(|ch| async move {
-                JobsClient::new(ch).get(pb::GetJobRequest { job_id: job, stale: false }).await.map(|_| ())
-            })
+            .attempt(|ch| async move { JobsClient::new(ch).get(pb::GetJobRequest { job_id: job, stale: false }).await })
             .await;
         let outcome = match r {
-            Ok(()) => Outcome::Ok { job: Some(job) },
+            Ok(_) => Outcome::Ok { job: Some(job) },
             Err(s) => classify(&s),
         };
         self.record(OpKind::Read { job }, invoked, asked, outcome);
@@ -251,7 +242,7 @@ fn unknown(c: Code) -> bool {
     )
 }
 
-fn classify(s: &tonic::Status) -> Outcome {
+fn classify(s: &ClientError) -> Outcome {
     let why = format!("{:?}: {}", s.code(), s.message().chars().take(160).collect::<String>());
     if unknown(s.code()) { Outcome::Info { why } } else { Outcome::Fail { why } }
 }

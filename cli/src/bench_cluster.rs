@@ -6,13 +6,9 @@ use clap::Args;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-use suanli_proto::v1 as pb;
-use suanli_proto::v1::agent_client::AgentClient;
-use suanli_proto::v1::jobs_client::JobsClient;
-use suanli_proto::v1::pools_client::PoolsClient;
-use suanli_proto::v1::queues_client::QueuesClient;
-use suanli_server::local::{ProcessCluster, channel};
-use tonic::transport::Channel;
+use suanli_client::backoff::Backoff;
+use suanli_client::{Connection, ConnectionConfig, pb};
+use suanli_server::local::ProcessCluster;
 
 /// Flags of `suanli bench submit`.
 #[derive(Args, Debug)]
@@ -90,23 +86,27 @@ async fn start(servers: usize, extra: &[&str]) -> Result<(ProcessCluster, usize)
     Ok((c, leader))
 }
 
-async fn create_queue(ch: Channel) -> Result<()> {
+/// A connection to one server (the benchmark chooses where each client's calls go).
+fn connect(addr: &str) -> Result<Arc<Connection>> {
+    Ok(Arc::new(Connection::new(&[addr.to_owned()], ConnectionConfig::default())?))
+}
+
+async fn create_queue(conn: &Connection) -> Result<()> {
     let q = suanli_model::Queue::new("bench", suanli_model::ResVec::MAX);
-    QueuesClient::new(ch).upsert(pb::UpsertQueueRequest { queue_json: serde_json::to_string(&q)? }).await?;
+    conn.upsert_queue(&serde_json::to_string(&q)?).await?;
     Ok(())
 }
 
-async fn submit_one(c: &mut JobsClient<Channel>, rid: String, i: usize) -> Result<Duration> {
+async fn submit_one(conn: &Connection, rid: String, i: usize) -> Result<Duration> {
     let t = Instant::now();
-    c.submit(pb::SubmitJobRequest { client_request_id: rid, spec_json: job(i), retry: None })
-        .await
-        .map_err(|s| anyhow!("{}: {}", s.code(), s.message()))?;
+    let req = pb::SubmitJobRequest { client_request_id: rid, spec_json: job(i), retry: None };
+    conn.submit_job(req, |_, _| {}).await?;
     Ok(t.elapsed())
 }
 
-async fn placed(ch: &Channel) -> u64 {
-    match PoolsClient::new(ch.clone()).list(pb::ListPoolsRequest { stale: true, ..Default::default() }).await {
-        Ok(r) => r.into_inner().pools.iter().filter_map(|p| p.used.as_ref()).map(|u| u.cpu_milli / 100).sum(),
+async fn placed(conn: &Connection) -> u64 {
+    match conn.list_pools(true).await {
+        Ok(pools) => pools.iter().filter_map(|p| p.used.as_ref()).map(|u| u.cpu_milli / 100).sum(),
         Err(_) => 0,
     }
 }
@@ -131,27 +131,24 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         let (c, leader) = start(a.servers, &["--heartbeat-ttl-ms", "3600000"]).await?;
         let addr = c.addrs[leader].clone();
         println!("{} servers on loopback, RocksDB fsync before every ack; leader {addr}", a.servers);
-        let ch = channel(&addr).await?;
-        create_queue(ch.clone()).await?;
-        let mut agent = AgentClient::new(ch.clone());
+        let ch = connect(&addr)?;
+        create_queue(&ch).await?;
         for n in 0..a.nodes {
             let node = serde_json::json!({"id": format!("bench-node-{n}"), "pool": "bench",
                 "cpu_milli": 64_000u64, "memory_mib": 512_000u64});
-            agent
-                .register(pb::RegisterNodeRequest {
-                    node_json: node.to_string(),
-                    agent_version: "bench".into(),
-                    ..Default::default()
-                })
-                .await?;
+            ch.register_node(&pb::RegisterNodeRequest {
+                node_json: node.to_string(),
+                agent_version: "bench".into(),
+                ..Default::default()
+            })
+            .await?;
         }
 
         // Baseline: one synchronous client, one request in flight.
-        let mut jc = JobsClient::new(ch.clone());
         let mut lat = Vec::with_capacity(a.sync_jobs);
         let t = Instant::now();
         for i in 0..a.sync_jobs {
-            lat.push(submit_one(&mut jc, format!("sync-{i}"), i).await?);
+            lat.push(submit_one(&ch, format!("sync-{i}"), i).await?);
         }
         let sync_took = t.elapsed();
         report("1 synchronous client", a.sync_jobs, sync_took, &mut lat);
@@ -161,7 +158,7 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         let mut chans = Vec::new();
         for k in 0..a.connections {
             let to = if a.spread { &c.addrs[(leader + k) % c.addrs.len()] } else { &addr };
-            chans.push(channel(to).await?);
+            chans.push(connect(to)?);
         }
         if a.spread {
             println!("clients spread over all {} servers ({} connections)", c.addrs.len(), a.connections);
@@ -171,7 +168,7 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         let t = Instant::now();
         let mut tasks = Vec::new();
         for k in 0..a.clients {
-            let mut jc = JobsClient::new(chans[k % chans.len()].clone());
+            let jc = chans[k % chans.len()].clone();
             let next = next.clone();
             let total = a.jobs;
             tasks.push(tokio::spawn(async move {
@@ -181,7 +178,7 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
                     if i >= total {
                         return Ok::<_, anyhow::Error>(lat);
                     }
-                    lat.push(submit_one(&mut jc, format!("conc-{i}"), a.sync_jobs + i).await?);
+                    lat.push(submit_one(&jc, format!("conc-{i}"), a.sync_jobs + i).await?);
                 }
             }));
         }
@@ -224,13 +221,13 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
 }
 
 /// The batched phase of `bench submit`: acknowledged jobs per second and placements made.
-async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Channel) -> Result<(f64, u64)> {
+async fn submit_batched(a: &SubmitArgs, chans: &[Arc<Connection>], ch: &Connection) -> Result<(f64, u64)> {
     let next = Arc::new(AtomicUsize::new(0));
     let placed_before = placed(ch).await;
     let t = Instant::now();
     let mut tasks = Vec::new();
     for k in 0..a.batch_clients.max(1) {
-        let mut jc = JobsClient::new(chans[k % chans.len()].clone());
+        let jc = chans[k % chans.len()].clone();
         let (next, total, size, base) = (next.clone(), a.jobs, a.batch_size, a.sync_jobs + a.jobs);
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
@@ -239,7 +236,7 @@ async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Channel) -> Resu
                 if from >= total {
                     return Ok::<_, anyhow::Error>(lat);
                 }
-                let jobs = (from..(from + size).min(total))
+                let jobs: Vec<pb::SubmitJobRequest> = (from..(from + size).min(total))
                     .map(|i| pb::SubmitJobRequest {
                         client_request_id: format!("batch-{i}"),
                         spec_json: job(base + i),
@@ -247,12 +244,8 @@ async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Channel) -> Resu
                     })
                     .collect();
                 let t = Instant::now();
-                let r = jc
-                    .submit_many(pb::SubmitJobsRequest { jobs })
-                    .await
-                    .map_err(|s| anyhow!("{}: {}", s.code(), s.message()))?
-                    .into_inner();
-                if let Some(bad) = r.results.iter().find(|x| x.code != 0) {
+                let results = jc.submit_jobs(&jobs, |_, _| {}).await?;
+                if let Some(bad) = results.iter().find(|x| x.code != 0) {
                     bail!("a batched submission was refused: {}", bad.message);
                 }
                 lat.push(t.elapsed());
@@ -269,6 +262,11 @@ async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Channel) -> Resu
     Ok((a.jobs as f64 / took.as_secs_f64(), placed_during))
 }
 
+/// How `bench failover` retries its write after a kill: every 5 ms (the measurement's
+/// resolution), bounded by 30 s of waiting.
+const FAILOVER_RETRY: Backoff =
+    Backoff::new(Duration::from_millis(5), Duration::from_millis(5)).with_max_retries(6_000);
+
 /// `suanli bench failover`.
 pub fn failover(a: FailoverArgs) -> Result<()> {
     if a.servers < 3 {
@@ -276,42 +274,36 @@ pub fn failover(a: FailoverArgs) -> Result<()> {
     }
     rt()?.block_on(async move {
         let (mut c, leader) = start(a.servers, &[]).await?;
-        create_queue(channel(&c.addrs[leader]).await?).await?;
+        create_queue(&*connect(&c.addrs[leader])?).await?;
         let mut times = Vec::new();
         let mut seq = 0usize;
         for k in 0..a.kills {
             let leader = c.wait_leader(Duration::from_secs(30)).await.map_err(|e| anyhow!(e))?;
             // A write succeeds before the kill (the cluster is healthy).
-            let mut jc = JobsClient::new(channel(&c.addrs[leader]).await?);
-            submit_one(&mut jc, format!("warm-{k}"), seq).await?;
+            submit_one(&*connect(&c.addrs[leader])?, format!("warm-{k}"), seq).await?;
             seq += 1;
             let t = Instant::now();
             c.kill(leader);
-            let survivors = c.alive_addrs();
-            let mut conns = Vec::new();
-            for s in &survivors {
-                conns.push(JobsClient::new(channel(s).await?));
-            }
-            // Retry one submission (same request id) round robin until it is acknowledged.
-            let rid = format!("failover-{k}");
-            let mut j = 0;
-            let took = loop {
-                let jc = &mut conns[j % survivors.len()];
-                j += 1;
-                let mut req = tonic::Request::new(pb::SubmitJobRequest {
-                    client_request_id: rid.clone(),
-                    spec_json: job(seq),
-                    retry: None,
-                });
-                req.set_timeout(Duration::from_millis(500));
-                if jc.submit(req).await.is_ok() {
-                    break t.elapsed();
-                }
-                if t.elapsed() > Duration::from_secs(30) {
-                    bail!("no write succeeded within 30 s of killing the leader");
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            };
+            // One submission (same request id) through the client library over the survivors
+            // (each call goes round them, following leader hints), every 5 ms until it is
+            // acknowledged, for at most 30 s.
+            let conn = Connection::new(
+                &c.alive_addrs(),
+                ConnectionConfig { request_timeout: Some(Duration::from_millis(500)), ..ConnectionConfig::default() },
+            )?;
+            let req = pb::SubmitJobRequest { client_request_id: format!("failover-{k}"), spec_json: job(seq), retry: None };
+            FAILOVER_RETRY
+                .retry(
+                    || conn.call(|ch| {
+                        let req = req.clone();
+                        async move { pb::jobs_client::JobsClient::new(ch).submit(req).await }
+                    }),
+                    |_| t.elapsed() < Duration::from_secs(30),
+                    |_, _| {},
+                )
+                .await
+                .map_err(|e| anyhow!("no write succeeded within 30 s of killing the leader: {e}"))?;
+            let took = t.elapsed();
             seq += 1;
             println!("kill {:>2}: leader {} SIGKILLed; writes succeed again after {:>7.1} ms", k + 1, leader + 1, ms(took));
             times.push(took);

@@ -2,12 +2,14 @@
 //!
 //! A file is TOML (`.toml`) or JSON (`.json`), chosen by its extension; YAML is not supported.
 //! Loading is strict, so a typo never silently becomes a default, and it is the same strict
-//! path the servers decode the API's `*_json` fields with ([`suanli_model::input`]):
+//! path the servers decode the API's `*_json` fields with ([`suanli_model::input`]): a JSON
+//! file goes through the very function a server applies to `spec_json`, so both refuse a bad
+//! file with the same message (the `parity` tests below hold that):
 //!
 //! ```text
-//!   file ──parse (toml|json)──▶ value ──suanli_model::input──▶ T ──T::validate(Limits)──▶ T
-//!                                       unknown field, wrong type,   (the model's own limits)
-//!                                       missing field
+//!   .json text ──────────────────────────input::from_json_str──▶ T ──T::validate(Limits)──▶ T
+//!   .toml text ──parse──▶ value ──────────input::from_json_value─▶ T    (the model's own limits)
+//!                                 unknown field, wrong type, missing field
 //! ```
 //!
 //! Every error names the file and the dotted field path (`groups[0].resources.cpu_milli`), and
@@ -22,8 +24,17 @@ use suanli_model::{JobSpec, Limits, Node, Queue, ValidationError};
 /// Largest spec file read, in bytes (the API's default message limit).
 pub const MAX_FILE_BYTES: u64 = suanli_proto::DEFAULT_MAX_MESSAGE_BYTES as u64;
 
-/// Reads and parses a TOML or JSON file into a JSON value (the form the API carries).
-fn read_value(path: &Path) -> anyhow::Result<Value> {
+/// A spec file's content, as the decoder takes it.
+enum Doc {
+    /// A JSON file's text: decoded by the very function the servers decode the API's `*_json`
+    /// fields with ([`suanli_model::input::from_json_str`]), so both refuse it alike.
+    Json(String),
+    /// A TOML file (or a value built in code), parsed into a JSON value first.
+    Value(Value),
+}
+
+/// Reads a TOML or JSON file; a TOML file is parsed into a JSON value (the form the API carries).
+fn read_doc(path: &Path) -> anyhow::Result<Doc> {
     let shown = path.display();
     let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).unwrap_or_default();
     if !matches!(ext.as_str(), "toml" | "json") {
@@ -39,21 +50,25 @@ fn read_value(path: &Path) -> anyhow::Result<Value> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{shown}: cannot read"))?;
     if ext == "toml" {
         let table: toml::Table = toml::from_str(&text).map_err(|e| anyhow!("{shown}: TOML syntax: {e}"))?;
-        serde_json::to_value(table).map_err(|e| anyhow!("{shown}: {e}"))
+        Ok(Doc::Value(serde_json::to_value(table).map_err(|e| anyhow!("{shown}: {e}"))?))
     } else {
-        serde_json::from_str(&text).map_err(|e| anyhow!("{shown}: JSON syntax: {e}"))
+        Ok(Doc::Json(text))
     }
 }
 
-/// Decodes `v` strictly (the model's input path) and validates it with the model's
+/// Decodes `doc` strictly (the model's input path) and validates it with the model's
 /// `validate`. `prefix` is the document's field path prefix (`queue`, `node`; empty for a job).
 fn decode<T: DeserializeOwned>(
     shown: &str,
-    v: Value,
+    doc: Doc,
     prefix: &str,
     validate: impl FnOnce(&T) -> Result<(), ValidationError>,
 ) -> anyhow::Result<T> {
-    let t: T = suanli_model::input::from_json_value(v).map_err(|e| {
+    let decoded = match doc {
+        Doc::Json(text) => suanli_model::input::from_json_str(&text),
+        Doc::Value(v) => suanli_model::input::from_json_value(v),
+    };
+    let t: T = decoded.map_err(|e| {
         let field = match (prefix.is_empty(), e.field.is_empty()) {
             (true, true) => "(top level)".to_owned(),
             (true, false) => e.field,
@@ -66,34 +81,49 @@ fn decode<T: DeserializeOwned>(
     Ok(t)
 }
 
+fn job(shown: &str, doc: Doc) -> anyhow::Result<JobSpec> {
+    decode(shown, doc, "", |s: &JobSpec| s.validate(&Limits::default()))
+}
+
+fn queue(shown: &str, doc: Doc) -> anyhow::Result<Queue> {
+    decode(shown, doc, "queue", |q: &Queue| q.validate(&Limits::default()))
+}
+
+fn node(shown: &str, doc: Doc) -> anyhow::Result<Node> {
+    decode(shown, doc, "node", |n: &Node| n.validate(&Limits::default()))
+}
+
 /// Decodes and validates a job spec given as a JSON value; `shown` names its source in errors.
+#[cfg(test)]
 pub fn job_from_value(shown: &str, v: Value) -> anyhow::Result<JobSpec> {
-    decode(shown, v, "", |s: &JobSpec| s.validate(&Limits::default()))
+    job(shown, Doc::Value(v))
 }
 
 /// Decodes and validates a queue given as a JSON value.
+#[cfg(test)]
 pub fn queue_from_value(shown: &str, v: Value) -> anyhow::Result<Queue> {
-    decode(shown, v, "queue", |q: &Queue| q.validate(&Limits::default()))
+    queue(shown, Doc::Value(v))
 }
 
 /// Decodes and validates a node given as a JSON value.
+#[cfg(test)]
 pub fn node_from_value(shown: &str, v: Value) -> anyhow::Result<Node> {
-    decode(shown, v, "node", |n: &Node| n.validate(&Limits::default()))
+    node(shown, Doc::Value(v))
 }
 
 /// Loads and validates a job spec file (`.toml` or `.json`).
 pub fn load_job(path: &Path) -> anyhow::Result<JobSpec> {
-    job_from_value(&path.display().to_string(), read_value(path)?)
+    job(&path.display().to_string(), read_doc(path)?)
 }
 
 /// Loads and validates a queue file (`.toml` or `.json`).
 pub fn load_queue(path: &Path) -> anyhow::Result<Queue> {
-    queue_from_value(&path.display().to_string(), read_value(path)?)
+    queue(&path.display().to_string(), read_doc(path)?)
 }
 
 /// Loads and validates a node file (`.toml` or `.json`).
 pub fn load_node(path: &Path) -> anyhow::Result<Node> {
-    node_from_value(&path.display().to_string(), read_value(path)?)
+    node(&path.display().to_string(), read_doc(path)?)
 }
 
 #[cfg(test)]
@@ -205,5 +235,121 @@ mod tests {
 
         let round = job_from_value("f", serde_json::to_value(full_job()).expect("json")).expect("valid");
         assert_eq!(round, full_job());
+    }
+
+    /// A job spec good in every field; each parity case spoils one.
+    const GOOD_TOML: &str = r#"
+name = "tokenize"
+queue = "team-nlp"
+kind = "batch"
+priority = -10
+
+[[groups]]
+name = "shard"
+replicas = 2
+
+[groups.resources]
+cpu_milli = 250
+memory_mib = 128
+"#;
+
+    /// What a server answers for `text` sent as `SubmitJobRequest.spec_json`
+    /// (control-plane/server/src/api.rs, `submit_command`): `status::decode_json("spec_json", ..)`
+    /// is `suanli_model::input::from_json_str` with the field under `spec_json`; a spec that
+    /// decodes is then validated by the state machine with the cluster's limits, refused as a
+    /// `CommandError` whose text is the status message.
+    fn server_says(text: &str) -> String {
+        match suanli_model::input::from_json_str::<JobSpec>(text) {
+            Err(e) if e.field.is_empty() => format!("spec_json: {}", e.message),
+            Err(e) => format!("spec_json.{}: {}", e.field, e.message),
+            Ok(spec) => match spec.validate(&Limits::default()) {
+                Err(e) => suanli_state::CommandError::from(e).to_string(),
+                Ok(()) => "accepted".to_owned(),
+            },
+        }
+    }
+
+    /// The field and message of a refusal, without who refused (`<file>: `, `spec_json.`) and,
+    /// with `positions` false, without serde's ` at line L column C` (a TOML file reaches a
+    /// server as JSON text the CLI built, whose positions are not the file's).
+    fn field_and_message(said: &str, who: &str, positions: bool) -> String {
+        let s = said.strip_prefix(who).unwrap_or(said);
+        let s = s.strip_prefix("(top level): ").unwrap_or(s);
+        let s = s.strip_prefix("spec_json.").or_else(|| s.strip_prefix("spec_json: ")).unwrap_or(s);
+        match s.find(" at line ") {
+            Some(i) if !positions => s[..i].to_owned(),
+            _ => s.to_owned(),
+        }
+    }
+
+    /// Item 2 of issue 17: the CLI's loader and the server's decode path refuse the same bad
+    /// files with the same message for the field.
+    #[test]
+    fn cli_and_server_refuse_the_same_files_with_the_same_messages() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let good: Value = serde_json::to_value(toml::from_str::<toml::Table>(GOOD_TOML).expect("toml")).expect("json");
+        assert_eq!(server_says(&good.to_string()), "accepted");
+        let spoil = |f: &dyn Fn(&mut Value)| {
+            let mut v = good.clone();
+            f(&mut v);
+            v
+        };
+        let cases: Vec<(&str, Value, &str)> = vec![
+            (
+                "unknown-field",
+                spoil(&|v| v["groups"][0]["resources"]["gpus"] = Value::from(1)),
+                "groups[0].resources.gpus: unknown field",
+            ),
+            (
+                "wrong-type",
+                spoil(&|v| v["groups"][0]["replicas"] = Value::from("two")),
+                "groups[0].replicas: invalid type",
+            ),
+            ("over-a-limit", spoil(&|v| v["priority"] = Value::from(2_000_000)), "priority: "),
+            (
+                "zero-replicas",
+                spoil(&|v| v["groups"][0]["replicas"] = Value::from(0)),
+                "groups[0].replicas: 0 is out of range",
+            ),
+            (
+                "missing-field",
+                spoil(&|v| {
+                    v.as_object_mut().expect("object").remove("queue");
+                }),
+                "queue: missing required field",
+            ),
+            ("bad-enum", spoil(&|v| v["kind"] = Value::from("nightly")), "kind: unknown variant"),
+        ];
+        for (name, doc, expect) in &cases {
+            let server = server_says(&serde_json::to_string_pretty(doc).expect("json"));
+            // The same document as a JSON file: the very same message, positions included.
+            let json_file = dir.path().join(format!("{name}.json"));
+            std::fs::write(&json_file, serde_json::to_string_pretty(doc).expect("json")).expect("write");
+            let shown = format!("{}: ", json_file.display());
+            let cli = load_job(&json_file).expect_err(name).to_string();
+            assert!(cli.starts_with(&shown), "{name}: the CLI names the file: {cli}");
+            assert_eq!(field_and_message(&cli, &shown, true), field_and_message(&server, "", true), "{name} (.json)");
+            assert!(field_and_message(&cli, &shown, true).starts_with(expect), "{name}: {cli}");
+            // As a TOML file: the same field and message.
+            let toml_file = dir.path().join(format!("{name}.toml"));
+            let table: toml::Table = serde_json::from_value(doc.clone()).expect("a TOML table");
+            std::fs::write(&toml_file, toml::to_string(&table).expect("toml")).expect("write");
+            let shown = format!("{}: ", toml_file.display());
+            let cli = load_job(&toml_file).expect_err(name).to_string();
+            let server = server_says(&doc.to_string());
+            assert_eq!(field_and_message(&cli, &shown, false), field_and_message(&server, "", false), "{name} (.toml)");
+        }
+        // Bad syntax: a JSON file is refused by both alike; a TOML file never reaches a server,
+        // and the CLI names the file, the syntax and the line.
+        let broken = &serde_json::to_string_pretty(&good).expect("json")[..40];
+        let json_file = dir.path().join("syntax.json");
+        std::fs::write(&json_file, broken).expect("write");
+        let shown = format!("{}: ", json_file.display());
+        let cli = load_job(&json_file).expect_err("syntax").to_string();
+        assert_eq!(field_and_message(&cli, &shown, true), field_and_message(&server_says(broken), "", true));
+        let toml_file = dir.path().join("syntax.toml");
+        std::fs::write(&toml_file, GOOD_TOML.replace("replicas = 2", "replicas = ")).expect("write");
+        let cli = load_job(&toml_file).expect_err("syntax").to_string();
+        assert!(cli.starts_with(&format!("{}: TOML syntax: ", toml_file.display())) && cli.contains("line 9"), "{cli}");
     }
 }

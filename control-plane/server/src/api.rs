@@ -36,7 +36,7 @@ fn ok<T>(v: T) -> Resp<T> {
 pub struct Api(pub Arc<Core>, pub crate::batch::Batcher);
 
 /// Most jobs in one `SubmitMany` call.
-pub const MAX_JOBS_PER_CALL: usize = 1024;
+pub use suanli_proto::MAX_JOBS_PER_CALL;
 
 /// Metadata a server sets on a read it forwards to the leader, so the call is answered where
 /// it lands and never forwarded a second time.

@@ -27,8 +27,8 @@ use tokio::sync::Notify;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
-/// Metadata key that names the leader's address on UNAVAILABLE answers.
-pub const LEADER_HEADER: &str = "suanli-leader";
+/// Metadata key that names the leader's address on UNAVAILABLE answers (shared with clients).
+pub use suanli_proto::LEADER_HEADER;
 
 /// The shared core of one server.
 pub struct Core {

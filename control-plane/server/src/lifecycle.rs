@@ -18,6 +18,7 @@ use crate::core::Core;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use suanli_client::backoff::Backoff;
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
 use suanli_proto::v1::internal_client::InternalClient;
@@ -38,6 +39,11 @@ pub enum Ending {
 const WAITING_LOG_EVERY: Duration = Duration::from_secs(10);
 /// How often a follower checks with the leader that it is still a member.
 const MEMBER_CHECK_EVERY: Duration = Duration::from_secs(2);
+/// Retries of `--join` before the server gives up and exits: about ten minutes of waiting for
+/// the cluster it joins (0.2 s doubling to 5 s between tries).
+const JOIN_RETRIES: usize = 120;
+const JOIN_BACKOFF: Backoff =
+    Backoff::new(Duration::from_millis(200), Duration::from_secs(5)).with_max_retries(JOIN_RETRIES);
 /// Deadline of one call to another server made by these steps.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -57,7 +63,7 @@ pub async fn bootstrap(core: Arc<Core>, mut stop: watch::Receiver<bool>, ending:
     let me = cfg.advertised().to_owned();
     let me_peer = cfg.peer_advertised();
     if let Some(join) = &cfg.join {
-        let mut backoff = Duration::from_millis(200);
+        let mut backoff = JOIN_BACKOFF.delays();
         loop {
             match join_once(join, cfg.id, &me, &me_peer, cfg.learner_only).await {
                 Ok(()) => {
@@ -72,11 +78,16 @@ pub async fn bootstrap(core: Arc<Core>, mut stop: watch::Receiver<bool>, ending:
                 }
                 Err(s) => tracing::warn!(via = %join, error = %s.message(), "join failed; retrying"),
             }
+            let Some(wait) = backoff.next_delay() else {
+                let why = format!("joining through {join} failed {JOIN_RETRIES} times in a row; giving up");
+                tracing::error!(id = cfg.id, "{why}; this server exits");
+                let _ = ending.send(Ending::JoinRefused(why)).await;
+                return;
+            };
             tokio::select! {
-                () = tokio::time::sleep(backoff) => {}
+                () = tokio::time::sleep(wait) => {}
                 _ = stop.changed() => return,
             }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
         }
     }
     let smallest = cfg.peers.iter().map(|p| p.id).min().unwrap_or(cfg.id);

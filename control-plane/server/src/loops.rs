@@ -32,7 +32,7 @@ async fn until_leader(core: &Core, stop: &mut watch::Receiver<bool>) -> bool {
 /// (drawn here, so apply stays deterministic; apply keeps the first one committed). Ends once
 /// the applied state has one.
 pub async fn identity(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
-    let mut backoff = Duration::from_millis(200);
+    let mut backoff = suanli_client::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(5)).delays();
     loop {
         if !core.state.read(|s| s.cluster_id().is_empty()) {
             return;
@@ -50,10 +50,9 @@ pub async fn identity(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             }
         }
         tokio::select! {
-            () = tokio::time::sleep(backoff) => {}
+            () = tokio::time::sleep(backoff.next_or_max()) => {}
             _ = stop.changed() => return,
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
 }
 
