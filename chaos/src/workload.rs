@@ -154,7 +154,8 @@ impl Client {
         F: FnMut(Channel) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        self.conn.start_at(self.pick_server());
+        let first = self.pick_server();
+        self.conn.start_at(first);
         let mut asked = Vec::new();
         let r = self.conn.call_traced(f, &mut asked).await;
         (asked.iter().filter_map(|a| self.by_link.get(a).copied()).collect(), r)
