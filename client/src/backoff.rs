@@ -61,8 +61,15 @@ impl Backoff {
     where
         Fut: Future<Output = Result<T, E>>,
     {
-        op.retry(self.builder()).sleep(tokio::time::sleep).when(when).notify(notify).await
+        let mut notify = notify;
+        op.retry(self.builder()).sleep(tokio::time::sleep).when(when).notify(|e, d| notify(e, whole_ms(d))).await
     }
+}
+
+/// `d` to the nearest millisecond: backon computes delays in `f32` (200 ms may come out as
+/// 200.000003 ms); every delay here is configured in milliseconds.
+fn whole_ms(d: Duration) -> Duration {
+    Duration::from_millis((d.as_secs_f64() * 1000.0).round() as u64)
 }
 
 /// The delays of one [`Backoff`], in order; [`Delays::reset`] starts again from `min`.
@@ -74,12 +81,12 @@ pub struct Delays {
 impl Delays {
     /// The next delay; `None` once `max_retries` delays were handed out.
     pub fn next_delay(&mut self) -> Option<Duration> {
-        self.it.next()
+        self.it.next().map(whole_ms)
     }
 
     /// The next delay, or `max` after the retries ran out (a loop that never gives up).
     pub fn next_or_max(&mut self) -> Duration {
-        self.it.next().unwrap_or(self.policy.max)
+        self.next_delay().unwrap_or(self.policy.max)
     }
 
     /// Starts again from `min` (after a success).
