@@ -315,26 +315,16 @@ fn dev_agents(args: &DevArgs) -> Result<Vec<suanli_agent::AgentConfig>> {
 }
 
 async fn ensure_default_queue(addr: &str) -> Result<()> {
-    use suanli_proto::v1::cluster_client::ClusterClient;
-    use suanli_proto::v1::queues_client::QueuesClient;
-    let uri = format!("http://{addr}");
+    let conn = suanli_client::Connection::new(&[addr.to_owned()], suanli_client::ConnectionConfig::default())?;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     // Wait until the server is up and has elected itself.
-    loop {
-        if let Ok(mut c) = ClusterClient::connect(uri.clone()).await
-            && let Ok(r) = c.leader(suanli_proto::v1::LeaderRequest {}).await
-            && r.into_inner().leader_id != 0
-        {
-            break;
-        }
+    while !conn.leader().await.is_ok_and(|r| r.leader_id != 0) {
         anyhow::ensure!(std::time::Instant::now() < deadline, "the dev server did not elect itself within 30 s");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    let mut q = QueuesClient::connect(uri).await?;
-    let exists = q.get(suanli_proto::v1::GetQueueRequest { id: "default".into(), stale: false }).await.is_ok();
-    if !exists {
+    if conn.get_queue("default", false).await.is_err() {
         let queue = suanli_model::Queue::new("default", suanli_model::ResVec::MAX);
-        q.upsert(suanli_proto::v1::UpsertQueueRequest { queue_json: serde_json::to_string(&queue)? }).await?;
+        conn.upsert_queue(&serde_json::to_string(&queue)?).await?;
     }
     Ok(())
 }
