@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use suanli_client::backoff::Backoff;
 use suanli_client::{Connection, ConnectionConfig, pb};
 use suanli_server::local::ProcessCluster;
+use tonic::transport::Channel;
 
 /// Flags of `suanli bench submit`.
 #[derive(Args, Debug)]
@@ -104,6 +105,14 @@ async fn submit_one(conn: &Connection, rid: String, i: usize) -> Result<Duration
     Ok(t.elapsed())
 }
 
+/// One submission on a channel of its own (the load phases: what is measured is the servers,
+/// not the client library's choice of server for each call).
+async fn submit_on(c: &mut pb::jobs_client::JobsClient<Channel>, rid: String, i: usize) -> Result<Duration> {
+    let t = Instant::now();
+    c.submit(pb::SubmitJobRequest { client_request_id: rid, spec_json: job(i), retry: None }).await?;
+    Ok(t.elapsed())
+}
+
 async fn placed(conn: &Connection) -> u64 {
     match conn.list_pools(true).await {
         Ok(pools) => pools.iter().filter_map(|p| p.used.as_ref()).map(|u| u.cpu_milli / 100).sum(),
@@ -158,7 +167,7 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         let mut chans = Vec::new();
         for k in 0..a.connections {
             let to = if a.spread { &c.addrs[(leader + k) % c.addrs.len()] } else { &addr };
-            chans.push(connect(to)?);
+            chans.push(ch.direct(to).await?);
         }
         if a.spread {
             println!("clients spread over all {} servers ({} connections)", c.addrs.len(), a.connections);
@@ -168,7 +177,7 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         let t = Instant::now();
         let mut tasks = Vec::new();
         for k in 0..a.clients {
-            let jc = chans[k % chans.len()].clone();
+            let mut jc = pb::jobs_client::JobsClient::new(chans[k % chans.len()].clone());
             let next = next.clone();
             let total = a.jobs;
             tasks.push(tokio::spawn(async move {
@@ -178,7 +187,7 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
                     if i >= total {
                         return Ok::<_, anyhow::Error>(lat);
                     }
-                    lat.push(submit_one(&jc, format!("conc-{i}"), a.sync_jobs + i).await?);
+                    lat.push(submit_on(&mut jc, format!("conc-{i}"), a.sync_jobs + i).await?);
                 }
             }));
         }
@@ -221,13 +230,13 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
 }
 
 /// The batched phase of `bench submit`: acknowledged jobs per second and placements made.
-async fn submit_batched(a: &SubmitArgs, chans: &[Arc<Connection>], ch: &Connection) -> Result<(f64, u64)> {
+async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Connection) -> Result<(f64, u64)> {
     let next = Arc::new(AtomicUsize::new(0));
     let placed_before = placed(ch).await;
     let t = Instant::now();
     let mut tasks = Vec::new();
     for k in 0..a.batch_clients.max(1) {
-        let jc = chans[k % chans.len()].clone();
+        let mut jc = pb::jobs_client::JobsClient::new(chans[k % chans.len()].clone());
         let (next, total, size, base) = (next.clone(), a.jobs, a.batch_size, a.sync_jobs + a.jobs);
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
@@ -244,7 +253,7 @@ async fn submit_batched(a: &SubmitArgs, chans: &[Arc<Connection>], ch: &Connecti
                     })
                     .collect();
                 let t = Instant::now();
-                let results = jc.submit_jobs(&jobs, |_, _| {}).await?;
+                let results = jc.submit_many(pb::SubmitJobsRequest { jobs }).await?.into_inner().results;
                 if let Some(bad) = results.iter().find(|x| x.code != 0) {
                     bail!("a batched submission was refused: {}", bad.message);
                 }
