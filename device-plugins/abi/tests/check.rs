@@ -1,5 +1,5 @@
 //! The conformance kit as a library (`check::run`), on the C example and a crashing variant; the
-//! command-line side is tested in `cli/tests/plugin_check.rs`.
+//! command-line side is tested by the workspace's end-to-end crate (`tests/tests/plugin_check.rs`).
 
 use std::path::{Path, PathBuf};
 

@@ -4,8 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../agent/e2e-support/mod.rs"]
-mod support;
+use suanli_tests as support;
 
 use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;

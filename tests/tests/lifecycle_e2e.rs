@@ -9,8 +9,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../agent/e2e-support/mod.rs"]
-mod support;
+use suanli_tests as support;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

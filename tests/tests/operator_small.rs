@@ -3,14 +3,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use suanli_tests as common;
 
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 fn bin() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_suanli"));
+    let mut c = Command::new(suanli_tests::bin());
     c.env_remove("SUANLI_ADDR").env_remove("SUANLI_LOG_FORMAT").env_remove("SUANLI_CONFIG");
     c
 }

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn suanli(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_suanli")).args(args).output().expect("run suanli")
+    Command::new(suanli_tests::bin()).args(args).output().expect("run suanli")
 }
 
 fn examples() -> PathBuf {
@@ -278,11 +278,11 @@ fn repo_root() -> PathBuf {
 
 /// Where cargo put this binary and the plugin libraries.
 fn plugin_dir() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_suanli")).parent().expect("bin dir").to_path_buf()
+    suanli_tests::bin().parent().expect("bin dir").to_path_buf()
 }
 
 fn cli_at(addr: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_suanli"))
+    Command::new(suanli_tests::bin())
         .current_dir(repo_root())
         .args(args)
         .args(["--server", addr])
@@ -385,7 +385,7 @@ fn every_dev_example_runs_on_suanli_dev() {
     let addr = format!("127.0.0.1:{port}");
     let log = dir.path().join("dev.log");
     let _dev = spawn_logged(
-        Command::new(env!("CARGO_BIN_EXE_suanli"))
+        Command::new(suanli_tests::bin())
             .current_dir(repo_root())
             .args(["dev", "--listen", &addr, "--data-dir"])
             .arg(dir.path().join("dev"))
@@ -405,7 +405,7 @@ fn every_dev_example_runs_on_suanli_dev() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_job_example_runs_on_the_example_cluster() {
-    let bin = PathBuf::from(env!("CARGO_BIN_EXE_suanli"));
+    let bin = suanli_tests::bin();
     // 1. One server (`suanli server --id 1 ... --bootstrap`, on free ports).
     let cluster = suanli_server::local::ProcessCluster::start(&bin, 1, &[]).expect("server");
     cluster.wait_leader(Duration::from_secs(30)).await.expect("a leader");
@@ -427,7 +427,7 @@ async fn every_job_example_runs_on_the_example_cluster() {
             let cfg = suanli_agent::AgentConfig::from_file(&f).expect("agent config");
             let log = dir.path().join(format!("{}.log", cfg.node_id));
             agents.push(spawn_logged(
-                Command::new(env!("CARGO_BIN_EXE_suanli"))
+                Command::new(suanli_tests::bin())
                     .current_dir(repo_root())
                     .args(["agent", "--config"])
                     .arg(&f)

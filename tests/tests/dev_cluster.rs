@@ -26,8 +26,8 @@ impl Drop for Dev {
     }
 }
 
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_suanli")
+fn bin() -> PathBuf {
+    suanli_tests::bin()
 }
 
 fn suanli(addr: &str, args: &[&str]) -> Output {
@@ -60,7 +60,7 @@ fn dev_runs_an_example_job_on_fake_gpus() {
     let dir = tempfile::tempdir().unwrap();
     let port = suanli_server::local::free_port_pair().unwrap();
     let addr = format!("127.0.0.1:{port}");
-    let plugin_dir = Path::new(bin()).parent().unwrap().to_path_buf();
+    let plugin_dir = bin().parent().unwrap().to_path_buf();
     let log = std::fs::File::create(dir.path().join("dev.log")).unwrap();
     let child = Command::new(bin())
         .args(["dev", "--listen", &addr, "--data-dir"])

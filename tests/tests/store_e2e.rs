@@ -14,9 +14,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-#[path = "../../agent/e2e-support/mod.rs"]
-mod support;
+use suanli_tests as common;
+use suanli_tests as support;
 
 use common::{ProcessCluster, all_jobs, channel, cpu_job};
 use std::collections::BTreeMap;
@@ -30,7 +29,7 @@ use suanli_proto::v1::queues_client::QueuesClient;
 const WAIT: Duration = Duration::from_secs(30);
 
 fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_suanli"))
+    suanli_tests::bin()
 }
 
 /// Runs `suanli ARGS`; its stdout, or a panic with its stderr.

@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use suanli_tests as common;
 
 use common::{ProcessCluster, all_jobs, channel, cpu_job, jobs_client};
 use std::collections::{BTreeMap, BTreeSet};

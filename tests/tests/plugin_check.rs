@@ -5,10 +5,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const SUANLI: &str = env!("CARGO_BIN_EXE_suanli");
-
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("cli/ has a parent").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
 }
 
 fn build_example(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
@@ -16,8 +14,12 @@ fn build_example(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
 }
 
 fn check(lib: &Path, extra: &[&str]) -> (Output, String, String) {
-    let out =
-        Command::new(SUANLI).args(["plugin", "check"]).arg(lib).args(extra).output().expect("run suanli plugin check");
+    let out = Command::new(suanli_tests::bin())
+        .args(["plugin", "check"])
+        .arg(lib)
+        .args(extra)
+        .output()
+        .expect("run suanli plugin check");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     (out, stdout, stderr)
@@ -136,7 +138,7 @@ fn unusable_files_are_reported() {
 /// The shipped Rust plugins, as built by `cargo build --workspace` next to this binary.
 #[test]
 fn shipped_rust_plugins_pass_the_conformance_kit() {
-    let bin_dir = Path::new(SUANLI).parent().expect("target/debug");
+    let bin_dir = &suanli_tests::target_dir();
     let mut missing = Vec::new();
     for name in ["cpu", "fake"] {
         let lib = bin_dir.join(format!("libsuanli_plugin_{name}.so"));
@@ -166,7 +168,7 @@ fn shipped_rust_plugins_pass_the_conformance_kit() {
 /// this one): zero devices, and the reason said clearly.
 #[test]
 fn vendor_plugins_report_not_available_cleanly() {
-    let bin_dir = Path::new(SUANLI).parent().expect("target/debug");
+    let bin_dir = &suanli_tests::target_dir();
     for (name, needle) in [("nvidia", "NVML not available"), ("ascend", "DCMI library not available")] {
         let lib = bin_dir.join(format!("libsuanli_plugin_{name}.so"));
         assert!(lib.exists(), "not built: {}; run `cargo build --workspace` first", lib.display());

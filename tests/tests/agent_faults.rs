@@ -10,8 +10,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../agent/e2e-support/mod.rs"]
-mod support;
+use suanli_tests as support;
 
 use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;

@@ -15,8 +15,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../agent/e2e-support/mod.rs"]
-mod support;
+use suanli_tests as support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};

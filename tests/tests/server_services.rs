@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use suanli_tests as common;
 
 use common::{channel, cpu_job};
 use std::time::{Duration, Instant};

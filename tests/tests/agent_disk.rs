@@ -8,8 +8,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../agent/e2e-support/mod.rs"]
-mod support;
+use suanli_tests as support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

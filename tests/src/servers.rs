@@ -1,7 +1,5 @@
-//! Helpers of the end-to-end tests; the cluster itself is `suanli_server::local`, real
-//! `suanli server` processes on loopback ports with RocksDB in temp dirs.
-
-#![allow(dead_code, clippy::unwrap_used)]
+//! Servers and jobs over gRPC; the cluster itself is `suanli_server::local` (feature
+//! `testing`), real `suanli server` processes on loopback ports with RocksDB in temp dirs.
 
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::jobs_client::JobsClient;
@@ -10,9 +8,10 @@ use tonic::transport::Channel;
 
 /// Starts `n` servers of the binary under test.
 pub fn start(n: usize, extra: &[&str]) -> ProcessCluster {
-    ProcessCluster::start(std::path::Path::new(env!("CARGO_BIN_EXE_suanli")), n, extra).unwrap()
+    ProcessCluster::start(&crate::bin(), n, extra).unwrap()
 }
 
+/// A `Jobs` client connected to `addr`.
 pub async fn jobs_client(addr: &str) -> Result<JobsClient<Channel>, tonic::transport::Error> {
     Ok(JobsClient::new(channel(addr).await?))
 }

@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use suanli_tests as common;
 
 use common::{all_jobs, channel, cpu_job};
 use std::time::Duration;

@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use suanli_tests as common;
 
 use common::{channel, cpu_job};
 use prost::Message;
@@ -25,7 +25,7 @@ const DEFAULT_CLIENT_LIMIT: usize = 4 * 1024 * 1024;
 
 /// Runs `suanli ARGS --server ADDR --output json`, which must succeed; the printed array.
 fn cli_list(addr: &str, args: &[&str]) -> Vec<serde_json::Value> {
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_suanli"))
+    let o = std::process::Command::new(suanli_tests::bin())
         .args(args)
         .args(["--server", addr, "--output", "json"])
         .env_remove("SUANLI_ADDR")

@@ -6,7 +6,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use suanli_tests as common;
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
@@ -21,7 +21,7 @@ fn example(rel: &str) -> String {
 }
 
 fn cmd(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_suanli"));
+    let mut c = Command::new(suanli_tests::bin());
     c.args(args).env_remove("SUANLI_ADDR");
     c
 }
@@ -113,7 +113,7 @@ fn client_commands_against_a_real_cluster() {
     assert!(out.contains("weight:") && out.contains("gpu=64"), "{out}");
 
     // Nodes, registered through a follower.
-    let node_file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/common/gpu-node.toml").display().to_string();
+    let node_file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/gpu-node.toml").display().to_string();
     let out = ok(&["node", "register", &node_file, "--server", &fol]);
     assert!(out.starts_with("node gpu-a-001 registered"), "{out}");
     assert!(out.contains("down after 600000 ms"), "{out}");

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use suanli_tests as common;
 
 use common::{ProcessCluster, all_jobs, channel, cpu_job};
 use std::time::{Duration, Instant};
@@ -28,7 +28,7 @@ async fn wait_for(what: &str, c: &ProcessCluster, mut ok: impl AsyncFnMut() -> b
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn servers_join_from_a_snapshot_and_are_removed_online() {
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_suanli"));
+    let bin = &suanli_tests::bin();
     // Keep no log behind a snapshot, so joiners must catch up from the snapshot itself.
     let cfg_dir = tempfile::tempdir().unwrap();
     let cfg = cfg_dir.path().join("server.toml");

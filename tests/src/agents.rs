@@ -1,11 +1,8 @@
-//! Helpers shared by the agent's end-to-end tests in `cli/tests/agent_e2e.rs` and
-//! `cli/tests/agent_faults.rs` (included there with `#[path]`; they need the `suanli` binary,
-//! which only the CLI package's tests have). Everything is real: `suanli server` processes
-//! (`ProcessCluster`), `suanli agent` processes, the fake device plugin's `.so` in a private
-//! plugin directory, and tasks that are `/bin/sh` processes.
+//! Agents and jobs: `suanli agent` processes with the fake device plugin ([`AgentProc`]), a
+//! cluster with a `default` queue ([`cluster`]), and a task script that records where and when
+//! it ran ([`record_job`], [`read_lines`]).
 
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
-
+use crate::bin;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -14,24 +11,18 @@ use suanli_proto::v1 as pb;
 use suanli_proto::v1::jobs_client::JobsClient;
 use suanli_proto::v1::nodes_client::NodesClient;
 use suanli_proto::v1::queues_client::QueuesClient;
-pub use suanli_server::local::{ProcessCluster, channel};
+use suanli_server::local::{ProcessCluster, channel};
 
-/// The `suanli` binary under test.
-pub fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_suanli"))
-}
-
-/// The fake plugin built by cargo next to the test executable (`target/debug/deps/x` → `target/debug`).
+/// The fake plugin built by cargo beside the `suanli` binary ([`crate::target_dir`]).
 pub fn fake_so() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let debug = exe.parent().and_then(Path::parent).unwrap();
+    let debug = crate::target_dir();
     let so = debug.join("libsuanli_plugin_fake.so");
     if so.exists() {
         return so;
     }
     // A dependency's cdylib stays in deps/.
     let deps = debug.join("deps").join("libsuanli_plugin_fake.so");
-    assert!(deps.exists(), "{} is missing: build the workspace first (cargo build --workspace)", so.display());
+    assert!(deps.exists(), "{} is missing: run `cargo build --workspace` first", so.display());
     deps
 }
 
@@ -88,6 +79,7 @@ pub fn fake_config(gpus: u32, island: u32, npus: u32) -> String {
 /// One `suanli agent` process with its own data dir, plugin dir (a private copy of the fake
 /// plugin) and fake device config.
 pub struct AgentProc {
+    /// The node id it registers as.
     pub node_id: String,
     dir: tempfile::TempDir,
     data: PathBuf,
@@ -357,15 +349,23 @@ pub fn record_job(
 /// One line of the record file.
 #[derive(Debug, Clone)]
 pub struct Line {
+    /// `S` (started) rather than `E` (ended).
     pub start: bool,
+    /// `$SUANLI_JOB_ID`.
     pub job: u64,
+    /// `$SUANLI_ATTEMPT`.
     pub attempt: u64,
+    /// `$SUANLI_TASK`.
     pub task: String,
+    /// `$SUANLI_NODE`.
     pub node: String,
+    /// Wall-clock nanoseconds (`date +%s%N`).
     pub ns: u128,
     /// `device:milli` pairs.
     pub devices: Vec<(String, u32)>,
+    /// `$CUDA_VISIBLE_DEVICES` (`-`: unset).
     pub cuda: String,
+    /// `$ASCEND_RT_VISIBLE_DEVICES` (`-`: unset).
     pub ascend: String,
 }
 
