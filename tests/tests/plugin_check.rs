@@ -10,7 +10,7 @@ fn repo_root() -> PathBuf {
 }
 
 fn build_example(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
-    suanli_device_abi::testing::build_c_example(dir, name, defines).unwrap_or_else(|e| panic!("{e}"))
+    suanli_device_host::testing::build_c_example(dir, name, defines).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn check(lib: &Path, extra: &[&str]) -> (Output, String, String) {

@@ -5,13 +5,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use suanli_device_abi::supervisor::{HostError, Options, PluginProcess, PluginState};
-use suanli_device_abi::{Code, pb};
+use suanli_device_host::supervisor::{HostError, Options, PluginProcess, PluginState};
+use suanli_device_host::{Code, pb};
 
 const HOST: &str = env!("CARGO_BIN_EXE_suanli-plugin-host");
 
 fn build_example(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
-    suanli_device_abi::testing::build_c_example(dir, name, defines).unwrap_or_else(|e| panic!("{e}"))
+    suanli_device_host::testing::build_c_example(dir, name, defines).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn opts() -> Options {
@@ -55,7 +55,7 @@ async fn example_plugin_serves_every_call_and_shuts_down() {
     assert!(inv.fake);
     assert_eq!(inv.devices[0].links[0].peer, "example1");
     assert_eq!(inv.devices[1].peer_group, Some(0));
-    assert!(suanli_device_abi::check::validate_inventory(&inv).is_empty());
+    assert!(suanli_device_host::check::validate_inventory(&inv).is_empty());
 
     let r = p
         .reserve(pb::ReserveRequest { device_ids: vec!["example1".into(), "example0".into()], alloc_id: 7 })
@@ -240,7 +240,7 @@ async fn bad_libraries_are_refused_with_a_reason() {
 #[test]
 fn plugin_host_refuses_protocol_violations() {
     use std::io::{Read, Write};
-    use suanli_device_abi::frame;
+    use suanli_device_host::frame;
 
     let dir = tempfile::tempdir().expect("tempdir");
     let lib = build_example(dir.path(), "example", &[]);

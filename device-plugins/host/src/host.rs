@@ -26,11 +26,11 @@ use std::sync::{Arc, RwLock};
 
 use prost::Message;
 
-use crate::ffi::{
+use crate::{ABI_MAJOR, ABI_MINOR, Code, PluginError, pb};
+use suanli_device_abi::ffi::{
     API_SIZE_1_0, API_SIZE_1_1, API_SIZE_PREAMBLE, CallFn, ENTRY_SYMBOL, EntryFn, SuanliDpApi, SuanliDpCallArgs,
     SuanliDpError, SuanliDpInitArgs, SuanliDpPlugin, SuanliDpShutdownArgs,
 };
-use crate::{ABI_MAJOR, ABI_MINOR, Code, PluginError, pb};
 
 /// The longest plugin name or version string accepted, in bytes.
 pub const MAX_NAME_LEN: usize = 64;

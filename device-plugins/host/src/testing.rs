@@ -14,7 +14,7 @@ pub fn build_c_example(dir: &Path, name: &str, defines: &[&str]) -> Result<PathB
     let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
     let res = Command::new(&cc)
         .args(["-shared", "-fPIC", "-std=c99", "-Wall", "-Werror", "-I"])
-        .arg(root.join("include"))
+        .arg(root.join("../abi/include"))
         .args(defines)
         .arg("-o")
         .arg(&out)

@@ -3,13 +3,13 @@
 
 use std::path::{Path, PathBuf};
 
-use suanli_device_abi::check::{self, CheckOptions, Outcome, Report};
-use suanli_device_abi::pb;
+use suanli_device_host::check::{self, CheckOptions, Outcome, Report};
+use suanli_device_host::pb;
 
 const HOST: &str = env!("CARGO_BIN_EXE_suanli-plugin-host");
 
 fn build_example(dir: &Path, name: &str, defines: &[&str]) -> PathBuf {
-    suanli_device_abi::testing::build_c_example(dir, name, defines).unwrap_or_else(|e| panic!("{e}"))
+    suanli_device_host::testing::build_c_example(dir, name, defines).unwrap_or_else(|e| panic!("{e}"))
 }
 
 async fn run(lib: &Path) -> (Report, Vec<String>) {

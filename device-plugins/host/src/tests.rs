@@ -5,10 +5,11 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::export::Table;
-use crate::ffi::{API_SIZE_1_0, SuanliDpApi};
 use crate::host::{Library, LoadError};
-use crate::{Code, DevicePlugin, PluginError, pb};
+use crate::{Code, PluginError, pb};
+use suanli_device_abi::DevicePlugin;
+use suanli_device_abi::export::Table;
+use suanli_device_abi::ffi::{API_SIZE_1_0, SuanliDpApi};
 
 static SHUTDOWNS: AtomicU32 = AtomicU32::new(0);
 
