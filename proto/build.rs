@@ -19,6 +19,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ".suanli.v1.ProposeRequest.command_json",
         ".suanli.v1.ProposeResponse.response_json",
     ]);
+    // device.proto's messages are generated once, by `suanli-device-proto` (prost alone, so a
+    // device plugin links no tonic); the code generated here refers to them there, and lib.rs
+    // re-exports them in `v1`. Every top-level message of the file is mapped.
+    let device = std::fs::read_to_string("proto/suanli/v1/device.proto")?;
+    for line in device.lines() {
+        if let Some(name) = line.strip_prefix("message ").and_then(|r| r.split_whitespace().next()) {
+            config.extern_path(format!(".suanli.v1.{name}"), format!("::suanli_device_proto::v1::{name}"));
+        }
+    }
     // Ordered maps: whatever prints or hashes a map sees its keys in order.
     config.btree_map(["."]);
     // JSON through serde for clients (`--output json`): field names as in the .proto files.

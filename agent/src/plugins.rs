@@ -17,8 +17,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use suanli_device_abi::supervisor::{HostError, Options, PluginProcess, PluginState};
-use suanli_device_abi::{Code, pb};
+use suanli_device_host::supervisor::{HostError, Options, PluginProcess, PluginState};
+use suanli_device_host::{Code, pb};
 use suanli_model::{Device, DeviceKind, Health};
 use tokio::sync::{Notify, watch};
 
@@ -154,7 +154,7 @@ impl Plugins {
         let opts = options(cfg);
         let mut list = Vec::new();
         for (stem, path) in candidates(cfg) {
-            if let Err(e) = suanli_device_abi::host::check_file_permissions(&path) {
+            if let Err(e) = suanli_device_host::host::check_file_permissions(&path) {
                 tracing::error!(plugin = %stem, path = %path.display(), error = %e, "REFUSING device plugin: unsafe file permissions");
                 continue;
             }

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use suanli_device_abi::check::{self, CheckOptions};
-use suanli_device_abi::{host, pb, process};
+use suanli_device_host::check::{self, CheckOptions};
+use suanli_device_host::{host, pb, process};
 
 /// `suanli plugin ...`.
 #[derive(clap::Args, Debug)]
@@ -110,8 +110,8 @@ fn check_cmd(a: CheckArgs) -> anyhow::Result<()> {
         println!(
             "checking {} against device plugin ABI {}.{}",
             a.lib.display(),
-            suanli_device_abi::ABI_MAJOR,
-            suanli_device_abi::ABI_MINOR
+            suanli_device_host::ABI_MAJOR,
+            suanli_device_host::ABI_MINOR
         );
     }
     let report = rt.block_on(check::run(&a.lib, opts, &mut |r| {

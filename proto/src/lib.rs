@@ -19,6 +19,8 @@
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
 pub mod v1 {
     tonic::include_proto!("suanli.v1");
+    // The device plugin payloads (device.proto), generated without gRPC in `suanli-device-proto`.
+    pub use suanli_device_proto::v1::*;
 }
 
 /// The encoded `FileDescriptorSet` of every `.proto` file above (with source info): what a

@@ -2,7 +2,11 @@
 //! RocksDB directory in a temp dir: what the end-to-end tests, `suanli bench submit` and
 //! `suanli bench failover` run against. Processes are killed (SIGKILL) when it is dropped.
 //! The first start of [`ProcessCluster::start`] bootstraps (`--bootstrap --peers ...`), as an
-//! operator creates a cluster; [`ProcessCluster::spawn_waiting`] restarts one without it.
+//! operator creates a cluster.
+//!
+//! What the benchmarks need (start, leader, kill, restart, catch up) is always built; the rest
+//! (membership changes, wipes, SIGTERM, restores, port pairs) only serves tests and is behind
+//! the `testing` feature, which test crates enable in their dev-dependency on this crate.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -19,6 +23,7 @@ pub fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
 
 /// A loopback port `p` with `p + 1` free too (a server's client port and its default peer
 /// port, as `suanli dev` and a server without `--peer-listen` use them).
+#[cfg(feature = "testing")]
 pub fn free_port_pair() -> std::io::Result<u16> {
     for _ in 0..100 {
         let a = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -120,6 +125,7 @@ impl ProcessCluster {
 
     /// Like [`ProcessCluster::start`], with environment variables for every server (e.g.
     /// `SUANLI_FAILPOINTS` in a build that has them).
+    #[cfg(feature = "testing")]
     pub fn start_env(bin: &Path, n: usize, extra: &[&str], env: &[(&str, &str)]) -> std::io::Result<ProcessCluster> {
         let mut c = Self::reserve(bin, n, extra)?;
         c.env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
@@ -131,12 +137,14 @@ impl ProcessCluster {
     }
 
     /// The temp dir holding data directories and logs.
+    #[cfg(feature = "testing")]
     pub fn dir(&self) -> &Path {
         self.dir.path()
     }
 
     /// Reserves `n` addresses but starts only server 1, as a single-server cluster; the others
     /// can be started later with [`ProcessCluster::spawn_joining`].
+    #[cfg(feature = "testing")]
     pub fn start_one_of(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
         let mut c = Self::reserve(bin, n, extra)?;
         c.launch(0, &["--bootstrap"])?;
@@ -145,23 +153,27 @@ impl ProcessCluster {
 
     /// Reserves `n` addresses and a temp dir, starting nothing (e.g. to restore a data dir
     /// first, then [`ProcessCluster::spawn_initialized`]).
+    #[cfg(feature = "testing")]
     pub fn prepare(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
         Self::reserve(bin, n, extra)
     }
 
     /// Server `i`'s data directory.
+    #[cfg(feature = "testing")]
     pub fn data_dir(&self, i: usize) -> PathBuf {
         self.dir.path().join(format!("s{}", i + 1))
     }
 
     /// Starts server `i` with neither `--peers` nor `--join`: for a data dir that is already
     /// initialized (a restored one).
+    #[cfg(feature = "testing")]
     pub fn spawn_initialized(&mut self, i: usize) -> std::io::Result<()> {
         self.launch(i, &[])
     }
 
     /// Waits up to `within` for server `i` to exit on its own; its exit status (`None`: still
     /// running, or not started).
+    #[cfg(feature = "testing")]
     pub fn wait_exit(&mut self, i: usize, within: Duration) -> Option<std::process::ExitStatus> {
         let deadline = Instant::now() + within;
         loop {
@@ -178,6 +190,7 @@ impl ProcessCluster {
     }
 
     /// Starts server `i` with `--join` through server `via` (a new member of a running cluster).
+    #[cfg(feature = "testing")]
     pub fn spawn_joining(&mut self, i: usize, via: usize) -> std::io::Result<()> {
         let join = self.addrs[via].clone();
         self.launch(i, &["--join", &join])
@@ -192,6 +205,7 @@ impl ProcessCluster {
 
     /// Starts server `i` with its original `--peers` but without `--bootstrap`: what a wiped
     /// server restarted by the same unit does. With empty storage it waits to be added.
+    #[cfg(feature = "testing")]
     pub fn spawn_waiting(&mut self, i: usize) -> std::io::Result<()> {
         let peers = self.peers_flag();
         self.launch(i, &["--peers", &peers])
@@ -199,11 +213,13 @@ impl ProcessCluster {
 
     /// Starts server `i`'s addresses and data directory under raft id `id`, with `membership`
     /// flags (e.g. `--join A`): how tests try a reused id.
+    #[cfg(feature = "testing")]
     pub fn spawn_as(&mut self, i: usize, id: u64, membership: &[&str]) -> std::io::Result<()> {
         self.launch_as(i, id, membership)
     }
 
     /// Deletes server `i`'s data directory (stop it first).
+    #[cfg(feature = "testing")]
     pub fn wipe(&mut self, i: usize) -> std::io::Result<()> {
         let d = self.dir.path().join(format!("s{}", i + 1));
         match std::fs::remove_dir_all(&d) {
@@ -215,6 +231,7 @@ impl ProcessCluster {
     /// Sends SIGTERM to server `i` and waits up to `within` for it to exit; SIGKILL after
     /// that, as systemd does. Answers its exit status and how long it took, or `None` (with
     /// the time) when it had to be killed.
+    #[cfg(feature = "testing")]
     pub fn terminate(&mut self, i: usize, within: Duration) -> (Option<std::process::ExitStatus>, Duration) {
         let t = Instant::now();
         let Some(mut p) = self.procs[i].take() else { return (None, Duration::ZERO) };
@@ -233,6 +250,7 @@ impl ProcessCluster {
     }
 
     /// Server `i`'s process id, when it runs.
+    #[cfg(feature = "testing")]
     pub fn pid(&self, i: usize) -> Option<u32> {
         self.procs[i].as_ref().map(Child::id)
     }

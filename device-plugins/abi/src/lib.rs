@@ -1,41 +1,30 @@
-//! suanli's device plugin ABI.
+//! suanli's device plugin ABI, for plugin authors.
 //!
-//! The contract is the C header `include/suanli_device_plugin.h`; this crate gives:
-//! - plugin authors a safe Rust trait, [`DevicePlugin`], and [`export_plugin!`], which exports the
-//!   C entry point and catches panics at the boundary ([`export`]);
-//! - the agent a loader built on `libloading` that checks the symbol, the version and the struct
-//!   sizes before it calls anything ([`host`]), the `suanli plugin-host` child ([`process`]) and
-//!   its supervisor ([`supervisor`]), and the conformance checks behind `suanli plugin check`
-//!   ([`check`]).
+//! The contract is the C header `include/suanli_device_plugin.h`; this crate gives plugin
+//! authors a safe Rust trait, [`DevicePlugin`], and [`export_plugin!`], which exports the C entry
+//! point and catches panics at the boundary ([`export`]). [`ffi`] mirrors the header's structs;
+//! nothing Rust-specific (`&str`, `String`, `Result`, Rust `fn` types) ever crosses the boundary.
 //!
 //! ```text
-//!  agent ── supervisor::PluginProcess ══frames══▶ suanli plugin-host (process::serve)
-//!                                                   └─ host::Library ──C ABI──▶ plugin.so
-//!                                                                               └─ export_plugin!
-//!                                                                                  (Rust) or C
+//!  agent ── suanli-device-host (supervisor ══frames══▶ plugin-host child ── loader) ──C ABI──▶ plugin.so
+//!                                                                                            └─ this crate:
+//!                                                                                               export_plugin!
 //! ```
 //!
-//! Payloads are the protocol buffers of `proto/suanli/v1/device.proto`, re-exported as [`pb`].
-//! [`ffi`] mirrors the header's structs; nothing Rust-specific (`&str`, `String`, `Result`, Rust
-//! `fn` types) ever crosses the boundary. This crate never loads a plugin into the agent's own
-//! process: [`host`] runs only inside the plugin-host child (and in tests).
+//! Payloads are the protocol buffers of `proto/proto/suanli/v1/device.proto`, generated without
+//! gRPC by `suanli-device-proto` and re-exported as [`pb`].
+//!
+//! Every plugin cdylib links this crate, so it must never depend on an async runtime, gRPC,
+//! JSON or a dynamic loader: the host side (the `libloading` loader, the plugin-host child, the
+//! agent's supervisor, the conformance kit) is the `suanli-device-host` crate.
 
-pub mod check;
 pub mod export;
 pub mod ffi;
-pub mod frame;
-pub mod host;
-pub mod process;
-pub mod supervisor;
-pub mod testing;
-
-#[cfg(test)]
-mod tests;
 
 use std::fmt;
 
-/// The device payload messages (package `suanli.v1`).
-pub use suanli_proto::v1 as pb;
+/// The device payload messages (package `suanli.v1`, the messages of `device.proto`).
+pub use suanli_device_proto::v1 as pb;
 
 /// The ABI major version this crate implements (breaking changes).
 pub const ABI_MAJOR: u32 = 1;

@@ -1,0 +1,25 @@
+//! Generates the prost messages of `proto/proto/suanli/v1/device.proto` (messages only: the
+//! file has no services, and this crate has no gRPC dependency).
+//!
+//! protoc comes from `protoc-bin-vendored` (nothing to install) unless `PROTOC` names another.
+
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = PathBuf::from("../../proto/proto");
+    let file = dir.join("suanli/v1/device.proto");
+    println!("cargo:rerun-if-changed={}", file.display());
+    println!("cargo:rerun-if-env-changed=PROTOC");
+    let protoc = match std::env::var_os("PROTOC") {
+        Some(p) => PathBuf::from(p),
+        None => protoc_bin_vendored::protoc_bin_path()?,
+    };
+    let mut config = prost_build::Config::new();
+    config.protoc_executable(protoc);
+    // As in suanli-proto, which re-exports these messages: ordered maps, and serde::Serialize
+    // for clients' JSON output (NodeInfo.stats carries DeviceStats).
+    config.btree_map(["."]);
+    config.type_attribute(".", "#[derive(serde::Serialize)]");
+    config.compile_protos(&[file], &[dir])?;
+    Ok(())
+}

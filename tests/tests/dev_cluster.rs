@@ -1,0 +1,117 @@
+//! The README's first command: `suanli dev` starts a server and two agents with fake devices,
+//! and an example job from `examples/dev/` runs as a real process on "GPUs" right away; its
+//! output comes back through `suanli job logs`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+struct Dev(Child);
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        // SIGTERM: the dev command stops its agents and server.
+        let _ = Command::new("kill").arg(self.0.id().to_string()).status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn bin() -> PathBuf {
+    suanli_tests::bin()
+}
+
+fn suanli(addr: &str, args: &[&str]) -> Output {
+    Command::new(bin()).args(args).args(["--server", addr]).output().unwrap()
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// Polls `f` every 100 ms until it returns `Some`, or fails after `within`.
+fn wait_for<T>(within: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/dev")
+}
+
+#[test]
+fn dev_runs_an_example_job_on_fake_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = suanli_server::local::free_port_pair().unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let plugin_dir = bin().parent().unwrap().to_path_buf();
+    let log = std::fs::File::create(dir.path().join("dev.log")).unwrap();
+    let child = Command::new(bin())
+        .args(["dev", "--listen", &addr, "--data-dir"])
+        .arg(dir.path().join("dev"))
+        .arg("--plugin-dir")
+        .arg(&plugin_dir)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let _dev = Dev(child);
+    let dev_log = || std::fs::read_to_string(dir.path().join("dev.log")).unwrap_or_default();
+
+    // Both agents register their fake devices.
+    let nodes = wait_for(Duration::from_secs(60), "two dev nodes", || {
+        let o = suanli(&addr, &["node", "list", "--output", "json"]);
+        if !o.status.success() {
+            return None;
+        }
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).ok()?;
+        let n = v.as_array()?.clone();
+        (n.len() == 2).then_some(n)
+    });
+    let gpus: usize = nodes.iter().map(|n| n["devices"].as_array().map_or(0, |d| d.len())).sum();
+    assert_eq!(gpus, 12, "8 fake GPUs + 4 fake NPUs: {nodes:?}\n{}", dev_log());
+
+    let f = examples().join("hello-gpu.toml");
+    let v = json(&suanli(&addr, &["job", "submit", &f.display().to_string(), "--output", "json"]));
+    let id = v["job_id"].as_u64().unwrap().to_string();
+    let state = wait_for(Duration::from_secs(60), "the job to end", || {
+        let v = json(&suanli(&addr, &["job", "status", &id, "--output", "json"]));
+        let s = v["state"].as_str()?.to_owned();
+        ["succeeded", "failed", "cancelled"].contains(&s.as_str()).then_some(s)
+    });
+    assert_eq!(state, "succeeded", "{}", dev_log());
+
+    let o = suanli(&addr, &["job", "logs", &id]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "job logs: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains(&format!("job {id} task main-0 attempt")), "logs: {out}");
+    assert!(out.contains("CUDA_VISIBLE_DEVICES="), "logs: {out}");
+    assert!(out.contains("on dev-gpu"), "the GPU job ran on the GPU node: {out}");
+
+    // Device statistics from the agents' heartbeats reach the leader and `node get`.
+    let stats = wait_for(Duration::from_secs(30), "device stats of dev-gpu", || {
+        let v = json(&suanli(&addr, &["node", "get", "dev-gpu", "--output", "json"]));
+        let s = v["stats"].as_array()?.clone();
+        (s.len() == 8).then_some(s)
+    });
+    for st in &stats {
+        let u = st["utilization_pct"].as_f64().unwrap();
+        assert!((0.0..=100.0).contains(&u), "{st}");
+    }
+}
