@@ -491,7 +491,8 @@ fn alloc_action(a: &pb::AllocInfo, handled: bool, has_dir: bool, running: usize,
         if !stop_wanted {
             return AllocAction::Keep;
         }
-        let why = if a.stop_reason.is_empty() { "asked by the control plane".to_owned() } else { a.stop_reason.clone() };
+        let why =
+            if a.stop_reason.is_empty() { "asked by the control plane".to_owned() } else { a.stop_reason.clone() };
         return AllocAction::Stop(why);
     }
     if has_dir {
@@ -510,7 +511,10 @@ fn alloc_action(a: &pb::AllocInfo, handled: bool, has_dir: bool, running: usize,
         return AllocAction::Refuse(pb::AllocReport::Failed, "no task: the job spec's group has no `task`".into());
     }
     if running >= max_tasks {
-        return AllocAction::Refuse(pb::AllocReport::Failed, format!("the node runs max_tasks = {max_tasks} tasks already"));
+        return AllocAction::Refuse(
+            pb::AllocReport::Failed,
+            format!("the node runs max_tasks = {max_tasks} tasks already"),
+        );
     }
     AllocAction::Start
 }
@@ -1006,9 +1010,13 @@ mod tests {
         let AllocAction::Refuse(st, msg) = alloc_action(&run, false, false, 4, 4) else { panic!("node full") };
         assert_eq!((st, msg.as_str()), (pb::AllocReport::Failed, "the node runs max_tasks = 4 tasks already"));
         let lost = alloc("run", "running", &["sleep", "1"]);
-        assert!(matches!(alloc_action(&lost, false, false, 0, 4), AllocAction::Refuse(pb::AllocReport::Failed, m) if m.starts_with("lost:")));
+        assert!(
+            matches!(alloc_action(&lost, false, false, 0, 4), AllocAction::Refuse(pb::AllocReport::Failed, m) if m.starts_with("lost:"))
+        );
         let none = alloc("run", "pending", &[]);
-        assert!(matches!(alloc_action(&none, false, false, 0, 4), AllocAction::Refuse(_, m) if m.starts_with("no task")));
+        assert!(
+            matches!(alloc_action(&none, false, false, 0, 4), AllocAction::Refuse(_, m) if m.starts_with("no task"))
+        );
     }
 
     #[test]

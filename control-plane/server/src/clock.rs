@@ -18,11 +18,11 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::time::Instant;
 use suanli_proto::v1::ClockRequest;
 use suanli_proto::v1::internal_client::InternalClient;
 use suanli_state::AgentFence;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::core::Core;
 

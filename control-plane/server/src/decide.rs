@@ -16,7 +16,7 @@
 use crate::config::ServerConfig;
 use std::collections::BTreeMap;
 use std::time::Duration;
-use suanli_model::{NodeId, Plan};
+use suanli_model::Plan;
 use suanli_raft::ServerNode;
 use suanli_state::{AgentFence, State};
 use tokio::time::Instant;
@@ -196,7 +196,8 @@ mod tests {
 
     #[test]
     fn hand_off_goes_to_the_most_caught_up_voter_first() {
-        let node = |i: u64| ServerNode::new(format!("127.0.0.1:{}", 7401 + 2 * i), format!("127.0.0.1:{}", 7400 + 2 * i));
+        let node =
+            |i: u64| ServerNode::new(format!("127.0.0.1:{}", 7401 + 2 * i), format!("127.0.0.1:{}", 7400 + 2 * i));
         let voters = (1..=5).map(|i| (i, node(i)));
         let matched: BTreeMap<u64, u64> = [(2, 90), (3, 120), (4, 120)].into();
         let order: Vec<u64> = successors(1, voters, &matched).into_iter().map(|(id, _)| id).collect();
@@ -210,7 +211,8 @@ mod tests {
             .into_iter()
             .map(|p| Peer::parse(p).expect("peer"))
             .collect();
-        let cfg = |id: u64, bootstrap: bool| ServerConfig { id, bootstrap, peers: peers.clone(), ..ServerConfig::default() };
+        let cfg =
+            |id: u64, bootstrap: bool| ServerConfig { id, bootstrap, peers: peers.clone(), ..ServerConfig::default() };
         assert_eq!(first_start(&cfg(1, true), true), Start::Recover, "storage wins over flags");
         let Start::Initialize(m) = first_start(&cfg(1, true), false) else { panic!("server 1 initializes") };
         assert_eq!(m.keys().copied().collect::<Vec<_>>(), [1, 2, 3]);

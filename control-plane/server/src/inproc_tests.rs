@@ -73,7 +73,8 @@ async fn a_follower_without_a_leader_answers_unavailable_within_the_request_time
 /// Registers node `id` with the server behind `ch`.
 async fn register(ch: tonic::transport::Channel, id: &str) {
     let node = serde_json::json!({"id": id, "pool": "cpu", "cpu_milli": 8000, "memory_mib": 16000});
-    let req = pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into(), ..Default::default() };
+    let req =
+        pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into(), ..Default::default() };
     AgentClient::new(ch).register(req).await.expect("register");
 }
 

@@ -19,12 +19,12 @@ use crate::decide::{self, Start};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::time::Instant;
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
 use suanli_proto::v1::internal_client::InternalClient;
 use suanli_raft::ServerNode;
 use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use tonic::{Code, Status};
 
 /// Why a server ended on its own, not because it was asked to.
@@ -270,12 +270,8 @@ pub fn successors(core: &Core) -> Vec<(u64, ServerNode)> {
     let m = core.raft.metrics();
     let m = m.borrow();
     let membership = m.membership_config.membership();
-    let matched: BTreeMap<u64, u64> = m
-        .replication
-        .iter()
-        .flatten()
-        .filter_map(|(id, l)| l.as_ref().map(|l| (*id, l.index)))
-        .collect();
+    let matched: BTreeMap<u64, u64> =
+        m.replication.iter().flatten().filter_map(|(id, l)| l.as_ref().map(|l| (*id, l.index))).collect();
     let voters = membership.voter_ids().filter_map(|v| Some((v, membership.get_node(&v)?.clone())));
     decide::successors(core.id, voters, &matched)
 }

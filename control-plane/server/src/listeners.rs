@@ -48,10 +48,10 @@ impl Listeners {
 
     /// The addresses they are bound to.
     pub fn bound(&self) -> Result<Bound, ServerError> {
-        let io = |what: &str| move |source| ServerError::Io { what: what.to_owned(), source };
+        let io = |what: &str, source| ServerError::Io { what: what.to_owned(), source };
         Ok(Bound {
-            client: self.client.local_addr().map_err(io("listen: the bound address"))?,
-            peer: self.peer.local_addr().map_err(io("peer_listen: the bound address"))?,
+            client: self.client.local_addr().map_err(|e| io("listen: the bound address", e))?,
+            peer: self.peer.local_addr().map_err(|e| io("peer_listen: the bound address", e))?,
         })
     }
 }

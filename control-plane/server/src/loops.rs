@@ -128,7 +128,6 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
 /// The node liveness loop.
 pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
     let period = Duration::from_millis(core.cfg.heartbeat_interval_ms);
-    let ttl = Duration::from_millis(core.cfg.heartbeat_ttl_ms);
     // The term this server last led in: a leadership lost and won back between two ticks
     // is a new leadership too (the nodes heartbeated to another leader meanwhile).
     let mut leading: Option<u64> = None;

@@ -114,7 +114,8 @@ pub async fn solo_core(dir: &Path) -> Arc<Core> {
     let cfg = config(1, dir);
     let (raft, state, log) = suanli_raft::open(&cfg.data_dir, cfg.id, &cfg.raft).await.expect("open raft");
     let me = ServerNode::new(cfg.peer_advertised(), cfg.advertised().to_owned());
-    raft.initialize([(cfg.id, me)].into()).await.expect("initialize");
+    let members: std::collections::BTreeMap<u64, ServerNode> = [(cfg.id, me)].into();
+    raft.initialize(members).await.expect("initialize");
     let core = Arc::new(Core::new(cfg, raft, state, log));
     let mut m = core.raft.metrics();
     m.wait_for(|m| m.state == openraft::ServerState::Leader).await.expect("leads");
