@@ -159,7 +159,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
     let r = rt.block_on(async move {
         let listeners = suanli_server::Listeners::bind(&cfg).await?;
         announce(&listeners)?;
-        suanli_server::serve(listeners, cfg, first).await
+        anyhow::Ok(suanli_server::serve(listeners, cfg, first).await?)
     });
     // Connections still open after the grace period are dropped with the runtime.
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
@@ -170,7 +170,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
 /// Prints the bound addresses on stdout (`suanli server listening client=A peer=B`, flushed):
 /// with port 0 in `--listen`/`--peer-listen`, how whoever started the server learns its ports
 /// without probing them (docs/control-plane.md, "Listeners").
-fn announce(listeners: &suanli_server::Listeners) -> Result<suanli_server::Bound, suanli_server::ServerError> {
+fn announce(listeners: &suanli_server::Listeners) -> std::io::Result<suanli_server::Bound> {
     use std::io::Write as _;
     let bound = listeners.bound()?;
     let mut out = std::io::stdout().lock();

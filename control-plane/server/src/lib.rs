@@ -129,7 +129,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     cfg.validate()?;
-    let bound = listeners.bound()?;
+    let bound =
+        listeners.bound().map_err(|source| ServerError::Io { what: "the listeners' addresses".into(), source })?;
     let cfg = cfg.bound_to(&bound);
     let Listeners { client: listener, peer: peer_listener } = listeners;
     std::fs::create_dir_all(&cfg.data_dir)

@@ -11,7 +11,6 @@
 //! Port 0 lets the system pick a port; nothing here ever binds a port to find out whether it
 //! is free (a port found that way can be taken by anyone before it is used again).
 
-use crate::ServerError;
 use serde::{Deserialize, Serialize};
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -34,25 +33,18 @@ pub struct Listeners {
 
 impl Listeners {
     /// Binds what `cfg` names (`listen`, and `peer_listen` or its default); port 0 lets the
-    /// system pick. Errors name the field and the address.
-    pub async fn bind(cfg: &crate::ServerConfig) -> Result<Listeners, ServerError> {
-        let client = TcpListener::bind(&cfg.listen)
-            .await
-            .map_err(|source| ServerError::Io { what: format!("listen {}", cfg.listen), source })?;
+    /// system pick. An error names the field and the address (`listen 127.0.0.1:7400: ...`).
+    pub async fn bind(cfg: &crate::ServerConfig) -> std::io::Result<Listeners> {
+        let named = |what: String| move |e: std::io::Error| std::io::Error::new(e.kind(), format!("{what}: {e}"));
+        let client = TcpListener::bind(&cfg.listen).await.map_err(named(format!("listen {}", cfg.listen)))?;
         let peer_addr = cfg.peer_listen_addr();
-        let peer = TcpListener::bind(&peer_addr)
-            .await
-            .map_err(|source| ServerError::Io { what: format!("peer_listen {peer_addr}"), source })?;
+        let peer = TcpListener::bind(&peer_addr).await.map_err(named(format!("peer_listen {peer_addr}")))?;
         Ok(Listeners { client, peer })
     }
 
     /// The addresses they are bound to.
-    pub fn bound(&self) -> Result<Bound, ServerError> {
-        let io = |what: &str, source| ServerError::Io { what: what.to_owned(), source };
-        Ok(Bound {
-            client: self.client.local_addr().map_err(|e| io("listen: the bound address", e))?,
-            peer: self.peer.local_addr().map_err(|e| io("peer_listen: the bound address", e))?,
-        })
+    pub fn bound(&self) -> std::io::Result<Bound> {
+        Ok(Bound { client: self.client.local_addr()?, peer: self.peer.local_addr()? })
     }
 }
 
