@@ -411,7 +411,7 @@ fn every_dev_example_runs_on_suanli_dev() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_job_example_runs_on_the_example_cluster() {
     let bin = suanli_tests::bin();
-    // 1. One server (`suanli server --id 1 ... --bootstrap`, on free ports).
+    // 1. One server (`suanli server --id 1 ... --bootstrap`, on the ports it picks: port 0).
     let cluster = suanli_server::local::ProcessCluster::start(&bin, 1, &[]).expect("server");
     cluster.wait_leader(Duration::from_secs(30)).await.expect("a leader");
     let addr = cluster.addrs[0].clone();
