@@ -439,24 +439,110 @@ async fn switch_cluster(agent: Arc<Agent>, old: String) {
     }
 }
 
+/// How a set compares with the newest one applied (pure: [`freshness`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Freshness {
+    /// As new as any applied, or newer: it may start and stop tasks.
+    Fresh,
+    /// Older than one applied (a lagging server after a reconnect): it may lack allocations
+    /// placed since, so it may start tasks but must not stop any.
+    StartOnly,
+    /// Older, but only older ones arrived for [`STALE_ACCEPTED_AFTER`] (a new cluster?): the
+    /// revision is reset and the set applies in full.
+    Reset,
+}
+
+/// How long only older sets may arrive before their revision is accepted.
+const STALE_ACCEPTED_AFTER: Duration = Duration::from_secs(120);
+
+/// A set of `revision` against the newest `applied`, older sets having arrived (only) for
+/// `stale_for`.
+fn freshness(revision: u64, applied: u64, stale_for: Duration) -> Freshness {
+    if revision >= applied {
+        Freshness::Fresh
+    } else if stale_for > STALE_ACCEPTED_AFTER {
+        Freshness::Reset
+    } else {
+        Freshness::StartOnly
+    }
+}
+
+/// What reconcile does with one allocation of a set (pure: [`alloc_action`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum AllocAction {
+    /// Handled here already; nothing to do.
+    Keep,
+    /// Handled here already, and the control plane wants it stopped (why).
+    Stop(String),
+    /// Not in memory but its directory exists (the agent restarted): recover it, and stop it
+    /// when asked (why).
+    Recover(Option<String>),
+    /// Not started: report this status and message.
+    Refuse(pb::AllocReport, String),
+    /// Start the task.
+    Start,
+}
+
+/// Desired (`a`) against actual: whether this agent already handles it (`handled`), whether
+/// its directory exists (`has_dir`), and how many tasks run (`running`, of `max_tasks`).
+fn alloc_action(a: &pb::AllocInfo, handled: bool, has_dir: bool, running: usize, max_tasks: usize) -> AllocAction {
+    let stop_wanted = a.desired == "stop";
+    if handled {
+        if !stop_wanted {
+            return AllocAction::Keep;
+        }
+        let why =
+            if a.stop_reason.is_empty() { "asked by the control plane".to_owned() } else { a.stop_reason.clone() };
+        return AllocAction::Stop(why);
+    }
+    if has_dir {
+        return AllocAction::Recover(stop_wanted.then(|| a.stop_reason.clone()));
+    }
+    if stop_wanted {
+        return AllocAction::Refuse(pb::AllocReport::Stopped, "stopped before it started".into());
+    }
+    if a.state == "running" {
+        return AllocAction::Refuse(
+            pb::AllocReport::Failed,
+            "lost: the control plane has it running but this node has no record of it (its data directory is gone); not starting it again".into(),
+        );
+    }
+    if a.command.is_empty() {
+        return AllocAction::Refuse(pb::AllocReport::Failed, "no task: the job spec's group has no `task`".into());
+    }
+    if running >= max_tasks {
+        return AllocAction::Refuse(
+            pb::AllocReport::Failed,
+            format!("the node runs max_tasks = {max_tasks} tasks already"),
+        );
+    }
+    AllocAction::Start
+}
+
+/// The handled tasks a fresh set no longer lists: `true` to forget (it ended; its directory
+/// remembers it), `false` to stop (still running).
+fn unlisted(handled: impl Iterator<Item = (Key, bool)>, in_set: &BTreeSet<Key>) -> Vec<(Key, bool)> {
+    handled.filter(|(k, _)| !in_set.contains(k)).collect()
+}
+
 fn reconcile(agent: &Arc<Agent>, u: pb::AllocationsUpdate) {
     let cfg = &agent.cfg;
     let mut t = lock(agent);
     if !same_cluster(agent, &mut t, &u) {
         return;
     }
-    // A set older than one already applied (a lagging server after a reconnect) may lack
-    // allocations placed since: it may start tasks but must not stop any.
-    let fresh = if u.revision >= t.max_rev {
-        t.stale_since = None;
-        if u.revision > t.max_rev {
-            t.max_rev = u.revision;
-            persist_rev(agent, u.revision);
+    let now = Instant::now();
+    let stale_for = if u.revision >= t.max_rev { Duration::ZERO } else { now - *t.stale_since.get_or_insert(now) };
+    let fresh = match freshness(u.revision, t.max_rev, stale_for) {
+        Freshness::Fresh => {
+            t.stale_since = None;
+            if u.revision > t.max_rev {
+                t.max_rev = u.revision;
+                persist_rev(agent, u.revision);
+            }
+            true
         }
-        true
-    } else {
-        let since = *t.stale_since.get_or_insert_with(Instant::now);
-        if since.elapsed() > Duration::from_secs(120) {
+        Freshness::Reset => {
             tracing::warn!(
                 revision = u.revision,
                 applied = t.max_rev,
@@ -466,75 +552,54 @@ fn reconcile(agent: &Arc<Agent>, u: pb::AllocationsUpdate) {
             t.stale_since = None;
             persist_rev(agent, u.revision);
             true
-        } else {
+        }
+        Freshness::StartOnly => {
             tracing::debug!(revision = u.revision, applied = t.max_rev, "a set older than one applied: starting only");
             false
         }
     };
     let in_set: BTreeSet<Key> = u.allocs.iter().map(|a| (a.id, a.epoch)).collect();
+    let mut running = t.map.values().filter(|e| !e.ended).count();
     for a in u.allocs {
         let k = (a.id, a.epoch);
-        let stop_wanted = a.desired == "stop";
-        if let Some(e) = t.map.get(&k) {
-            if stop_wanted {
-                let why = if a.stop_reason.is_empty() {
-                    "asked by the control plane".to_owned()
-                } else {
-                    a.stop_reason.clone()
-                };
-                request_stop(e, why, grace(cfg, a.grace_s));
-            }
-            continue;
-        }
         let dir = alloc_dir(agent, k);
-        if dir.exists() {
-            let e = recover_one(agent, k, &dir);
-            if stop_wanted {
-                request_stop(&e, a.stop_reason.clone(), grace(cfg, a.grace_s));
+        let handled = t.map.contains_key(&k);
+        match alloc_action(&a, handled, !handled && dir.exists(), running, cfg.max_tasks) {
+            AllocAction::Keep => {}
+            AllocAction::Stop(why) => {
+                if let Some(e) = t.map.get(&k) {
+                    request_stop(e, why, grace(cfg, a.grace_s));
+                }
             }
-            t.map.insert(k, e);
-            continue;
+            AllocAction::Recover(stop) => {
+                let e = recover_one(agent, k, &dir);
+                if let Some(why) = stop {
+                    request_stop(&e, why, grace(cfg, a.grace_s));
+                }
+                running += usize::from(!e.ended);
+                t.map.insert(k, e);
+            }
+            AllocAction::Refuse(status, message) => {
+                tracing::warn!(alloc = k.0, epoch = k.1, job_id = a.job_id, %message, "not starting the task");
+                agent.reporter.enqueue(Report { alloc: k.0, epoch: k.1, status, message, exit_code: 0 });
+            }
+            AllocAction::Start => {
+                let (tx, rx) = watch::channel(None);
+                t.map.insert(k, Entry { stop: tx, ended: false });
+                running += 1;
+                let a2 = agent.clone();
+                let span =
+                    tracing::info_span!("task", alloc = k.0, epoch = k.1, job_id = a.job_id, node_id = %agent.node_id);
+                tokio::spawn(async move { start(a2, a, rx).await }.instrument(span));
+            }
         }
-        let refuse = |status: pb::AllocReport, message: String| {
-            tracing::warn!(alloc = k.0, epoch = k.1, job_id = a.job_id, %message, "not starting the task");
-            agent.reporter.enqueue(Report { alloc: k.0, epoch: k.1, status, message, exit_code: 0 });
-        };
-        if stop_wanted {
-            refuse(pb::AllocReport::Stopped, "stopped before it started".into());
-            continue;
-        }
-        if a.state == "running" {
-            refuse(
-                pb::AllocReport::Failed,
-                "lost: the control plane has it running but this node has no record of it (its data directory is gone); not starting it again".into(),
-            );
-            continue;
-        }
-        if a.command.is_empty() {
-            refuse(pb::AllocReport::Failed, "no task: the job spec's group has no `task`".into());
-            continue;
-        }
-        let running = t.map.values().filter(|e| !e.ended).count();
-        if running >= cfg.max_tasks {
-            refuse(pb::AllocReport::Failed, format!("the node runs max_tasks = {} tasks already", cfg.max_tasks));
-            continue;
-        }
-        let (tx, rx) = watch::channel(None);
-        t.map.insert(k, Entry { stop: tx, ended: false });
-        let a2 = agent.clone();
-        let span = tracing::info_span!("task", alloc = k.0, epoch = k.1, job_id = a.job_id, node_id = %agent.node_id);
-        tokio::spawn(async move { start(a2, a, rx).await }.instrument(span));
     }
     if fresh {
-        let gone: Vec<Key> = t.map.keys().filter(|k| !in_set.contains(k)).copied().collect();
-        for k in gone {
-            let Some(e) = t.map.get(&k) else {
-                continue;
-            };
-            if e.ended {
+        for (k, forget) in unlisted(t.map.iter().map(|(k, e)| (*k, e.ended)), &in_set) {
+            if forget {
                 // Finished and no longer listed: the directory remembers it from now on.
                 t.map.remove(&k);
-            } else {
+            } else if let Some(e) = t.map.get(&k) {
                 request_stop(e, "no longer assigned to this node".into(), grace(cfg, 0));
             }
         }
@@ -924,6 +989,61 @@ pub(crate) fn finished(dir: &Path) -> bool {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    fn alloc(desired: &str, state: &str, command: &[&str]) -> pb::AllocInfo {
+        pb::AllocInfo {
+            id: 7,
+            epoch: 1,
+            desired: desired.into(),
+            state: state.into(),
+            command: command.iter().map(|c| (*c).to_owned()).collect(),
+            ..pb::AllocInfo::default()
+        }
+    }
+
+    #[test]
+    fn reconcile_starts_what_is_wanted_and_refuses_what_cannot_run() {
+        let run = alloc("run", "pending", &["sleep", "1"]);
+        assert_eq!(alloc_action(&run, false, false, 0, 4), AllocAction::Start);
+        assert_eq!(alloc_action(&run, true, false, 0, 4), AllocAction::Keep, "already handled");
+        assert_eq!(alloc_action(&run, false, true, 0, 4), AllocAction::Recover(None), "restarted agent");
+        let AllocAction::Refuse(st, msg) = alloc_action(&run, false, false, 4, 4) else { panic!("node full") };
+        assert_eq!((st, msg.as_str()), (pb::AllocReport::Failed, "the node runs max_tasks = 4 tasks already"));
+        let lost = alloc("run", "running", &["sleep", "1"]);
+        assert!(
+            matches!(alloc_action(&lost, false, false, 0, 4), AllocAction::Refuse(pb::AllocReport::Failed, m) if m.starts_with("lost:"))
+        );
+        let none = alloc("run", "pending", &[]);
+        assert!(
+            matches!(alloc_action(&none, false, false, 0, 4), AllocAction::Refuse(_, m) if m.starts_with("no task"))
+        );
+    }
+
+    #[test]
+    fn reconcile_stops_what_is_no_longer_wanted() {
+        let mut stop = alloc("stop", "running", &["x"]);
+        assert_eq!(alloc_action(&stop, true, false, 1, 4), AllocAction::Stop("asked by the control plane".into()));
+        assert_eq!(
+            alloc_action(&stop, false, false, 0, 4),
+            AllocAction::Refuse(pb::AllocReport::Stopped, "stopped before it started".into())
+        );
+        stop.stop_reason = "preempted".into();
+        assert_eq!(alloc_action(&stop, true, false, 1, 4), AllocAction::Stop("preempted".into()));
+        assert_eq!(alloc_action(&stop, false, true, 0, 4), AllocAction::Recover(Some("preempted".into())));
+        // Only a fresh set stops what it does not list; ended tasks are forgotten instead.
+        let handled = [((1, 1), false), ((2, 1), true), ((3, 1), false)];
+        let in_set: BTreeSet<Key> = [(1, 1)].into();
+        assert_eq!(unlisted(handled.into_iter(), &in_set), [((2, 1), true), ((3, 1), false)]);
+    }
+
+    #[test]
+    fn an_older_set_only_starts_until_it_has_been_older_for_two_minutes() {
+        assert_eq!(freshness(5, 5, Duration::ZERO), Freshness::Fresh);
+        assert_eq!(freshness(6, 5, Duration::ZERO), Freshness::Fresh);
+        assert_eq!(freshness(4, 5, Duration::ZERO), Freshness::StartOnly);
+        assert_eq!(freshness(4, 5, STALE_ACCEPTED_AFTER), Freshness::StartOnly);
+        assert_eq!(freshness(4, 5, STALE_ACCEPTED_AFTER + Duration::from_millis(1)), Freshness::Reset);
+    }
 
     #[test]
     fn dir_names_round_trip() {

@@ -11,6 +11,13 @@
 //! Servers dial each other's peer listeners through `raft.dial` rewrites (advertised peer
 //! address → the proxy of that directed link); agents only know their proxies and never
 //! follow leader hints; the harness's own observer connects directly so it can always look.
+//!
+//! Nothing here looks for a free port. Every server listens on port 0 at its first start and
+//! the harness reads the ports back (the `suanli server listening` line on its stdout); a
+//! restart reuses them. A server advertises a peer *name* (`server-N.peer.chaos:7401`) that
+//! only the dial rewrites resolve, so the configs can be written before any port is known;
+//! the proxies are bound first and get their targets as the servers come up. The smallest id
+//! starts last, once it can list the others as initial voters (they wait to be added).
 
 use crate::proxy::{Fault, Proxy};
 use anyhow::{Context as _, bail};
@@ -100,10 +107,13 @@ pub fn libfaketime() -> anyhow::Result<PathBuf> {
 pub struct ServerProc {
     /// Raft id (index + 1).
     pub id: u64,
-    /// Client listener (listen and advertised address).
+    /// Client listener (listen and advertised address): picked at its first start.
     pub addr: String,
-    /// Peer listener (raft, `Internal`).
+    /// Peer listener (raft, `Internal`), as bound: picked at its first start.
     pub peer_addr: String,
+    /// The peer address it advertises: a name that every other server's `raft.dial` maps to
+    /// the proxy of their link.
+    pub peer_name: String,
     dir: PathBuf,
     child: Option<Child>,
     /// SIGSTOPped now.
@@ -188,45 +198,30 @@ impl Cluster {
             libfaketime()?;
         }
         let dir = tempfile::Builder::new().prefix("suanli-chaos-").disable_cleanup(keep).tempdir()?;
-        // The servers' ports stay bound until the proxies (which bind ports of their own) are
-        // up: released first, one could be handed to a proxy, and that server never starts.
-        let reserved = suanli_server::local::reserve_ports(2 * shape.servers)?;
-        let ports = reserved.iter().map(|l| l.local_addr().map(|a| a.port())).collect::<Result<Vec<_>, _>>()?;
-        let (ports, peer_ports) = ports.split_at(shape.servers);
-        let servers: Vec<ServerProc> = ports
-            .iter()
-            .zip(peer_ports)
-            .enumerate()
-            .map(|(i, (p, pp))| ServerProc {
+        let servers: Vec<ServerProc> = (0..shape.servers)
+            .map(|i| ServerProc {
                 id: i as u64 + 1,
-                addr: format!("127.0.0.1:{p}"),
-                peer_addr: format!("127.0.0.1:{pp}"),
+                addr: String::new(),
+                peer_addr: String::new(),
+                peer_name: format!("server-{}.peer.chaos:7401", i + 1),
                 dir: dir.path().join(format!("s{}", i + 1)),
                 child: None,
                 paused: false,
                 started: None,
             })
             .collect();
+        // Every link's proxy first (its target is set once that server listens).
         let mut links = BTreeMap::new();
         let mut n = 0u64;
-        let mut link = async |from: From, to: usize, target: &str| -> anyhow::Result<(From, usize, Proxy)> {
-            n += 1;
-            Ok((from, to, Proxy::start(target.to_owned(), seed.wrapping_add(n)).await?))
-        };
         for to in 0..servers.len() {
-            let target = servers[to].addr.clone();
-            let peer_target = servers[to].peer_addr.clone();
-            for i in (0..servers.len()).filter(|i| *i != to) {
-                let (f, t, p) = link(From::Server(i), to, &peer_target).await?;
-                links.insert((f, t), p);
-            }
-            for c in 0..shape.clients {
-                let (f, t, p) = link(From::Client(c), to, &target).await?;
-                links.insert((f, t), p);
-            }
-            for a in 0..shape.agents {
-                let (f, t, p) = link(From::Agent(a), to, &target).await?;
-                links.insert((f, t), p);
+            let from = (0..servers.len())
+                .filter(|i| *i != to)
+                .map(From::Server)
+                .chain((0..shape.clients).map(From::Client))
+                .chain((0..shape.agents).map(From::Agent));
+            for f in from {
+                n += 1;
+                links.insert((f, to), Proxy::bind(seed.wrapping_add(n)).await?);
             }
         }
         let agents = (0..shape.agents)
@@ -245,10 +240,14 @@ impl Cluster {
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(&so, std::fs::Permissions::from_mode(0o755))?;
         std::fs::set_permissions(&plugin_dir, std::fs::Permissions::from_mode(0o755))?;
-        drop(reserved);
-        for i in 0..c.servers.len() {
+        // Server 1 last: it bootstraps, listing the others' ports (they wait to be added).
+        for i in (1..c.servers.len()).chain([0]) {
             c.write_server_config(i, None)?;
             c.start_server(i)?;
+        }
+        // From now on each config names the ports bound, as initial voters: what restarts use.
+        for i in 0..c.servers.len() {
+            c.write_server_config(i, None)?;
         }
         if let Err(e) = c.wait_leader(Duration::from_secs(30)).await {
             // The directory goes with the cluster: say what the servers said.
@@ -329,14 +328,17 @@ impl Cluster {
     }
 
     /// Writes server `i`'s config: an initial voter (`peers`), or a new member joining
-    /// through server `via` (`join`).
+    /// through server `via` (`join`). Ports not bound yet are 0; while another server's are
+    /// not known, it has neither `peers` nor `bootstrap` (it waits to be added).
     pub fn write_server_config(&self, i: usize, join_via: impl Into<Option<usize>>) -> anyhow::Result<()> {
         let join_via: Option<usize> = join_via.into();
+        let or_zero = |a: &str| if a.is_empty() { "127.0.0.1:0".to_owned() } else { a.to_owned() };
         let mut cfg = suanli_server::ServerConfig {
             id: self.servers[i].id,
             data_dir: self.servers[i].dir.clone(),
-            listen: self.servers[i].addr.clone(),
-            peer_listen: Some(self.servers[i].peer_addr.clone()),
+            listen: or_zero(&self.servers[i].addr),
+            peer_listen: Some(or_zero(&self.servers[i].peer_addr)),
+            peer_advertise: Some(self.servers[i].peer_name.clone()),
             heartbeat_interval_ms: (self.shape.heartbeat_ttl_ms / 10).max(50),
             heartbeat_ttl_ms: self.shape.heartbeat_ttl_ms,
             request_timeout_ms: 3_000,
@@ -345,6 +347,7 @@ impl Cluster {
         match join_via {
             // Joining is a client call (Cluster.AddServer), made directly.
             Some(v) => cfg.join = Some(self.servers[v].addr.clone()),
+            None if self.servers.iter().enumerate().any(|(j, s)| j != i && s.addr.is_empty()) => {}
             None => {
                 // Every initial voter carries it, as a unit file would: only the smallest id
                 // initializes, and none does while a peer already answers as a cluster.
@@ -355,8 +358,8 @@ impl Cluster {
                     .take(self.shape.servers)
                     .map(|s| suanli_server::Peer {
                         id: s.id,
-                        addr: s.addr.clone(),
-                        peer_addr: Some(s.peer_addr.clone()),
+                        addr: or_zero(&s.addr),
+                        peer_addr: Some(s.peer_name.clone()),
                     })
                     .collect();
             }
@@ -364,14 +367,15 @@ impl Cluster {
         cfg.raft.snapshot_after_entries = 2_000;
         cfg.raft.keep_entries_after_snapshot = 500;
         for (j, s) in self.servers.iter().enumerate().filter(|(j, _)| *j != i) {
-            cfg.raft.dial.insert(s.peer_addr.clone(), self.link_addr(From::Server(i), j));
+            cfg.raft.dial.insert(s.peer_name.clone(), self.link_addr(From::Server(i), j));
         }
         let text = toml::to_string(&cfg).context("encoding a server config")?;
         std::fs::write(self.server_config_path(i), text)?;
         Ok(())
     }
 
-    /// Starts (or restarts) server `i` on its data directory.
+    /// Starts (or restarts) server `i` on its data directory. At its first start it picks its
+    /// ports (port 0): this waits until it prints them, then points its links' proxies there.
     pub fn start_server(&mut self, i: usize) -> anyhow::Result<()> {
         if self.servers[i].child.is_some() {
             return Ok(());
@@ -389,7 +393,6 @@ impl Cluster {
             .env_remove("SUANLI_CONFIG")
             .env_remove("SUANLI_FAILPOINTS")
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
             .stderr(Stdio::from(log))
             .process_group(0);
         for (k, v) in &self.shape.server_env {
@@ -407,9 +410,30 @@ impl Cluster {
                 cmd.env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
             }
         }
-        self.servers[i].child = Some(cmd.spawn().context("starting suanli server")?);
+        let first = self.servers[i].addr.is_empty();
+        cmd.stdout(if first { Stdio::piped() } else { Stdio::null() });
+        let mut child = cmd.spawn().context("starting suanli server")?;
         self.servers[i].started = Some(Instant::now());
         self.servers[i].paused = false;
+        if first {
+            let stdout = child.stdout.take().context("the server's stdout")?;
+            let bound = match suanli_server::listeners::await_line(stdout, Duration::from_secs(60)) {
+                Ok(b) => b,
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    bail!("server {} did not listen: {e}\n{}", self.servers[i].id, self.server_log(i));
+                }
+            };
+            let s = &mut self.servers[i];
+            (s.addr, s.peer_addr) = (bound.client.to_string(), bound.peer.to_string());
+            for ((from, to), p) in &self.links {
+                if *to == i {
+                    p.set_target(if matches!(from, From::Server(_)) { s.peer_addr.clone() } else { s.addr.clone() });
+                }
+            }
+        }
+        self.servers[i].child = Some(child);
         Ok(())
     }
 

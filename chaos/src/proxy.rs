@@ -35,12 +35,12 @@ pub struct Fault {
     pub reset_per_mille: u16,
 }
 
-/// One directed link: a listener on a loopback port forwarding to `target`.
+/// One directed link: a listener on a loopback port forwarding to its target.
 pub struct Proxy {
     /// The address dialers use instead of the target's.
     pub addr: String,
-    /// Where traffic goes.
-    pub target: String,
+    /// Where traffic goes (`None` until known: connections wait for it).
+    target: watch::Sender<Option<String>>,
     fault: watch::Sender<Fault>,
     accept: JoinHandle<()>,
     /// Connections accepted so far.
@@ -50,12 +50,20 @@ pub struct Proxy {
 impl Proxy {
     /// Starts a proxy to `target` on a fresh loopback port; `seed` drives its resets.
     pub async fn start(target: String, seed: u64) -> std::io::Result<Proxy> {
+        let p = Proxy::bind(seed).await?;
+        p.set_target(target);
+        Ok(p)
+    }
+
+    /// Starts a proxy on a fresh loopback port whose target is not known yet (the server it
+    /// leads to picks its port when it starts): connections wait until [`Proxy::set_target`].
+    pub async fn bind(seed: u64) -> std::io::Result<Proxy> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?.to_string();
         let (tx, rx) = watch::channel(Fault::default());
+        let (target, to) = watch::channel(None::<String>);
         let accepted = Arc::new(AtomicU64::new(0));
         let count = accepted.clone();
-        let to = target.clone();
         let accept = tokio::spawn(async move {
             let mut conns = tokio::task::JoinSet::new();
             let mut n: u64 = 0;
@@ -73,6 +81,16 @@ impl Proxy {
             }
         });
         Ok(Proxy { addr, target, fault: tx, accept, accepted })
+    }
+
+    /// Sets where traffic goes (connections accepted before wait for it).
+    pub fn set_target(&self, target: String) {
+        self.target.send_replace(Some(target));
+    }
+
+    /// Where traffic goes, once known.
+    pub fn target(&self) -> Option<String> {
+        self.target.borrow().clone()
     }
 
     /// Sets the link's fault (takes effect on live connections at their next chunk).
@@ -93,7 +111,16 @@ impl Drop for Proxy {
     }
 }
 
-async fn connection(inbound: TcpStream, target: String, mut fault: watch::Receiver<Fault>, seed: u64) {
+async fn connection(
+    inbound: TcpStream,
+    mut target: watch::Receiver<Option<String>>,
+    mut fault: watch::Receiver<Fault>,
+    seed: u64,
+) {
+    let target = match target.wait_for(Option::is_some).await {
+        Ok(t) => t.clone().unwrap_or_default(),
+        Err(_) => return,
+    };
     // A blocked link carries nothing, not even the connection to the target.
     if fault.wait_for(|f| !f.blocked).await.is_err() {
         return;

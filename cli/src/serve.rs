@@ -156,11 +156,27 @@ pub fn server(args: ServerArgs) -> Result<()> {
             std::process::exit(130);
         });
     };
-    let r = rt.block_on(suanli_server::serve(cfg, first));
+    let r = rt.block_on(async move {
+        let listeners = suanli_server::Listeners::bind(&cfg).await?;
+        announce(&listeners)?;
+        anyhow::Ok(suanli_server::serve(listeners, cfg, first).await?)
+    });
     // Connections still open after the grace period are dropped with the runtime.
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     r?;
     Ok(())
+}
+
+/// Prints the bound addresses on stdout (`suanli server listening client=A peer=B`, flushed):
+/// with port 0 in `--listen`/`--peer-listen`, how whoever started the server learns its ports
+/// without probing them (docs/control-plane.md, "Listeners").
+fn announce(listeners: &suanli_server::Listeners) -> std::io::Result<suanli_server::Bound> {
+    use std::io::Write as _;
+    let bound = listeners.bound()?;
+    let mut out = std::io::stdout().lock();
+    // A closed stdout (a supervisor that discards it) is no reason not to serve.
+    let _ = writeln!(out, "{}", bound.line()).and_then(|()| out.flush());
+    Ok(bound)
 }
 
 /// Flags of `suanli dev`.
@@ -169,7 +185,8 @@ pub struct DevArgs {
     /// Data directory of the development cluster (kept between runs; delete it to start over).
     #[arg(long, env = "SUANLI_DEV_DIR", default_value = ".suanli/dev")]
     pub data_dir: PathBuf,
-    /// Address the server listens on.
+    /// Address the server listens on (port 0: the system picks one, printed at start; the
+    /// peer listener takes the next port, or another picked one with port 0).
     #[arg(long, default_value = "127.0.0.1:7400")]
     pub listen: String,
     /// Start no agents (only the server, as before agents existed).
@@ -196,21 +213,24 @@ pub fn dev(args: DevArgs) -> Result<()> {
     };
     cfg.validate()?;
     init_logging("info,openraft=warn");
-    let agents = if args.no_agents { Vec::new() } else { dev_agents(&args)? };
     let rt = runtime()?;
     rt.block_on(async move {
+        // A port in use ends `suanli dev` at once, naming the field and the address.
+        let listeners = suanli_server::Listeners::bind(&cfg).await?;
+        let l = announce(&listeners)?.client.to_string();
+        let agents = if args.no_agents { Vec::new() } else { dev_agents(&args, &l)? };
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|s| *s).await;
         };
-        let mut server = tokio::spawn(suanli_server::serve(cfg, stopped(stop_rx.clone())));
-        // A server that cannot start (a port in use, say) ends `suanli dev` at once, naming why.
+        let mut server = tokio::spawn(suanli_server::serve(listeners, cfg, stopped(stop_rx.clone())));
+        // A server that cannot start ends `suanli dev` at once, naming why.
         tokio::select! {
             r = &mut server => {
                 r.context("server task")??;
                 anyhow::bail!("the dev server stopped before it was ready");
             }
-            r = ensure_default_queue(&args.listen) => {
+            r = ensure_default_queue(&l) => {
                 if let Err(e) = r {
                     tracing::warn!(error = %e, "could not create the default queue");
                 }
@@ -222,7 +242,6 @@ pub fn dev(args: DevArgs) -> Result<()> {
             let h = tokio::spawn(suanli_agent::run(a, stopped(stop_rx.clone())));
             handles.push((id, h));
         }
-        let l = &args.listen;
         eprintln!(
             "suanli dev: server on {l}, agents {:?} (data in {}). Try:\n  suanli job submit examples/dev/hello-gpu.toml --server {l}\n  suanli job list --server {l}\n  suanli job logs <id> --server {l}\nCtrl-C stops it (running tasks are left to the agents' next start).",
             handles.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(),
@@ -254,7 +273,7 @@ pub fn dev(args: DevArgs) -> Result<()> {
 
 /// The two dev agents' configurations; copies the plugin libraries into the dev directory
 /// (the agent refuses plugin files others can write) and writes the fake device files.
-fn dev_agents(args: &DevArgs) -> Result<Vec<suanli_agent::AgentConfig>> {
+fn dev_agents(args: &DevArgs, server: &str) -> Result<Vec<suanli_agent::AgentConfig>> {
     use std::os::unix::fs::PermissionsExt as _;
     let src = match &args.plugin_dir {
         Some(d) => d.clone(),
@@ -296,7 +315,7 @@ fn dev_agents(args: &DevArgs) -> Result<Vec<suanli_agent::AgentConfig>> {
             suanli_agent::PluginSettings { config_path: Some(fake_path), ..Default::default() },
         );
         out.push(suanli_agent::AgentConfig {
-            servers: vec![args.listen.clone()],
+            servers: vec![server.to_owned()],
             node_id: node.into(),
             pool: "default".into(),
             region: "dev".into(),

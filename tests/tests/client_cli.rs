@@ -90,8 +90,14 @@ fn client_commands_against_a_real_cluster() {
     let follower = (leader + 1) % 3;
     let all = c.addrs.join(",");
     let (lead_addr, fol) = (c.addrs[leader].clone(), c.addrs[follower].clone());
-    // Nobody listens there: bound, then released.
-    let dead = format!("127.0.0.1:{}", suanli_server::local::free_ports(1).unwrap()[0]);
+    // Nobody listens there: a socket bound (so the port is nobody else's) that never listens,
+    // so connections are refused at once.
+    let (_held, dead) = rt.block_on(async {
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = s.local_addr().unwrap().to_string();
+        (s, addr)
+    });
     let dead_then_follower = format!("{dead},{fol}");
 
     // Queues. The first write retries while the new leader settles.

@@ -58,20 +58,21 @@ fn examples() -> PathBuf {
 #[test]
 fn dev_runs_an_example_job_on_fake_gpus() {
     let dir = tempfile::tempdir().unwrap();
-    let port = suanli_server::local::free_port_pair().unwrap();
-    let addr = format!("127.0.0.1:{port}");
     let plugin_dir = bin().parent().unwrap().to_path_buf();
     let log = std::fs::File::create(dir.path().join("dev.log")).unwrap();
-    let child = Command::new(bin())
-        .args(["dev", "--listen", &addr, "--data-dir"])
+    // Port 0: `suanli dev` prints the address it bound on stdout.
+    let mut child = Command::new(bin())
+        .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(dir.path().join("dev"))
         .arg("--plugin-dir")
         .arg(&plugin_dir)
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(log)
         .spawn()
         .unwrap();
+    let stdout = child.stdout.take().unwrap();
     let _dev = Dev(child);
+    let addr = suanli_server::listeners::await_line(stdout, Duration::from_secs(60)).unwrap().client.to_string();
     let dev_log = || std::fs::read_to_string(dir.path().join("dev.log")).unwrap_or_default();
 
     // Both agents register their fake devices.

@@ -381,18 +381,23 @@ fn run_every_job(addr: &str, dir: &Path, logs: &dyn Fn() -> String) {
 #[test]
 fn every_dev_example_runs_on_suanli_dev() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = suanli_server::local::free_port_pair().expect("a port pair");
-    let addr = format!("127.0.0.1:{port}");
     let log = dir.path().join("dev.log");
-    let _dev = spawn_logged(
-        Command::new(suanli_tests::bin())
-            .current_dir(repo_root())
-            .args(["dev", "--listen", &addr, "--data-dir"])
-            .arg(dir.path().join("dev"))
-            .arg("--plugin-dir")
-            .arg(plugin_dir()),
-        &log,
-    );
+    // Port 0: `suanli dev` prints the address it bound on stdout.
+    let mut child = Command::new(suanli_tests::bin())
+        .current_dir(repo_root())
+        .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("dev"))
+        .arg("--plugin-dir")
+        .arg(plugin_dir())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("spawn");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let _dev = Proc(child);
+    let bound = suanli_server::listeners::await_line(stdout, Duration::from_secs(60));
+    let addr = bound.unwrap_or_else(|e| panic!("suanli dev: {e}\n{}", tail(&log))).client.to_string();
     let logs = || tail(&log);
     wait_for(Duration::from_secs(60), "the two dev nodes", || {
         let o = cli_at(&addr, &["node", "list", "--output", "json"]);
@@ -406,7 +411,7 @@ fn every_dev_example_runs_on_suanli_dev() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_job_example_runs_on_the_example_cluster() {
     let bin = suanli_tests::bin();
-    // 1. One server (`suanli server --id 1 ... --bootstrap`, on free ports).
+    // 1. One server (`suanli server --id 1 ... --bootstrap`, on the ports it picks: port 0).
     let cluster = suanli_server::local::ProcessCluster::start(&bin, 1, &[]).expect("server");
     cluster.wait_leader(Duration::from_secs(30)).await.expect("a leader");
     let addr = cluster.addrs[0].clone();

@@ -130,7 +130,7 @@ async fn a_wiped_first_server_restarted_with_its_peers_forms_no_second_cluster()
     c.kill(0);
 
     // A follower wiped under a leader that stays: its id is a voter the leader had replicated
-    // to, so it refuses to start at all (before its peer listener opens, so the leader cannot
+    // to, so it refuses to start at all (before it serves its peer listener, so the leader cannot
     // refill it under the old id), with or without --bootstrap.
     let l = c.wait_leader(Duration::from_secs(30)).await.unwrap();
     let f = [1, 2].into_iter().find(|i| *i != l).unwrap();

@@ -6,7 +6,7 @@ use crate::convert;
 use crate::core::Core;
 use crate::status::{decode_json, invalid};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use suanli_model::{AllocId, Health, Node, NodeId};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_client::AgentClient;
@@ -15,6 +15,7 @@ use suanli_state::{
     AgentFence, AllocStatus, Command, DeviceHealth, NodeCondition, NodeStatus, RegisterNode, ReportCheckpoint,
     ReportedStatus,
 };
+use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status};
 

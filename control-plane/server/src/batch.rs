@@ -149,3 +149,102 @@ fn fail_all(replies: Vec<Reply>, s: &Status) {
         let _ = reply.send(Err(s.clone()));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testkit;
+    use suanli_model::{Queue, QueueId, ResVec};
+    use suanli_state::{StateConfig, UpdateConfig, UpsertQueue};
+
+    fn queue(id: &str) -> Command {
+        Command::UpsertQueue(UpsertQueue { queue: Queue::new(id, ResVec::MAX) })
+    }
+
+    fn answers(rs: &[Result<(Response, u64), Status>]) -> Vec<(&Response, u64)> {
+        rs.iter().map(|r| r.as_ref().map(|(resp, i)| (resp, *i)).expect("committed")).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn concurrent_submissions_share_one_entry_and_each_gets_its_own_answer() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let core = testkit::solo_core(dir.path()).await;
+        let b = Batcher::start(core.clone());
+        let mut cmds: Vec<Command> = (0..100).map(|i| queue(&format!("q{i}"))).collect();
+        // One refused in the middle: refused alone, as it would be on its own.
+        let mut orphan = Queue::new("orphan", ResVec::MAX);
+        orphan.parent = Some(QueueId("nope".into()));
+        cmds.insert(50, Command::UpsertQueue(UpsertQueue { queue: orphan }));
+        let rs = b.propose_many(cmds).await;
+        let got = answers(&rs);
+        assert_eq!(got.len(), 101);
+        let indexes: std::collections::BTreeSet<u64> = got.iter().map(|(_, i)| *i).collect();
+        assert_eq!(indexes.len(), 1, "queued together, committed as one entry: {indexes:?}");
+        for (k, (r, _)) in got.iter().enumerate() {
+            if k == 50 {
+                assert!(matches!(r, Response::Rejected(_)), "the orphan is refused: {r:?}");
+            } else {
+                assert_eq!(**r, Response::Done, "command {k}");
+            }
+        }
+        let n = core.state.read(|s| s.queues().len());
+        assert_eq!(n, 100, "every valid queue applied, the refused one not");
+        // A lone request is proposed on its own (no batch around it).
+        let (r, i) = b.propose(queue("alone")).await.expect("committed");
+        assert_eq!(r, Response::Done);
+        assert!(i > *indexes.first().expect("an index"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn more_than_a_batch_holds_takes_several_entries() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let core = testkit::solo_core(dir.path()).await;
+        let b = Batcher::start(core);
+        let rs = b.propose_many((0..MAX_BATCH + 10).map(|i| queue(&format!("q{i}"))).collect()).await;
+        let got = answers(&rs);
+        let mut per_index = std::collections::BTreeMap::<u64, usize>::new();
+        for (_, i) in &got {
+            *per_index.entry(*i).or_default() += 1;
+        }
+        assert_eq!(per_index.values().copied().collect::<Vec<_>>(), [MAX_BATCH, 10], "{per_index:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_over_the_command_limit_is_split_until_its_parts_fit() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let core = testkit::solo_core(dir.path()).await;
+        let limit = 2_000;
+        let config = StateConfig { max_command_bytes: limit, ..StateConfig::default() };
+        core.propose_local(Command::UpdateConfig(Box::new(UpdateConfig { config }))).await.expect("config");
+        let one = suanli_raft::encode(&queue("q00")).expect("encodes").len();
+        assert!(one * 32 > limit, "32 queues ({one} bytes each) do not fit one entry");
+        let b = Batcher::start(core.clone());
+        let rs = b.propose_many((0..32).map(|i| queue(&format!("q{i:02}"))).collect()).await;
+        let got = answers(&rs);
+        assert!(got.iter().all(|(r, _)| **r == Response::Done), "each refused for its own size only: {got:?}");
+        let entries: std::collections::BTreeSet<u64> = got.iter().map(|(_, i)| *i).collect();
+        assert!(entries.len() > 1, "split: {entries:?}");
+        assert!(entries.len() < 32, "halves, not one entry each: {entries:?}");
+        assert_eq!(core.state.read(|s| s.queues().len()), 32);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_queue_answers_resource_exhausted_and_the_rest_commit() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let core = testkit::solo_core(dir.path()).await;
+        let b = Batcher::start(core);
+        // Queued before the batching task runs (one thread): the last one finds the queue full.
+        // (Orphans: refused at apply, cheaply, which is an answer like any other.)
+        let orphan = |i: usize| {
+            let mut q = Queue::new(format!("q{i}"), ResVec::MAX);
+            q.parent = Some(QueueId("nope".into()));
+            Command::UpsertQueue(UpsertQueue { queue: q })
+        };
+        let rs = b.propose_many((0..=QUEUE).map(orphan).collect()).await;
+        let (last, committed) = rs.split_last().expect("answers");
+        let e = last.as_ref().expect_err("over the queue");
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+        assert!(e.message().contains(&format!("the limit is {QUEUE}")), "{e:?}");
+        assert!(committed.iter().all(Result::is_ok), "everything queued commits");
+    }
+}

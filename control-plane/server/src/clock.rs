@@ -17,11 +17,12 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use suanli_proto::v1::ClockRequest;
 use suanli_proto::v1::internal_client::InternalClient;
 use suanli_state::AgentFence;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::core::Core;
 
@@ -350,10 +351,10 @@ impl ClockGuard {
         v
     }
 
-    /// Whether a check passed at or after `t` (a node silent since before `t` may be
-    /// declared down only then).
-    pub fn passed_since(&self, t: Instant) -> bool {
-        self.lock().last_pass.is_some_and(|p| p >= t)
+    /// When a check last passed (a node silent since before then may be declared down only
+    /// once a check passed after its TTL was reached: `decide::liveness`).
+    pub fn last_pass(&self) -> Option<Instant> {
+        self.lock().last_pass
     }
 
     /// Whether the last check passed.

@@ -68,6 +68,11 @@ pub fn next_port(addr: &str) -> Option<String> {
     Some(format!("{host}:{next}"))
 }
 
+/// Whether `addr` ends in port 0 (the system picks the port when it is bound).
+fn port_is_zero(addr: &str) -> bool {
+    addr.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>() == Ok(0))
+}
+
 /// Everything a server needs. Defaults are a single server on `127.0.0.1:7400`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -270,6 +275,27 @@ impl ServerConfig {
         self.peer_advertise.clone().unwrap_or_else(|| self.peer_listen_addr())
     }
 
+    /// This configuration as served from `bound` (the addresses its listeners got; port 0
+    /// picks one): `listen` and `peer_listen` become the bound addresses, so what is
+    /// advertised (unless `advertise` / `peer_advertise` say otherwise) is reachable; this
+    /// server's own entry in `peers`, where it gives port 0, becomes its advertised addresses,
+    /// so a new cluster's membership names the ports actually bound.
+    pub fn bound_to(mut self, bound: &crate::Bound) -> ServerConfig {
+        self.listen = bound.client.to_string();
+        self.peer_listen = Some(bound.peer.to_string());
+        let (addr, peer) = (self.advertised().to_owned(), self.peer_advertised());
+        for p in self.peers.iter_mut().filter(|p| p.id == self.id) {
+            let peer_zero = p.peer().is_ok_and(|a| port_is_zero(&a));
+            if port_is_zero(&p.addr) {
+                p.addr = addr.clone();
+            }
+            if peer_zero {
+                p.peer_addr = Some(peer.clone());
+            }
+        }
+        self
+    }
+
     /// The bounds of the watch streams' slots.
     pub fn watch_limits(&self) -> WatchLimits {
         WatchLimits {
@@ -304,7 +330,16 @@ impl ServerConfig {
             if !ids.insert(p.id) {
                 return Err(ConfigError::new(&format!("peers[{i}].id"), format!("id {} appears twice", p.id)));
             }
-            p.peer().map_err(|e| ConfigError::new(&format!("peers[{i}]"), e.message))?;
+            let peer = p.peer().map_err(|e| ConfigError::new(&format!("peers[{i}]"), e.message))?;
+            if p.id != self.id && (port_is_zero(&p.addr) || port_is_zero(&peer)) {
+                return Err(ConfigError::new(
+                    &format!("peers[{i}]"),
+                    format!(
+                        "{}/{peer}: port 0 is only for this server's own entry (it becomes the port bound); give server {}'s ports",
+                        p.addr, p.id
+                    ),
+                ));
+            }
         }
         if !self.peers.is_empty() && !ids.contains(&self.id) {
             return Err(ConfigError::new("peers", format!("must include this server's id {}", self.id)));
@@ -401,6 +436,36 @@ mod tests {
         let e = c.validate().expect_err("a connection allowed more than the pool");
         assert_eq!(e.field, "max_watchers_per_connection", "{e}");
         assert!(e.message.contains("1..=8"), "{e}");
+    }
+
+    #[test]
+    fn port_zero_becomes_the_bound_addresses() {
+        let bound = crate::Bound { client: ([127, 0, 0, 1], 4100).into(), peer: ([127, 0, 0, 1], 4200).into() };
+        let c = ServerConfig {
+            id: 1,
+            listen: "127.0.0.1:0".into(),
+            peers: vec![
+                Peer::parse("1=127.0.0.1:0/127.0.0.1:0").expect("own entry"),
+                Peer::parse("2=127.0.0.1:5100/127.0.0.1:5200").expect("other"),
+            ],
+            ..ServerConfig::default()
+        };
+        c.validate().expect("port 0 in the own entry");
+        let c = c.bound_to(&bound);
+        assert_eq!((c.advertised(), c.peer_advertised().as_str()), ("127.0.0.1:4100", "127.0.0.1:4200"));
+        assert_eq!(c.peers[0], Peer::parse("1=127.0.0.1:4100/127.0.0.1:4200").expect("bound"));
+        assert_eq!(c.peers[1], Peer::parse("2=127.0.0.1:5100/127.0.0.1:5200").expect("untouched"));
+        // An advertised address given wins over the bound one.
+        let c = ServerConfig { advertise: Some("10.0.0.1:7400".into()), ..ServerConfig::default() }.bound_to(&bound);
+        assert_eq!((c.listen.as_str(), c.advertised()), ("127.0.0.1:4100", "10.0.0.1:7400"));
+        // Another server's port cannot be picked here.
+        let c = ServerConfig {
+            peers: vec![Peer::parse("1=127.0.0.1:7400").expect("own"), Peer::parse("2=127.0.0.1:0").expect("other")],
+            ..ServerConfig::default()
+        };
+        let e = c.validate().expect_err("port 0 for another server");
+        assert_eq!(e.field, "peers[1]", "{e}");
+        assert!(e.message.contains("only for this server's own entry"), "{e}");
     }
 
     #[test]

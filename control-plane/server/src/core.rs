@@ -16,7 +16,7 @@ use openraft::ServerState;
 use openraft::error::{CheckIsLeaderError, ClientWriteError, RaftError};
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use suanli_model::NodeId;
 use suanli_proto::v1::internal_client::InternalClient;
 use suanli_proto::v1::{ProposeRequest, ReadIndexRequest};
@@ -24,6 +24,7 @@ use suanli_raft::ServerNode;
 use suanli_raft::{LogCommand, StateHandle, SuanliRaft, WriteError};
 use suanli_state::{Command, Response, State};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 

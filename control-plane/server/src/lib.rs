@@ -26,9 +26,11 @@ mod clock;
 pub mod config;
 mod convert;
 mod core;
+mod decide;
 mod failpoints;
 pub mod health;
 mod lifecycle;
+pub mod listeners;
 pub mod local;
 mod loops;
 mod oversize;
@@ -36,9 +38,15 @@ mod page;
 mod status;
 mod watchers;
 
+#[cfg(test)]
+mod inproc_tests;
+#[cfg(test)]
+mod testkit;
+
 pub use api::MAX_JOBS_PER_CALL;
 pub use config::{ConfigError, Peer, ServerConfig, next_port};
 pub use core::LEADER_HEADER;
+pub use listeners::{Bound, LISTENING_FILE, Listeners};
 
 use crate::agent::AgentApi;
 use crate::api::Api;
@@ -103,22 +111,39 @@ macro_rules! bounded {
     };
 }
 
-/// Runs a server until `shutdown` resolves, then steps down without hurting the cluster
-/// (loops stop, a leader hands off, raft stops, the listeners drain for `shutdown_grace_ms`;
-/// see `lifecycle`), and returns. It also returns, with an error, when raft stops on its own,
-/// when `join` is refused ([`ServerError::JoinRefused`]) or when the cluster removed this
-/// server ([`ServerError::Removed`]).
+/// Runs a server on `listeners` until `shutdown` resolves, then steps down without hurting
+/// the cluster (loops stop, a leader hands off, raft stops, the listeners drain for
+/// `shutdown_grace_ms`; see `lifecycle`), and returns. It also returns, with an error, when
+/// raft stops on its own, when `join` is refused ([`ServerError::JoinRefused`]) or when the
+/// cluster removed this server ([`ServerError::Removed`]).
 ///
-/// Two listeners: the client one (`listen`: the public API, agents) and the peer one
-/// (`peer_listen`: raft and `Internal`). Nothing reaches the raft log from the client
-/// listener but commands this server built from validated requests.
-pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
+/// The caller binds the two listeners ([`Listeners::bind`] binds what `cfg` names; a test
+/// binds `127.0.0.1:0`): the client one (the public API, agents) and the peer one (raft and
+/// `Internal`). The server serves the addresses they are bound to (`cfg.listen` and
+/// `cfg.peer_listen` are replaced by them, see [`ServerConfig::bound_to`]) and writes them to
+/// `<data_dir>/listening.json`. Nothing reaches the raft log from the client listener but
+/// commands this server built from validated requests.
+pub async fn serve(
+    listeners: Listeners,
+    cfg: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
     cfg.validate()?;
+    let bound =
+        listeners.bound().map_err(|source| ServerError::Io { what: "the listeners' addresses".into(), source })?;
+    let cfg = cfg.bound_to(&bound);
+    let Listeners { client: listener, peer: peer_listener } = listeners;
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|source| ServerError::Io { what: format!("data_dir {}", cfg.data_dir.display()), source })?;
+    bound.write(&cfg.data_dir).map_err(|source| ServerError::Io {
+        what: format!("data_dir {}: writing {LISTENING_FILE}", cfg.data_dir.display()),
+        source,
+    })?;
     let settings = cfg.raft.clone();
     failpoints::arm();
     let (raft, state, log) = suanli_raft::open(&cfg.data_dir, cfg.id, &settings).await?;
+    // Before anything is served (the listeners are bound: a peer's connection waits in the
+    // backlog, and is dropped with them when this server refuses to start).
     if !raft.is_initialized().await.unwrap_or(true)
         && let Some(why) = lifecycle::wiped_voter(&cfg).await
     {
@@ -126,13 +151,7 @@ pub async fn serve(cfg: ServerConfig, shutdown: impl Future<Output = ()> + Send 
         let _ = raft.shutdown().await;
         return Err(ServerError::Refused(why));
     }
-    let listener = tokio::net::TcpListener::bind(&cfg.listen)
-        .await
-        .map_err(|source| ServerError::Io { what: format!("listen {}", cfg.listen), source })?;
-    let peer_addr = cfg.peer_listen_addr();
-    let peer_listener = tokio::net::TcpListener::bind(&peer_addr)
-        .await
-        .map_err(|source| ServerError::Io { what: format!("peer_listen {peer_addr}"), source })?;
+    let peer_addr = bound.peer;
     let max = cfg.max_request_bytes;
     let core = Arc::new(Core::new(cfg.clone(), raft.clone(), state, log));
     let api = Api(core.clone(), batch::Batcher::start(core.clone()));

@@ -15,15 +15,17 @@
 //! nor campaign or vote after it decided to leave (raft is shut down before the listeners).
 
 use crate::core::Core;
+use crate::decide::{self, Start};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use suanli_client::backoff::Backoff;
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
 use suanli_proto::v1::internal_client::InternalClient;
 use suanli_raft::ServerNode;
 use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use tonic::{Code, Status};
 
 /// Why a server ended on its own, not because it was asked to.
@@ -51,78 +53,67 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// `peers`), or ask a running cluster to add this server (`join`), or wait to be added. Later
 /// starts recover from storage and return at once.
 pub async fn bootstrap(core: Arc<Core>, mut stop: watch::Receiver<bool>, ending: mpsc::Sender<Ending>) {
-    match core.raft.is_initialized().await {
-        Ok(true) => return,
-        Ok(false) => {}
+    let initialized = match core.raft.is_initialized().await {
+        Ok(i) => i,
         Err(e) => {
             tracing::error!(error = %e, "raft stopped");
             return;
         }
-    }
+    };
     let cfg = &core.cfg;
-    let me = cfg.advertised().to_owned();
-    let me_peer = cfg.peer_advertised();
-    if let Some(join) = &cfg.join {
-        let mut backoff = JOIN_BACKOFF.delays();
-        loop {
-            match join_once(join, cfg.id, &me, &me_peer, cfg.learner_only).await {
-                Ok(()) => {
-                    tracing::info!(via = %join, "joined the cluster");
-                    return;
+    let why = match decide::first_start(cfg, initialized) {
+        Start::Recover => return,
+        Start::Join(join) => {
+            let (me, me_peer) = (cfg.advertised(), cfg.peer_advertised());
+            let mut backoff = JOIN_BACKOFF.delays();
+            loop {
+                match join_once(&join, cfg.id, me, &me_peer, cfg.learner_only).await {
+                    Ok(()) => {
+                        tracing::info!(via = %join, "joined the cluster");
+                        return;
+                    }
+                    Err(s) if matches!(s.code(), Code::AlreadyExists | Code::InvalidArgument) => {
+                        let why = format!("joining through {join} was refused: {}", s.message());
+                        tracing::error!(id = cfg.id, "{why}; this server exits");
+                        let _ = ending.send(Ending::JoinRefused(why)).await;
+                        return;
+                    }
+                    Err(s) => tracing::warn!(via = %join, error = %s.message(), "join failed; retrying"),
                 }
-                Err(s) if matches!(s.code(), Code::AlreadyExists | Code::InvalidArgument) => {
-                    let why = format!("joining through {join} was refused: {}", s.message());
+                let Some(wait) = backoff.next_delay() else {
+                    let why = format!("joining through {join} failed {JOIN_RETRIES} times in a row; giving up");
                     tracing::error!(id = cfg.id, "{why}; this server exits");
                     let _ = ending.send(Ending::JoinRefused(why)).await;
                     return;
+                };
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    _ = stop.changed() => return,
                 }
-                Err(s) => tracing::warn!(via = %join, error = %s.message(), "join failed; retrying"),
-            }
-            let Some(wait) = backoff.next_delay() else {
-                let why = format!("joining through {join} failed {JOIN_RETRIES} times in a row; giving up");
-                tracing::error!(id = cfg.id, "{why}; this server exits");
-                let _ = ending.send(Ending::JoinRefused(why)).await;
-                return;
-            };
-            tokio::select! {
-                () = tokio::time::sleep(wait) => {}
-                _ = stop.changed() => return,
             }
         }
-    }
-    let smallest = cfg.peers.iter().map(|p| p.id).min().unwrap_or(cfg.id);
-    if cfg.bootstrap && smallest == cfg.id {
-        match running_peer(core.as_ref()).await {
+        Start::Initialize(members) => match running_peer(core.as_ref()).await {
             None => {
-                let members: BTreeMap<u64, ServerNode> = if cfg.peers.is_empty() {
-                    [(cfg.id, ServerNode::new(me_peer, me))].into()
-                } else {
-                    // validate() checked that every peer address derives.
-                    cfg.peers
-                        .iter()
-                        .map(|p| (p.id, ServerNode::new(p.peer().unwrap_or_default(), p.addr.clone())))
-                        .collect()
-                };
                 match core.raft.initialize(members).await {
                     Ok(()) => tracing::info!("initialized a new cluster (bootstrap)"),
                     Err(e) => tracing::info!(error = %e, "not initializing (already initialized?)"),
                 }
                 return;
             }
-            Some((addr, leader)) => tracing::error!(
-                peer = %addr,
-                leader,
-                "bootstrap refused: a listed peer already belongs to a running cluster; this server waits to be added (replace it under a new id: docs/operations.md)"
-            ),
-        }
-    }
+            Some((addr, leader)) => {
+                tracing::error!(
+                    peer = %addr,
+                    leader,
+                    "bootstrap refused: a listed peer already belongs to a running cluster; this server waits to be added (replace it under a new id: docs/operations.md)"
+                );
+                "a listed peer already runs the cluster"
+            }
+        },
+        Start::Wait(why) => why,
+    };
     // Empty storage and nothing to create: wait until a leader adds this server (its first
     // append initializes the storage).
-    let why = if cfg.bootstrap {
-        "another server bootstraps the cluster"
-    } else {
-        "start the first server of a new cluster with --bootstrap; this one must be added (`suanli cluster add-server`) or --join"
-    };
+    let me = cfg.advertised();
     let mut m = core.raft.metrics();
     loop {
         tracing::info!(id = cfg.id, listen = %me, "empty storage: waiting to be added to a cluster ({why})");
@@ -160,7 +151,8 @@ async fn running_peer(core: &Core) -> Option<(String, u64)> {
 
 /// A wiped server must not come back under its id: it lost its vote and its log, and a voter
 /// that forgets its vote can elect two leaders in one term. Checked before the peer listener
-/// opens (a leader would otherwise start filling the empty storage at once): when the storage
+/// is served (it is bound: a leader's connection waits in its backlog, else the leader would
+/// start filling the empty storage at once): when the storage
 /// is empty and the leader (one of the listed peers) names this id as a voter it had already
 /// replicated entries to, the reason to refuse.
 pub async fn wiped_voter(cfg: &crate::ServerConfig) -> Option<String> {
@@ -283,22 +275,16 @@ pub async fn watch_membership(core: Arc<Core>, mut stop: watch::Receiver<bool>, 
     }
 }
 
-/// The voters to hand leadership to, most caught up first (the leader's replication view).
+/// The voters to hand leadership to, most caught up first (the leader's replication view;
+/// the order is `decide::successors`).
 pub fn successors(core: &Core) -> Vec<(u64, ServerNode)> {
     let m = core.raft.metrics();
     let m = m.borrow();
     let membership = m.membership_config.membership();
-    let mut out: Vec<(u64, u64, ServerNode)> = membership
-        .voter_ids()
-        .filter(|v| *v != core.id)
-        .filter_map(|v| {
-            let node = membership.get_node(&v)?.clone();
-            let matched = m.replication.as_ref().and_then(|r| r.get(&v).cloned().flatten()).map_or(0, |l| l.index);
-            Some((v, matched, node))
-        })
-        .collect();
-    out.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    out.into_iter().map(|(v, _, n)| (v, n)).collect()
+    let matched: BTreeMap<u64, u64> =
+        m.replication.iter().flatten().filter_map(|(id, l)| l.as_ref().map(|l| (*id, l.index))).collect();
+    let voters = membership.voter_ids().filter_map(|v| Some((v, membership.get_node(&v)?.clone())));
+    decide::successors(core.id, voters, &matched)
 }
 
 /// Asks `successors` in turn to campaign until one answers with a leader other than this

@@ -4,6 +4,12 @@
 //! The first start of [`ProcessCluster::start`] bootstraps (`--bootstrap --peers ...`), as an
 //! operator creates a cluster.
 //!
+//! No port is looked for: a server's first start gives it port 0 for both listeners and reads
+//! the ports it bound from the `suanli server listening client=... peer=...` line on its
+//! stdout ([`suanli_server::listeners::await_line`]); every later start of it reuses them (the
+//! cluster's membership names them). To list the others as initial voters, server 1 starts
+//! last: servers 2..n start first and wait to be added.
+//!
 //! What the benchmarks need (start, leader, kill, restart, catch up) is always built; the rest
 //! (membership changes, wipes, SIGTERM, restores, port pairs) only serves tests and is behind
 //! the `testing` feature, which test crates enable in their dev-dependency on this crate.
@@ -14,33 +20,6 @@ use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
 use tonic::transport::{Channel, Endpoint};
-
-/// Loopback ports nobody listens on right now.
-pub fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
-    let ls = reserve_ports(n)?;
-    ls.iter().map(|l| l.local_addr().map(|a| a.port())).collect()
-}
-
-/// A loopback port `p` with `p + 1` free too (a server's client port and its default peer
-/// port, as `suanli dev` and a server without `--peer-listen` use them).
-#[cfg(feature = "testing")]
-pub fn free_port_pair() -> std::io::Result<u16> {
-    for _ in 0..100 {
-        let a = std::net::TcpListener::bind("127.0.0.1:0")?;
-        let p = a.local_addr()?.port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return Ok(p);
-        }
-    }
-    Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "no free loopback port pair in 100 tries"))
-}
-
-/// `n` loopback ports held open until the listeners are dropped: a caller that binds other
-/// sockets first (proxies, say) drops them just before starting the servers, so no other
-/// `bind(0)` of its own can be handed a server's port in between.
-pub fn reserve_ports(n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
-    (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect()
-}
 
 /// A connected channel (connect within 5 s, requests within 15 s: generous, because the
 /// servers under test share a small machine with the test itself).
@@ -57,9 +36,9 @@ pub async fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
 pub struct ProcessCluster {
     bin: PathBuf,
     dir: tempfile::TempDir,
-    /// Their client addresses (index i is server id i + 1).
+    /// Their client addresses (index i is server id i + 1); empty until its first start.
     pub addrs: Vec<String>,
-    /// Their peer addresses (raft, `Internal`), same order.
+    /// Their peer addresses (raft, `Internal`), same order; empty until its first start.
     pub peer_addrs: Vec<String>,
     procs: Vec<Option<Child>>,
     extra: Vec<String>,
@@ -67,7 +46,7 @@ pub struct ProcessCluster {
 }
 
 impl ProcessCluster {
-    /// Reserves `n` loopback addresses and a temp dir; starts nothing.
+    /// `n` server slots (addresses not known yet) and a temp dir; starts nothing.
     fn reserve(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
         // SUANLI_KEEP_CLUSTER_DIR=1 keeps the data directories and logs for a post-mortem.
         let keep = std::env::var_os("SUANLI_KEEP_CLUSTER_DIR").is_some();
@@ -75,14 +54,11 @@ impl ProcessCluster {
         if keep {
             eprintln!("keeping the cluster's data and logs in {}", dir.path().display());
         }
-        let mut ports = free_ports(2 * n)?.into_iter().map(|p| format!("127.0.0.1:{p}"));
-        let addrs = ports.by_ref().take(n).collect();
-        let peer_addrs = ports.collect();
         Ok(ProcessCluster {
             bin: bin.to_owned(),
             dir,
-            addrs,
-            peer_addrs,
+            addrs: vec![String::new(); n],
+            peer_addrs: vec![String::new(); n],
             procs: (0..n).map(|_| None).collect(),
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
             env: Vec::new(),
@@ -92,35 +68,16 @@ impl ProcessCluster {
     /// Starts `n` servers of binary `bin` (`bin server ...`), with `extra` flags for each.
     pub fn start(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
         let mut c = Self::reserve(bin, n, extra)?;
-        for i in 0..n {
-            c.spawn(i)?;
-        }
-        c.wait_listening(Duration::from_secs(60))?;
+        c.start_all()?;
         Ok(c)
     }
 
-    /// Waits until every running server's client port accepts connections (a server with
-    /// empty storage first asks its peers whether it was wiped, so it may listen later than
-    /// the first), or `within` passes, or one of them exits.
-    pub fn wait_listening(&mut self, within: Duration) -> std::io::Result<()> {
-        let deadline = Instant::now() + within;
-        for i in 0..self.addrs.len() {
-            while self.procs[i].is_some() {
-                let addr: std::net::SocketAddr = self.addrs[i].parse().map_err(std::io::Error::other)?;
-                if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-                    break;
-                }
-                if let Some(Ok(Some(st))) = self.procs[i].as_mut().map(Child::try_wait) {
-                    self.procs[i] = None;
-                    return Err(std::io::Error::other(format!("server {} exited at start: {st}", i + 1)));
-                }
-                if Instant::now() >= deadline {
-                    return Err(std::io::Error::other(format!("server {} not listening within {within:?}", i + 1)));
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
+    /// First starts of every server: 2..n wait to be added, then 1 bootstraps them all.
+    fn start_all(&mut self) -> std::io::Result<()> {
+        for i in 1..self.addrs.len() {
+            self.launch(i, &[])?;
         }
-        Ok(())
+        self.spawn(0)
     }
 
     /// Like [`ProcessCluster::start`], with environment variables for every server (e.g.
@@ -129,10 +86,7 @@ impl ProcessCluster {
     pub fn start_env(bin: &Path, n: usize, extra: &[&str], env: &[(&str, &str)]) -> std::io::Result<ProcessCluster> {
         let mut c = Self::reserve(bin, n, extra)?;
         c.env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        for i in 0..n {
-            c.spawn(i)?;
-        }
-        c.wait_listening(Duration::from_secs(60))?;
+        c.start_all()?;
         Ok(c)
     }
 
@@ -142,8 +96,8 @@ impl ProcessCluster {
         self.dir.path()
     }
 
-    /// Reserves `n` addresses but starts only server 1, as a single-server cluster; the others
-    /// can be started later with [`ProcessCluster::spawn_joining`].
+    /// `n` slots, but starts only server 1, as a single-server cluster; the others can be
+    /// started later with [`ProcessCluster::spawn_joining`] (their ports picked then).
     #[cfg(feature = "testing")]
     pub fn start_one_of(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
         let mut c = Self::reserve(bin, n, extra)?;
@@ -151,11 +105,19 @@ impl ProcessCluster {
         Ok(c)
     }
 
-    /// Reserves `n` addresses and a temp dir, starting nothing (e.g. to restore a data dir
-    /// first, then [`ProcessCluster::spawn_initialized`]).
+    /// `n` servers that have picked their ports but hold no data (e.g. to restore a data dir
+    /// naming those ports, then [`ProcessCluster::spawn_initialized`]): each starts once with
+    /// empty storage (waiting to be added), its ports are read, then it is stopped and its
+    /// data directory removed. Later starts reuse the ports.
     #[cfg(feature = "testing")]
     pub fn prepare(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
-        Self::reserve(bin, n, extra)
+        let mut c = Self::reserve(bin, n, extra)?;
+        for i in 0..n {
+            c.launch(i, &[])?;
+            c.kill(i);
+            c.wipe(i)?;
+        }
+        Ok(c)
     }
 
     /// Server `i`'s data directory.
@@ -255,13 +217,15 @@ impl ProcessCluster {
         self.procs[i].as_ref().map(Child::id)
     }
 
+    /// `--peers` for every slot; a slot not started yet gets port 0 (valid only for the server
+    /// being started: its own entry becomes the ports it binds).
     fn peers_flag(&self) -> String {
         let peers: Vec<String> = self
             .addrs
             .iter()
             .zip(&self.peer_addrs)
             .enumerate()
-            .map(|(k, (a, p))| format!("{}={a}/{p}", k + 1))
+            .map(|(k, (a, p))| format!("{}={}/{}", k + 1, or_port_zero(a), or_port_zero(p)))
             .collect();
         peers.join(",")
     }
@@ -275,9 +239,10 @@ impl ProcessCluster {
             .create(true)
             .append(true)
             .open(self.dir.path().join(format!("s{}.log", i + 1)))?;
-        let child = Command::new(&self.bin)
+        let (listen, peer_listen) = (or_port_zero(&self.addrs[i]), or_port_zero(&self.peer_addrs[i]));
+        let mut child = Command::new(&self.bin)
             .arg("server")
-            .args(["--id", &id.to_string(), "--listen", &self.addrs[i], "--peer-listen", &self.peer_addrs[i]])
+            .args(["--id", &id.to_string(), "--listen", &listen, "--peer-listen", &peer_listen])
             .arg("--data-dir")
             .arg(self.dir.path().join(format!("s{}", i + 1)))
             .args(membership)
@@ -286,9 +251,22 @@ impl ProcessCluster {
             .env_remove("SUANLI_CONFIG")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::from(log))
             .spawn()?;
+        let stdout = child.stdout.take().ok_or_else(|| std::io::Error::other("the server's stdout"))?;
+        let bound = match crate::listeners::await_line(stdout, Duration::from_secs(60)) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = child.kill();
+                let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("server {} ({status}): {e}; its log:\n{}", i + 1, self.log(i)),
+                ));
+            }
+        };
+        (self.addrs[i], self.peer_addrs[i]) = (bound.client.to_string(), bound.peer.to_string());
         self.procs[i] = Some(child);
         Ok(())
     }
@@ -374,4 +352,9 @@ impl Drop for ProcessCluster {
             self.kill(i);
         }
     }
+}
+
+/// `addr`, or a loopback address with port 0 while it is not known.
+fn or_port_zero(addr: &str) -> String {
+    if addr.is_empty() { "127.0.0.1:0".to_owned() } else { addr.to_owned() }
 }

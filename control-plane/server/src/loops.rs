@@ -10,15 +10,14 @@
 //! ```
 
 use crate::core::Core;
+use crate::decide::{self, Liveness, PlanChoice, REASONS_EVERY};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-use suanli_model::{NodeId, Plan};
+use std::time::Duration;
+use suanli_model::NodeId;
 use suanli_scheduler::{SchedulerConfig, schedule};
 use suanli_state::{ApplyPlan, Command, NodeDown, NodeStatus, Response, SetNodeMode, State};
 use tokio::sync::watch;
-
-/// Refused reasons-only plans are written at most this often (they carry no placement).
-const REASONS_EVERY: Duration = Duration::from_secs(5);
+use tokio::time::Instant;
 
 async fn until_leader(core: &Core, stop: &mut watch::Receiver<bool>) -> bool {
     let mut m = core.raft.metrics();
@@ -54,14 +53,6 @@ pub async fn identity(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             _ = stop.changed() => return,
         }
     }
-}
-
-/// Whether any unplaced job's reason differs from the one it shows now.
-fn reasons_changed(s: &State, plan: &Plan) -> bool {
-    let max = s.config().max_message_len;
-    plan.unplaced.iter().any(|u| {
-        s.job(u.job).is_some_and(|j| j.reason != u.reason && !(u.reason.len() > max && u.reason.starts_with(&j.reason)))
-    })
 }
 
 /// The scheduling loop.
@@ -114,18 +105,16 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
                 continue;
             }
         };
-        let work = !plan.placements.is_empty() || !plan.preemptions.is_empty();
-        if !work {
-            if last_reasons.elapsed() < REASONS_EVERY || !core.state.read(|s| reasons_changed(s, &plan)) {
-                continue;
-            }
-            last_reasons = Instant::now();
+        match core.state.read(|s| decide::plan_choice(s, &plan, last_reasons.elapsed())) {
+            PlanChoice::Work => {}
+            PlanChoice::Reasons => last_reasons = Instant::now(),
+            PlanChoice::Nothing => continue,
         }
         let placements = plan.placements.len();
         match core.propose_local(Command::ApplyPlan(ApplyPlan { plan, now })).await {
             Ok((Response::PlanApplied(o), index)) => {
                 tracing::debug!(index, placed = o.placed.len(), refused = o.refused_jobs.len(), "plan committed");
-                if !o.refused_jobs.is_empty() || placements >= core.cfg.max_jobs_per_pass {
+                if decide::pass_again(o.refused_jobs.len(), placements, core.cfg.max_jobs_per_pass) {
                     core.kick.notify_one();
                 }
             }
@@ -138,7 +127,6 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
 /// The node liveness loop.
 pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
     let period = Duration::from_millis(core.cfg.heartbeat_interval_ms);
-    let ttl = Duration::from_millis(core.cfg.heartbeat_ttl_ms);
     // The term this server last led in: a leadership lost and won back between two ticks
     // is a new leadership too (the nodes heartbeated to another leader meanwhile).
     let mut leading: Option<u64> = None;
@@ -157,18 +145,15 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         }
         let term = core.raft.metrics().borrow().current_term;
         let t = Instant::now();
-        let drift = core.cfg.max_clock_drift_permille;
+        let (ttl_ms, drift) = (core.cfg.heartbeat_ttl_ms, core.cfg.max_clock_drift_permille);
         let ready: Vec<(NodeId, Duration)> = core.state.read(|s: &State| {
             s.nodes()
                 .values()
                 .filter(|n| n.status == NodeStatus::Ready)
-                .map(|n| {
-                    // Never shorter than what the agent's fence needs under the drift bound.
-                    let need = crate::clock::ttl_for_fence(n.fence, core.cfg.heartbeat_ttl_ms, drift);
-                    (n.node.id.clone(), ttl.max(Duration::from_millis(need)))
-                })
+                .map(|n| (n.node.id.clone(), decide::node_ttl(n.fence, ttl_ms, drift)))
                 .collect()
         });
+        let clock_passed = core.clock.last_pass();
         let mut down = Vec::new();
         {
             let mut hb = core.heartbeats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -179,18 +164,22 @@ pub async fn liveness(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
                 leading = Some(term);
             }
             for (id, ttl) in ready {
-                let seen = *hb.entry(id.clone()).or_insert(t);
-                if t.duration_since(seen) <= ttl {
-                    deferred.remove(&id);
-                    continue;
-                }
-                // A clock check must have passed after the TTL was reached: a leader clock
-                // running fast, or one off its followers', declares nobody down. (Logged only
-                // while the check fails: one passing but not yet repeated is no news.)
-                if core.clock.passed_since(seen + ttl) {
-                    down.push((id, ttl));
-                } else if !core.clock.passing() && deferred.insert(id.clone()) {
-                    tracing::warn!(node = %id, clock = %core.clock.line(core.is_leader()), "node silent past its TTL; not declared down until this leader's clock check passes");
+                match decide::liveness(hb.get(&id).copied(), ttl, t, clock_passed) {
+                    Liveness::Unseen => {
+                        hb.insert(id.clone(), t);
+                        deferred.remove(&id);
+                    }
+                    Liveness::Alive => {
+                        deferred.remove(&id);
+                    }
+                    Liveness::Down => down.push((id, ttl)),
+                    // Logged only while the check fails: one passing but not yet repeated is
+                    // no news.
+                    Liveness::WaitingForClock => {
+                        if !core.clock.passing() && deferred.insert(id.clone()) {
+                            tracing::warn!(node = %id, clock = %core.clock.line(core.is_leader()), "node silent past its TTL; not declared down until this leader's clock check passes");
+                        }
+                    }
                 }
             }
         }
