@@ -144,9 +144,16 @@ impl<C: StoreConfig> GrpcNetwork<C> {
     }
 }
 
-fn with_deadline<T>(msg: T, d: Duration) -> Request<T> {
+/// gRPC metadata key naming the server a raft message is meant for. A server whose id differs
+/// refuses the message: a new server at a reused address must not answer for the old one (its
+/// empty log's answers would corrupt the leader's replication progress for the old id; openraft
+/// 0.9 panics on that in `calc_mid`). A message without it (an earlier build) is accepted.
+pub const TARGET_HEADER: &str = "suanli-raft-target";
+
+fn with_deadline<T>(msg: T, d: Duration, target: u64) -> Request<T> {
     let mut r = Request::new(msg);
     r.set_timeout(d);
+    r.metadata_mut().insert(TARGET_HEADER, tonic::metadata::MetadataValue::from(target));
     r
 }
 
@@ -159,11 +166,12 @@ impl<C: StoreConfig> RaftNetwork<C> for GrpcNetwork<C> {
         let frame = encode_append(&rpc).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
         let msg = RaftMessage { group: self.settings.group.clone(), body: frame.into() };
         let limit = self.settings.append_timeout();
+        let target = self.target;
         // openraft 0.9 wraps this call in its own timeout of one heartbeat interval, so the
         // configured deadline can only shorten it; what keeps a large batch inside that
         // timeout is the byte budget of replication reads (`RaftSettings::max_append_bytes`).
         self.call(RPCTypes::AppendEntries, limit, limit, |mut c, d| async move {
-            c.append_entries(with_deadline(msg, d)).await
+            c.append_entries(with_deadline(msg, d, target)).await
         })
         .await
     }
@@ -183,8 +191,9 @@ impl<C: StoreConfig> RaftNetwork<C> for GrpcNetwork<C> {
             done: rpc.done,
         };
         let limit = self.settings.snapshot_timeout();
+        let target = self.target;
         self.call(RPCTypes::InstallSnapshot, limit, option.hard_ttl(), |mut c, d| async move {
-            c.install_snapshot(with_deadline(chunk, d)).await
+            c.install_snapshot(with_deadline(chunk, d, target)).await
         })
         .await
     }
@@ -192,12 +201,10 @@ impl<C: StoreConfig> RaftNetwork<C> for GrpcNetwork<C> {
     async fn vote(&mut self, rpc: VoteRequest<u64>, option: RPCOption) -> Result<VoteResponse<u64>, RpcErr> {
         let msg = self.message(&rpc, 256)?;
         let limit = self.settings.vote_timeout();
-        self.call(
-            RPCTypes::Vote,
-            limit,
-            option.hard_ttl(),
-            |mut c, d| async move { c.vote(with_deadline(msg, d)).await },
-        )
+        let target = self.target;
+        self.call(RPCTypes::Vote, limit, option.hard_ttl(), |mut c, d| async move {
+            c.vote(with_deadline(msg, d, target)).await
+        })
         .await
     }
 }
@@ -206,12 +213,14 @@ impl<C: StoreConfig> RaftNetwork<C> for GrpcNetwork<C> {
 pub struct RaftService<C: StoreConfig> {
     raft: Raft<C>,
     group: String,
+    id: u64,
 }
 
 impl<C: StoreConfig> RaftService<C> {
     /// A service for `raft`, answering only messages for `settings.group`.
     pub fn new(raft: Raft<C>, settings: &RaftSettings) -> Self {
-        Self { raft, group: settings.group.clone() }
+        let id = raft.metrics().borrow().id;
+        Self { raft, group: settings.group.clone(), id }
     }
 
     /// The tonic server to mount (`Server::builder().add_service(...)`), with the configured
@@ -220,6 +229,20 @@ impl<C: StoreConfig> RaftService<C> {
         RaftTransportServer::new(self)
             .max_decoding_message_size(settings.max_message_bytes)
             .max_encoding_message_size(settings.max_message_bytes)
+    }
+
+    /// Refuses a message meant for another server id ([`TARGET_HEADER`]).
+    fn check_target(&self, meta: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+        let Some(v) = meta.get(TARGET_HEADER) else { return Ok(()) };
+        let target = v.to_str().ok().and_then(|t| t.parse::<u64>().ok());
+        match target {
+            Some(t) if t == self.id => Ok(()),
+            Some(t) => Err(Status::failed_precondition(format!(
+                "raft message for server {t} reached server {} (the address was reused by another server)",
+                self.id
+            ))),
+            None => Err(Status::invalid_argument(format!("{TARGET_HEADER}: not a server id"))),
+        }
     }
 
     fn check_group(&self, group: &str) -> Result<(), Status> {
@@ -245,6 +268,7 @@ fn reply<T: Serialize>(v: &T, group: &str) -> Result<tonic::Response<RaftMessage
 #[tonic::async_trait]
 impl<C: StoreConfig> RaftTransport for RaftService<C> {
     async fn append_entries(&self, req: Request<RaftMessage>) -> Result<tonic::Response<RaftMessage>, Status> {
+        self.check_target(req.metadata())?;
         let m = req.into_inner();
         self.check_group(&m.group)?;
         let rpc: AppendEntriesRequest<C> =
@@ -253,6 +277,7 @@ impl<C: StoreConfig> RaftTransport for RaftService<C> {
     }
 
     async fn vote(&self, req: Request<RaftMessage>) -> Result<tonic::Response<RaftMessage>, Status> {
+        self.check_target(req.metadata())?;
         let m = req.into_inner();
         self.check_group(&m.group)?;
         let rpc: VoteRequest<u64> = decode("vote", &m.body)?;
@@ -260,6 +285,7 @@ impl<C: StoreConfig> RaftTransport for RaftService<C> {
     }
 
     async fn install_snapshot(&self, req: Request<SnapshotChunk>) -> Result<tonic::Response<RaftMessage>, Status> {
+        self.check_target(req.metadata())?;
         let m = req.into_inner();
         self.check_group(&m.group)?;
         let rpc = InstallSnapshotRequest::<C> {
