@@ -66,7 +66,7 @@ pub const MAX_INTERVAL_S: u64 = 24 * 3600;
 pub const MAX_SAMPLES: usize = 100_000;
 /// Never-started jobs listed by name in the report.
 pub const UNSTARTED_EXAMPLES: usize = 5;
-/// Refused plan parts listed with their reasons in the report.
+/// Refused placements, and refused preemptions, listed with their reasons in the report.
 pub const REFUSED_EXAMPLES: usize = 5;
 /// Largest `max_preemptions_per_job` (the state machine fails a job requeued more often than
 /// its `max_total_attempts`, at most 1,000,000).

@@ -465,18 +465,6 @@ impl<'a> Sim<'a> {
     /// agents of placed jobs start them. Refused parts are counted; as on the servers, a job
     /// whose placement was refused stays pending and another pass follows.
     fn applied(&mut self, pass: u64, t: u64, out: PlanOutcome) -> Result<(), ReplayError> {
-        self.m.refused_placements += out.refused_jobs.len() as u64;
-        self.m.refused_preemptions += out.refused_preemptions.len() as u64;
-        if self.m.refused_examples.len() < REFUSED_EXAMPLES {
-            let room = REFUSED_EXAMPLES - self.m.refused_examples.len();
-            let jobs = out.refused_jobs.iter().map(|(job, why)| format!("t={t}s: placement of job {job}: {why}"));
-            let pre =
-                out.refused_preemptions.iter().map(|(a, why)| format!("t={t}s: preemption of allocation {a}: {why}"));
-            self.m.refused_examples.extend(jobs.chain(pre).take(room));
-        }
-        if !out.refused_jobs.is_empty() {
-            self.dirty = true;
-        }
         let job_of = |sim: &Self, id: &AllocId| -> Result<(usize, Arc<Allocation>), ReplayError> {
             let a = sim.state.allocs().get(id).map(|a| a.alloc.clone());
             match a.and_then(|a| sim.by_id.get(&a.job).map(|&j| (j, a))) {
@@ -487,6 +475,26 @@ impl<'a> Sim<'a> {
         let mut victims: BTreeSet<usize> = BTreeSet::new();
         for id in &out.preempted {
             victims.insert(job_of(self, id)?.0);
+        }
+        // A preemption of a gang's other replicas is refused as "already stopping" once the
+        // first one stopped the whole gang: not a refusal that changes anything.
+        let refused_preemptions: Vec<&(AllocId, String)> = out
+            .refused_preemptions
+            .iter()
+            .filter(|(a, _)| job_of(self, a).map_or(true, |(j, _)| !victims.contains(&j)))
+            .collect();
+        self.m.refused_placements += out.refused_jobs.len() as u64;
+        self.m.refused_preemptions += refused_preemptions.len() as u64;
+        // The first few of each kind, with the state machine's reasons.
+        let room = REFUSED_EXAMPLES.saturating_sub(self.m.refused_placement_examples.len());
+        let jobs = out.refused_jobs.iter().map(|(job, why)| format!("t={t}s: placement of job {job}: {why}"));
+        self.m.refused_placement_examples.extend(jobs.take(room));
+        let room = REFUSED_EXAMPLES.saturating_sub(self.m.refused_preemption_examples.len());
+        let pre = refused_preemptions.iter().map(|(a, why)| format!("t={t}s: preemption of allocation {a}: {why}"));
+        self.m.refused_preemption_examples.extend(pre.take(room));
+        // As the leader kicks its loop: a job refused for now is tried again in another pass.
+        if !out.refused_jobs.is_empty() {
+            self.dirty = true;
         }
         let mut placed: BTreeMap<usize, Vec<Arc<Allocation>>> = BTreeMap::new();
         for id in &out.placed {
@@ -676,7 +684,7 @@ impl<'a> Sim<'a> {
             frag_mean_pct: self.m.frag_mean_pct(),
             refused_placements: self.m.refused_placements,
             refused_preemptions: self.m.refused_preemptions,
-            refused_examples: self.m.refused_examples.clone(),
+            refused_examples: self.m.refused_examples(),
             queues,
             never_started_examples: examples,
             series: self.m.series.clone(),

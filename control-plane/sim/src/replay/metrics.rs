@@ -75,8 +75,10 @@ pub(super) struct Metrics {
     pub(super) refused_placements: u64,
     /// Preemptions the state machine refused.
     pub(super) refused_preemptions: u64,
-    /// The first few refusals, with the state machine's reasons.
-    pub(super) refused_examples: Vec<String>,
+    /// The first few refused placements, with the state machine's reasons.
+    pub(super) refused_placement_examples: Vec<String>,
+    /// The first few refused preemptions, with the state machine's reasons.
+    pub(super) refused_preemption_examples: Vec<String>,
     /// The time series.
     pub(super) series: Vec<Sample>,
     /// Events between two samples (doubles whenever the series is thinned).
@@ -121,7 +123,8 @@ impl Metrics {
             lost_gpu_milli_s: 0,
             refused_placements: 0,
             refused_preemptions: 0,
-            refused_examples: Vec::new(),
+            refused_placement_examples: Vec::new(),
+            refused_preemption_examples: Vec::new(),
             series: Vec::new(),
             sample_stride: opts.sample_every,
             frag_sum: 0.0,
@@ -244,6 +247,11 @@ impl Metrics {
             frag_pct,
             frag_of_free_pct: if free > 0.0 { frag / free * 100.0 } else { 0.0 },
         });
+    }
+
+    /// The first few refused placements, then the first few refused preemptions.
+    pub(super) fn refused_examples(&self) -> Vec<String> {
+        self.refused_placement_examples.iter().chain(&self.refused_preemption_examples).cloned().collect()
     }
 
     /// Mean fragmentation over the samples, % of the cluster's GPUs.

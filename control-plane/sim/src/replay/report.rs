@@ -173,7 +173,8 @@ pub struct ReplayReport {
     /// Preemptions the state machine refused. Not written when 0.
     #[serde(skip_serializing_if = "is_zero")]
     pub refused_preemptions: u64,
-    /// The first few refusals, with the state machine's reasons.
+    /// The first few refused placements and the first few refused preemptions, with the state
+    /// machine's reasons.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub refused_examples: Vec<String>,
     /// Per queue, in name order.
