@@ -36,9 +36,9 @@
 //!   estimates for backfill), and that a job preempted `max_preemptions_per_job` times is not
 //!   offered for preemption again (so contradicting preemption rules cannot cycle).
 //!
-//! A plan the state machine refuses in part stops the replay with the seed: the view was taken
-//! from the very state the plan is applied to, so a refusal is a disagreement between the
-//! engine and the state machine.
+//! A plan part the state machine refuses is handled as on a server (the job stays pending and
+//! another pass follows) and counted in the report: the view was taken from the very state the
+//! plan is applied to, so a refusal shows the engine planning something the servers refuse.
 
 mod events;
 mod metrics;
@@ -144,8 +144,9 @@ pub enum ReplayError {
         /// Cause.
         source: ScheduleError,
     },
-    /// The state machine refused part of a plan computed from its own state: the engine and
-    /// the state machine disagree (a bug in one of them: please report it with the seed).
+    /// A committed plan left the replay inconsistent: the state machine's allocations do not
+    /// fit the engine's cluster model, a placed job was not pending, or the state breaks an
+    /// invariant (a bug: please report it with the seed).
     #[error("pass {pass} at t={t_s}s: invalid plan: {message} (reproduce with seed={seed})")]
     Plan {
         /// Pass number.
