@@ -1,6 +1,6 @@
 //! `suanli sim replay`: replays a trace with time (arrivals, durations, queueing, preemption,
-//! backfill) on the scheduling engine and reports waits, completion times, utilization,
-//! fragmentation and per-queue use.
+//! backfill) on the scheduling engine and the replicated state machine, and reports waits,
+//! completion times, utilization, fragmentation and per-queue use.
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};

@@ -1,0 +1,708 @@
+//! The event loop of a replay: simulated time, the events of the trace, and the commands they
+//! become on the real state machine.
+//!
+//! ```text
+//!  start          UpsertQueue (parents first), RegisterNode per node
+//!  Arrive(job)    SubmitJob                                  (the API server's command)
+//!  pass           State::cluster_view ─▶ schedule ─▶ ApplyPlan (the leader's scheduling loop)
+//!   ├ placed      AllocStatus Running per allocation          (its agent: the task starts)
+//!   └ preempted   AllocStatus Stopped per allocation of the job (its agents stop it at once)
+//!  Complete(job)  AllocStatus Succeeded per allocation        (its agents: the task exited 0)
+//! ```
+//!
+//! Every command is stamped with the simulated time, as the leader stamps what it proposes
+//! (`Command::stamp`), and applied with `State::apply`. The replay keeps, beside the state,
+//! only what the servers cannot know: each pod's work, the work its checkpoints saved, and
+//! the measurements of [`super::metrics`].
+
+use super::metrics::{Metrics, quota_ratio};
+use super::report::{JobOutcome, Percentiles, QueueReport, ReplayReport, Unstarted};
+use super::{Progress, REFUSED_EXAMPLES, ReplayError, ReplayOptions, UNSTARTED_EXAMPLES, pass_seed};
+use crate::trace::TracePod;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::sync::Arc;
+use suanli_model::{AllocId, Allocation, JobId, JobSpec, Node, Queue, QueueId, ResVec};
+use suanli_scheduler::cluster::Cluster;
+use suanli_scheduler::engine::ClusterView;
+use suanli_scheduler::policy::TieBreak;
+use suanli_state::{
+    AllocStatus, ApplyPlan, Command, JobState, PlanOutcome, RegisterNode, ReportedStatus, Response, State, StateConfig,
+    SubmitJob, UpsertQueue,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    /// A job's run ends (ignored when `run` is stale: the job was preempted meanwhile).
+    Complete { job: u32, run: u32 },
+    /// A job is submitted.
+    Arrive { job: u32 },
+    /// A wake-up for a pass delayed by the interval.
+    Wake,
+}
+
+/// Where a job is, as the replay mirrors the state machine (checked against it in debug
+/// builds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Status {
+    NotArrived,
+    Pending,
+    Running,
+    Done,
+}
+
+/// One pod of the trace: the job it becomes and what the world outside the servers knows of
+/// it (its work, and the work its checkpoints saved).
+#[derive(Debug, Clone)]
+pub(super) struct SimJob {
+    pod: usize,
+    spec: JobSpec,
+    queue: usize,
+    /// The state machine's id, once submitted.
+    id: Option<JobId>,
+    submitted_at: u64,
+    /// Work needed in all, seconds (`None`: runs until the end).
+    work_s: Option<u64>,
+    /// Work saved by checkpoints.
+    saved_s: u64,
+    status: Status,
+    /// Bumped at each start; completion events carry it.
+    run: u32,
+    run_start: u64,
+    /// Restore time paid at the start of the current run.
+    run_restore_s: u64,
+    first_start: Option<u64>,
+    done_at: Option<u64>,
+    preemptions: u32,
+    gpu_milli: u64,
+    usage: ResVec,
+    /// The allocations of the current run, as the state machine committed them.
+    allocs: Vec<Arc<Allocation>>,
+}
+
+impl SimJob {
+    pub(super) fn new(pod: usize, p: &TracePod, spec: JobSpec, queue: usize) -> Self {
+        let usage = spec.total();
+        Self {
+            pod,
+            submitted_at: p.arrival_s,
+            work_s: p.duration_s,
+            gpu_milli: usage.gpu_milli,
+            usage,
+            spec,
+            queue,
+            id: None,
+            saved_s: 0,
+            status: Status::NotArrived,
+            run: 0,
+            run_start: 0,
+            run_restore_s: 0,
+            first_start: None,
+            done_at: None,
+            preemptions: 0,
+            allocs: Vec::new(),
+        }
+    }
+}
+
+/// A replay in progress.
+pub(super) struct Sim<'a> {
+    opts: &'a ReplayOptions,
+    pods: &'a [TracePod],
+    queues: &'a [Queue],
+    jobs: Vec<SimJob>,
+    /// State machine job id -> index in `jobs`.
+    by_id: BTreeMap<JobId, usize>,
+    /// The replicated state, as every server would hold it.
+    state: State,
+    heap: BinaryHeap<Reverse<(u64, Ev)>>,
+    start_s: u64,
+    now: u64,
+    events: u64,
+    passes: u64,
+    wake_at: Option<u64>,
+    last_pass: Option<u64>,
+    dirty: bool,
+    arrived: u64,
+    /// Jobs pending now.
+    pending: usize,
+    m: Metrics,
+}
+
+/// The state machine's limits for a replay: the defaults, raised where the trace needs more
+/// (every pod may be live at once), with the engine's validation limits.
+fn state_config(
+    nodes: &[Node],
+    queues: &[Queue],
+    jobs: &[SimJob],
+    opts: &ReplayOptions,
+) -> Result<StateConfig, ReplayError> {
+    let replicas: usize = jobs.iter().map(|j| j.spec.groups.iter().map(|g| g.replicas as usize).sum::<usize>()).sum();
+    let d = StateConfig::default();
+    let cfg = StateConfig {
+        limits: opts.config.limits.clone(),
+        max_live_jobs: d.max_live_jobs.max(jobs.len()),
+        max_nodes: d.max_nodes.max(nodes.len()),
+        max_queues: d.max_queues.max(queues.len()),
+        max_live_allocs: d.max_live_allocs.max(replicas),
+        max_plan_entries: d.max_plan_entries.max(replicas),
+        // A preempted job is requeued: it must not run out of attempts before it is exempt.
+        max_total_attempts: d.max_total_attempts.max(opts.max_preemptions_per_job.saturating_add(1)),
+        ..d
+    };
+    cfg.validate().map_err(|e| ReplayError::Param { field: "state", message: e.to_string() })?;
+    Ok(cfg)
+}
+
+impl<'a> Sim<'a> {
+    /// A replay of `jobs` (in submission order) whose state machine knows the queues and nodes.
+    pub(super) fn new(
+        nodes: &[Node],
+        pods: &'a [TracePod],
+        queues: &'a [Queue],
+        opts: &'a ReplayOptions,
+        jobs: Vec<SimJob>,
+    ) -> Result<Self, ReplayError> {
+        let cluster = Cluster::new(nodes, &opts.config.limits, false, TieBreak::FixedOrder)?;
+        let state = State::new(state_config(nodes, queues, &jobs, opts)?);
+        let mut heap = BinaryHeap::with_capacity(jobs.len() * 2);
+        for (j, job) in jobs.iter().enumerate() {
+            heap.push(Reverse((job.submitted_at, Ev::Arrive { job: j as u32 })));
+        }
+        let start_s = jobs.first().map_or(0, |j| j.submitted_at);
+        let mut sim = Sim {
+            opts,
+            pods,
+            queues,
+            by_id: BTreeMap::new(),
+            state,
+            heap,
+            start_s,
+            now: start_s,
+            events: 0,
+            passes: 0,
+            wake_at: None,
+            last_pass: None,
+            dirty: false,
+            arrived: 0,
+            pending: 0,
+            m: Metrics::new(cluster, queues, opts),
+            jobs,
+        };
+        sim.define_queues()?;
+        for n in nodes {
+            let cmd = Command::RegisterNode(Box::new(RegisterNode { node: n.clone(), now: 0, fence: None }));
+            sim.apply(cmd, || format!("register node {:?}", n.id.as_str()))?;
+        }
+        Ok(sim)
+    }
+
+    /// Stamps `cmd` with the simulated time (as the leader stamps what it proposes) and
+    /// applies it; a refusal is an error naming `what`.
+    fn apply(&mut self, mut cmd: Command, what: impl FnOnce() -> String) -> Result<Response, ReplayError> {
+        cmd.stamp(self.now);
+        match self.state.apply(cmd) {
+            Response::Rejected(source) => Err(ReplayError::Refused { t_s: self.now, command: what(), source }),
+            r => Ok(r),
+        }
+    }
+
+    fn unexpected(&self, command: String, answer: &Response) -> ReplayError {
+        ReplayError::Unexpected { t_s: self.now, command, answer: format!("{answer:?}") }
+    }
+
+    /// Upserts every queue, each after its parent (the state machine refuses a child first).
+    fn define_queues(&mut self) -> Result<(), ReplayError> {
+        let mut defined: BTreeSet<&QueueId> = BTreeSet::new();
+        while defined.len() < self.queues.len() {
+            let before = defined.len();
+            for q in self.queues {
+                if defined.contains(&q.id) || q.parent.as_ref().is_some_and(|p| !defined.contains(p)) {
+                    continue;
+                }
+                let cmd = Command::UpsertQueue(UpsertQueue { queue: q.clone() });
+                self.apply(cmd, || format!("upsert queue {:?}", q.id.as_str()))?;
+                defined.insert(&q.id);
+            }
+            if defined.len() == before {
+                return Err(ReplayError::Param {
+                    field: "queues",
+                    message: "a parent queue is missing or the hierarchy has a cycle".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn run(mut self, progress: &mut dyn FnMut(&Progress)) -> Result<ReplayReport, ReplayError> {
+        let mut next_sample = self.m.sample_stride;
+        let mut next_progress = 0u64;
+        while let Some(&Reverse((t, _))) = self.heap.peek() {
+            self.advance(t);
+            while let Some(&Reverse((te, ev))) = self.heap.peek() {
+                if te != t {
+                    break;
+                }
+                self.heap.pop();
+                self.count_event()?;
+                match ev {
+                    Ev::Complete { job, run } => self.complete(job as usize, run)?,
+                    Ev::Arrive { job } => self.arrive(job as usize)?,
+                    Ev::Wake => self.wake_at = None,
+                }
+            }
+            if self.dirty && self.pending > 0 {
+                let allowed = self.last_pass.map_or(t, |l| l.saturating_add(self.opts.interval_s));
+                if t >= allowed {
+                    self.count_event()?;
+                    self.pass(t)?;
+                }
+            }
+            // Changes the last pass could not see yet (or made itself: preemptions) wait for a
+            // wake-up one interval after it.
+            if self.dirty && self.pending > 0 && self.wake_at.is_none() {
+                let at = self.last_pass.map_or(t, |l| l.saturating_add(self.opts.interval_s)).max(t);
+                self.wake_at = Some(at);
+                self.heap.push(Reverse((at, Ev::Wake)));
+            }
+            if self.events >= next_sample {
+                self.sample();
+                next_sample = self.events.saturating_add(self.m.sample_stride);
+            }
+            if self.events >= next_progress {
+                progress(&self.progress());
+                next_progress = self.events + 4096;
+            }
+        }
+        self.sample();
+        progress(&self.progress());
+        #[cfg(debug_assertions)]
+        if let Err(v) = self.state.invariants() {
+            return Err(self.plan_err(self.passes, self.now, format!("the state breaks an invariant: {v}")));
+        }
+        Ok(self.report())
+    }
+
+    fn progress(&self) -> Progress {
+        Progress {
+            events: self.events,
+            now_s: self.now,
+            arrived: self.arrived,
+            jobs: self.jobs.len() as u64,
+            pending: self.pending as u64,
+        }
+    }
+
+    fn count_event(&mut self) -> Result<(), ReplayError> {
+        if self.events >= self.opts.max_events {
+            return Err(ReplayError::TooManyEvents {
+                limit: self.opts.max_events,
+                t_s: self.now,
+                pending: self.pending,
+            });
+        }
+        self.events += 1;
+        Ok(())
+    }
+
+    /// Moves the clock to `t`, integrating usage over the elapsed time.
+    fn advance(&mut self, t: u64) {
+        self.m.advance(t.saturating_sub(self.now), self.queues);
+        self.now = self.now.max(t);
+    }
+
+    fn sample(&mut self) {
+        let running = self.jobs.iter().filter(|j| j.status == Status::Running).count() as u64;
+        self.m.sample(self.now, self.events, self.pending as u64, running);
+    }
+
+    fn charge(&mut self, j: usize, add: bool) {
+        let job = &self.jobs[j];
+        let (q, usage, gpu) = (job.queue, job.usage, job.gpu_milli);
+        self.m.charge(q, usage, gpu, add, self.queues);
+    }
+
+    /// Debug builds check that the replay's mirror of a job agrees with the state machine.
+    fn debug_check(&self, j: usize) {
+        if cfg!(debug_assertions) {
+            let job = &self.jobs[j];
+            let state = job.id.and_then(|id| self.state.job(id)).map(|x| x.state);
+            let agrees = match job.status {
+                Status::NotArrived => state.is_none(),
+                Status::Pending => state == Some(JobState::Pending),
+                Status::Running => state == Some(JobState::Running),
+                // A finished job may already be forgotten.
+                Status::Done => state.is_none_or(|s| s == JobState::Succeeded),
+            };
+            debug_assert!(agrees, "job {} ({}): replay says {:?}, state says {state:?}", j, job.spec.name, job.status);
+        }
+    }
+
+    fn arrive(&mut self, j: usize) -> Result<(), ReplayError> {
+        self.arrived += 1;
+        self.m.arrive(&self.pods[self.jobs[j].pod]);
+        let job = &self.jobs[j];
+        let what = || format!("submit pod #{} ({:?})", job.pod, job.spec.name);
+        let cmd = Command::SubmitJob(Box::new(SubmitJob {
+            client_request_id: format!("pod-{}", job.pod),
+            spec: job.spec.clone(),
+            retry: None,
+            now: 0,
+        }));
+        let what = what();
+        let id = match self.apply(cmd, || what.clone())? {
+            Response::JobSubmitted { job, created: true } => job,
+            other => return Err(self.unexpected(what, &other)),
+        };
+        self.by_id.insert(id, j);
+        let job = &mut self.jobs[j];
+        job.id = Some(id);
+        job.status = Status::Pending;
+        self.pending += 1;
+        self.dirty = true;
+        self.debug_check(j);
+        Ok(())
+    }
+
+    /// The agents report `status` for every allocation of job `j`'s current run, which ends
+    /// it; returns those allocations (their resources are free again).
+    fn end_run(&mut self, j: usize, status: ReportedStatus, message: &str) -> Result<(), ReplayError> {
+        let allocs = std::mem::take(&mut self.jobs[j].allocs);
+        for a in &allocs {
+            let cmd = Command::AllocStatus(AllocStatus {
+                alloc: a.id,
+                epoch: a.epoch,
+                status,
+                message: message.to_owned(),
+                now: 0,
+            });
+            self.apply(cmd, || format!("allocation {} of job {} {status:?}", a.id, a.job))?;
+            self.m.vacate(a);
+        }
+        self.charge(j, false);
+        Ok(())
+    }
+
+    fn complete(&mut self, j: usize, run: u32) -> Result<(), ReplayError> {
+        let job = &self.jobs[j];
+        if job.status != Status::Running || job.run != run {
+            return Ok(()); // preempted since this completion was scheduled
+        }
+        self.end_run(j, ReportedStatus::Succeeded, "exit 0")?;
+        let job = &mut self.jobs[j];
+        job.status = Status::Done;
+        job.done_at = Some(self.now);
+        self.dirty = true;
+        self.debug_check(j);
+        Ok(())
+    }
+
+    fn plan_err(&self, pass: u64, t: u64, message: String) -> ReplayError {
+        ReplayError::Plan { pass, t_s: t, seed: self.opts.seed, message }
+    }
+
+    /// What the engine learns beyond the state machine's view (see the module docs of
+    /// `replay`): checkpoint times the agents would have reported, exact remaining run
+    /// times, and which jobs were preempted too often to be offered again.
+    fn adjust_view(&self, view: &mut ClusterView, t: u64) {
+        let max_d = self.opts.config.limits.max_duration_s;
+        for a in &mut view.running {
+            let Some(job) = self.by_id.get(&a.job).map(|&j| &self.jobs[j]) else {
+                continue;
+            };
+            let remaining = job.work_s.map(|w| w.saturating_sub(job.saved_s));
+            let estimate = remaining.map(|r| r.saturating_add(job.run_restore_s)).filter(|&d| d >= 1);
+            let checkpoint = self.opts.checkpoint.and_then(|cp| {
+                let from = job.run_start.saturating_add(job.run_restore_s);
+                let k = t.saturating_sub(from) / cp.interval_s.max(1);
+                (k > 0).then(|| from + k * cp.interval_s)
+            });
+            let preemptible = a.preemptible && job.preemptions < self.opts.max_preemptions_per_job;
+            if a.runtime_estimate_s != estimate || a.last_checkpoint_at != checkpoint || a.preemptible != preemptible {
+                let x = Arc::make_mut(a);
+                x.runtime_estimate_s = estimate;
+                x.last_checkpoint_at = checkpoint;
+                x.preemptible = preemptible;
+            }
+        }
+        for p in &mut view.pending {
+            if let Some(job) = self.by_id.get(&p.id).map(|&j| &self.jobs[j]) {
+                p.spec.runtime_estimate_s =
+                    job.work_s.map(|w| w.saturating_sub(job.saved_s)).filter(|&d| d >= 1 && d <= max_d);
+            }
+        }
+    }
+
+    fn pass(&mut self, t: u64) -> Result<(), ReplayError> {
+        self.passes += 1;
+        let pass = self.passes;
+        self.last_pass = Some(t);
+        self.dirty = false;
+        // The leader's scheduling loop: a view of the committed state, the engine, a plan.
+        let mut view = self.state.cluster_view(t);
+        view.workload = self.m.workload();
+        self.adjust_view(&mut view, t);
+        let seed = pass_seed(self.opts.seed, pass);
+        let plan = suanli_scheduler::schedule(&view, t, seed, &self.opts.config)
+            .map_err(|source| ReplayError::Schedule { pass, t_s: t, source })?;
+        drop(view);
+        let placed_any = !plan.placements.is_empty();
+        let what = format!("plan of pass {pass}");
+        let out = match self.apply(Command::ApplyPlan(ApplyPlan { plan, now: t }), || what.clone())? {
+            Response::PlanApplied(out) => out,
+            other => return Err(self.unexpected(what, &other)),
+        };
+        self.applied(pass, t, out)?;
+        // Victims freed capacity for the jobs they were preempted for: another pass must follow.
+        // So must one when the engine considered only part of the queue.
+        if placed_any && self.pending > self.opts.config.max_jobs_per_pass {
+            self.dirty = true;
+        }
+        Ok(())
+    }
+
+    /// Plays what follows a committed plan: the agents of preempted jobs stop them, and the
+    /// agents of placed jobs start them. Refused parts are counted; as on the servers, a job
+    /// whose placement was refused stays pending and another pass follows.
+    fn applied(&mut self, pass: u64, t: u64, out: PlanOutcome) -> Result<(), ReplayError> {
+        let job_of = |sim: &Self, id: &AllocId| -> Result<(usize, Arc<Allocation>), ReplayError> {
+            let a = sim.state.allocs().get(id).map(|a| a.alloc.clone());
+            match a.and_then(|a| sim.by_id.get(&a.job).map(|&j| (j, a))) {
+                Some(x) => Ok(x),
+                None => Err(sim.plan_err(pass, t, format!("allocation {id} is not in the state after the plan"))),
+            }
+        };
+        let mut victims: BTreeSet<usize> = BTreeSet::new();
+        for id in &out.preempted {
+            victims.insert(job_of(self, id)?.0);
+        }
+        // A preemption of a gang's other replicas is refused as "already stopping" once the
+        // first one stopped the whole gang: not a refusal that changes anything.
+        let refused_preemptions: Vec<&(AllocId, String)> = out
+            .refused_preemptions
+            .iter()
+            .filter(|(a, _)| job_of(self, a).map_or(true, |(j, _)| !victims.contains(&j)))
+            .collect();
+        self.m.refused_placements += out.refused_jobs.len() as u64;
+        self.m.refused_preemptions += refused_preemptions.len() as u64;
+        // The first few of each kind, with the state machine's reasons.
+        let room = REFUSED_EXAMPLES.saturating_sub(self.m.refused_placement_examples.len());
+        let jobs = out.refused_jobs.iter().map(|(job, why)| format!("t={t}s: placement of job {job}: {why}"));
+        self.m.refused_placement_examples.extend(jobs.take(room));
+        let room = REFUSED_EXAMPLES.saturating_sub(self.m.refused_preemption_examples.len());
+        let pre = refused_preemptions.iter().map(|(a, why)| format!("t={t}s: preemption of allocation {a}: {why}"));
+        self.m.refused_preemption_examples.extend(pre.take(room));
+        // As the leader kicks its loop: a job refused for now is tried again in another pass.
+        if !out.refused_jobs.is_empty() {
+            self.dirty = true;
+        }
+        let mut placed: BTreeMap<usize, Vec<Arc<Allocation>>> = BTreeMap::new();
+        for id in &out.placed {
+            let (j, a) = job_of(self, id)?;
+            placed.entry(j).or_default().push(a);
+        }
+        for &j in &victims {
+            self.preempt(j, t)?;
+        }
+        for (j, allocs) in placed {
+            self.start(pass, j, t, allocs)?;
+        }
+        if !victims.is_empty() {
+            self.dirty = true;
+        }
+        Ok(())
+    }
+
+    /// Job `j` was preempted: its agents stop it now and the state machine requeues it.
+    fn preempt(&mut self, j: usize, t: u64) -> Result<(), ReplayError> {
+        if self.jobs[j].status != Status::Running {
+            return Err(self.plan_err(self.passes, t, format!("job {j} was preempted but it does not run")));
+        }
+        self.end_run(j, ReportedStatus::Stopped, "stopped for preemption")?;
+        let cp = self.jobs[j].spec.checkpoint;
+        let job = &mut self.jobs[j];
+        let elapsed = t.saturating_sub(job.run_start);
+        let useful = elapsed.saturating_sub(job.run_restore_s);
+        let kept = match cp {
+            Some(c) if c.interval_s > 0 => useful / c.interval_s * c.interval_s,
+            _ => 0,
+        };
+        let new_saved = match (cp, job.work_s) {
+            (None, _) => 0,
+            (Some(_), Some(w)) => job.saved_s.saturating_add(kept).min(w),
+            (Some(_), None) => job.saved_s.saturating_add(kept),
+        };
+        let lost_s = elapsed.saturating_sub(new_saved.saturating_sub(if cp.is_some() { job.saved_s } else { 0 }));
+        self.m.lost_gpu_milli_s += u128::from(lost_s) * u128::from(job.gpu_milli);
+        job.saved_s = new_saved;
+        job.preemptions += 1;
+        job.status = Status::Pending;
+        self.m.preemptions += 1;
+        self.m.qacc[job.queue].preemptions += 1;
+        self.pending += 1;
+        self.debug_check(j);
+        Ok(())
+    }
+
+    /// Job `j` was placed on `allocs`: its agents start it now.
+    fn start(&mut self, pass: u64, j: usize, t: u64, allocs: Vec<Arc<Allocation>>) -> Result<(), ReplayError> {
+        if self.jobs[j].status != Status::Pending {
+            return Err(self.plan_err(pass, t, format!("job {j} was placed but it is not pending")));
+        }
+        for a in &allocs {
+            if !self.m.occupy(a) {
+                let msg = format!("placing job {} ({}) over-commits node {}", a.job, self.jobs[j].spec.name, a.node);
+                return Err(self.plan_err(pass, t, msg));
+            }
+            let cmd = Command::AllocStatus(AllocStatus {
+                alloc: a.id,
+                epoch: a.epoch,
+                status: ReportedStatus::Running,
+                message: String::new(),
+                now: 0,
+            });
+            self.apply(cmd, || format!("allocation {} of job {} running", a.id, a.job))?;
+        }
+        let job = &mut self.jobs[j];
+        let restore = if job.saved_s > 0 { job.spec.checkpoint.map_or(0, |c| c.restore_s) } else { 0 };
+        let remaining = job.work_s.map(|w| w.saturating_sub(job.saved_s));
+        job.allocs = allocs;
+        job.status = Status::Running;
+        job.run += 1;
+        job.run_start = t;
+        job.run_restore_s = restore;
+        job.first_start.get_or_insert(t);
+        if let Some(r) = remaining {
+            let end = t.saturating_add(restore).saturating_add(r);
+            self.heap.push(Reverse((end, Ev::Complete { job: j as u32, run: job.run })));
+        }
+        self.pending -= 1;
+        self.charge(j, true);
+        self.debug_check(j);
+        Ok(())
+    }
+
+    /// Why a job still waits, as the state machine last recorded it.
+    fn reason(&self, job: &SimJob) -> String {
+        job.id.and_then(|id| self.state.job(id)).map(|j| j.reason.clone()).unwrap_or_default()
+    }
+
+    fn report(&self) -> ReplayReport {
+        let start_s = self.start_s;
+        let span = self.now.saturating_sub(start_s);
+        let total = self.m.total_gpu_milli;
+        let mut waits = Vec::new();
+        let mut jcts = Vec::new();
+        let (mut completed, mut running, mut never, mut requeued, mut preempted) = (0, 0, 0, 0, 0);
+        let mut examples = Vec::new();
+        let mut per_q: Vec<(u64, u64, u64, Vec<u64>)> = vec![(0, 0, 0, Vec::new()); self.queues.len()];
+        for job in &self.jobs {
+            let q = &mut per_q[job.queue];
+            q.0 += 1;
+            if let Some(s) = job.first_start {
+                waits.push(s - job.submitted_at);
+                q.3.push(s - job.submitted_at);
+            }
+            if job.preemptions > 0 {
+                preempted += 1;
+            }
+            match job.status {
+                Status::Done => {
+                    completed += 1;
+                    q.1 += 1;
+                    if let Some(d) = job.done_at {
+                        jcts.push(d - job.submitted_at);
+                    }
+                }
+                Status::Running => running += 1,
+                Status::Pending | Status::NotArrived if job.first_start.is_some() => requeued += 1,
+                Status::Pending | Status::NotArrived => {
+                    never += 1;
+                    q.2 += 1;
+                    if examples.len() < UNSTARTED_EXAMPLES {
+                        examples.push(Unstarted {
+                            name: job.spec.name.clone(),
+                            queue: job.spec.queue.to_string(),
+                            reason: self.reason(job),
+                        });
+                    }
+                }
+            }
+        }
+        let cluster_milli_s = total as f64 * span as f64;
+        let queues = self
+            .queues
+            .iter()
+            .enumerate()
+            .map(|(i, q)| {
+                let a = &self.m.qacc[i];
+                let has_quota = quota_ratio(&ResVec::ZERO, &q.nominal).is_some();
+                let (jobs, completed, never_started, waits) = &per_q[i];
+                let mut w = waits.clone();
+                QueueReport {
+                    queue: q.id.to_string(),
+                    team: q.team.clone(),
+                    jobs: *jobs,
+                    completed: *completed,
+                    never_started: *never_started,
+                    gpu_hours: a.gpu_milli_s as f64 / 1000.0 / 3600.0,
+                    share_pct: if cluster_milli_s > 0.0 { a.gpu_milli_s as f64 / cluster_milli_s * 100.0 } else { 0.0 },
+                    quota_use_max_pct: has_quota.then_some(a.ratio_max * 100.0),
+                    quota_use_mean_pct: has_quota
+                        .then(|| if span > 0 { a.ratio_s / span as f64 * 100.0 } else { a.ratio_max * 100.0 }),
+                    preemptions: a.preemptions,
+                    wait_p50_s: Percentiles::of(&mut w).p50,
+                }
+            })
+            .collect();
+        ReplayReport {
+            policy: self.opts.config.policy.clone(),
+            seed: self.opts.seed,
+            interval_s: self.opts.interval_s,
+            nodes: self.state.nodes().len() as u64,
+            gpu_milli: total,
+            jobs: self.jobs.len() as u64,
+            completed,
+            running_at_end: running,
+            never_started: never,
+            requeued_at_end: requeued,
+            preempted_jobs: preempted,
+            preemptions: self.m.preemptions,
+            lost_gpu_hours: self.m.lost_gpu_milli_s as f64 / 1000.0 / 3600.0,
+            passes: self.passes,
+            events: self.events,
+            start_s,
+            end_s: self.now,
+            wait_s: Percentiles::of(&mut waits),
+            jct_s: Percentiles::of(&mut jcts),
+            gpu_util_mean_pct: if cluster_milli_s > 0.0 {
+                self.m.alloc_gpu_milli_s as f64 / cluster_milli_s * 100.0
+            } else {
+                self.m.alloc_gpu_milli as f64 / total.max(1) as f64 * 100.0
+            },
+            gpu_util_max_pct: self.m.util_max * 100.0,
+            frag_mean_pct: self.m.frag_mean_pct(),
+            refused_placements: self.m.refused_placements,
+            refused_preemptions: self.m.refused_preemptions,
+            refused_examples: self.m.refused_examples(),
+            queues,
+            never_started_examples: examples,
+            series: self.m.series.clone(),
+            job_outcomes: if self.opts.record_jobs {
+                self.jobs
+                    .iter()
+                    .map(|j| JobOutcome {
+                        name: j.spec.name.clone(),
+                        queue: j.spec.queue.to_string(),
+                        submitted_s: j.submitted_at,
+                        first_start_s: j.first_start,
+                        done_s: j.done_at,
+                        preemptions: j.preemptions,
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
+        }
+    }
+}

@@ -1,0 +1,328 @@
+//! What a replay measured ([`ReplayReport`]) and its renderings: the summary table, the time
+//! series as CSV (JSON comes from the serde derives).
+
+use serde::Serialize;
+use std::fmt::Write as _;
+
+/// Percentiles of a set of durations, seconds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    /// Values counted.
+    pub count: u64,
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: u64,
+    /// 95th percentile.
+    pub p95: u64,
+    /// 99th percentile.
+    pub p99: u64,
+    /// Largest value.
+    pub max: u64,
+}
+
+impl Percentiles {
+    /// Nearest-rank percentiles of `v` (sorted in place).
+    pub fn of(v: &mut [u64]) -> Self {
+        if v.is_empty() {
+            return Self::default();
+        }
+        v.sort_unstable();
+        let n = v.len();
+        let at = |p: u64| v[((p as usize * n).div_ceil(100)).clamp(1, n) - 1];
+        Self {
+            count: n as u64,
+            mean: v.iter().map(|&x| x as f64).sum::<f64>() / n as f64,
+            p50: at(50),
+            p95: at(95),
+            p99: at(99),
+            max: v[n - 1],
+        }
+    }
+}
+
+/// One point of the utilization time series.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Sample {
+    /// Simulated time, seconds.
+    pub t_s: u64,
+    /// Events processed so far.
+    pub events: u64,
+    /// Jobs waiting.
+    pub pending_jobs: u64,
+    /// Jobs running.
+    pub running_jobs: u64,
+    /// GPU milli allocated.
+    pub gpu_alloc_milli: u64,
+    /// Allocated GPU milli as % of the cluster's GPU milli.
+    pub gpu_util_pct: f64,
+    /// Expected fragmented GPU milli (against the recent workload) as % of the cluster's GPUs.
+    pub frag_pct: f64,
+    /// The same as % of the unallocated GPU milli.
+    pub frag_of_free_pct: f64,
+}
+
+/// Per-queue results.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QueueReport {
+    /// Queue.
+    pub queue: String,
+    /// Owning team.
+    pub team: String,
+    /// Jobs submitted to it.
+    pub jobs: u64,
+    /// Its jobs that completed.
+    pub completed: u64,
+    /// Its jobs that never started.
+    pub never_started: u64,
+    /// GPU-hours allocated to it (including work later lost to preemption); a parent queue
+    /// counts its subtree.
+    pub gpu_hours: f64,
+    /// Those GPU-hours as % of the cluster's GPU-hours over the replayed span.
+    pub share_pct: f64,
+    /// Largest used/nominal (dominant over the dimensions with a finite, non-zero nominal), %.
+    /// `None` for a queue without quota.
+    pub quota_use_max_pct: Option<f64>,
+    /// Time-weighted mean of used/nominal over the replayed span, %.
+    pub quota_use_mean_pct: Option<f64>,
+    /// Times its jobs were preempted.
+    pub preemptions: u64,
+    /// Median wait of its started jobs, seconds.
+    pub wait_p50_s: u64,
+}
+
+/// A job that never started, with the engine's last reason.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Unstarted {
+    /// Pod name.
+    pub name: String,
+    /// Queue.
+    pub queue: String,
+    /// Why it waited, as the engine last said.
+    pub reason: String,
+}
+
+/// What happened to one job (with [`super::ReplayOptions::record_jobs`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct JobOutcome {
+    /// Pod name.
+    pub name: String,
+    /// Queue.
+    pub queue: String,
+    /// Submission time, seconds.
+    pub submitted_s: u64,
+    /// First start, seconds (`None`: never started).
+    pub first_start_s: Option<u64>,
+    /// Completion, seconds (`None`: never completed).
+    pub done_s: Option<u64>,
+    /// Times it was preempted.
+    pub preemptions: u32,
+}
+
+/// Everything a replay measured. Deterministic for a seed: it holds no wall-clock times.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplayReport {
+    /// Policy.
+    pub policy: String,
+    /// Seed.
+    pub seed: u64,
+    /// Pass interval, seconds.
+    pub interval_s: u64,
+    /// Nodes in the cluster.
+    pub nodes: u64,
+    /// GPUs in the cluster (milli).
+    pub gpu_milli: u64,
+    /// Jobs in the trace.
+    pub jobs: u64,
+    /// Jobs that ran to completion.
+    pub completed: u64,
+    /// Jobs still running when the replay ended (pods without a duration, mostly).
+    pub running_at_end: u64,
+    /// Jobs that never started.
+    pub never_started: u64,
+    /// Jobs that started, were preempted and were still waiting to start again at the end.
+    pub requeued_at_end: u64,
+    /// Jobs preempted at least once.
+    pub preempted_jobs: u64,
+    /// Preemptions in all (a job may be preempted more than once).
+    pub preemptions: u64,
+    /// GPU-hours of work lost to preemption (since the victims' last checkpoints).
+    pub lost_gpu_hours: f64,
+    /// Scheduling passes run.
+    pub passes: u64,
+    /// Events processed.
+    pub events: u64,
+    /// First arrival, seconds.
+    pub start_s: u64,
+    /// Time of the last event, seconds.
+    pub end_s: u64,
+    /// Wait from submission to first start, seconds (started jobs).
+    pub wait_s: Percentiles,
+    /// Job completion time, submission to completion, seconds (completed jobs).
+    pub jct_s: Percentiles,
+    /// Time-weighted mean GPU allocation, % of the cluster's GPUs.
+    pub gpu_util_mean_pct: f64,
+    /// Highest GPU allocation, %.
+    pub gpu_util_max_pct: f64,
+    /// Mean fragmentation over the samples, % of the cluster's GPUs.
+    pub frag_mean_pct: f64,
+    /// Job placements the state machine refused when it re-checked a plan (the job stayed
+    /// pending, as on a server). Not written when 0.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub refused_placements: u64,
+    /// Preemptions the state machine refused. Not written when 0.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub refused_preemptions: u64,
+    /// The first few refused placements and the first few refused preemptions, with the state
+    /// machine's reasons.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub refused_examples: Vec<String>,
+    /// Per queue, in name order.
+    pub queues: Vec<QueueReport>,
+    /// A few jobs that never started, with reasons.
+    pub never_started_examples: Vec<Unstarted>,
+    /// Utilization and fragmentation over time.
+    pub series: Vec<Sample>,
+    /// Every job's outcome, in submission order (only with [`super::ReplayOptions::record_jobs`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub job_outcomes: Vec<JobOutcome>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+fn opt_pct(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".to_owned(), |x| format!("{x:.1}"))
+}
+
+impl ReplayReport {
+    /// A human-readable summary.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let h = |x: u64| format_duration(x);
+        let _ = writeln!(
+            s,
+            "policy {} seed {} interval {}s: {} node(s), {:.0} GPU(s); replayed t={}s..{}s ({}), {} pass(es), {} event(s)",
+            self.policy,
+            self.seed,
+            self.interval_s,
+            self.nodes,
+            self.gpu_milli as f64 / 1000.0,
+            self.start_s,
+            self.end_s,
+            h(self.end_s.saturating_sub(self.start_s)),
+            self.passes,
+            self.events
+        );
+        let _ = writeln!(
+            s,
+            "jobs {}: completed {}, running at end {}, never started {}, requeued at end {}, preempted {} ({} preemption(s), {:.2} GPU-h lost)",
+            self.jobs,
+            self.completed,
+            self.running_at_end,
+            self.never_started,
+            self.requeued_at_end,
+            self.preempted_jobs,
+            self.preemptions,
+            self.lost_gpu_hours
+        );
+        let _ = writeln!(s, "{:<22} {:>10} {:>10} {:>10} {:>10} {:>10}", "", "p50", "p95", "p99", "max", "mean");
+        for (name, p) in [("wait (submit->start)", &self.wait_s), ("completion time", &self.jct_s)] {
+            let _ = writeln!(
+                s,
+                "{:<22} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                name,
+                h(p.p50),
+                h(p.p95),
+                h(p.p99),
+                h(p.max),
+                h(p.mean.round() as u64)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "GPU allocation: mean {:.2}%, max {:.2}%; fragmentation: mean {:.2}% of GPUs ({} samples)",
+            self.gpu_util_mean_pct,
+            self.gpu_util_max_pct,
+            self.frag_mean_pct,
+            self.series.len()
+        );
+        let _ = writeln!(
+            s,
+            "{:<16} {:>7} {:>9} {:>9} {:>11} {:>7} {:>9} {:>9} {:>8} {:>9}",
+            "queue",
+            "jobs",
+            "completed",
+            "unstarted",
+            "GPU-hours",
+            "share%",
+            "quota max",
+            "quota avg",
+            "preempt",
+            "wait p50"
+        );
+        for q in &self.queues {
+            let _ = writeln!(
+                s,
+                "{:<16} {:>7} {:>9} {:>9} {:>11.1} {:>7.2} {:>9} {:>9} {:>8} {:>9}",
+                q.queue,
+                q.jobs,
+                q.completed,
+                q.never_started,
+                q.gpu_hours,
+                q.share_pct,
+                opt_pct(q.quota_use_max_pct),
+                opt_pct(q.quota_use_mean_pct),
+                q.preemptions,
+                h(q.wait_p50_s)
+            );
+        }
+        if self.refused_placements + self.refused_preemptions > 0 {
+            let _ = writeln!(
+                s,
+                "refused by the state machine's re-check: {} placement(s), {} preemption(s)",
+                self.refused_placements, self.refused_preemptions
+            );
+            for r in &self.refused_examples {
+                let _ = writeln!(s, "refused: {r}");
+            }
+        }
+        for u in &self.never_started_examples {
+            let _ = writeln!(s, "never started: {} (queue {}): {}", u.name, u.queue, u.reason);
+        }
+        s
+    }
+
+    /// The time series as CSV.
+    pub fn series_csv(&self) -> String {
+        let mut s = String::from(
+            "t_s,events,pending_jobs,running_jobs,gpu_alloc_milli,gpu_util_pct,frag_pct,frag_of_free_pct\n",
+        );
+        for p in &self.series {
+            let _ = writeln!(
+                s,
+                "{},{},{},{},{},{:.4},{:.4},{:.4}",
+                p.t_s,
+                p.events,
+                p.pending_jobs,
+                p.running_jobs,
+                p.gpu_alloc_milli,
+                p.gpu_util_pct,
+                p.frag_pct,
+                p.frag_of_free_pct
+            );
+        }
+        s
+    }
+}
+
+/// `93s`, `15m32s`, `3h05m`, `2d04h`.
+pub fn format_duration(s: u64) -> String {
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        3600..86_400 => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d{:02}h", s / 86_400, s % 86_400 / 3600),
+    }
+}
