@@ -636,7 +636,8 @@ pub fn usable_by(n: &Node, spec: &JobSpec) -> bool {
         })
 }
 
-/// Backfill: a lower-priority job on a reserved node ends before the reservation starts.
+/// Backfill: a lower-priority job placed on a reserved node after the reservation was made
+/// ends before the reservation starts.
 pub fn backfill(inp: &Inputs<'_>, plan: &Plan, now: u64) -> Check {
     const P: Property = Property::Backfill;
     for r in &plan.reservations {
@@ -650,7 +651,9 @@ pub fn backfill(inp: &Inputs<'_>, plan: &Plan, now: u64) -> Check {
             let Some(j) = inp.pending.get(&p.job) else {
                 continue;
             };
-            if j.spec.priority >= head.spec.priority {
+            // A nominated job is considered before every other job of the pass, so it was placed
+            // before a head job that is not nominated could reserve anything.
+            if j.spec.priority >= head.spec.priority || (j.nominated && !head.nominated) {
                 continue;
             }
             let ends = j.spec.runtime_estimate_s.map(|e| now.saturating_add(e));
