@@ -32,7 +32,7 @@ pub const SNAPSHOT_FORMAT: u32 = 1;
 /// holds at most this many jobs plus allocations; above it, at every k-th revision (k = size /
 /// this + 1), which bounds the amortized cost of the linear check per command.
 #[cfg(debug_assertions)]
-const DEBUG_INVARIANTS_EVERY_APPLY: usize = 4096;
+const DEBUG_INVARIANTS_EVERY_APPLY: usize = 256;
 
 /// A snapshot could not be encoded or decoded.
 #[derive(Debug, Error)]
