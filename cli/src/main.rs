@@ -73,9 +73,10 @@ const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
 
 /// How long freed memory stays mapped before mimalloc hands it back to the OS, unless the
 /// operator set `MIMALLOC_PURGE_DELAY`. mimalloc's default (1 s in v3) is shorter than the
-/// rhythm of a busy server's large buffers (a 512-job log entry, a scheduling plan): they were
-/// returned and faulted in again, zeroing fresh huge pages, 10% of the CPU in `bench submit`.
-/// Memory a burst used still goes back to the OS, ten seconds after the burst.
+/// rhythm of a busy server's large buffers (a log entry batching up to 1,024 submissions, a
+/// scheduling plan): with it they are returned and faulted in again, zeroing fresh huge pages,
+/// 10% of the CPU in `bench submit`. Memory a burst used still goes back to the OS, ten seconds
+/// after the burst.
 const PURGE_DELAY_MS: std::ffi::c_long = 10_000;
 
 #[allow(unsafe_code)]

@@ -11,10 +11,7 @@
 //!
 //! Reading an entry back (openraft does, once per follower to replicate and once to apply)
 //! slices the command out of the frame: no JSON is scanned until the command is applied. The
-//! first byte tells a frame from the JSON entries and messages of earlier builds, which start
-//! with `{`: data directories written by them read unchanged, and an AppendEntries in JSON is
-//! still accepted. (An earlier build cannot read a frame: every server of a group runs this
-//! build or a later one.)
+//! first byte is the format's version: anything else is refused with the byte it found.
 
 use crate::machine::LogCommand;
 use crate::store::StoreConfig;
@@ -24,7 +21,7 @@ use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, Vote};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-/// First byte of a frame (never `{`, the first byte of the JSON it replaced).
+/// First byte of a frame: the format's version.
 pub(crate) const FRAME_V1: u8 = 0xF1;
 const KIND_BLANK: u8 = 0;
 const KIND_NORMAL: u8 = 1;
@@ -60,15 +57,15 @@ pub enum FrameError {
     /// An entry kind this build does not know.
     #[error("log entry kind {0} is unknown (0 blank, 1 normal, 2 membership)")]
     Kind(u8),
-    /// Neither a frame nor JSON.
-    #[error("{what} starts with byte {byte:#04x}: neither a frame (0xf1) nor JSON")]
+    /// Not a frame of this format.
+    #[error("{what} starts with byte {byte:#04x}, not a frame (0xf1)")]
     Magic {
         /// What was being read.
         what: &'static str,
         /// The first byte.
         byte: u8,
     },
-    /// A JSON part (a legacy entry, a membership, the AppendEntries header) does not parse.
+    /// A JSON part (a membership, the AppendEntries header) does not parse.
     #[error("{what}: {source}")]
     Json {
         /// What was being read.
@@ -91,12 +88,10 @@ fn take<const N: usize>(what: &'static str, b: &[u8], at: usize) -> Result<[u8; 
     })
 }
 
-/// True for a frame, false for an earlier build's JSON (`{`); anything else is an error.
-/// `need` is the smallest frame, reported when `b` is empty.
-fn is_frame(what: &'static str, b: &[u8], need: usize) -> Result<bool, FrameError> {
+/// Checks the first byte of a frame. `need` is the smallest frame, reported when `b` is empty.
+fn check_magic(what: &'static str, b: &[u8], need: usize) -> Result<(), FrameError> {
     match b.first() {
-        Some(&FRAME_V1) => Ok(true),
-        Some(b'{') => Ok(false),
+        Some(&FRAME_V1) => Ok(()),
         Some(&byte) => Err(FrameError::Magic { what, byte }),
         None => Err(FrameError::Truncated { what, at: 0, need, have: 0 }),
     }
@@ -140,13 +135,10 @@ pub(crate) fn entry_frame<C: StoreConfig>(e: &Entry<C>) -> Result<Vec<u8>, serde
     Ok(out)
 }
 
-/// Reads an entry: a frame (a normal entry's command shares `b`'s memory), or the JSON entry
-/// of an earlier build.
+/// Reads an entry's frame (a normal entry's command shares `b`'s memory).
 pub(crate) fn decode_entry<C: StoreConfig>(b: Bytes) -> Result<Entry<C>, FrameError> {
     const WHAT: &str = "log entry";
-    if !is_frame(WHAT, &b, ENTRY_HEADER)? {
-        return json(WHAT, &b);
-    }
+    check_magic(WHAT, &b, ENTRY_HEADER)?;
     let [kind] = take::<1>(WHAT, &b, 1)?;
     let term = u64::from_be_bytes(take(WHAT, &b, 2)?);
     let node = u64::from_be_bytes(take(WHAT, &b, 10)?);
@@ -158,17 +150,6 @@ pub(crate) fn decode_entry<C: StoreConfig>(b: Bytes) -> Result<Entry<C>, FrameEr
         k => return Err(FrameError::Kind(k)),
     };
     Ok(Entry { log_id: LogId::new(CommittedLeaderId::new(term, node), index), payload })
-}
-
-/// The frame of an entry as stored: `b` itself when it is one, else (an earlier build's JSON)
-/// the frame it decodes to. What a log digest hashes, so servers compare equal entries equal
-/// whichever build wrote them.
-pub(crate) fn canonical<C: StoreConfig>(b: Bytes) -> Result<Bytes, FrameError> {
-    if b.first() == Some(&FRAME_V1) {
-        return Ok(b);
-    }
-    let e = decode_entry::<C>(b)?;
-    entry_frame(&e).map(Bytes::from).map_err(|source| FrameError::Json { what: "log entry", source })
 }
 
 #[derive(Serialize)]
@@ -212,13 +193,10 @@ fn put_len(out: &mut Vec<u8>, len: usize) {
     out.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
 }
 
-/// Reads an AppendEntries request: a frame, or the JSON of an earlier build. The entries'
-/// commands share `b`'s memory.
+/// Reads an AppendEntries request's frame. The entries' commands share `b`'s memory.
 pub(crate) fn decode_append<C: StoreConfig>(b: Bytes) -> Result<AppendEntriesRequest<C>, FrameError> {
     const WHAT: &str = "append_entries";
-    if !is_frame(WHAT, &b, 5)? {
-        return json(WHAT, &b);
-    }
+    check_magic(WHAT, &b, 5)?;
     let mut at = 1;
     let next = |at: &mut usize| -> Result<Bytes, FrameError> {
         let len = u32::from_be_bytes(take(WHAT, &b, *at)?) as usize;
@@ -287,20 +265,18 @@ mod tests {
     }
 
     #[test]
-    fn entries_round_trip_through_frames_and_legacy_json_still_reads() {
+    fn entries_round_trip_through_frames_and_json_is_refused() {
         for e in entries() {
             let f = Bytes::from(entry_frame(&e).expect("ok"));
-            assert!(same(&decode_entry::<TypeConfig>(f.clone()).expect("ok"), &e));
-            // An earlier build stored JSON: it decodes to the same entry, and its digest form
-            // is this build's frame.
-            let legacy = Bytes::from(serde_json::to_vec(&e).expect("ok"));
-            assert!(same(&decode_entry::<TypeConfig>(legacy.clone()).expect("ok"), &e));
-            assert_eq!(canonical::<TypeConfig>(legacy).expect("ok"), f);
+            assert!(same(&decode_entry::<TypeConfig>(f).expect("ok"), &e));
+            let json = Bytes::from(serde_json::to_vec(&e).expect("ok"));
+            let err = decode_entry::<TypeConfig>(json).expect_err("not a frame");
+            assert!(matches!(err, FrameError::Magic { byte: b'{', .. }), "{err}");
         }
     }
 
     #[test]
-    fn append_entries_round_trip_and_legacy_json_is_accepted() {
+    fn append_entries_round_trip_and_json_is_refused() {
         let rpc = AppendEntriesRequest::<TypeConfig> {
             vote: Vote::new_committed(7, 3),
             prev_log_id: Some(LogId::new(CommittedLeaderId::new(6, 2), 41)),
@@ -308,11 +284,10 @@ mod tests {
             leader_commit: None,
         };
         let framed = Bytes::from(encode_append(&rpc).expect("ok"));
-        let legacy = Bytes::from(serde_json::to_vec(&rpc).expect("ok"));
-        for b in [framed, legacy] {
-            let back = decode_append::<TypeConfig>(b).expect("ok");
-            assert_eq!(serde_json::to_string(&back).expect("ok"), serde_json::to_string(&rpc).expect("ok"));
-        }
+        let back = decode_append::<TypeConfig>(framed).expect("ok");
+        assert_eq!(serde_json::to_string(&back).expect("ok"), serde_json::to_string(&rpc).expect("ok"));
+        let json = Bytes::from(serde_json::to_vec(&rpc).expect("ok"));
+        assert!(matches!(decode_append::<TypeConfig>(json), Err(FrameError::Magic { byte: b'{', .. })));
         let empty = AppendEntriesRequest::<TypeConfig> { entries: vec![], ..rpc };
         let back = decode_append::<TypeConfig>(encode_append(&empty).expect("ok").into()).expect("ok");
         assert!(back.entries.is_empty());

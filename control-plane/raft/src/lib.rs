@@ -3,7 +3,7 @@
 //! It owns durability and replication of the control plane's state: the openraft type
 //! configuration, the log and state-machine storage in RocksDB column families (every
 //! acknowledged write is fsynced first; snapshots bound the log), and the tonic network with a
-//! deadline on every RPC. The server (part B) calls [`open`], mounts [`RaftService`] on its
+//! deadline on every RPC. The server (`suanli-server`) calls [`open`], mounts [`RaftService`] on its
 //! gRPC port, proposes [`suanli_state::Command`]s with [`write`] and reads with
 //! [`linearizable_read`] or [`MachineHandle::read`].
 //!

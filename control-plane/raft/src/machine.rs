@@ -20,8 +20,7 @@ use std::fmt::Debug;
 /// buffer without a copy).
 ///
 /// The log store and the raft transport write it verbatim inside their frames. Its serde
-/// form (openraft requires one; the JSON entries of earlier builds use it) is the JSON value
-/// itself, embedded as is.
+/// form (openraft requires one) is the JSON value itself, embedded as is.
 #[derive(Clone, Debug)]
 pub struct LogCommand(Bytes);
 

@@ -2,8 +2,8 @@
 //! snapshots ([`StateMachineStore`]), in column families of one database.
 //!
 //! ```text
-//!  cf "logs"      index (u64, big endian) -> entry frame (`crate::frame`; earlier builds'
-//!                 JSON entries still read)                    append/truncate/purge: fsync
+//!  cf "logs"      index (u64, big endian) -> entry frame (`crate::frame`)
+//!                                                             append/truncate/purge: fsync
 //!  cf "meta"      "vote" -> Vote (fsync) | "committed" -> LogId | "last_purged" -> LogId
 //!  cf "snapshot"  "meta" -> SnapshotMeta | "data" -> Machine::snapshot bytes      (fsync)
 //! ```
@@ -16,7 +16,7 @@
 // openraft's storage traits fix the (large) `StorageError` type for every fallible call.
 #![allow(clippy::result_large_err)]
 
-use crate::frame::{FrameError, canonical, decode_entry, entry_frame};
+use crate::frame::{FrameError, decode_entry, entry_frame};
 use crate::machine::{LogCommand, Machine};
 use crate::node::ServerNode;
 use bytes::Bytes;
@@ -318,7 +318,7 @@ fn read_error(e: FrameError) -> SErr {
     StorageIOError::read_logs(&e).into()
 }
 
-/// An entry as stored (a frame, or an earlier build's JSON).
+/// An entry as stored (its frame).
 fn decode<C: StoreConfig>(v: Box<[u8]>) -> Result<Entry<C>, SErr> {
     decode_entry(Bytes::from(Vec::from(v))).map_err(read_error)
 }
@@ -542,7 +542,7 @@ impl<C: StoreConfig> LogStore<C> {
 
     /// `(index, term, hash of the entry's frame)` for the entries kept in `from..=to`, at most
     /// `max` of them, in index order: what a consistency check compares across servers (a
-    /// committed index must hold the same entry everywhere, whichever build stored it).
+    /// committed index must hold the same entry everywhere).
     /// Blocking; a short range read.
     pub fn digests(&self, from: u64, to: u64, max: usize) -> Result<Vec<(u64, u64, u64)>, SErr> {
         let logs = cf(&self.db, CF_LOGS)?;
@@ -553,7 +553,7 @@ impl<C: StoreConfig> LogStore<C> {
             if idx > to || out.len() >= max {
                 break;
             }
-            let frame = canonical::<C>(Bytes::from(Vec::from(v))).map_err(read_error)?;
+            let frame = Bytes::from(Vec::from(v));
             let e: Entry<C> = decode_entry(frame.clone()).map_err(read_error)?;
             out.push((idx, e.log_id.leader_id.term, fnv1a(&frame)));
         }

@@ -326,7 +326,13 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
         considered += 1;
         pass.job(job);
     }
-    Ok(pass.plan)
+    let plan = pass.plan;
+    debug_assert_eq!(
+        crate::check::plan(view, &plan, now, cfg),
+        Ok(()),
+        "schedule(now={now}, seed={seed}) broke its own guarantees"
+    );
+    Ok(plan)
 }
 
 /// Orders f64 shares totally (shares are finite and non-negative).
@@ -345,7 +351,7 @@ impl Pass<'_> {
         let held = self.hold_for(job);
         let outcome = match self.quota.check(&spec.queue, need) {
             // A queue within its nominal quota may reclaim what others borrowed.
-            Err(reason) => Err((reason, self.cfg.preemption && self.try_preempt(job, true), false)),
+            Err(reason) => Err((reason.to_string(), self.cfg.preemption && self.try_preempt(job, true), false)),
             Ok(admission) => match self.place_all(job, admission.borrowed) {
                 Ok(list) => {
                     self.emit(job, list);

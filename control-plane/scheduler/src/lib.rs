@@ -14,8 +14,14 @@
 //! ```
 //!
 //! It must never read a clock, do I/O, spawn threads or iterate a `HashMap` where the order
-//! could reach a decision: time and randomness are arguments, so a plan replays exactly.
+//! could reach a decision: time and randomness are arguments, so a plan replays exactly
+//! (`clippy.toml` in this crate bans clocks, file and network I/O, threads and tokio).
+//!
+//! Its guarantees check themselves: [`check`] recomputes from the view what every plan must
+//! satisfy (capacity, quota, gang, preemption, backfill), and `schedule()` `debug_assert!`s it
+//! on each plan it returns.
 
+pub mod check;
 pub mod cluster;
 pub mod engine;
 pub mod policy;
@@ -26,5 +32,6 @@ pub mod workload;
 pub use cluster::{Choice, Cluster, ClusterError, MisfitTally, Shape, ShapeId};
 pub use engine::{ClusterView, PendingJob, SchedulerConfig, schedule};
 pub use policy::{POLICY_NAMES, Policy, UnknownPolicy, Weights};
+pub use quota::QuotaError;
 pub use rng::DetRng;
 pub use workload::{Profile, TypicalKey};

@@ -11,8 +11,77 @@
 //!   borrowing_limit`.
 //! - Fair share: a queue's dominant share of the cluster divided by its weight.
 
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use suanli_model::{Queue, QueueId, ResVec};
+use thiserror::Error;
+
+/// Why a queue's quota does not admit more work now. `dim` names the first dimension over
+/// (`cpu_milli`, `memory_mib`, `gpu_milli`, `npu_milli`); `u64::MAX` prints as `unlimited`.
+#[derive(Debug, Clone, PartialEq, Eq, Error, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum QuotaError {
+    /// The queue does not exist.
+    #[error("unknown queue {queue}")]
+    UnknownQueue {
+        /// The queue asked for.
+        queue: QueueId,
+    },
+    /// Over nominal, and no cohort to borrow from.
+    #[error(
+        "queue {queue} quota: {dim} would be {} > nominal {} and the queue has no cohort to borrow from",
+        fmt_dim(*.would_be),
+        fmt_dim(*.nominal)
+    )]
+    NoCohort {
+        /// The queue.
+        queue: QueueId,
+        /// The dimension over.
+        dim: String,
+        /// Its usage with the work admitted.
+        would_be: u64,
+        /// The queue's nominal quota in it.
+        nominal: u64,
+    },
+    /// Borrowing would pass the queue's borrowing limit.
+    #[error("queue {queue} quota: {dim} would borrow {would_borrow} > borrowing limit {}", fmt_dim(*.limit))]
+    BorrowingLimit {
+        /// The queue.
+        queue: QueueId,
+        /// The dimension over.
+        dim: String,
+        /// What it would borrow.
+        would_borrow: u64,
+        /// Its borrowing limit in that dimension.
+        limit: u64,
+    },
+    /// The cohort has less to lend than the queue would borrow.
+    #[error("queue {queue} quota: {dim} would borrow {would_borrow} but cohort {cohort} has {lendable} to lend")]
+    CohortExhausted {
+        /// The queue.
+        queue: QueueId,
+        /// The dimension over.
+        dim: String,
+        /// What it would borrow.
+        would_borrow: u64,
+        /// The cohort.
+        cohort: String,
+        /// What the cohort can still lend.
+        lendable: u64,
+    },
+    /// An ancestor's cap (nominal + borrowing limit) would be exceeded.
+    #[error("parent queue {parent} quota: {dim} would be {would_be} > {}", fmt_dim(*.cap))]
+    ParentCap {
+        /// The capped ancestor.
+        parent: QueueId,
+        /// The dimension over.
+        dim: String,
+        /// The subtree's usage with the work admitted.
+        would_be: u64,
+        /// The ancestor's cap.
+        cap: u64,
+    },
+}
 
 #[derive(Debug, Clone)]
 struct QState {
@@ -135,36 +204,40 @@ impl QuotaBook {
 
     /// Checks whether `need` may be admitted to queue `q` now. The error says which quota and
     /// dimension is exceeded.
-    pub fn check(&self, q: &QueueId, need: ResVec) -> Result<Admission, String> {
-        let s = self.queues.get(q).ok_or_else(|| format!("unknown queue {q}"))?;
+    pub fn check(&self, q: &QueueId, need: ResVec) -> Result<Admission, QuotaError> {
+        let s = self.queues.get(q).ok_or_else(|| QuotaError::UnknownQueue { queue: q.clone() })?;
         let after = s.used + need;
         let mut borrowed = false;
         if !after.fits_within(&s.q.nominal) {
             let over = after.saturating_sub(&s.q.nominal);
             let dim = after.first_exceeding(&s.q.nominal).unwrap_or("?");
             let Some(cohort) = s.q.cohort.as_deref() else {
-                return Err(format!(
-                    "queue {q} quota: {dim} would be {} > nominal {} and the queue has no cohort to borrow from",
-                    fmt_dim(dim_of(&after, dim)),
-                    fmt_dim(dim_of(&s.q.nominal, dim))
-                ));
+                return Err(QuotaError::NoCohort {
+                    queue: q.clone(),
+                    dim: dim.into(),
+                    would_be: dim_of(&after, dim),
+                    nominal: dim_of(&s.q.nominal, dim),
+                });
             };
             if let Some(limit) = &s.q.borrowing_limit
                 && let Some(d) = over.first_exceeding(limit)
             {
-                return Err(format!(
-                    "queue {q} quota: {d} would borrow {} > borrowing limit {}",
-                    dim_of(&over, d),
-                    fmt_dim(dim_of(limit, d))
-                ));
+                return Err(QuotaError::BorrowingLimit {
+                    queue: q.clone(),
+                    dim: d.into(),
+                    would_borrow: dim_of(&over, d),
+                    limit: dim_of(limit, d),
+                });
             }
             let pool = self.cohort_pool(q, cohort);
             if let Some(d) = over.first_exceeding(&pool) {
-                return Err(format!(
-                    "queue {q} quota: {d} would borrow {} but cohort {cohort} has {} to lend",
-                    dim_of(&over, d),
-                    dim_of(&pool, d)
-                ));
+                return Err(QuotaError::CohortExhausted {
+                    queue: q.clone(),
+                    dim: d.into(),
+                    would_borrow: dim_of(&over, d),
+                    cohort: cohort.into(),
+                    lendable: dim_of(&pool, d),
+                });
             }
             borrowed = true;
         }
@@ -176,11 +249,12 @@ impl QuotaBook {
             let cap = p.q.nominal + p.q.borrowing_limit.unwrap_or(ResVec::ZERO);
             let sub = p.subtree_used + need;
             if let Some(d) = sub.first_exceeding(&cap) {
-                return Err(format!(
-                    "parent queue {a} quota: {d} would be {} > {}",
-                    dim_of(&sub, d),
-                    fmt_dim(dim_of(&cap, d))
-                ));
+                return Err(QuotaError::ParentCap {
+                    parent: a,
+                    dim: d.into(),
+                    would_be: dim_of(&sub, d),
+                    cap: dim_of(&cap, d),
+                });
             }
             if !sub.fits_within(&p.q.nominal) {
                 borrowed = true;
@@ -223,12 +297,14 @@ mod tests {
         assert_eq!(book.check(&"a".into(), gpu(4)), Ok(Admission { borrowed: false }));
         assert_eq!(book.check(&"a".into(), gpu(6)), Ok(Admission { borrowed: true }));
         let e = book.check(&"a".into(), gpu(7)).expect_err("over borrowing limit");
-        assert!(e.contains("borrowing limit"), "{e}");
+        assert!(matches!(e, QuotaError::BorrowingLimit { .. }), "{e:?}");
+        assert!(e.to_string().contains("borrowing limit"), "{e}");
         let e = book.check(&"lone".into(), gpu(5)).expect_err("no cohort");
-        assert!(e.contains("no cohort"), "{e}");
+        assert!(e.to_string().contains("no cohort"), "{e}");
         book.charge(&"b".into(), gpu(3));
         let e = book.check(&"a".into(), gpu(6)).expect_err("b lends only 1");
-        assert!(e.contains("cohort c has 1000"), "{e}");
+        assert!(matches!(e, QuotaError::CohortExhausted { lendable: 1000, .. }), "{e:?}");
+        assert!(e.to_string().contains("cohort c has 1000"), "{e}");
         assert!(book.check(&"nope".into(), gpu(1)).is_err());
     }
 }

@@ -21,6 +21,11 @@
 //! this folder were worked out by hand from the inputs, and each file's `description` says why
 //! they are right.
 
+#![allow(
+    clippy::disallowed_methods,
+    reason = "the golden files are this test's input (clippy.toml bans I/O in the crate)"
+)]
+
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

@@ -22,7 +22,8 @@
 //! - backfill: no lower-priority job lands on a node reserved for a blocked head job unless its
 //!   runtime estimate ends before the reservation starts.
 //!
-//! Every check recomputes what it needs from the inputs; none calls engine internals. The
+//! The checkers are `suanli_scheduler::check` (which `schedule()` also `debug_assert!`s); each
+//! recomputes what it needs from the inputs and none calls engine internals. The
 //! generator also has a coverage test, so the properties cannot pass vacuously.
 
 use proptest::prelude::*;
@@ -31,8 +32,11 @@ use proptest::test_runner::TestRunner;
 use std::collections::{BTreeMap, BTreeSet};
 use suanli_model::{
     AllocId, Allocation, CheckpointPolicy, Constraints, Device, DeviceKind, DeviceRequest, DeviceShare, Health, JobId,
-    JobKind, JobSpec, Node, NodeId, Placement, Plan, PoolId, Preemption, PreemptionReason, Queue, QueueId, ResVec,
-    TaskGroup, TaskResources,
+    JobKind, JobSpec, Node, NodeId, Plan, PoolId, Queue, QueueId, ResVec, TaskGroup, TaskResources,
+};
+use suanli_scheduler::check::{
+    self, Check, Inputs, backfill as check_backfill, capacity as check_capacity, preemptions as check_preemptions,
+    quota as check_quota,
 };
 use suanli_scheduler::{ClusterView, POLICY_NAMES, PendingJob, SchedulerConfig, schedule};
 
@@ -633,7 +637,7 @@ fn build_case(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Independent recomputation from the inputs.
+// Usage from the inputs, for the generator's quota bookkeeping.
 
 fn add(a: ResVec, b: ResVec) -> ResVec {
     a.saturating_add(&b)
@@ -664,496 +668,12 @@ fn alloc_usage(kinds: &Kinds, a: &Allocation) -> ResVec {
     usage(kinds, &a.node, a.cpu_milli, a.memory_mib, &a.devices)
 }
 
-fn placement_usage(kinds: &Kinds, p: &Placement) -> ResVec {
-    usage(kinds, &p.node, p.cpu_milli, p.memory_mib, &p.devices)
-}
-
-/// Minimum resources a job needs (every replica of a gang, `min` of each elastic group).
-fn min_need(spec: &JobSpec) -> ResVec {
-    let mut v = ResVec::ZERO;
-    for g in &spec.groups {
-        let n = if spec.gang { g.replicas } else { g.min_replicas.unwrap_or(g.replicas).min(g.replicas) };
-        for _ in 0..n {
-            v = add(v, g.resources.as_resvec());
-        }
-    }
-    v
-}
-
-struct Inputs<'a> {
-    view: &'a ClusterView,
-    nodes: BTreeMap<&'a NodeId, &'a Node>,
-    pending: BTreeMap<JobId, &'a PendingJob>,
-    running: BTreeMap<AllocId, &'a Allocation>,
-    queues: BTreeMap<&'a QueueId, &'a Queue>,
-    kinds: Kinds,
-}
-
-impl<'a> Inputs<'a> {
-    fn new(view: &'a ClusterView) -> Self {
-        Self {
-            view,
-            nodes: view.nodes.iter().map(|n| (&n.id, n)).collect(),
-            pending: view.pending.iter().map(|p| (p.id, p)).collect(),
-            running: view.running.iter().map(|a| (a.id, &**a)).collect(),
-            queues: view.queues.iter().map(|q| (&q.id, q)).collect(),
-            kinds: device_kinds(&view.nodes),
-        }
-    }
-
-    fn victims(&self, plan: &Plan) -> BTreeSet<AllocId> {
-        plan.preemptions.iter().map(|p| p.alloc).collect()
-    }
-
-    fn surviving(&self, plan: &Plan) -> impl Iterator<Item = &'a Allocation> {
-        let victims = self.victims(plan);
-        self.view.running.iter().map(|a| &**a).filter(move |a| !victims.contains(&a.id))
-    }
-
-    fn ancestors(&self, q: &QueueId) -> Vec<&'a Queue> {
-        let mut out: Vec<&Queue> = Vec::new();
-        let mut cur = self.queues.get(q).and_then(|x| x.parent.as_ref());
-        while let Some(p) = cur {
-            let Some(pq) = self.queues.get(p) else { break };
-            if out.iter().any(|o| o.id == pq.id) {
-                break;
-            }
-            out.push(pq);
-            cur = pq.parent.as_ref();
-        }
-        out
-    }
-}
-
-type Check = Result<(), String>;
-
-macro_rules! ensure {
-    ($cond:expr, $($arg:tt)+) => {
-        if !$cond {
-            return Err(format!($($arg)+));
-        }
-    };
-}
-
-/// (a) capacity, health, cordon, request and constraint conformance.
-fn check_capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
-    let mut cpu: BTreeMap<&NodeId, u64> = BTreeMap::new();
-    let mut mem: BTreeMap<&NodeId, u64> = BTreeMap::new();
-    let mut dev: BTreeMap<(&NodeId, &str), (u64, u64)> = BTreeMap::new();
-    for a in inp.surviving(plan) {
-        *cpu.entry(&a.node).or_default() += a.cpu_milli;
-        *mem.entry(&a.node).or_default() += a.memory_mib;
-        for s in &a.devices {
-            let e = dev.entry((&a.node, s.device.as_str())).or_default();
-            e.0 += u64::from(s.milli);
-            e.1 += s.memory_mib;
-        }
-    }
-    for p in &plan.placements {
-        let Some(node) = inp.nodes.get(&p.node) else {
-            return Err(format!("(a) placement {p:?} on unknown node"));
-        };
-        ensure!(node.schedulable, "(a) job {} placed on cordoned node {}", p.job, p.node);
-        let Some(job) = inp.pending.get(&p.job) else {
-            return Err(format!("(a) placement for job {} that is not pending", p.job));
-        };
-        let Some(g) = job.spec.groups.get(p.group as usize) else {
-            return Err(format!("(a) placement {p:?}: no such group"));
-        };
-        let r = &g.resources;
-        ensure!(
-            p.cpu_milli == r.cpu_milli && p.memory_mib == r.memory_mib,
-            "(a) placement {p:?} does not match request {r:?}"
-        );
-        let c = &job.spec.constraints;
-        ensure!(
-            c.pools.is_empty() || c.pools.contains(&node.pool),
-            "(a) job {} on {} outside pools {:?}",
-            p.job,
-            p.node,
-            c.pools
-        );
-        ensure!(
-            c.regions.is_empty() || c.regions.contains(&node.region),
-            "(a) job {} on {} outside regions",
-            p.job,
-            p.node
-        );
-        ensure!(
-            c.labels.iter().all(|(k, v)| node.labels.get(k) == Some(v)),
-            "(a) job {} on {} lacks labels",
-            p.job,
-            p.node
-        );
-        match &r.devices {
-            None => ensure!(p.devices.is_empty(), "(a) CPU-only job {} got devices {:?}", p.job, p.devices),
-            Some(req) => {
-                ensure!(
-                    p.devices.len() == req.count as usize,
-                    "(a) job {} wants {} devices, got {:?}",
-                    p.job,
-                    req.count,
-                    p.devices
-                );
-                let ids: BTreeSet<&str> = p.devices.iter().map(|s| s.device.as_str()).collect();
-                ensure!(ids.len() == p.devices.len(), "(a) job {} got one device twice: {:?}", p.job, p.devices);
-                for s in &p.devices {
-                    let Some(d) = node.devices.iter().find(|d| d.id == s.device) else {
-                        return Err(format!("(a) job {} on unknown device {}/{}", p.job, p.node, s.device));
-                    };
-                    ensure!(
-                        d.health == Health::Healthy,
-                        "(a) job {} placed on unhealthy device {}/{}",
-                        p.job,
-                        p.node,
-                        d.id
-                    );
-                    ensure!(
-                        d.kind == req.kind,
-                        "(a) job {} wants {} but got {}/{} ({})",
-                        p.job,
-                        req.kind,
-                        p.node,
-                        d.id,
-                        d.kind
-                    );
-                    ensure!(
-                        c.device_models.is_empty() || c.device_models.contains(&d.model),
-                        "(a) job {} got model {} outside {:?}",
-                        p.job,
-                        d.model,
-                        c.device_models
-                    );
-                    ensure!(
-                        s.milli == req.milli && s.memory_mib == req.memory_mib,
-                        "(a) job {} share {s:?} != request {req:?}",
-                        p.job
-                    );
-                }
-            }
-        }
-        *cpu.entry(&p.node).or_default() += p.cpu_milli;
-        *mem.entry(&p.node).or_default() += p.memory_mib;
-        for s in &p.devices {
-            let e = dev.entry((&p.node, s.device.as_str())).or_default();
-            e.0 += u64::from(s.milli);
-            e.1 += s.memory_mib;
-        }
-    }
-    for (id, n) in &inp.nodes {
-        let (c, m) = (cpu.get(id).copied().unwrap_or(0), mem.get(id).copied().unwrap_or(0));
-        ensure!(c <= n.cpu_milli, "(a) node {id}: cpu {c} > {}", n.cpu_milli);
-        ensure!(m <= n.memory_mib, "(a) node {id}: memory {m} > {}", n.memory_mib);
-    }
-    for ((node, d), (milli, dmem)) in &dev {
-        let cap = inp.nodes.get(node).and_then(|n| n.devices.iter().find(|x| x.id == *d)).map_or(0, |x| x.memory_mib);
-        ensure!(*milli <= 1000, "(a) device {node}/{d}: {milli} milli > 1000");
-        ensure!(*dmem <= cap, "(a) device {node}/{d}: memory slices {dmem} > {cap}");
-    }
-    Ok(())
-}
-
-/// (b) quota: over nominal only through placements flagged borrowed, within borrowing limits;
-/// no cohort, no borrowing; parent caps hold.
-fn check_quota(inp: &Inputs<'_>, plan: &Plan) -> Check {
-    let mut kept: BTreeMap<&QueueId, ResVec> = BTreeMap::new();
-    for a in inp.surviving(plan) {
-        let e = kept.entry(&a.queue).or_insert(ResVec::ZERO);
-        *e = add(*e, alloc_usage(&inp.kinds, a));
-    }
-    let mut own: BTreeMap<&QueueId, ResVec> = BTreeMap::new();
-    let mut all: BTreeMap<&QueueId, ResVec> = BTreeMap::new();
-    for p in &plan.placements {
-        let Some(job) = inp.pending.get(&p.job) else {
-            return Err(format!("(b) placement for unknown job {}", p.job));
-        };
-        let q = &job.spec.queue;
-        let Some(queue) = inp.queues.get(q) else {
-            return Err(format!("(b) job {} placed from unknown queue {q}", p.job));
-        };
-        let u = placement_usage(&inp.kinds, p);
-        let e = all.entry(q).or_insert(ResVec::ZERO);
-        *e = add(*e, u);
-        if p.borrowed {
-            let may_borrow = queue.cohort.is_some() || inp.ancestors(q).iter().any(|a| !a.nominal.is_zero());
-            ensure!(
-                may_borrow,
-                "(b) job {} flagged borrowed in queue {q}, which has no cohort or parent to borrow from",
-                p.job
-            );
-        } else {
-            let e = own.entry(q).or_insert(ResVec::ZERO);
-            *e = add(*e, u);
-        }
-    }
-    for (q, placed) in &all {
-        let queue = inp.queues[q];
-        let base = kept.get(q).copied().unwrap_or(ResVec::ZERO);
-        let unflagged = add(base, own.get(q).copied().unwrap_or(ResVec::ZERO));
-        if own.contains_key(q) {
-            ensure!(
-                unflagged.fits_within(&queue.nominal),
-                "(b) queue {q}: running {base} + placements not flagged borrowed = {unflagged} exceeds nominal {}",
-                queue.nominal
-            );
-        }
-        let total = add(base, *placed);
-        match (&queue.cohort, &queue.borrowing_limit) {
-            (None, _) => ensure!(
-                total.fits_within(&queue.nominal),
-                "(b) queue {q} has no cohort but uses {total} > nominal {}",
-                queue.nominal
-            ),
-            (Some(_), Some(limit)) => ensure!(
-                sub(total, queue.nominal).fits_within(limit),
-                "(b) queue {q} borrows {} > borrowing limit {limit}",
-                sub(total, queue.nominal)
-            ),
-            (Some(_), None) => {}
-        }
-    }
-    // Parent caps: a subtree that received placements stays within nominal + borrowing limit.
-    for parent in inp.view.queues.iter().filter(|q| !q.nominal.is_zero()) {
-        let in_subtree = |q: &QueueId| inp.ancestors(q).iter().any(|a| a.id == parent.id);
-        if !all.keys().any(|q| in_subtree(q)) {
-            continue;
-        }
-        let mut used = ResVec::ZERO;
-        for a in inp.surviving(plan).filter(|a| in_subtree(&a.queue)) {
-            used = add(used, alloc_usage(&inp.kinds, a));
-        }
-        for (q, u) in &all {
-            if in_subtree(q) {
-                used = add(used, *u);
-            }
-        }
-        let cap = add(parent.nominal, parent.borrowing_limit.unwrap_or(ResVec::ZERO));
-        ensure!(used.fits_within(&cap), "(b) parent queue {}: subtree uses {used} > cap {cap}", parent.id);
-    }
-    Ok(())
-}
-
-/// (c) gang all-or-nothing, elastic at least min, replicas well-formed, and every pending job
-/// decided exactly once.
-fn check_gangs(inp: &Inputs<'_>, plan: &Plan) -> Check {
-    let mut placed: BTreeMap<JobId, BTreeMap<u32, BTreeSet<u32>>> = BTreeMap::new();
-    for p in &plan.placements {
-        let fresh = placed.entry(p.job).or_default().entry(p.group).or_default().insert(p.replica);
-        ensure!(fresh, "(c) job {} group {} replica {} placed twice", p.job, p.group, p.replica);
-    }
-    for (job, groups) in &placed {
-        let Some(pj) = inp.pending.get(job) else {
-            return Err(format!("(c) job {job} placed but not pending"));
-        };
-        let spec = &pj.spec;
-        for (gi, g) in spec.groups.iter().enumerate() {
-            let reps = groups.get(&(gi as u32)).cloned().unwrap_or_default();
-            ensure!(
-                reps.iter().all(|&r| r < g.replicas),
-                "(c) job {job} group {gi}: replica index beyond {}: {reps:?}",
-                g.replicas
-            );
-            let n = reps.len() as u32;
-            if spec.gang {
-                ensure!(n == g.replicas, "(c) gang job {job} group {gi}: {n} of {} replicas placed", g.replicas);
-            } else {
-                let min = g.min_replicas.unwrap_or(g.replicas).min(g.replicas);
-                ensure!(n >= min, "(c) elastic job {job} group {gi}: {n} replicas placed, min {min}");
-            }
-        }
-        ensure!(
-            groups.keys().all(|&g| (g as usize) < spec.groups.len()),
-            "(c) job {job}: placement in a missing group"
-        );
-    }
-    let mut unplaced = BTreeSet::new();
-    for u in &plan.unplaced {
-        ensure!(unplaced.insert(u.job), "(c) job {} unplaced twice", u.job);
-        ensure!(!placed.contains_key(&u.job), "(c) job {} both placed and unplaced", u.job);
-        ensure!(!u.reason.is_empty(), "(c) job {} unplaced without a reason", u.job);
-    }
-    for id in inp.pending.keys() {
-        ensure!(placed.contains_key(id) || unplaced.contains(id), "(c) pending job {id} neither placed nor unplaced");
-    }
-    Ok(())
-}
-
-/// (d) who may be preempted, and how.
-fn check_preemptions(inp: &Inputs<'_>, plan: &Plan, cfg: &SchedulerConfig) -> Check {
-    if !cfg.preemption {
-        ensure!(plan.preemptions.is_empty(), "(d) preemption disabled but the plan preempts {:?}", plan.preemptions);
-    }
-    let victims = inp.victims(plan);
-    ensure!(victims.len() == plan.preemptions.len(), "(d) an allocation preempted twice: {:?}", plan.preemptions);
-    let placed: BTreeSet<JobId> = plan.placements.iter().map(|p| p.job).collect();
-    let unplaced: BTreeSet<JobId> = plan.unplaced.iter().map(|u| u.job).collect();
-    let mut per_job: BTreeMap<JobId, usize> = BTreeMap::new();
-    for Preemption { alloc, job, node, for_job, reason, checkpoint_first, grace_s } in &plan.preemptions {
-        let Some(a) = inp.running.get(alloc) else {
-            return Err(format!("(d) preempted alloc {alloc} is not running"));
-        };
-        let Some(f) = inp.pending.get(for_job) else {
-            return Err(format!("(d) alloc {alloc} preempted for unknown job {for_job}"));
-        };
-        ensure!(
-            a.job == *job && a.node == *node,
-            "(d) preemption of {alloc} names job {job} on {node}, alloc is job {} on {}",
-            a.job,
-            a.node
-        );
-        ensure!(a.preemptible, "(d) non-preemptible alloc {alloc} preempted for job {for_job}");
-        let lower = a.priority < f.spec.priority;
-        let reclaim = a.borrowed && a.queue != f.spec.queue;
-        ensure!(
-            lower || reclaim,
-            "(d) alloc {alloc} (priority {}, queue {}, borrowed {}) preempted for job {for_job} (priority {}, queue {})",
-            a.priority,
-            a.queue,
-            a.borrowed,
-            f.spec.priority,
-            f.spec.queue
-        );
-        let want = if lower { PreemptionReason::HigherPriority } else { PreemptionReason::ReclaimBorrowed };
-        ensure!(*reason == want, "(d) alloc {alloc}: reason {reason:?}, expected {want:?}");
-        if !lower {
-            // Reclaiming is for a job within its own nominal quota.
-            let q = &f.spec.queue;
-            let mut used = ResVec::ZERO;
-            for x in inp.surviving(plan).filter(|x| &x.queue == q) {
-                used = add(used, alloc_usage(&inp.kinds, x));
-            }
-            let nominal = inp.queues.get(q).map_or(ResVec::ZERO, |x| x.nominal);
-            ensure!(
-                add(used, min_need(&f.spec)).fits_within(&nominal),
-                "(d) job {for_job} reclaims borrowed alloc {alloc} but needs {} on top of {used}, over nominal {nominal}",
-                min_need(&f.spec)
-            );
-        }
-        ensure!(
-            *checkpoint_first == a.checkpoint_grace_s.is_some() && *grace_s == a.checkpoint_grace_s.unwrap_or(0),
-            "(d) alloc {alloc}: checkpoint_first {checkpoint_first} grace {grace_s}, victim's grace {:?}",
-            a.checkpoint_grace_s
-        );
-        if a.gang {
-            for mate in inp.view.running.iter().filter(|m| m.job == a.job) {
-                ensure!(victims.contains(&mate.id), "(d) gang job {} partly preempted: {} kept", a.job, mate.id);
-            }
-        }
-        // A victim frees capacity only where the job could run. Exceptions: a gang's mates stop
-        // with it wherever they are, and borrowed work under a capped ancestor of the job's
-        // queue may be reclaimed to free quota rather than capacity.
-        let frees_quota = reclaim
-            && inp.ancestors(&f.spec.queue).iter().any(|anc| {
-                !anc.nominal.is_zero() && (anc.id == a.queue || inp.ancestors(&a.queue).iter().any(|x| x.id == anc.id))
-            });
-        if !a.gang && !frees_quota {
-            let n = inp.nodes.get(&a.node).copied();
-            ensure!(
-                n.is_some_and(|n| usable_by(n, &f.spec)),
-                "(d) alloc {alloc} on {} preempted for job {for_job}, which cannot use that node",
-                a.node
-            );
-        }
-        ensure!(!placed.contains(for_job), "(d) job {for_job} placed in the same pass that preempts for it");
-        ensure!(unplaced.contains(for_job), "(d) job {for_job} preempts but is not listed as waiting");
-        *per_job.entry(*for_job).or_default() += 1;
-    }
-    for (j, n) in per_job {
-        ensure!(n <= cfg.max_preemptions_per_job, "(d) job {j} preempts {n} > max {}", cfg.max_preemptions_per_job);
-        // Preempting is only worth it when the job's quota admits it once the victims are gone:
-        // its own nominal (no cohort) or borrowing limit, and every capped ancestor.
-        let f = inp.pending[&j];
-        let q = &f.spec.queue;
-        let need = min_need(&f.spec);
-        let usage_of = |pred: &dyn Fn(&QueueId) -> bool| {
-            inp.surviving(plan).filter(|a| pred(&a.queue)).fold(need, |acc, a| add(acc, alloc_usage(&inp.kinds, a)))
-        };
-        let queue = inp.queues[q];
-        let own = usage_of(&|x| x == q);
-        match (&queue.cohort, &queue.borrowing_limit) {
-            (None, _) => ensure!(
-                own.fits_within(&queue.nominal),
-                "(d) job {j} preempts but needs {own} > nominal {} of {q}",
-                queue.nominal
-            ),
-            (Some(_), Some(l)) => ensure!(
-                sub(own, queue.nominal).fits_within(l),
-                "(d) job {j} preempts but would borrow beyond {q}'s limit"
-            ),
-            (Some(_), None) => {}
-        }
-        for anc in inp.ancestors(q).into_iter().filter(|a| !a.nominal.is_zero()) {
-            let sub_use = usage_of(&|x| x == &anc.id || inp.ancestors(x).iter().any(|y| y.id == anc.id));
-            let cap = add(anc.nominal, anc.borrowing_limit.unwrap_or(ResVec::ZERO));
-            ensure!(
-                sub_use.fits_within(&cap),
-                "(d) job {j} preempts but parent {} stays over its cap: {sub_use} > {cap}",
-                anc.id
-            );
-        }
-    }
-    Ok(())
-}
-
-/// Whether a node could host some task of the job at all (ignoring what runs there).
-fn usable_by(n: &Node, spec: &JobSpec) -> bool {
-    let c = &spec.constraints;
-    let placeable = n.schedulable
-        && (c.pools.is_empty() || c.pools.contains(&n.pool))
-        && (c.regions.is_empty() || c.regions.contains(&n.region))
-        && c.labels.iter().all(|(k, v)| n.labels.get(k) == Some(v));
-    placeable
-        && spec.groups.iter().any(|g| match &g.resources.devices {
-            None => true,
-            Some(req) => {
-                let ok = n
-                    .devices
-                    .iter()
-                    .filter(|d| d.kind == req.kind && d.health == Health::Healthy)
-                    .filter(|d| c.device_models.is_empty() || c.device_models.contains(&d.model))
-                    .count();
-                ok >= req.count as usize
-            }
-        })
-}
-
-/// Backfill: a lower-priority job on a reserved node ends before the reservation starts.
-fn check_backfill(inp: &Inputs<'_>, plan: &Plan, now: u64) -> Check {
-    for r in &plan.reservations {
-        let Some(head) = inp.pending.get(&r.job) else {
-            return Err(format!("reservation for unknown job {}", r.job));
-        };
-        ensure!(plan.unplaced.iter().any(|u| u.job == r.job), "reserved job {} is not waiting", r.job);
-        ensure!(r.start_at >= now, "reservation for job {} starts in the past ({})", r.job, r.start_at);
-        for p in plan.placements.iter().filter(|p| r.nodes.contains(&p.node)) {
-            let Some(j) = inp.pending.get(&p.job) else {
-                continue;
-            };
-            if j.spec.priority >= head.spec.priority {
-                continue;
-            }
-            let ends = j.spec.runtime_estimate_s.map(|e| now + e);
-            ensure!(
-                ends.is_some_and(|e| e <= r.start_at),
-                "backfill: job {} (priority {}, ends {ends:?}) placed on {} reserved for job {} from t={}",
-                p.job,
-                j.spec.priority,
-                p.node,
-                r.job,
-                r.start_at
-            );
-        }
-    }
-    Ok(())
-}
-
 fn check_all(case: &Case, plan: &Plan) -> Check {
-    let inp = Inputs::new(&case.view);
-    check_capacity(&inp, plan)?;
-    check_quota(&inp, plan)?;
-    check_gangs(&inp, plan)?;
-    check_preemptions(&inp, plan, &case.cfg)?;
-    check_backfill(&inp, plan, NOW)
+    check::plan(&case.view, plan, NOW, &case.cfg)
+}
+
+fn check_gangs(inp: &Inputs<'_>, plan: &Plan) -> Check {
+    check::gangs(inp, plan, usize::MAX)
 }
 
 fn run(case: &Case, seed: u64) -> Plan {
@@ -1229,7 +749,7 @@ proptest! {
 }
 
 fn msg(r: &Check) -> String {
-    r.as_ref().err().cloned().unwrap_or_default()
+    r.as_ref().err().map(ToString::to_string).unwrap_or_default()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1377,4 +897,10 @@ fn checkers_reject_backfill_onto_reserved_nodes() {
         }
     }
     assert!(check_backfill(&Inputs::new(&view), &bad, NOW).is_err());
+    // Nominated jobs go first in a pass, before a head job that is not nominated reserved
+    // anything: their placements are not backfill.
+    for p in &mut view.pending {
+        p.nominated = p.id != head;
+    }
+    assert_eq!(check_backfill(&Inputs::new(&view), &bad, NOW), Ok(()));
 }

@@ -9,6 +9,7 @@
 //! log) loses nothing. The envelope needs a self-describing format (JSON).
 
 use crate::config::{ConfigError, RetryPolicy, StateConfig};
+use crate::refusal::RefusalReason;
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use suanli_model::error::quote;
@@ -582,12 +583,13 @@ impl From<ConfigError> for CommandError {
 pub struct PlanOutcome {
     /// Allocations created, in order.
     pub placed: Vec<AllocId>,
-    /// Jobs whose placements were refused, with the reason (they stay pending).
-    pub refused_jobs: Vec<(JobId, String)>,
+    /// Jobs whose placements were refused, with the reason (they stay pending; the job's
+    /// `reason` is its text).
+    pub refused_jobs: Vec<(JobId, RefusalReason)>,
     /// Allocations told to stop for a preemption.
     pub preempted: Vec<AllocId>,
     /// Preemptions refused, with the reason.
-    pub refused_preemptions: Vec<(AllocId, String)>,
+    pub refused_preemptions: Vec<(AllocId, RefusalReason)>,
 }
 
 /// The result of applying one command (or one raft-internal entry).

@@ -154,3 +154,39 @@ impl State {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::command::{Command, UpsertQueue};
+    use crate::config::StateConfig;
+    use crate::state::State;
+    use suanli_model::{JobId, Queue, ResVec};
+
+    fn upsert(id: &str) -> Command {
+        Command::UpsertQueue(UpsertQueue { queue: Queue::new(id, ResVec::MAX) })
+    }
+
+    /// Debug builds run `invariants()` after every command that changes the state: a state
+    /// broken behind apply's back (here the live-job index names a job that does not exist)
+    /// stops at the next command, naming it.
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "applying a upsert_queue command at revision 2 broke the state: invariant job-state")]
+    fn apply_checks_the_invariants_in_debug_builds() {
+        let mut s = State::new(StateConfig::default());
+        s.apply(upsert("a"));
+        s.live_jobs.insert(JobId(99));
+        s.apply(upsert("b"));
+    }
+
+    /// A command that changes nothing is not checked (the state is as the last check left it).
+    #[test]
+    fn an_unchanged_state_is_not_rechecked() {
+        let mut s = State::new(StateConfig::default());
+        s.apply(upsert("a"));
+        s.live_jobs.insert(JobId(99));
+        let r = s.apply(Command::UpsertQueue(UpsertQueue { queue: Queue::new("", ResVec::MAX) }));
+        assert!(matches!(r, crate::Response::Rejected(_)), "{r:?}");
+        assert!(s.invariants().is_err());
+    }
+}

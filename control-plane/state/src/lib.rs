@@ -22,6 +22,7 @@ pub mod config;
 pub mod invariants;
 mod plan;
 pub mod records;
+pub mod refusal;
 mod state;
 mod usage;
 
@@ -37,4 +38,5 @@ pub use records::{
     AgentFence, Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, DrainPlan, Job, JobState,
     MAX_ATTEMPT_HISTORY, NodeRecord, NodeStatus, StopReason,
 };
+pub use refusal::RefusalReason;
 pub use state::{SNAPSHOT_FORMAT, SnapshotError, State};

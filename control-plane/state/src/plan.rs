@@ -13,6 +13,7 @@
 
 use crate::command::{ApplyPlan, CommandError, PlanOutcome, Response};
 use crate::records::{Alloc, AllocState, Desired, JobState, StopReason};
+use crate::refusal::RefusalReason as R;
 use crate::state::{Applied, Effect, State, cut};
 use crate::usage::Usage;
 use std::collections::{BTreeMap, BTreeSet};
@@ -70,8 +71,8 @@ impl State {
                     let ids = self.commit_placements(job, &ps, borrowed, now, rev);
                     out.placed.extend(ids);
                 }
-                Err(why) => {
-                    let why = cut(&why, self.config.max_message_len);
+                Err(refusal) => {
+                    let why = cut(&refusal.to_string(), self.config.max_message_len);
                     if let Some(j) = self.jobs.get_mut(&job)
                         && j.state == JobState::Pending
                         && j.reason != why
@@ -79,7 +80,7 @@ impl State {
                         j.reason = why.clone();
                         j.revision = rev;
                     }
-                    out.refused_jobs.push((job, why));
+                    out.refused_jobs.push((job, refusal));
                 }
             }
         }
@@ -103,23 +104,23 @@ impl State {
         Ok((Response::PlanApplied(out), Effect::Changed))
     }
 
-    fn check_preemption(&self, p: &Preemption) -> Result<(), String> {
-        let a = self.allocs.get(&p.alloc).ok_or_else(|| format!("allocation {} is gone", p.alloc))?;
+    fn check_preemption(&self, p: &Preemption) -> Result<(), R> {
+        let a = self.allocs.get(&p.alloc).ok_or(R::AllocGone { alloc: p.alloc })?;
         if !a.is_live() {
-            return Err(format!("allocation {} already ended", p.alloc));
+            return Err(R::AllocEnded { alloc: p.alloc });
         }
         if a.desired != Desired::Run {
-            return Err(format!("allocation {} is already stopping", p.alloc));
+            return Err(R::AllocStopping { alloc: p.alloc });
         }
         if a.alloc.job != p.job || a.alloc.node != p.node {
-            return Err(format!("allocation {} belongs to job {} on {}", p.alloc, a.alloc.job, a.alloc.node));
+            return Err(R::AllocMismatch { alloc: p.alloc, job: a.alloc.job, node: a.alloc.node.clone() });
         }
         if !a.alloc.preemptible {
-            return Err(format!("allocation {} is not preemptible", p.alloc));
+            return Err(R::NotPreemptible { alloc: p.alloc });
         }
-        let f = self.jobs.get(&p.for_job).ok_or_else(|| format!("job {} is gone", p.for_job))?;
+        let f = self.jobs.get(&p.for_job).ok_or(R::JobGone { job: p.for_job })?;
         if f.state != JobState::Pending {
-            return Err(format!("job {} is no longer pending", p.for_job));
+            return Err(R::BeneficiaryNotPending { job: p.for_job });
         }
         let outranked = a.alloc.priority < f.spec.priority;
         let reclaimable = a.alloc.borrowed && a.alloc.queue != f.spec.queue;
@@ -128,10 +129,13 @@ impl State {
             PreemptionReason::ReclaimBorrowed => reclaimable || outranked,
         };
         if !ok {
-            return Err(format!(
-                "allocation {} (priority {}, borrowed {}) may not be preempted for job {} (priority {})",
-                p.alloc, a.alloc.priority, a.alloc.borrowed, p.for_job, f.spec.priority
-            ));
+            return Err(R::NotOutranked {
+                alloc: p.alloc,
+                priority: a.alloc.priority,
+                borrowed: a.alloc.borrowed,
+                for_job: p.for_job,
+                for_priority: f.spec.priority,
+            });
         }
         Ok(())
     }
@@ -166,19 +170,19 @@ impl State {
         quota: &mut QuotaBook,
         now: u64,
         live_allocs: usize,
-    ) -> Result<bool, String> {
-        let j = self.jobs.get(&job).ok_or_else(|| format!("job {job} is gone"))?;
+    ) -> Result<bool, R> {
+        let j = self.jobs.get(&job).ok_or(R::JobGone { job })?;
         if j.state != JobState::Pending {
-            return Err(format!("job {job} is {}, not pending", j.state.as_str()));
+            return Err(R::JobNotPending { job, state: j.state.as_str().into() });
         }
         if j.not_before > now {
-            return Err(format!("job {job} is in retry backoff until t={}", j.not_before));
+            return Err(R::InBackoff { job, until: j.not_before });
         }
         if j.allocs.iter().any(|a| self.allocs.get(a).is_some_and(Alloc::is_live)) {
-            return Err(format!("job {job} still has live allocations"));
+            return Err(R::StillLive { job });
         }
         if live_allocs.saturating_add(ps.len()) > self.config.max_live_allocs {
-            return Err(format!("too many live allocations: the limit is {}", self.config.max_live_allocs));
+            return Err(R::TooManyLiveAllocs { limit: self.config.max_live_allocs });
         }
         let spec = &j.spec;
         let mut seen: BTreeSet<(u32, u32)> = BTreeSet::new();
@@ -187,18 +191,16 @@ impl State {
         let mut total = ResVec::ZERO;
         let result = (|| {
             for p in ps {
-                let g = spec
-                    .groups
-                    .get(p.group as usize)
-                    .ok_or_else(|| format!("job {job} has no task group {}", p.group))?;
+                let g = spec.groups.get(p.group as usize).ok_or(R::NoSuchGroup { job, group: p.group })?;
                 if p.replica >= g.replicas {
-                    return Err(format!(
-                        "group {} has {} replicas; replica {} is out of range",
-                        g.name, g.replicas, p.replica
-                    ));
+                    return Err(R::ReplicaOutOfRange {
+                        group: g.name.clone(),
+                        replicas: g.replicas,
+                        replica: p.replica,
+                    });
                 }
                 if !seen.insert((p.group, p.replica)) {
-                    return Err(format!("replica {}/{} is placed twice", g.name, p.replica));
+                    return Err(R::ReplicaTwice { group: g.name.clone(), replica: p.replica });
                 }
                 let v = self.check_placement(p, usage, j)?;
                 usage.add(&p.node, p.cpu_milli, p.memory_mib, &p.devices, 1);
@@ -210,10 +212,10 @@ impl State {
                 let n = per_group.get(&(gi as u32)).copied().unwrap_or(0);
                 let need = if spec.gang { g.replicas } else { g.min() };
                 if n < need {
-                    return Err(format!("group {}: {n} of {need} required replicas still fit", g.name));
+                    return Err(R::GroupShort { group: g.name.clone(), fit: n, need });
                 }
             }
-            quota.check(&spec.queue, total).map(|a| a.borrowed)
+            quota.check(&spec.queue, total).map(|a| a.borrowed).map_err(R::from)
         })();
         match result {
             Ok(borrowed) => {
@@ -230,99 +232,114 @@ impl State {
     }
 
     /// Checks one replica against the node as it is now; returns its quota vector.
-    fn check_placement(&self, p: &Placement, usage: &Usage, j: &crate::records::Job) -> Result<ResVec, String> {
+    fn check_placement(&self, p: &Placement, usage: &Usage, j: &crate::records::Job) -> Result<ResVec, R> {
         let spec = &j.spec;
-        let g = &spec.groups[p.group as usize];
-        let rec = self.nodes.get(&p.node).ok_or_else(|| format!("node {} is gone", p.node))?;
+        let g = spec.groups.get(p.group as usize).ok_or(R::NoSuchGroup { job: j.id, group: p.group })?;
+        let node_id = || p.node.clone();
+        let rec = self.nodes.get(&p.node).ok_or_else(|| R::NodeGone { node: node_id() })?;
         if !rec.accepts_work() {
             if !rec.pressure.is_empty() {
-                return Err(format!("node {} is under {}", p.node, rec.pressure));
+                return Err(R::NodePressure { node: node_id(), pressure: rec.pressure.clone() });
             }
-            return Err(format!("node {} is {:?}/{:?}", p.node, rec.status, rec.mode));
+            return Err(R::NodeNotAccepting { node: node_id(), status: rec.status, mode: rec.mode });
         }
         let node = &rec.node;
         let c = &spec.constraints;
         if !c.pools.is_empty() && !c.pools.contains(&node.pool) {
-            return Err(format!("node {} is in pool {}, not in the job's pools", p.node, node.pool));
+            return Err(R::OutsidePools { node: node_id(), pool: node.pool.to_string() });
         }
         if !c.regions.is_empty() && !c.regions.contains(&node.region) {
-            return Err(format!("node {} is in region {:?}, not in the job's regions", p.node, node.region));
+            return Err(R::OutsideRegions { node: node_id(), region: node.region.clone() });
         }
         if let Some((k, v)) = c.labels.iter().find(|(k, v)| node.labels.get(*k) != Some(*v)) {
-            return Err(format!("node {} lacks label {k}={v}", p.node));
+            return Err(R::MissingLabel { node: node_id(), key: k.clone(), value: v.clone() });
         }
         let r = &g.resources;
         if p.cpu_milli < r.cpu_milli || p.memory_mib < r.memory_mib {
-            return Err(format!("placement on {} reserves less cpu or memory than the task asks", p.node));
+            return Err(R::ReservesLess { node: node_id() });
         }
         let u = usage.node(&p.node);
         if u.cpu_milli.saturating_add(p.cpu_milli) > node.cpu_milli {
-            return Err(format!("node {}: cpu_milli {} + {} > {}", p.node, u.cpu_milli, p.cpu_milli, node.cpu_milli));
+            return Err(R::CpuFull {
+                node: node_id(),
+                used: u.cpu_milli,
+                asked: p.cpu_milli,
+                capacity: node.cpu_milli,
+            });
         }
         if u.memory_mib.saturating_add(p.memory_mib) > node.memory_mib {
-            return Err(format!(
-                "node {}: memory_mib {} + {} > {}",
-                p.node, u.memory_mib, p.memory_mib, node.memory_mib
-            ));
+            return Err(R::MemoryFull {
+                node: node_id(),
+                used: u.memory_mib,
+                asked: p.memory_mib,
+                capacity: node.memory_mib,
+            });
         }
         let mut v = ResVec { cpu_milli: p.cpu_milli, memory_mib: p.memory_mib, ..ResVec::ZERO };
         match &r.devices {
             None if !p.devices.is_empty() => {
-                return Err(format!("group {} asks for no devices but the placement holds some", g.name));
+                return Err(R::UnexpectedDevices { group: g.name.clone() });
             }
             None => {}
             Some(req) => {
                 if p.devices.len() != req.count as usize {
-                    return Err(format!(
-                        "group {} asks for {} devices; the placement holds {}",
-                        g.name,
-                        req.count,
-                        p.devices.len()
-                    ));
+                    return Err(R::DeviceCount { group: g.name.clone(), asked: req.count, held: p.devices.len() });
                 }
                 let mut ids = BTreeSet::new();
                 for s in &p.devices {
                     if !ids.insert(s.device.as_str()) {
-                        return Err(format!("device {} is placed twice in one replica", s.device));
+                        return Err(R::DeviceTwice { device: s.device.clone() });
                     }
                     let d = node
                         .devices
                         .iter()
                         .find(|d| d.id == s.device)
-                        .ok_or_else(|| format!("node {} has no device {}", p.node, s.device))?;
+                        .ok_or_else(|| R::NoSuchDevice { node: node_id(), device: s.device.clone() })?;
                     if d.kind != req.kind {
-                        return Err(format!(
-                            "device {} on {} is a {}, the task asks for {}",
-                            d.id, p.node, d.kind, req.kind
-                        ));
+                        return Err(R::WrongKind {
+                            device: d.id.clone(),
+                            node: node_id(),
+                            found: d.kind,
+                            asked: req.kind,
+                        });
                     }
                     if d.health != Health::Healthy {
-                        return Err(format!("device {} on {} is unhealthy", d.id, p.node));
+                        return Err(R::UnhealthyDevice { device: d.id.clone(), node: node_id() });
                     }
                     if !c.device_models.is_empty() && !c.device_models.contains(&d.model) {
-                        return Err(format!("device {} on {} is a {}, not an allowed model", d.id, p.node, d.model));
+                        return Err(R::ModelNotAllowed {
+                            device: d.id.clone(),
+                            node: node_id(),
+                            model: d.model.clone(),
+                        });
                     }
                     if s.milli != req.milli || s.milli == 0 || s.milli > WHOLE_DEVICE_MILLI {
-                        return Err(format!(
-                            "device {} share is {} milli; the task asks for {}",
-                            d.id, s.milli, req.milli
-                        ));
+                        return Err(R::ShareMismatch { device: d.id.clone(), milli: s.milli, asked: req.milli });
                     }
                     if s.memory_mib < req.memory_mib {
-                        return Err(format!(
-                            "device {} memory slice {} MiB < {} MiB asked",
-                            d.id, s.memory_mib, req.memory_mib
-                        ));
+                        return Err(R::MemorySliceShort {
+                            device: d.id.clone(),
+                            slice: s.memory_mib,
+                            asked: req.memory_mib,
+                        });
                     }
                     let du = usage.device(&p.node, &d.id);
                     if du.milli + u64::from(s.milli) > u64::from(WHOLE_DEVICE_MILLI) {
-                        return Err(format!("device {} on {}: {} + {} milli > 1000", d.id, p.node, du.milli, s.milli));
+                        return Err(R::DeviceFull {
+                            device: d.id.clone(),
+                            node: node_id(),
+                            used: du.milli,
+                            asked: s.milli,
+                        });
                     }
                     if d.memory_mib > 0 && du.memory_mib.saturating_add(s.memory_mib) > d.memory_mib {
-                        return Err(format!(
-                            "device {} on {}: memory {} + {} MiB > {} MiB",
-                            d.id, p.node, du.memory_mib, s.memory_mib, d.memory_mib
-                        ));
+                        return Err(R::DeviceMemoryFull {
+                            device: d.id.clone(),
+                            node: node_id(),
+                            used: du.memory_mib,
+                            asked: s.memory_mib,
+                            capacity: d.memory_mib,
+                        });
                     }
                     match d.kind {
                         DeviceKind::Gpu => v.gpu_milli += u64::from(s.milli),

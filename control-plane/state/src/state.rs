@@ -28,6 +28,12 @@ pub(crate) type Applied = Result<(Response, Effect), CommandError>;
 /// Version of the snapshot format this build writes and reads.
 pub const SNAPSHOT_FORMAT: u32 = 1;
 
+/// Debug builds check [`State::invariants`] after every state-changing command while the state
+/// holds at most this many jobs plus allocations; above it, at every k-th revision (k = size /
+/// this + 1), which bounds the amortized cost of the linear check per command.
+#[cfg(debug_assertions)]
+const DEBUG_INVARIANTS_EVERY_APPLY: usize = 256;
+
 /// A snapshot could not be encoded or decoded.
 #[derive(Debug, Error)]
 pub enum SnapshotError {
@@ -262,7 +268,41 @@ impl State {
 
     /// Applies one command. Deterministic: time comes from the command, never a clock. A
     /// rejected command leaves the state unchanged.
+    ///
+    /// In debug builds every command that changed the state is followed by
+    /// [`invariants()`](State::invariants), and a violation panics with the command's kind
+    /// (see `DEBUG_INVARIANTS_EVERY_APPLY` for the sampling on large states).
     pub fn apply(&mut self, cmd: Command) -> Response {
+        #[cfg(debug_assertions)]
+        let (before, kind) = (self.revision, cmd.kind().to_owned());
+        let resp = self.apply_one(cmd);
+        #[cfg(debug_assertions)]
+        self.debug_check_invariants(before, &kind);
+        resp
+    }
+
+    /// Runs [`invariants()`](State::invariants) after a command that changed the state: after
+    /// every one while the state holds at most `DEBUG_INVARIANTS_EVERY_APPLY` jobs and
+    /// allocations, then at every k-th revision with k = size / that bound + 1, so the
+    /// amortized cost per command stays bounded (the check is linear in the state).
+    #[cfg(debug_assertions)]
+    fn debug_check_invariants(&self, before: u64, kind: &str) {
+        if self.revision == before || self.double_assign_victim().is_some() {
+            // Unchanged (rejected or a no-op), or deliberately broken by a failpoint.
+            return;
+        }
+        let size = self.jobs.len() + self.allocs.len();
+        let every = (size / DEBUG_INVARIANTS_EVERY_APPLY + 1) as u64;
+        // A batch advances many revisions at once: check when it crossed a multiple of k.
+        if before / every == self.revision / every {
+            return;
+        }
+        if let Err(v) = self.invariants() {
+            panic!("applying a {kind} command at revision {} broke the state: {v}", self.revision);
+        }
+    }
+
+    fn apply_one(&mut self, cmd: Command) -> Response {
         let rev = self.revision + 1;
         let result = match cmd {
             Command::UpsertQueue(c) => self.upsert_queue(c, rev),
@@ -312,7 +352,7 @@ impl State {
                 message: "a batch may not contain a batch".into(),
             });
         }
-        Response::Batch(b.commands.into_iter().map(|c| self.apply(c)).collect())
+        Response::Batch(b.commands.into_iter().map(|c| self.apply_one(c)).collect())
     }
 
     pub(crate) fn tick(&mut self, now: u64) -> u64 {

@@ -6,8 +6,8 @@ use common::*;
 use suanli_model::{AllocId, DeviceShare, Health, JobId, NodeId, Placement, Plan, Preemption, PreemptionReason};
 use suanli_state::{
     AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, DrainOptions, JobState,
-    MAX_ATTEMPT_HISTORY, NodeCondition, NodeDown, NodeMode, ReportedStatus, Response, RetryPolicy, SetNodeMode, State,
-    StateConfig, StopReason, SubmitJob, UpdateConfig,
+    MAX_ATTEMPT_HISTORY, NodeCondition, NodeDown, NodeMode, RefusalReason, ReportedStatus, Response, RetryPolicy,
+    SetNodeMode, State, StateConfig, StopReason, SubmitJob, UpdateConfig,
 };
 
 fn job_state(s: &State, id: u64) -> JobState {
@@ -185,7 +185,8 @@ fn apply_refuses_placements_that_no_longer_hold() {
     assert_eq!(oa.placed.len(), 1);
     assert!(ob.placed.is_empty(), "the second plan would over-commit the GPUs");
     assert_eq!(ob.refused_jobs.len(), 1);
-    assert!(ob.refused_jobs[0].1.contains("milli > 1000"), "{:?}", ob.refused_jobs);
+    assert!(matches!(ob.refused_jobs[0].1, RefusalReason::DeviceFull { used: 1000, .. }), "{:?}", ob.refused_jobs);
+    assert!(ob.refused_jobs[0].1.to_string().contains("milli > 1000"), "{:?}", ob.refused_jobs);
     assert_eq!(job_state(&s, 2), JobState::Pending);
     assert!(s.job(JobId(2)).is_some_and(|j| !j.reason.is_empty()), "the refusal is recorded");
 }
@@ -205,7 +206,11 @@ fn disk_pressure_keeps_new_work_off_a_node_until_it_clears() {
     else {
         panic!()
     };
-    assert!(o.placed.is_empty() && o.refused_jobs[0].1.contains(&why), "{o:?}");
+    assert!(
+        o.placed.is_empty()
+            && o.refused_jobs[0].1 == RefusalReason::NodePressure { node: n0.clone(), pressure: why.clone() },
+        "{o:?}"
+    );
     // A re-registration (an agent restart) keeps it: only the agent's heartbeat clears it.
     apply_ok(&mut s, register(node("n0", 4), 4));
     assert_eq!(s.nodes()[&n0].pressure, why);
@@ -236,7 +241,7 @@ fn a_plan_is_rechecked_against_health_cordons_and_job_state() {
     else {
         panic!()
     };
-    assert!(o.placed.is_empty() && o.refused_jobs[0].1.contains("unhealthy"), "{o:?}");
+    assert!(o.placed.is_empty() && o.refused_jobs[0].1.kind() == "unhealthy_device", "{o:?}");
 
     let mut t = s.clone();
     apply_ok(
@@ -256,7 +261,7 @@ fn a_plan_is_rechecked_against_health_cordons_and_job_state() {
     else {
         panic!()
     };
-    assert!(o.placed.is_empty() && o.refused_jobs[0].1.contains("not pending"), "{o:?}");
+    assert!(o.placed.is_empty() && o.refused_jobs[0].1.to_string().contains("not pending"), "{o:?}");
 
     // The same plan twice: the second finds the job placed already.
     let mut t = s.clone();
@@ -290,7 +295,10 @@ fn hand_made_plans_cannot_overcommit_or_cheat() {
     let o = try_plan(&mut t, vec![p(0, "gpu0", 1000), p(1, "gpu0", 1000)]);
     assert!(o.placed.is_empty(), "same GPU twice: {o:?}");
     let o = try_plan(&mut t, vec![p(0, "gpu0", 1000)]);
-    assert!(o.placed.is_empty() && o.refused_jobs[0].1.contains("required replicas"), "gang needs both: {o:?}");
+    assert!(
+        o.placed.is_empty() && matches!(o.refused_jobs[0].1, RefusalReason::GroupShort { .. }),
+        "gang needs both: {o:?}"
+    );
     let o = try_plan(&mut t, vec![p(0, "gpu0", 500), p(1, "gpu1", 500)]);
     assert!(o.placed.is_empty(), "half a GPU when a whole one is asked: {o:?}");
     let o = try_plan(&mut t, vec![p(0, "gpu9", 1000), p(1, "gpu1", 1000)]);
@@ -521,6 +529,7 @@ fn preemptions_are_rechecked() {
     let plan = Plan { preemptions: vec![pre], ..Plan::default() };
     let Response::PlanApplied(o) = apply_ok(&mut s, Command::ApplyPlan(ApplyPlan { plan, now: 4 })) else { panic!() };
     assert!(o.preempted.is_empty() && o.refused_preemptions.len() == 1, "a lower priority cannot preempt: {o:?}");
+    assert_eq!(o.refused_preemptions[0].1.kind(), "not_outranked", "{o:?}");
     assert_eq!(job_state(&s, 1), JobState::Placed);
 }
 
