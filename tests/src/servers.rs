@@ -26,38 +26,35 @@ pub fn cpu_job(name: &str, queue: &str, cpu_milli: u64) -> String {
     .to_string()
 }
 
+/// Retries of the harness's calls: 50 ms doubling to 1 s, at most 20 retries (~15 s).
+pub const RETRY: suanli_client::backoff::Backoff =
+    suanli_client::backoff::Backoff::new(std::time::Duration::from_millis(50), std::time::Duration::from_secs(1))
+        .with_max_retries(20);
+
 /// Every job a server knows (linearizable unless `stale`), by id.
 pub async fn all_jobs(addr: &str, stale: bool) -> Result<Vec<pb::JobInfo>, tonic::Status> {
-    let mut c = {
-        let mut tries = 0;
-        loop {
-            match jobs_client(addr).await {
-                Ok(c) => break c,
-                Err(e) if tries < 20 => {
-                    tries += 1;
-                    eprintln!("connecting to {addr}: {e:?}; retrying");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                }
-                Err(e) => return Err(tonic::Status::unavailable(format!("connecting to {addr}: {e:?}"))),
-            }
-        }
-    };
+    // Connecting and UNAVAILABLE (leadership moving, a lease not yet confirmed) are retried
+    // with the workspace's one backoff.
+    let c = RETRY
+        .retry(|| jobs_client(addr), |_| true, |e, d| eprintln!("connecting to {addr}: {e:?}; retrying in {d:?}"))
+        .await
+        .map_err(|e| tonic::Status::unavailable(format!("connecting to {addr}: {e:?}")))?;
     let mut out = Vec::new();
     let mut after = 0;
     loop {
         let req = pb::ListJobsRequest { queue: String::new(), states: vec![], limit: 1000, after_id: after, stale };
-        // UNAVAILABLE is the server's "retry": leadership moving, or a lease not yet confirmed.
-        let mut tries = 0;
-        let r = loop {
-            match c.list(req.clone()).await {
-                Ok(r) => break r.into_inner(),
-                Err(s) if s.code() == tonic::Code::Unavailable && tries < 50 => {
-                    tries += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                }
-                Err(s) => return Err(s),
-            }
-        };
+        let r = RETRY
+            .retry(
+                || {
+                    let mut c = c.clone();
+                    let req = req.clone();
+                    async move { c.list(req).await }
+                },
+                |s: &tonic::Status| s.code() == tonic::Code::Unavailable,
+                |_, _| {},
+            )
+            .await?
+            .into_inner();
         out.extend(r.jobs);
         if r.next_after_id == 0 {
             return Ok(out);

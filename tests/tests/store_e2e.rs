@@ -49,7 +49,7 @@ async fn queue(addr: &str) {
 
 /// Submits jobs `from..to` (request ids `{tag}-{i}`), retrying UNAVAILABLE; their ids.
 async fn submit_range(addr: &str, tag: &str, from: usize, to: usize) -> Vec<u64> {
-    let mut c = JobsClient::new(channel(addr).await.unwrap());
+    let c = JobsClient::new(channel(addr).await.unwrap());
     let mut ids = Vec::new();
     for i in from..to {
         let req = pb::SubmitJobRequest {
@@ -57,15 +57,20 @@ async fn submit_range(addr: &str, tag: &str, from: usize, to: usize) -> Vec<u64>
             spec_json: cpu_job(&format!("{tag}{i}"), "q", 10),
             retry: None,
         };
-        let deadline = Instant::now() + WAIT;
-        loop {
-            match c.submit(req.clone()).await {
-                Ok(r) => break ids.push(r.into_inner().job_id),
-                Err(s) if s.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(s) => panic!("submitting {tag}-{i}: {s:?}"),
-            }
+        let r = common::RETRY
+            .retry(
+                || {
+                    let mut c = c.clone();
+                    let req = req.clone();
+                    async move { c.submit(req).await }
+                },
+                |s: &tonic::Status| s.code() == tonic::Code::Unavailable,
+                |_, _| {},
+            )
+            .await;
+        match r {
+            Ok(r) => ids.push(r.into_inner().job_id),
+            Err(s) => panic!("submitting {tag}-{i}: {s:?}"),
         }
     }
     ids

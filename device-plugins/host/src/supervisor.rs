@@ -166,8 +166,8 @@ struct Inner {
     state: watch::Sender<PluginState>,
     restarts: AtomicU64,
     generation: AtomicU64,
-    /// The next restart delay.
-    backoff: Mutex<Duration>,
+    /// The restart delays (backon: `backoff_min` doubling up to `backoff_max`).
+    backoff: Mutex<backon::ExponentialBackoff>,
     /// Set by shutdown: no more restarts.
     closing: AtomicBool,
     /// Wakes a sleeping restart task at shutdown (dropped with `Inner`, which wakes it too).
@@ -211,7 +211,7 @@ impl PluginProcess {
             state: watch::channel(PluginState::Down { reason: "starting".into() }).0,
             restarts: AtomicU64::new(0),
             generation: AtomicU64::new(0),
-            backoff: Mutex::new(opts.backoff_min),
+            backoff: Mutex::new(restart_delays(&opts)),
             closing: AtomicBool::new(false),
             stop: watch::channel(false).0,
             runtime,
@@ -484,7 +484,7 @@ impl Inner {
         {
             let mut b = lock(&self.backoff);
             if conn.started.elapsed() >= self.opts.backoff_max {
-                *b = self.opts.backoff_min;
+                *b = restart_delays(&self.opts);
             }
         }
         tracing::warn!(plugin = %self.name(), %reason, "device plugin host down; restarting with backoff");
@@ -503,12 +503,24 @@ impl Drop for Inner {
     }
 }
 
+/// The restart delays of `opts`: `backoff_min` doubling up to `backoff_max`, without end (a
+/// plugin is retried as long as the agent runs; `shutdown` ends the loop).
+fn restart_delays(opts: &Options) -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::new()
+        .with_factor(2.0)
+        .with_min_delay(opts.backoff_min)
+        .with_max_delay(opts.backoff_max)
+        .without_max_times()
+        .build()
+}
+
 /// Restarts the child with backoff until it is up again, shut down, or the supervisor is gone.
 async fn restart_loop(weak: Weak<Inner>) {
     loop {
         let (delay, mut stop) = {
             let Some(inner) = weak.upgrade() else { return };
-            let b = *lock(&inner.backoff);
+            let b = lock(&inner.backoff).next().unwrap_or(inner.opts.backoff_max);
             (b, inner.stop.subscribe())
         };
         tokio::select! {
@@ -519,11 +531,6 @@ async fn restart_loop(weak: Weak<Inner>) {
         if inner.closing.load(Ordering::SeqCst) {
             return;
         }
-        let next = {
-            let mut b = lock(&inner.backoff);
-            *b = (delay * 2).min(inner.opts.backoff_max);
-            *b
-        };
         let res = match inner.spawn_child().await {
             Ok((conn, hello)) => {
                 *lock(&inner.hello) = hello;
@@ -543,7 +550,10 @@ async fn restart_loop(weak: Weak<Inner>) {
                 return;
             }
             Err(e) => {
-                let reason = format!("plugin {}: restart failed: {e}; next try in {next:?}", inner.name());
+                let reason = format!(
+                    "plugin {}: restart failed: {e}; retrying with backoff (last wait {delay:?})",
+                    inner.name()
+                );
                 tracing::warn!(%reason, "device plugin host restart");
                 inner.state.send_replace(PluginState::Down { reason });
             }

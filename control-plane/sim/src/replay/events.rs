@@ -478,7 +478,7 @@ impl<'a> Sim<'a> {
         }
         // A preemption of a gang's other replicas is refused as "already stopping" once the
         // first one stopped the whole gang: not a refusal that changes anything.
-        let refused_preemptions: Vec<&(AllocId, String)> = out
+        let refused_preemptions: Vec<&(AllocId, suanli_state::RefusalReason)> = out
             .refused_preemptions
             .iter()
             .filter(|(a, _)| job_of(self, a).map_or(true, |(j, _)| !victims.contains(&j)))
