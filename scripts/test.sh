@@ -6,6 +6,10 @@
 # beside this checkout, ../shared/traces/alibaba-gpu-v2023, when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# No command of the gate reads input. With an inherited stdin that held text, a rustc probe run
+# through cargo-deny's `cargo metadata` read it as source, failed, and cargo cached the failure in
+# the target dir's .rustc_info.json, which broke every later cargo command of the run.
+exec </dev/null
 scripts/setup.sh
 if [ -z "${SUANLI_TRACES:-}" ] && [ -d ../shared/traces/alibaba-gpu-v2023 ]; then
   SUANLI_TRACES="$(cd ../shared/traces/alibaba-gpu-v2023 && pwd)"

@@ -75,10 +75,12 @@ async fn hung() -> (String, tokio::net::TcpListener) {
     (listener.local_addr().unwrap().to_string(), listener)
 }
 
-/// An address nobody listens on: bound, then released (only as a target that refuses).
-async fn refused() -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    listener.local_addr().unwrap().to_string()
+/// An address that refuses connections: a socket bound (so the port is nobody else's) that
+/// never listens. Keep the socket while the address is in use.
+async fn refused() -> (String, tokio::net::TcpSocket) {
+    let s = tokio::net::TcpSocket::new_v4().unwrap();
+    s.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    (s.local_addr().unwrap().to_string(), s)
 }
 
 fn quick(hints: LeaderHints) -> ConnectionConfig {
@@ -118,7 +120,7 @@ async fn refused_and_hung_servers_are_passed_over_and_other_errors_are_answers()
     let calls = Arc::new(AtomicUsize::new(0));
     let good = serve(Fake { id: 7, leader: None, calls: calls.clone() }).await;
     let (stuck, _keep) = hung().await;
-    let down = refused().await;
+    let (down, _closed) = refused().await;
     let conn = Connection::new(&[down.clone(), stuck.clone(), good.clone()], quick(LeaderHints::Follow)).unwrap();
     let t = std::time::Instant::now();
     assert_eq!(conn.members().await.unwrap().term, 7);
@@ -139,7 +141,8 @@ async fn refused_and_hung_servers_are_passed_over_and_other_errors_are_answers()
 #[tokio::test]
 async fn an_idempotent_submission_is_retried_with_the_same_request_and_bounded() {
     // No server at all: the submission is tried 1 + 4 times (the SUBMIT backoff), then fails.
-    let conn = Connection::new(&[refused().await], quick(LeaderHints::Follow)).unwrap();
+    let (down, _closed) = refused().await;
+    let conn = Connection::new(&[down], quick(LeaderHints::Follow)).unwrap();
     let mut retries = Vec::new();
     let req = pb::SubmitJobRequest { client_request_id: suanli_client::new_request_id("test"), ..Default::default() };
     let e = conn.submit_job(req, |e, d| retries.push((e.code(), d))).await.unwrap_err();
