@@ -33,6 +33,11 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 stage "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+# cargo caches rustc's answers to its target probes in the target dir; on this project's
+# development machines a probe run during clippy has been cached as failed (its stdin held a
+# build script's compiler output), which then broke every later cargo command of the run. The
+# cache is only a cache: start the next stages without it.
+rm -f "$target_dir/.rustc_info.json"
 # Dependency checks. cargo-deny's advisory database cannot be fetched on these machines, so it
 # checks licenses, bans and sources (deny.toml); cargo-machete finds unused dependencies (a
 # false positive is listed under [package.metadata.cargo-machete] ignored). Both are pinned and
