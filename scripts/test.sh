@@ -6,10 +6,12 @@
 # beside this checkout, ../shared/traces/alibaba-gpu-v2023, when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# No command of the gate reads input. With an inherited stdin that held text, a rustc probe run
-# through cargo-deny's `cargo metadata` read it as source, failed, and cargo cached the failure in
-# the target dir's .rustc_info.json, which broke every later cargo command of the run.
-exec </dev/null
+# No command of the gate reads input. cargo runs its rustc probe (`rustc - --print=...`) with the
+# inherited stdin, and rustc reads that as source. On these machines /dev/null is a regular file
+# that other commands' redirected output lands in (one held a failed feature probe's error), so a
+# stdin of /dev/null is not empty: the probe failed, cargo cached the failure in the target dir's
+# .rustc_info.json, and every later cargo command of the run broke. Stdin is a pipe at EOF instead.
+exec < <(:)
 scripts/setup.sh
 if [ -z "${SUANLI_TRACES:-}" ] && [ -d ../shared/traces/alibaba-gpu-v2023 ]; then
   SUANLI_TRACES="$(cd ../shared/traces/alibaba-gpu-v2023 && pwd)"
