@@ -555,6 +555,7 @@ pub(crate) async fn report_loop(agent: Arc<Agent>) {
                     status: r.status as i32,
                     message: r.message.clone(),
                     exit_code: r.exit_code,
+                    ..Default::default()
                 };
                 let res = a
                     .servers

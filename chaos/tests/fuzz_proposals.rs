@@ -364,6 +364,8 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
                 status: k.small % 6,
                 message: k.text.clone(),
                 exit_code: k.small,
+                end: k.text.clone(),
+                exit_code_set: k.small % 2 == 0,
             };
             AgentClient::new(ch).report_status(req).await.map(drop)
         }
@@ -374,6 +376,11 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
                 uri: k.text.clone(),
                 step: k.n.1,
                 size_bytes: k.n.0,
+                wall_time: k.n.0,
+                hardware_bound: k.small % 2 == 0,
+                device_kind: k.text.clone(),
+                device_model: k.text.clone(),
+                device_count: k.small.unsigned_abs(),
             };
             AgentClient::new(ch).report_checkpoint(req).await.map(drop)
         }

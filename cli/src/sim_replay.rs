@@ -112,6 +112,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             interval_s,
             grace_s: a.checkpoint_grace_s,
             restore_s: a.restore_s,
+            signal: Default::default(),
         }),
     };
     let bar = if a.quiet {

@@ -131,8 +131,8 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
     use suanli_model::{
-        CheckpointPolicy, Constraints, Device, DeviceKind, DeviceRequest, Health, JobKind, NodeId, PoolId, QueueId,
-        ResVec, TaskGroup, TaskResources,
+        CheckpointPolicy, CheckpointSignal, Constraints, Device, DeviceKind, DeviceRequest, Health, JobKind, NodeId,
+        PoolId, QueueId, ResVec, TaskGroup, TaskResources,
     };
 
     fn full_job() -> JobSpec {
@@ -159,9 +159,16 @@ mod tests {
                 regions: vec!["r".into()],
                 device_models: vec!["m".into()],
                 labels: BTreeMap::from([("k".to_owned(), "v".to_owned())]),
+                nodes: vec![NodeId::from("n1")],
+                avoid_nodes: vec![NodeId::from("n2")],
             },
             runtime_estimate_s: Some(5),
-            checkpoint: Some(CheckpointPolicy { interval_s: 1, grace_s: 2, restore_s: 3 }),
+            checkpoint: Some(CheckpointPolicy {
+                interval_s: 1,
+                grace_s: 2,
+                restore_s: 3,
+                signal: CheckpointSignal::Usr2,
+            }),
         }
     }
 

@@ -52,6 +52,12 @@ impl pb::cluster_server::Cluster for Fake {
         Err(Status::unimplemented("digest"))
     }
     type BackupStream = tokio_stream::Empty<Result<pb::BackupChunk, Status>>;
+    async fn get_config(&self, _: Request<pb::GetConfigRequest>) -> Answer<pb::GetConfigResponse> {
+        Err(Status::unimplemented("get_config"))
+    }
+    async fn set_config(&self, _: Request<pb::SetConfigRequest>) -> Answer<pb::SetConfigResponse> {
+        Err(Status::unimplemented("set_config"))
+    }
     async fn backup(&self, _: Request<pb::BackupRequest>) -> Answer<Self::BackupStream> {
         Err(Status::unimplemented("backup"))
     }

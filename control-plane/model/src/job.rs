@@ -1,7 +1,7 @@
 //! Job specifications: what a team asks for.
 
 use crate::error::{ValidationError, check_name, check_range, check_value};
-use crate::{DeviceKind, Limits, PoolId, QueueId, ResVec, WHOLE_DEVICE_MILLI};
+use crate::{DeviceKind, Limits, NodeId, PoolId, QueueId, ResVec, WHOLE_DEVICE_MILLI};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -173,6 +173,14 @@ pub struct Constraints {
     pub device_models: Vec<String>,
     /// Labels the node must carry with these values.
     pub labels: BTreeMap<String, String>,
+    /// Allowed nodes, any of (empty: any node). A user may pin a job; the state machine also
+    /// sets it in the scheduler's view for `job migrate --to-node`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<NodeId>,
+    /// Nodes not to use. The state machine sets it in the scheduler's view for the node that
+    /// just failed an attempt (for a bounded time, so a one-node pool still recovers).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub avoid_nodes: Vec<NodeId>,
 }
 
 /// How a job checkpoints, so preemption can save its work.
@@ -185,6 +193,51 @@ pub struct CheckpointPolicy {
     /// Estimated time to restore from a checkpoint.
     #[serde(default)]
     pub restore_s: u64,
+    /// The signal that asks the task to write a checkpoint now (docs/checkpoints.md).
+    #[serde(default)]
+    pub signal: CheckpointSignal,
+}
+
+/// The signal that asks a task to checkpoint. SIGUSR1 by default: it has no meaning of its own
+/// (SIGTERM already means "stop" to most runtimes, and SIGINT raises KeyboardInterrupt in
+/// Python), so a trainer can catch it, finish its step, checkpoint and keep going until it is
+/// told to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum CheckpointSignal {
+    /// SIGUSR1 (the default).
+    #[default]
+    #[serde(rename = "SIGUSR1")]
+    Usr1,
+    /// SIGUSR2.
+    #[serde(rename = "SIGUSR2")]
+    Usr2,
+    /// SIGINT.
+    #[serde(rename = "SIGINT")]
+    Int,
+    /// SIGTERM (the task checkpoints as part of stopping).
+    #[serde(rename = "SIGTERM")]
+    Term,
+    /// SIGHUP.
+    #[serde(rename = "SIGHUP")]
+    Hup,
+}
+
+impl CheckpointSignal {
+    /// Its conventional name, as in the spec (`SIGUSR1`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CheckpointSignal::Usr1 => "SIGUSR1",
+            CheckpointSignal::Usr2 => "SIGUSR2",
+            CheckpointSignal::Int => "SIGINT",
+            CheckpointSignal::Term => "SIGTERM",
+            CheckpointSignal::Hup => "SIGHUP",
+        }
+    }
+
+    /// The signal named `s` (`SIGUSR1`), if it is one of these.
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::Usr1, Self::Usr2, Self::Int, Self::Term, Self::Hup].into_iter().find(|x| x.as_str() == s)
+    }
 }
 
 /// A job as submitted.
@@ -313,6 +366,8 @@ impl JobSpec {
             ("constraints.regions", c.regions.len()),
             ("constraints.device_models", c.device_models.len()),
             ("constraints.labels", c.labels.len()),
+            ("constraints.nodes", c.nodes.len()),
+            ("constraints.avoid_nodes", c.avoid_nodes.len()),
         ] {
             check_range(|| field.into(), n, 0, limits.max_constraints)?;
         }
@@ -329,6 +384,12 @@ impl JobSpec {
             check_value(|| format!("constraints.device_models[{i}]"), m, limits.max_name_len)?;
         }
         crate::node::check_labels("constraints.labels", &c.labels, limits)?;
+        for (i, n) in c.nodes.iter().enumerate() {
+            check_name(|| format!("constraints.nodes[{i}]"), n.as_str(), limits.max_name_len)?;
+        }
+        for (i, n) in c.avoid_nodes.iter().enumerate() {
+            check_name(|| format!("constraints.avoid_nodes[{i}]"), n.as_str(), limits.max_name_len)?;
+        }
         if let Some(e) = self.runtime_estimate_s {
             check_range(|| "runtime_estimate_s".into(), e, 1, limits.max_duration_s)?;
         }

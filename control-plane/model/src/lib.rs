@@ -16,6 +16,7 @@
 //! replay it exactly.
 
 pub mod alloc;
+pub mod checkpoint;
 pub mod device;
 pub mod error;
 pub mod ids;
@@ -28,11 +29,15 @@ pub mod queue;
 pub mod resources;
 
 pub use alloc::Allocation;
+pub use checkpoint::{CheckpointHardware, CheckpointManifest, MANIFEST_FILE};
 pub use device::{Device, DeviceKind, Health};
 pub use error::ValidationError;
 pub use ids::{AllocId, JobId, NodeId, PoolId, QueueId};
 pub use input::InputError;
-pub use job::{CheckpointPolicy, Constraints, DeviceRequest, JobKind, JobSpec, TaskGroup, TaskResources, TaskSpec};
+pub use job::{
+    CheckpointPolicy, CheckpointSignal, Constraints, DeviceRequest, JobKind, JobSpec, TaskGroup, TaskResources,
+    TaskSpec,
+};
 pub use limits::Limits;
 pub use node::Node;
 pub use plan::{DeviceShare, Placement, Plan, Preemption, PreemptionReason, Reservation, Unplaced};

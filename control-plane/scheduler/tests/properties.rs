@@ -614,6 +614,7 @@ fn build_case(
                         interval_s: 600,
                         grace_s: 60,
                         restore_s: 30,
+                        signal: Default::default(),
                     }),
                 },
                 submitted_at: NOW - pg.submitted_ago,

@@ -184,6 +184,8 @@ impl Agent for AgentApi {
             epoch: r.epoch,
             status,
             message: r.message,
+            end: None,
+            exit_code: None,
             now: self.0.now_s(),
         });
         self.0.propose(cmd).await?;
@@ -201,6 +203,8 @@ impl Agent for AgentApi {
             uri: r.uri,
             step: r.step,
             size_bytes: r.size_bytes,
+            wall_time: r.wall_time,
+            hardware: None,
             now: self.0.now_s(),
         });
         self.0.propose(cmd).await?;

@@ -193,6 +193,10 @@ impl Jobs for Api {
 
     type WatchStream = ReceiverStream<Result<pb::JobEvent, Status>>;
 
+    async fn migrate(&self, _req: Request<pb::MigrateJobRequest>) -> Resp<pb::MigrateJobResponse> {
+        Err(Status::unimplemented("Jobs.Migrate is being built (issue 18)"))
+    }
+
     async fn watch(&self, req: Request<pb::WatchJobsRequest>) -> Resp<Self::WatchStream> {
         // A connection is its peer's socket address: its streams are bounded on their own.
         let permit = self.0.watchers.client(req.remote_addr())?;
@@ -712,6 +716,14 @@ impl Cluster for Api {
 
     type BackupStream = tokio_stream::wrappers::ReceiverStream<Result<pb::BackupChunk, Status>>;
 
+    async fn get_config(&self, _req: Request<pb::GetConfigRequest>) -> Resp<pb::GetConfigResponse> {
+        Err(Status::unimplemented("Cluster.GetConfig is being built (issue 18)"))
+    }
+
+    async fn set_config(&self, _req: Request<pb::SetConfigRequest>) -> Resp<pb::SetConfigResponse> {
+        Err(Status::unimplemented("Cluster.SetConfig is being built (issue 18)"))
+    }
+
     async fn backup(&self, _req: Request<pb::BackupRequest>) -> Resp<Self::BackupStream> {
         let permit = self.0.backups.clone().try_acquire_owned().map_err(|_| {
             Status::resource_exhausted("a backup is already being served by this server: one at a time; retry after it")
@@ -792,7 +804,8 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
         | Command::SubmitJob(_)
         | Command::CancelJob(_)
         | Command::AllocStatus(_)
-        | Command::ReportCheckpoint(_) => Ok(()),
+        | Command::ReportCheckpoint(_)
+        | Command::MigrateJob(_) => Ok(()),
     }
 }
 

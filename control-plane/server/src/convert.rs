@@ -18,6 +18,7 @@ fn stop_reason(r: &StopReason) -> &'static str {
         StopReason::Requeue => "requeue",
         StopReason::Drain => "drain",
         StopReason::DeviceUnhealthy => "device_unhealthy",
+        StopReason::Migrate => "migrate",
     }
 }
 
@@ -69,6 +70,7 @@ fn alloc_view(a: &Alloc, job: Option<&Job>, view: JobView) -> pb::AllocInfo {
         args: task.map(|t| t.args.clone()).unwrap_or_default(),
         env: task.map(|t| t.env.clone().into_iter().collect()).unwrap_or_default(),
         workdir: task.and_then(|t| t.workdir.clone()).unwrap_or_default(),
+        ..Default::default()
     }
 }
 
@@ -115,6 +117,7 @@ pub fn job(s: &State, j: &Job, queue_position: u64, view: JobView) -> pb::JobInf
         summary,
         omitted_allocs: 0,
         attempts: if summary { Vec::new() } else { j.history.iter().map(attempt).collect() },
+        ..Default::default()
     }
 }
 
@@ -130,6 +133,7 @@ fn attempt(h: &suanli_state::AttemptRecord) -> pb::AttemptInfo {
         ended_at: h.ended_at,
         state: serde_plain(&h.state),
         message: h.message.clone(),
+        ..Default::default()
     }
 }
 

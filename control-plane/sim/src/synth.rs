@@ -124,6 +124,7 @@ pub fn job(rng: &mut DetRng, queue: &QueueId, name: String) -> JobSpec {
             interval_s: 1800,
             grace_s: 60,
             restore_s: 120,
+            signal: Default::default(),
         }),
     }
 }

@@ -58,7 +58,10 @@ fn high_priority_preempts_low_and_the_victim_restarts_from_scratch() -> Result<(
 fn a_checkpointed_victim_loses_only_work_since_its_last_checkpoint() -> Result<()> {
     let n = nodes(&[("n1", 1)])?;
     let p = pods("low,0,1000,1000,1024,1,1000,,default,0,1\nhigh,100,50,1000,1024,1,1000,,default,10,1\n")?;
-    let o = ReplayOptions { checkpoint: Some(CheckpointPolicy { interval_s: 30, grace_s: 5, restore_s: 5 }), ..opts() };
+    let o = ReplayOptions {
+        checkpoint: Some(CheckpointPolicy { interval_s: 30, grace_s: 5, restore_s: 5, signal: Default::default() }),
+        ..opts()
+    };
     let r = replay(&n, &p, &[default_queue()], &o)?;
     // Checkpoints at 30, 60, 90: 90 s saved, 10 s lost; restarts at 160 with a 5 s restore.
     assert_eq!(times(&r, "low"), (Some(0), Some(160 + 5 + 910), 1));

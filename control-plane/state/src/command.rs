@@ -190,6 +190,12 @@ pub struct AllocStatus {
     /// Exit message or error, cut to the configured length.
     #[serde(default)]
     pub message: String,
+    /// How it ended, as the agent saw it (none from older agents, and for `running`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end: Option<crate::records::EndClass>,
+    /// The task's exit code, when it exited by itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
     /// Leader's time, seconds.
     pub now: u64,
 }
@@ -208,6 +214,28 @@ pub struct ReportCheckpoint {
     /// Size in bytes.
     #[serde(default)]
     pub size_bytes: u64,
+    /// The manifest's `wall_time` (0: not reported).
+    #[serde(default)]
+    pub wall_time: u64,
+    /// Set for a hardware-bound checkpoint: the hardware it restores onto.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware: Option<suanli_model::CheckpointHardware>,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// Moves a job: its running attempt is stopped the checkpoint-first way and the next one is
+/// placed where the target allows (any other node when no target is given).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrateJob {
+    /// The job.
+    pub job: JobId,
+    /// Only this pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_pool: Option<suanli_model::PoolId>,
+    /// Only this node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_node: Option<NodeId>,
     /// Leader's time, seconds.
     pub now: u64,
 }
@@ -361,6 +389,8 @@ commands! {
     SkipEntry(SkipEntry) = "skip_entry", ignorable: false;
     /// Set the cluster id (once). Ignorable: an older server only lacks the id.
     SetClusterId(SetClusterId) = "set_cluster_id", ignorable: true;
+    /// Move a job elsewhere, checkpoint first.
+    MigrateJob(MigrateJob) = "migrate_job", ignorable: false;
 }
 
 impl Command {
@@ -377,6 +407,7 @@ impl Command {
             Command::CancelJob(c) => c.now = now,
             Command::AllocStatus(c) => c.now = now,
             Command::ReportCheckpoint(c) => c.now = now,
+            Command::MigrateJob(c) => c.now = now,
             Command::NodeCondition(c) => c.now = now,
             Command::Batch(b) => b.commands.iter_mut().for_each(|c| c.stamp(now)),
             Command::ApplyPlan(_)

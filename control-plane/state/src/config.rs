@@ -95,6 +95,17 @@ pub struct StateConfig {
     /// Most attempts of one job from any cause (failures, preemptions, lost nodes) before it
     /// is marked failed; bounds a job that keeps landing on broken nodes.
     pub max_total_attempts: u32,
+    /// Where checkpoints are stored, as a URL agents open with `object_store`
+    /// (`file:///shared/ckpt`, `s3://bucket/prefix`, `gs://…`, `az://…`); empty: each agent
+    /// keeps them under its own data directory, so they restore only on that node.
+    pub checkpoint_store: String,
+    /// How long (seconds) a job's next attempt avoids the node its last attempt failed on;
+    /// after it, the node may be used again (a one-node pool recovers).
+    pub avoid_failed_node_s: u64,
+    /// Most requeues for infrastructure causes (lost nodes, device errors, preemptions,
+    /// drains, migrations) before the job fails anyway: they do not use up `max_attempts`,
+    /// but they are not unbounded either.
+    pub max_infra_requeues: u32,
 }
 
 impl Default for StateConfig {
@@ -113,6 +124,9 @@ impl Default for StateConfig {
             max_command_bytes: 4 * 1024 * 1024,
             default_retry: RetryPolicy::default(),
             max_total_attempts: 100,
+            checkpoint_store: String::new(),
+            avoid_failed_node_s: 300,
+            max_infra_requeues: 1000,
         }
     }
 }

@@ -28,15 +28,15 @@ mod usage;
 
 pub use command::{
     AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth,
-    DrainOptions, NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus,
-    Response, SetClusterId, SetNodeMode, SkipEntry, SubmitJob, UpdateConfig, UpsertQueue, check_encoded_size,
-    encode_command,
+    DrainOptions, MigrateJob, NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint,
+    ReportedStatus, Response, SetClusterId, SetNodeMode, SkipEntry, SubmitJob, UpdateConfig, UpsertQueue,
+    check_encoded_size, encode_command,
 };
 pub use config::{ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;
 pub use records::{
-    AgentFence, Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, DrainPlan, Job, JobState,
-    MAX_ATTEMPT_HISTORY, NodeRecord, NodeStatus, StopReason,
+    AgentFence, Alloc, AllocState, AttemptRecord, AvoidNode, CheckpointRecord, Desired, DrainPlan, EndClass, Job,
+    JobState, MAX_ATTEMPT_HISTORY, MigrationTarget, NodeRecord, NodeStatus, Nomination, StopReason,
 };
 pub use refusal::RefusalReason;
 pub use state::{SNAPSHOT_FORMAT, SnapshotError, State};

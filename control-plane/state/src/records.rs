@@ -77,6 +77,114 @@ pub struct CheckpointRecord {
     pub alloc: AllocId,
     /// That allocation's epoch.
     pub epoch: u64,
+    /// When the task wrote it (its manifest's `wall_time`; 0 when not reported).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub wall_time: u64,
+    /// Set when it restores only onto this hardware (a hardware-bound checkpoint).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware: Option<suanli_model::CheckpointHardware>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
+}
+
+/// Capacity held for a job that preempted others: the next attempt waits until these
+/// victims have ended, then is considered first in the pass (`PendingJob::nominated`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Nomination {
+    /// The allocations stopped for it.
+    pub victims: BTreeSet<AllocId>,
+    /// When the preemption committed (seconds).
+    pub since: u64,
+}
+
+/// Where an operator asked a job to move (`job migrate`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct MigrationTarget {
+    /// Only this pool (none: any allowed pool).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<suanli_model::PoolId>,
+    /// Only this node (none: any allowed node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<NodeId>,
+}
+
+/// A node the next attempt avoids, because the last one failed there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AvoidNode {
+    /// The node.
+    pub node: NodeId,
+    /// Until when (seconds); after it the node may be used again.
+    pub until: u64,
+}
+
+/// How an attempt's allocation ended. Infrastructure ends ([`EndClass::is_infrastructure`])
+/// do not use up the job's `max_attempts`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EndClass {
+    /// Exited with code 0.
+    Succeeded,
+    /// The application exited non-zero or died of a signal it was not sent by suanli.
+    Exit,
+    /// Killed by the out-of-memory killer.
+    Oom,
+    /// The task could not be started (bad command, workdir).
+    StartFailed,
+    /// A device it used failed.
+    DeviceError,
+    /// Its node was lost (declared down, or the agent fenced it).
+    NodeLost,
+    /// Preempted for another job.
+    Preempted,
+    /// The job was cancelled.
+    Cancelled,
+    /// Its node was drained.
+    Drained,
+    /// Moved by `job migrate`.
+    Migrated,
+    /// Stopped because another allocation of the job ended (requeue, job failed).
+    Stopped,
+}
+
+impl EndClass {
+    /// True for ends that are not the application's doing.
+    pub fn is_infrastructure(self) -> bool {
+        matches!(
+            self,
+            EndClass::DeviceError | EndClass::NodeLost | EndClass::Preempted | EndClass::Drained | EndClass::Migrated
+        )
+    }
+
+    /// Lowercase name (as on the wire).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndClass::Succeeded => "succeeded",
+            EndClass::Exit => "exit",
+            EndClass::Oom => "oom",
+            EndClass::StartFailed => "start_failed",
+            EndClass::DeviceError => "device_error",
+            EndClass::NodeLost => "node_lost",
+            EndClass::Preempted => "preempted",
+            EndClass::Cancelled => "cancelled",
+            EndClass::Drained => "drained",
+            EndClass::Migrated => "migrated",
+            EndClass::Stopped => "stopped",
+        }
+    }
+
+    /// The class named `s`.
+    pub fn parse(s: &str) -> Option<Self> {
+        use EndClass::*;
+        [Succeeded, Exit, Oom, StartFailed, DeviceError, NodeLost, Preempted, Cancelled, Drained, Migrated, Stopped]
+            .into_iter()
+            .find(|c| c.as_str() == s)
+    }
 }
 
 /// A job and its life cycle.
@@ -118,6 +226,22 @@ pub struct Job {
     /// of earlier builds (empty).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub history: Vec<AttemptRecord>,
+    /// Capacity held for it after it preempted others (none in earlier snapshots).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nomination: Option<Nomination>,
+    /// Where `job migrate` asked it to go; cleared once it is placed there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<MigrationTarget>,
+    /// The node its last attempt failed on, avoided for a while.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub avoid: Option<AvoidNode>,
+    /// Requeues for infrastructure causes (not counted in `failures`).
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub infra_requeues: u32,
+    /// Work lost over all its attempts: device-seconds since the last committed checkpoint
+    /// (or the start) at each end that was not a success (whole devices; shares weighted).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lost_device_s: u64,
 }
 
 /// How many ended allocations a job's [`Job::history`] keeps (the oldest go first).
@@ -144,6 +268,18 @@ pub struct AttemptRecord {
     pub state: AllocState,
     /// The last message about it (exit status, failure, why it stopped).
     pub message: String,
+    /// How it ended (none in earlier snapshots).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end: Option<EndClass>,
+    /// The task's exit code, when it exited by itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Device-seconds of work lost at this end (see [`Job::lost_device_s`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lost_device_s: u64,
+    /// The checkpoint step it was started from (none: from the start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored_step: Option<u64>,
 }
 
 /// Where an allocation is.
@@ -190,6 +326,8 @@ pub enum StopReason {
     Drain,
     /// A device it uses became unhealthy.
     DeviceUnhealthy,
+    /// Moved by `job migrate`.
+    Migrate,
 }
 
 /// What the agent should do with an allocation.

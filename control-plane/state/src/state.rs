@@ -319,6 +319,8 @@ impl State {
             Command::ReportCheckpoint(c) => self.report_checkpoint(c, rev),
             Command::UpdateConfig(c) => self.update_config(*c),
             Command::SetClusterId(c) => self.set_cluster_id(c),
+            // Issue 18: migration is being built (helper h-state).
+            Command::MigrateJob(c) => Err(CommandError::UnknownJob { job: c.job.0 }),
             Command::Batch(b) => return self.apply_batch(b),
             // Read only while halted, by the raft layer; met here, the entry was applied.
             Command::SkipEntry(c) => Err(CommandError::Conflict {
@@ -835,6 +837,11 @@ impl State {
                 allocs: Vec::new(),
                 latest_checkpoint: None,
                 history: Vec::new(),
+                nomination: None,
+                migration: None,
+                avoid: None,
+                infra_requeues: 0,
+                lost_device_s: 0,
             },
         );
         self.requests.insert(c.client_request_id, id);
@@ -1096,6 +1103,10 @@ impl State {
                     ended_at: x.updated_at,
                     state: x.state,
                     message: x.message.clone(),
+                    end: None,
+                    exit_code: None,
+                    lost_device_s: 0,
+                    restored_step: None,
                 });
                 self.live.forget(&x);
             }
@@ -1182,6 +1193,8 @@ impl State {
                 at: now,
                 alloc: c.alloc,
                 epoch: c.epoch,
+                wall_time: c.wall_time,
+                hardware: c.hardware,
             });
             j.updated_at = now;
             j.revision = rev;
@@ -1278,5 +1291,6 @@ fn stop_text(r: &StopReason) -> String {
         StopReason::Requeue => "requeued".into(),
         StopReason::Drain => "node draining".into(),
         StopReason::DeviceUnhealthy => "device unhealthy".into(),
+        StopReason::Migrate => "migrated".into(),
     }
 }

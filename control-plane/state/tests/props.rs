@@ -115,6 +115,8 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
                 uri: "file:///ck".into(),
                 step: 1,
                 size_bytes: 1,
+                wall_time: 0,
+                hardware: None,
                 now: *now,
             })
         }

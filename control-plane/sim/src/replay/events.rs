@@ -374,6 +374,8 @@ impl<'a> Sim<'a> {
                 epoch: a.epoch,
                 status,
                 message: message.to_owned(),
+                end: None,
+                exit_code: None,
                 now: 0,
             });
             self.apply(cmd, || format!("allocation {} of job {} {status:?}", a.id, a.job))?;
@@ -559,6 +561,8 @@ impl<'a> Sim<'a> {
                 epoch: a.epoch,
                 status: ReportedStatus::Running,
                 message: String::new(),
+                end: None,
+                exit_code: None,
                 now: 0,
             });
             self.apply(cmd, || format!("allocation {} of job {} running", a.id, a.job))?;

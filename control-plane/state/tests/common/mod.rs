@@ -78,7 +78,7 @@ pub fn submit(rid: &str, spec: JobSpec, now: u64) -> Command {
 }
 
 pub fn report(alloc: suanli_model::AllocId, epoch: u64, status: ReportedStatus, now: u64) -> Command {
-    Command::AllocStatus(AllocStatus { alloc, epoch, status, message: String::new(), now })
+    Command::AllocStatus(AllocStatus { alloc, epoch, status, message: String::new(), end: None, exit_code: None, now })
 }
 
 /// Applies a command, checks the invariants, and returns the response.
