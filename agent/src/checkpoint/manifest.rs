@@ -64,6 +64,12 @@ pub enum ManifestError {
         /// What it is (`a symlink`, `a socket`, ...).
         what: &'static str,
     },
+    /// The manifest itself is a symlink (it is never followed).
+    #[error("{at} is a symlink; the manifest must be a regular file (write a temp file, rename it)")]
+    ManifestSymlink {
+        /// The manifest's path.
+        at: PathBuf,
+    },
     /// The checkpoint does not exist.
     #[error("manifest field `path` = {path:?}: {at} does not exist")]
     Missing {
@@ -205,5 +211,152 @@ fn what(kind: &std::fs::FileType) -> &'static str {
         "a socket"
     } else {
         "a device"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn write_manifest(dir: &Path, json: &str) {
+        let tmp = dir.join("manifest.tmp");
+        std::fs::write(&tmp, json).unwrap();
+        std::fs::rename(&tmp, dir.join(MANIFEST_FILE)).unwrap();
+    }
+
+    fn manifest(path: &str, bytes: u64) -> String {
+        format!(r#"{{"step":3,"wall_time":1700000000,"path":"{path}","bytes":{bytes}}}"#)
+    }
+
+    fn read(dir: &Path) -> Result<Option<Committed>, ManifestError> {
+        read_committed(dir, &ManifestLimits::default())
+    }
+
+    /// `<dir>/ckpt/{a.bin (5 bytes), sub/b.bin (3 bytes)}`.
+    fn checkpoint() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("ckpt/sub")).unwrap();
+        std::fs::write(dir.path().join("ckpt/a.bin"), b"12345").unwrap();
+        std::fs::write(dir.path().join("ckpt/sub/b.bin"), b"678").unwrap();
+        dir
+    }
+
+    fn refusal(dir: &Path) -> String {
+        match read(dir) {
+            Err(e) => e.to_string(),
+            Ok(c) => panic!("accepted: {c:?}"),
+        }
+    }
+
+    #[test]
+    fn no_manifest_yet_is_none() {
+        let dir = checkpoint();
+        assert!(read(dir.path()).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_good_directory_checkpoint_lists_its_files() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("ckpt", 8));
+        let c = read(dir.path()).unwrap().unwrap();
+        assert_eq!(c.manifest.step, 3);
+        assert_eq!(c.root, dir.path().join("ckpt"));
+        assert_eq!(c.files, vec![(PathBuf::from("ckpt/a.bin"), 5), (PathBuf::from("ckpt/sub/b.bin"), 3)]);
+    }
+
+    #[test]
+    fn a_good_file_checkpoint() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("ckpt/a.bin", 5));
+        let c = read(dir.path()).unwrap().unwrap();
+        assert_eq!(c.files, vec![(PathBuf::from("ckpt/a.bin"), 5)]);
+    }
+
+    #[test]
+    fn refuses_truncated_not_json_and_unknown_fields() {
+        let dir = checkpoint();
+        let full = manifest("ckpt", 8);
+        write_manifest(dir.path(), &full[..full.len() - 5]);
+        assert!(refusal(dir.path()).contains("not a checkpoint manifest"));
+        write_manifest(dir.path(), "step: 3");
+        assert!(refusal(dir.path()).contains("not a checkpoint manifest"));
+        write_manifest(dir.path(), r#"{"step":3,"wall_time":1,"path":"ckpt","bytes":8,"extra":true}"#);
+        assert!(refusal(dir.path()).contains("extra"));
+    }
+
+    #[test]
+    fn refuses_an_oversized_manifest() {
+        let dir = checkpoint();
+        let padded = format!("{}{}", manifest("ckpt", 8), " ".repeat(70 * 1024));
+        write_manifest(dir.path(), &padded);
+        let err = refusal(dir.path());
+        assert!(err.contains("max_manifest_bytes = 65536"), "{err}");
+    }
+
+    #[test]
+    fn refuses_absolute_and_dotdot_paths() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("/etc", 8));
+        assert!(refusal(dir.path()).contains("absolute"));
+        write_manifest(dir.path(), &manifest("ckpt/../../etc", 8));
+        assert!(refusal(dir.path()).contains("`..`"));
+    }
+
+    #[test]
+    fn refuses_symlinks_that_could_escape() {
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("secret"), b"xyz").unwrap();
+        // The checkpoint itself is a link out.
+        let dir = checkpoint();
+        symlink(outside.path(), dir.path().join("link")).unwrap();
+        write_manifest(dir.path(), &manifest("link", 3));
+        assert!(refusal(dir.path()).contains("a symlink"));
+        // A directory on the way is a link out.
+        write_manifest(dir.path(), &manifest("link/secret", 3));
+        assert!(refusal(dir.path()).contains("a symlink"));
+        // A link inside the checkpoint.
+        let dir = checkpoint();
+        symlink(outside.path().join("secret"), dir.path().join("ckpt/sub/c.bin")).unwrap();
+        write_manifest(dir.path(), &manifest("ckpt", 8));
+        let err = refusal(dir.path());
+        assert!(err.contains("c.bin is a symlink") && err.contains("`path`"), "{err}");
+        // The manifest itself.
+        let dir = checkpoint();
+        std::fs::write(outside.path().join("m.json"), manifest("ckpt", 8)).unwrap();
+        symlink(outside.path().join("m.json"), dir.path().join(MANIFEST_FILE)).unwrap();
+        assert!(refusal(dir.path()).contains("is a symlink"));
+    }
+
+    #[test]
+    fn refuses_a_manifest_that_lies_about_its_size() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("ckpt", 9));
+        let err = refusal(dir.path());
+        assert!(err.contains("`bytes` = 9") && err.contains("hold 8 bytes"), "{err}");
+    }
+
+    #[test]
+    fn refuses_a_missing_checkpoint() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("nope", 0));
+        assert!(refusal(dir.path()).contains("does not exist"));
+    }
+
+    #[test]
+    fn refuses_too_many_files() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("ckpt", 8));
+        let limits = ManifestLimits { max_files: 1, ..ManifestLimits::default() };
+        let err = read_committed(dir.path(), &limits).unwrap_err().to_string();
+        assert!(err.contains("max_files = 1"), "{err}");
+    }
+
+    #[test]
+    fn refuses_a_socket() {
+        let dir = checkpoint();
+        let _listener = std::os::unix::net::UnixListener::bind(dir.path().join("ckpt/sock")).unwrap();
+        write_manifest(dir.path(), &manifest("ckpt", 8));
+        assert!(refusal(dir.path()).contains("a socket"));
     }
 }

@@ -122,6 +122,17 @@ impl Store {
     /// `AWS_ENDPOINT`, `AWS_ALLOW_HTTP`, and the rest `object_store`'s `AmazonS3Builder::from_env`
     /// reads).
     pub fn open(url: &str, local_default: &Path) -> Result<Store, StoreError> {
+        Self::open_with_env(url, local_default, std::env::vars())
+    }
+
+    /// [`Store::open`] with the `AWS_*` settings taken from `env` instead of the process
+    /// environment (tests; an agent that runs several stores with different credentials).
+    /// Variables that are not `AWS_*` settings `object_store` knows are ignored.
+    pub fn open_with_env(
+        url: &str,
+        local_default: &Path,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Store, StoreError> {
         let url = if url.is_empty() { format!("file://{}", local_default.display()) } else { url.to_owned() };
         let refuse = |reason: String| StoreError::Url { url: url.clone(), reason };
         let Some((scheme, rest)) = url.split_once("://") else {
@@ -148,10 +159,16 @@ impl Store {
                 if prefix.iter().any(|p| p.is_empty() || p == "." || p == "..") {
                     return Err(refuse("the prefix after the bucket must be plain `/`-separated names".into()));
                 }
-                let s3 = object_store::aws::AmazonS3Builder::from_env()
-                    .with_bucket_name(bucket)
-                    .build()
-                    .map_err(|e| refuse(e.to_string()))?;
+                let mut builder = object_store::aws::AmazonS3Builder::new();
+                for (key, value) in env {
+                    if !key.starts_with("AWS_") {
+                        continue;
+                    }
+                    if let Ok(config_key) = key.to_ascii_lowercase().parse::<object_store::aws::AmazonS3ConfigKey>() {
+                        builder = builder.with_config(config_key, value);
+                    }
+                }
+                let s3 = builder.with_bucket_name(bucket).build().map_err(|e| refuse(e.to_string()))?;
                 (Arc::new(s3), prefix)
             }
             other => {
