@@ -5,7 +5,6 @@
 use super::manifest::{Committed, ManifestError, ManifestLimits, read_committed};
 use object_store::ObjectStore;
 use object_store::ObjectStoreExt as _;
-use object_store::buffered::BufWriter;
 use object_store::path::{Path as ObjectPath, PathPart};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,6 +14,8 @@ use tokio_stream::StreamExt as _;
 
 /// Bytes buffered per upload part (S3 parts must be at least 5 MiB).
 const PART_BYTES: usize = 8 * 1024 * 1024;
+/// Bytes read from a local file at a time.
+const READ_BYTES: usize = 1024 * 1024;
 /// Parts of one file in flight at once: memory per upload is at most about
 /// `PART_BYTES * (UPLOAD_CONCURRENCY + 1)`, whatever the file's size.
 const UPLOAD_CONCURRENCY: usize = 2;
@@ -212,6 +213,8 @@ impl Store {
         Ok(format!("{}/{key}", self.url))
     }
 
+    /// Uploads one file: in one request when it fits in a part, else as a multipart upload
+    /// with at most `UPLOAD_CONCURRENCY` parts in flight (memory stays bounded).
     async fn put_file(&self, path: &Path, size: u64, location: ObjectPath) -> Result<(), StoreError> {
         let file = tokio::fs::OpenOptions::new()
             .read(true)
@@ -219,23 +222,44 @@ impl Store {
             .open(path)
             .await
             .map_err(io(path))?;
-        let mut writer = BufWriter::with_capacity(Arc::clone(&self.inner), location.clone(), PART_BYTES)
-            .with_max_concurrency(UPLOAD_CONCURRENCY);
+        let changed = || StoreError::Changed { path: path.to_path_buf(), expected: size };
         // One byte more than expected: a file that grew is seen.
         let mut reader = file.take(size.saturating_add(1));
-        let copied = match tokio::io::copy(&mut reader, &mut writer).await {
-            Ok(n) => n,
-            Err(e) => {
-                // The read or the upload failed; the partial upload is dropped.
-                let _ = writer.abort().await;
-                return Err(StoreError::Io { path: path.to_path_buf(), source: e });
+        if size <= PART_BYTES as u64 {
+            let mut buf = Vec::with_capacity(usize::try_from(size).unwrap_or(PART_BYTES));
+            reader.read_to_end(&mut buf).await.map_err(io(path))?;
+            if buf.len() as u64 != size {
+                return Err(changed());
             }
-        };
-        if copied != size {
-            let _ = writer.abort().await;
-            return Err(StoreError::Changed { path: path.to_path_buf(), expected: size });
+            self.inner.put(&location, buf.into()).await.map_err(|e| self.object_error("put", &location, e))?;
+            return Ok(());
         }
-        writer.shutdown().await.map_err(|e| StoreError::Io { path: path.to_path_buf(), source: e })
+        let upload = self.inner.put_multipart(&location).await.map_err(|e| self.object_error("put", &location, e))?;
+        let mut writer = object_store::WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
+        let mut buf = vec![0u8; READ_BYTES];
+        let mut total = 0u64;
+        let failed = loop {
+            let n = match reader.read(&mut buf).await {
+                Ok(0) => break None,
+                Ok(n) => n,
+                Err(e) => break Some(io(path)(e)),
+            };
+            total += n as u64;
+            if let Err(e) = writer.wait_for_capacity(UPLOAD_CONCURRENCY).await {
+                break Some(self.object_error("put", &location, e));
+            }
+            writer.write(&buf[..n]);
+        };
+        let failed = failed.or_else(|| (total != size).then(changed));
+        if let Some(err) = failed {
+            // Best effort: the store may also expire unfinished uploads itself.
+            if let Err(e) = writer.abort().await {
+                tracing::warn!(key = %location, error = %e, "aborting a checkpoint upload failed");
+            }
+            return Err(err);
+        }
+        writer.finish().await.map_err(|e| self.object_error("put", &location, e))?;
+        Ok(())
     }
 
     /// Downloads the checkpoint at `uri` (which must be under this store) into `into` (created;
