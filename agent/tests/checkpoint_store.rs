@@ -2,6 +2,7 @@
 //! into the store and got back on another, byte for byte, and a tampered stored manifest is
 //! refused. Once through `file://`, once through S3 against a real S3-protocol server (moto in
 //! server mode; scripts/test.sh installs it).
+#![allow(clippy::unwrap_used)]
 
 use object_store::ObjectStore;
 use object_store::ObjectStoreExt as _;

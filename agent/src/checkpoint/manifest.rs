@@ -215,6 +215,7 @@ fn what(kind: &std::fs::FileType) -> &'static str {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
