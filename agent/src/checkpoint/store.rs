@@ -277,23 +277,9 @@ impl Store {
             return Err(StoreError::NotEmpty { path: into.to_path_buf() });
         }
 
-        // The manifest, size-bounded before it is read.
+        // The manifest, read no further than the limit allows.
         let manifest_at = self.location(key, MANIFEST_FILE);
-        let meta = self.inner.head(&manifest_at).await.map_err(|e| self.object_error("head", &manifest_at, e))?;
-        if meta.size > self.limits.max_manifest_bytes {
-            return Err(invalid(format!(
-                "manifest is {} bytes, over the limit max_manifest_bytes = {}",
-                meta.size, self.limits.max_manifest_bytes
-            )));
-        }
-        let manifest_bytes = self
-            .inner
-            .get(&manifest_at)
-            .await
-            .map_err(|e| self.object_error("get", &manifest_at, e))?
-            .bytes()
-            .await
-            .map_err(|e| self.object_error("get", &manifest_at, e))?;
+        let manifest_bytes = self.get_bounded(&manifest_at).await?;
         let manifest = CheckpointManifest::decode(&manifest_bytes, self.limits.max_manifest_bytes)
             .map_err(|e| invalid(e.to_string()))?;
         if manifest.step != step {
@@ -341,6 +327,25 @@ impl Store {
             .map_err(|source| StoreError::Manifest { uri: uri.to_owned(), source })?
             .ok_or_else(|| invalid("manifest vanished after download".into()))?;
         Ok((committed.root, committed.manifest))
+    }
+
+    /// Reads a small object whole, refusing one over `max_manifest_bytes`.
+    async fn get_bounded(&self, location: &ObjectPath) -> Result<Vec<u8>, StoreError> {
+        let limit = self.limits.max_manifest_bytes;
+        let mut stream =
+            self.inner.get(location).await.map_err(|e| self.object_error("get", location, e))?.into_stream();
+        let mut out = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| self.object_error("get", location, e))?;
+            if out.len() as u64 + chunk.len() as u64 > limit {
+                return Err(StoreError::Invalid {
+                    uri: format!("{}/{location}", self.url),
+                    reason: format!("manifest is over the limit max_manifest_bytes = {limit}"),
+                });
+            }
+            out.extend_from_slice(&chunk);
+        }
+        Ok(out)
     }
 
     async fn get_file(&self, location: &ObjectPath, path: &Path, size: u64) -> Result<(), StoreError> {
