@@ -80,6 +80,10 @@ async fn round_trip(node_a: Store, node_b: Store, raw: Arc<dyn ObjectStore>, man
         (format!(r#"{{"step":5,"wall_time":1,"path":"other","bytes":{bytes}}}"#), "`path`"),
         (format!(r#"{{"step":5,"wall_time":1,"path":"../etc","bytes":{bytes}}}"#), "`path`"),
         (r#"{"step":5,"wall_time":1,"pa"#.to_owned(), "not a checkpoint manifest"),
+        (
+            format!(r#"{{"step":5,"wall_time":1,"path":"ckpt/step-5","bytes":{bytes}}}{}"#, " ".repeat(70 * 1024)),
+            "max_manifest_bytes",
+        ),
     ];
     for (i, (json, field)) in tampered.iter().enumerate() {
         raw.put(&location, json.clone().into_bytes().into()).await.unwrap();
