@@ -112,26 +112,12 @@ pub enum ManifestError {
 ///
 /// `Ok(None)`: no manifest yet. `Err`: a refused manifest, with the reason (the caller logs it
 /// and keeps the last good one). Whether `step` is newer than the last committed one is the
-/// caller's to check: this sees one manifest.
+/// caller's to check: this sees one manifest. A poller can call [`read_manifest`] first (it
+/// reads only the manifest) and this only when the step is new.
 pub fn read_committed(dir: &Path, limits: &ManifestLimits) -> Result<Option<Committed>, ManifestError> {
-    let manifest_path = dir.join(MANIFEST_FILE);
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| ManifestError::Io { path, source }
+    let Some(manifest) = read_manifest(dir, limits)? else {
+        return Ok(None);
     };
-    // O_NOFOLLOW: a manifest that is a symlink is refused (ELOOP) rather than followed.
-    let file = match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&manifest_path) {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err(ManifestError::NotPlain { path: String::new(), at: manifest_path, what: "a symlink" });
-        }
-        Err(e) => return Err(io(&manifest_path)(e)),
-    };
-    let mut bytes = Vec::new();
-    file.take(limits.max_manifest_bytes.saturating_add(1)).read_to_end(&mut bytes).map_err(io(&manifest_path))?;
-    let manifest = CheckpointManifest::decode(&bytes, limits.max_manifest_bytes)
-        .map_err(|source| ManifestError::Decode { path: manifest_path.clone(), source })?;
     let files = checkpoint_files(dir, &manifest.path, limits.max_files)?;
     let actual: u64 = files.iter().map(|(_, size)| size).sum();
     if actual != manifest.bytes {
@@ -143,6 +129,28 @@ pub fn read_committed(dir: &Path, limits: &ManifestLimits) -> Result<Option<Comm
         });
     }
     Ok(Some(Committed { root: dir.join(&manifest.path), manifest, files }))
+}
+
+/// Reads and decodes `<dir>/suanli-checkpoint.json` alone: its size, its JSON and its `path`
+/// field are checked, the files it names are not (that is [`read_committed`]). `Ok(None)`: no
+/// manifest yet.
+pub fn read_manifest(dir: &Path, limits: &ManifestLimits) -> Result<Option<CheckpointManifest>, ManifestError> {
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let io = |source| ManifestError::Io { path: manifest_path.clone(), source };
+    // O_NOFOLLOW: a manifest that is a symlink is refused (ELOOP) rather than followed.
+    let file = match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&manifest_path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(ManifestError::ManifestSymlink { at: manifest_path });
+        }
+        Err(e) => return Err(io(e)),
+    };
+    let mut bytes = Vec::new();
+    file.take(limits.max_manifest_bytes.saturating_add(1)).read_to_end(&mut bytes).map_err(io)?;
+    CheckpointManifest::decode(&bytes, limits.max_manifest_bytes)
+        .map(Some)
+        .map_err(|source| ManifestError::Decode { path: manifest_path.clone(), source })
 }
 
 /// Lists the files under `<dir>/<rel>` (relative to `dir`, sorted), refusing symlinks anywhere
@@ -335,6 +343,17 @@ mod tests {
         write_manifest(dir.path(), &manifest("ckpt", 9));
         let err = refusal(dir.path());
         assert!(err.contains("`bytes` = 9") && err.contains("hold 8 bytes"), "{err}");
+    }
+
+    #[test]
+    fn read_manifest_checks_only_the_manifest() {
+        let dir = checkpoint();
+        assert!(read_manifest(dir.path(), &ManifestLimits::default()).unwrap().is_none());
+        write_manifest(dir.path(), &manifest("ckpt", 9));
+        let m = read_manifest(dir.path(), &ManifestLimits::default()).unwrap().unwrap();
+        assert_eq!((m.step, m.bytes), (3, 9));
+        write_manifest(dir.path(), &manifest("../x", 9));
+        assert!(read_manifest(dir.path(), &ManifestLimits::default()).is_err());
     }
 
     #[test]
