@@ -123,7 +123,9 @@ impl Store {
     /// `AWS_ENDPOINT`, `AWS_ALLOW_HTTP`, and the rest `object_store`'s `AmazonS3Builder::from_env`
     /// reads).
     pub fn open(url: &str, local_default: &Path) -> Result<Store, StoreError> {
-        Self::open_with_env(url, local_default, std::env::vars())
+        // vars_os: std::env::vars panics on a variable that is not UTF-8; such ones are skipped.
+        let env = std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+        Self::open_with_env(url, local_default, env)
     }
 
     /// [`Store::open`] with the `AWS_*` settings taken from `env` instead of the process
