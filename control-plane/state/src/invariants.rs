@@ -1,7 +1,7 @@
 //! Invariants that must hold after every applied command, on every replica. Tests check them
 //! after each step; chaos checks them on live clusters.
 
-use crate::records::{Desired, JobState, NodeStatus};
+use crate::records::{Desired, JobState, NodeStatus, StopReason};
 use crate::state::State;
 use crate::usage::queue_usage;
 use std::collections::{BTreeMap, BTreeSet};
@@ -149,6 +149,71 @@ impl State {
         for (rid, id) in &self.requests {
             if self.jobs.get(id).is_none_or(|j| &j.client_request_id != rid) {
                 return fail("requests", format!("request {rid:?} points at job {id}, which it did not create"));
+            }
+        }
+        self.checkpoint_invariants()
+    }
+
+    /// The checkpoint-side records (issue 18):
+    ///
+    /// - `nomination`: a job holding capacity is pending; its victims are allocations that
+    ///   were created, and each one still live is being stopped for that job.
+    /// - `migration`: a migration target belongs to a job between its stop and its next
+    ///   placement (requeuing or pending).
+    /// - `end-class`: a live allocation has no end yet; an ended allocation's lost work is
+    ///   counted in its job's `lost_device_s`; infrastructure requeues are requeues.
+    /// - `checkpoint`: a hardware-bound checkpoint names a model and at least one device.
+    fn checkpoint_invariants(&self) -> Result<(), Violation> {
+        for j in self.jobs.values() {
+            if let Some(n) = &j.nomination {
+                if j.state != JobState::Pending {
+                    return fail("nomination", format!("job {} holds capacity but is {}", j.id, j.state.as_str()));
+                }
+                for v in &n.victims {
+                    if v.0 >= self.next_alloc {
+                        return fail("nomination", format!("job {} waits for allocation {v}, never created", j.id));
+                    }
+                    let Some(a) = self.allocs.get(v).filter(|a| a.is_live()) else {
+                        continue;
+                    };
+                    let for_this = matches!(
+                        &a.desired,
+                        Desired::Stop { reason: StopReason::Preempted { for_job }, .. } if *for_job == j.id
+                    );
+                    if !for_this {
+                        return fail(
+                            "nomination",
+                            format!("job {} waits for allocation {v}, which is not being stopped for it", j.id),
+                        );
+                    }
+                }
+            }
+            if j.migration.is_some() && !matches!(j.state, JobState::Requeuing | JobState::Pending) {
+                return fail("migration", format!("job {} has a migration target but is {}", j.id, j.state.as_str()));
+            }
+            if j.infra_requeues > j.requeues {
+                return fail(
+                    "end-class",
+                    format!("job {}: {} infrastructure requeues of {} in all", j.id, j.infra_requeues, j.requeues),
+                );
+            }
+            let mut lost: u64 = j.history.iter().map(|h| h.lost_device_s).fold(0, u64::saturating_add);
+            for a in j.allocs.iter().filter_map(|a| self.allocs.get(a)) {
+                if a.is_live() && a.end.is_some() {
+                    return fail("end-class", format!("live allocation {} already has an end", a.alloc.id));
+                }
+                lost = lost.saturating_add(a.lost_device_s);
+            }
+            if lost > j.lost_device_s {
+                return fail(
+                    "end-class",
+                    format!("job {}: its allocations lost {lost} device-s, the job counts {}", j.id, j.lost_device_s),
+                );
+            }
+            if let Some(h) = j.latest_checkpoint.as_ref().and_then(|c| c.hardware.as_ref())
+                && (h.model.is_empty() || h.count == 0)
+            {
+                return fail("checkpoint", format!("job {}: hardware-bound checkpoint without model or count", j.id));
             }
         }
         Ok(())
