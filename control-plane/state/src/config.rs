@@ -256,7 +256,10 @@ mod tests {
             assert_eq!(field(c), Err("checkpoint_store".to_owned()), "{bad}");
         }
         let long = format!("s3://{}", "b".repeat(3000));
-        assert_eq!(field(StateConfig { checkpoint_store: long, ..StateConfig::default() }), Err("checkpoint_store".into()));
+        assert_eq!(
+            field(StateConfig { checkpoint_store: long, ..StateConfig::default() }),
+            Err("checkpoint_store".into())
+        );
         let c = StateConfig { avoid_failed_node_s: u64::MAX, ..StateConfig::default() };
         assert_eq!(field(c), Err("avoid_failed_node_s".to_owned()));
         let c = StateConfig { max_infra_requeues: 0, ..StateConfig::default() };

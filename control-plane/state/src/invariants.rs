@@ -244,6 +244,107 @@ mod tests {
         s.apply(upsert("b"));
     }
 
+    /// Each checkpoint-side invariant fires on a state broken the way it guards against.
+    #[test]
+    fn checkpoint_invariants_catch_broken_records() {
+        use crate::records::{EndClass, JobState, Nomination};
+        use std::collections::BTreeSet;
+        use suanli_model::{
+            AllocId, CheckpointHardware, Constraints, DeviceKind, DeviceRequest, JobKind, JobSpec, QueueId, TaskGroup,
+            TaskResources,
+        };
+        let mut s = State::new(StateConfig::default());
+        s.apply(upsert("q"));
+        let spec = JobSpec {
+            name: "j".into(),
+            queue: QueueId::from("q"),
+            kind: JobKind::Training,
+            priority: 0,
+            preemptible: true,
+            gang: true,
+            groups: vec![TaskGroup {
+                task: None,
+                name: "w".into(),
+                replicas: 1,
+                min_replicas: None,
+                resources: TaskResources {
+                    cpu_milli: 1000,
+                    memory_mib: 1024,
+                    devices: Some(DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli: 1000, memory_mib: 0 }),
+                },
+            }],
+            constraints: Constraints::default(),
+            runtime_estimate_s: None,
+            checkpoint: None,
+        };
+        s.apply(Command::SubmitJob(Box::new(crate::SubmitJob {
+            client_request_id: "a".into(),
+            spec,
+            retry: None,
+            now: 1,
+        })));
+        assert_eq!(s.invariants(), Ok(()));
+        let id = JobId(1);
+        let rule = |s: &State| s.invariants().map_err(|v| v.rule);
+        let broken = |f: &dyn Fn(&mut crate::records::Job)| {
+            let mut b = s.clone();
+            if let Some(j) = b.jobs.get_mut(&id) {
+                f(j);
+            }
+            b.live = crate::usage::LiveIndex::build(&b.allocs, &b.nodes, &b.jobs);
+            rule(&b)
+        };
+        let never_made = Nomination { victims: BTreeSet::from([AllocId(99)]), since: 1 };
+        assert_eq!(broken(&|j| j.nomination = Some(never_made.clone())), Err("nomination"));
+        let held = Nomination { victims: BTreeSet::new(), since: 1 };
+        assert_eq!(
+            broken(&|j| {
+                j.nomination = Some(held.clone());
+                j.state = JobState::Preempted;
+            }),
+            Err("nomination")
+        );
+        assert_eq!(
+            broken(&|j| {
+                j.migration = Some(crate::records::MigrationTarget::default());
+                j.state = JobState::Running;
+            }),
+            Err("migration")
+        );
+        assert_eq!(broken(&|j| j.infra_requeues = 1), Err("end-class"));
+        let lost_more = |j: &mut crate::records::Job| {
+            j.history.push(crate::records::AttemptRecord {
+                attempt: 1,
+                alloc: AllocId(1),
+                group: 0,
+                replica: 0,
+                node: suanli_model::NodeId::from("n"),
+                started_at: 1,
+                ended_at: 2,
+                state: crate::records::AllocState::Lost,
+                message: String::new(),
+                end: Some(EndClass::NodeLost),
+                exit_code: None,
+                lost_device_s: 5,
+                restored_step: None,
+            });
+        };
+        assert_eq!(broken(&lost_more), Err("end-class"));
+        let bad_hw = |j: &mut crate::records::Job| {
+            j.latest_checkpoint = Some(crate::records::CheckpointRecord {
+                uri: "file:///c".into(),
+                step: 1,
+                size_bytes: 1,
+                at: 1,
+                alloc: AllocId(1),
+                epoch: 1,
+                wall_time: 0,
+                hardware: Some(CheckpointHardware { kind: DeviceKind::Gpu, model: "A100".into(), count: 0 }),
+            });
+        };
+        assert_eq!(broken(&bad_hw), Err("checkpoint"));
+    }
+
     /// A command that changes nothing is not checked (the state is as the last check left it).
     #[test]
     fn an_unchanged_state_is_not_rechecked() {

@@ -164,7 +164,10 @@ impl EndClass {
     /// True for ends that make the job's next attempt avoid the node for a while
     /// (`StateConfig::avoid_failed_node_s`): the task failed there, or the node or a device did.
     pub fn avoids_node(self) -> bool {
-        matches!(self, EndClass::Exit | EndClass::Oom | EndClass::StartFailed | EndClass::DeviceError | EndClass::NodeLost)
+        matches!(
+            self,
+            EndClass::Exit | EndClass::Oom | EndClass::StartFailed | EndClass::DeviceError | EndClass::NodeLost
+        )
     }
 
     /// Lowercase name (as on the wire).

@@ -1723,7 +1723,16 @@ fn check_reported_end(c: &AllocStatus) -> Result<(), CommandError> {
     if !agrees {
         return Err(CommandError::Invalid {
             field: "end".into(),
-            message: format!("{} does not go with status {:?}", end.as_str(), c.status),
+            message: format!(
+                "{} does not go with status {}",
+                end.as_str(),
+                match c.status {
+                    ReportedStatus::Running => "running",
+                    ReportedStatus::Succeeded => "succeeded",
+                    ReportedStatus::Failed => "failed",
+                    ReportedStatus::Stopped => "stopped",
+                }
+            ),
         });
     }
     Ok(())

@@ -11,8 +11,8 @@ use suanli_model::{
 };
 use suanli_scheduler::{SchedulerConfig, schedule};
 use suanli_state::{
-    AllocStatus, ApplyPlan, CancelJob, Command, DeviceHealth, EndClass, MigrateJob, NodeDown, NodeMode, ReportCheckpoint,
-    ReportedStatus, RetryPolicy, SetNodeMode, State, SubmitJob,
+    AllocStatus, ApplyPlan, CancelJob, Command, DeviceHealth, EndClass, MigrateJob, NodeDown, NodeMode,
+    ReportCheckpoint, ReportedStatus, RetryPolicy, SetNodeMode, State, SubmitJob,
 };
 
 #[derive(Debug, Clone)]
@@ -297,4 +297,3 @@ fn the_generator_reaches_the_interesting_states() {
     }
     assert!(nominated > 0 && migrating > 0, "nominations {nominated}, migrations {migrating}");
 }
-
