@@ -1535,10 +1535,8 @@ impl State {
     }
 
     /// How the engine sees one pending job at `now`, or `None` while it waits for the victims
-    /// it preempted to stop (so no further victims are picked for it). Its spec's constraints
-    /// are narrowed by what the state knows: a migration target (and, without a target node,
-    /// the nodes its last attempt ran on), the node its last attempt failed on (until
-    /// `avoid.until`), and the device model a hardware-bound checkpoint restores onto.
+    /// it preempted to stop (so no further victims are picked for it); its constraints are
+    /// [`State::effective_constraints`].
     fn pending_view(&self, j: &Job, now: u64) -> Option<PendingJob> {
         let nominated = match self.nomination_wait(j, now) {
             NominationWait::None => false,
@@ -1546,7 +1544,17 @@ impl State {
             NominationWait::Ready => true,
         };
         let mut spec = j.spec.clone();
-        let c = &mut spec.constraints;
+        spec.constraints = self.effective_constraints(j, now);
+        Some(PendingJob { id: j.id, spec, submitted_at: j.submitted_at, nominated })
+    }
+
+    /// A job's constraints at `now` as the scheduler's view gives them: its spec's, narrowed by
+    /// what the state knows: a migration target (`pools`, `nodes`; without a target node,
+    /// `avoid_nodes` gets the nodes its last attempt ran on), the node its last attempt failed
+    /// on (in `avoid_nodes` until `avoid.until`), and the device model a hardware-bound
+    /// checkpoint restores onto (`device_models`). A plan re-check may use it too.
+    pub fn effective_constraints(&self, j: &Job, now: u64) -> suanli_model::Constraints {
+        let mut c = j.spec.constraints.clone();
         if let Some(m) = &j.migration {
             if let Some(p) = &m.pool {
                 c.pools = vec![p.clone()];
@@ -1571,7 +1579,7 @@ impl State {
         if let Some(h) = j.latest_checkpoint.as_ref().and_then(|k| k.hardware.as_ref()) {
             c.device_models = vec![h.model.clone()];
         }
-        Some(PendingJob { id: j.id, spec, submitted_at: j.submitted_at, nominated })
+        c
     }
 
     /// Where a job stands with the capacity its preemptions freed.
