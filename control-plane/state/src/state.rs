@@ -1213,8 +1213,8 @@ impl State {
     /// Applies a plan (`plan.rs`), then follows up on what it committed: jobs that preempted
     /// others hold the freed capacity ([`Job::nomination`]); placed jobs drop their
     /// nomination and migration target and their allocations note the checkpoint step they
-    /// restore from; unplaced jobs whose hardware-bound checkpoint needs a device model no
-    /// schedulable node has say so.
+    /// restore from; unplaced jobs drop a hold that ran out, and those whose hardware-bound
+    /// checkpoint needs a device model no schedulable node has say so.
     fn apply_plan_and_follow(&mut self, c: ApplyPlan, rev: u64) -> Applied {
         let unplaced: Vec<JobId> = c.plan.unplaced.iter().map(|u| u.job).collect();
         let (resp, effect) = self.apply_plan(c, rev)?;
@@ -1267,6 +1267,19 @@ impl State {
             if let Some(j) = self.jobs.get_mut(&id) {
                 j.nomination = None;
                 j.migration = None;
+            }
+        }
+        // A hold whose victims outstayed their grace ended: the job competed like any other.
+        let expired: Vec<JobId> = unplaced
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .filter(|j| j.nomination.is_some() && matches!(self.nomination_wait(j, now), NominationWait::None))
+            .map(|j| j.id)
+            .collect();
+        for id in expired {
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.nomination = None;
+                j.revision = rev;
             }
         }
         let needs_hardware = unplaced.iter().any(|id| {

@@ -243,9 +243,26 @@ fn a_hold_whose_victims_outstay_their_grace_expires() {
     let view = s.cluster_view(deadline + 1);
     let p = view.pending.iter().find(|p| p.id == JobId(2)).expect("competes again");
     assert!(!p.nominated);
-    // Cancelling the preemptor drops its hold.
-    apply_ok(&mut s, Command::CancelJob(suanli_state::CancelJob { job: JobId(2), reason: String::new(), now: 6 }));
+    // A pass that leaves it unplaced drops the hold that ran out.
+    let plan =
+        Plan { unplaced: vec![suanli_model::Unplaced { job: JobId(2), reason: "no room".into() }], ..Plan::default() };
+    apply_ok(&mut s, Command::ApplyPlan(ApplyPlan { plan, now: deadline + 1 }));
     assert!(job(&s, 2).nomination.is_none());
+    apply_ok(&mut s, submit("high2", spec("q", 1, 4, 100), deadline + 2));
+    // Cancelling a preemptor drops its hold.
+    let (b, _) = allocs_of(&s, 1)[0];
+    assert_eq!(b, a, "the victim still stops");
+    apply_ok(&mut s, report(a, e, ReportedStatus::Stopped, deadline + 3));
+    let out = schedule_once(&mut s, deadline + 4);
+    assert_eq!(out.placed.len(), 1);
+    let placed = s.allocs()[&out.placed[0]].alloc.job;
+    apply_ok(&mut s, submit("high3", spec("q", 1, 4, 200), deadline + 5));
+    let out = schedule_once(&mut s, deadline + 6);
+    assert_eq!(out.preempted.len(), 1, "{out:?}");
+    assert!(job(&s, 4).nomination.is_some(), "job 4 preempted job {placed}");
+    let cancel = suanli_state::CancelJob { job: JobId(4), reason: String::new(), now: deadline + 7 };
+    apply_ok(&mut s, Command::CancelJob(cancel));
+    assert!(job(&s, 4).nomination.is_none());
 }
 
 #[test]
