@@ -29,6 +29,8 @@
 //! reports disk pressure and takes no new work until it clears (`disk`).
 
 mod cgroup;
+pub mod checkpoint;
+mod ckpt;
 pub mod config;
 mod control;
 mod disk;
