@@ -122,6 +122,15 @@ pub fn reported_step(dir: &Path) -> u64 {
     std::fs::read_to_string(dir.join(REPORTED_FILE)).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
 }
 
+/// A task's checkpoints as the watcher knows them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// The step of the newest valid commit seen (being stored, or stored).
+    pub seen: u64,
+    /// The step of the newest checkpoint stored and reported.
+    pub reported: u64,
+}
+
 /// What one poll of the checkpoint directory found.
 #[derive(Debug)]
 pub(crate) enum Poll {
@@ -144,12 +153,12 @@ pub(crate) fn poll(dir: &Path, last: u64, limits: &ManifestLimits) -> Poll {
 }
 
 /// Watches one task's checkpoint directory until `ended` turns true, then looks once more (a
-/// task often commits right before it exits) and returns. `reported` carries the last step
-/// reported to the control plane.
+/// task often commits right before it exits) and returns. `progress` says what it has seen and
+/// reported.
 pub(crate) async fn watch(
     agent: Arc<Agent>,
     dir: PathBuf,
-    reported: watch::Sender<u64>,
+    progress: watch::Sender<Progress>,
     mut ended: watch::Receiver<bool>,
 ) {
     let Some(w) = Watched::read(&dir) else {
@@ -165,7 +174,7 @@ pub(crate) async fn watch(
     };
     let ckpt_dir = dir.join(CHECKPOINT_DIR);
     let mut last = reported_step(&dir).max(w.restore_step);
-    reported.send_replace(last);
+    progress.send_replace(Progress { seen: last, reported: last });
     let mut said = String::new();
     let mut device_error = dir.join(DEVICE_ERROR_FILE).exists();
     let mut tick = tokio::time::interval(POLL_EVERY);
@@ -196,14 +205,17 @@ pub(crate) async fn watch(
                 }
             }
             Poll::New(c) => {
+                progress.send_modify(|p| p.seen = p.seen.max(c.manifest.step));
                 if let Some(store) = &store {
                     match commit(&agent, &w, store, &ckpt_dir, &c).await {
                         Ok(()) => {
                             last = c.manifest.step;
-                            if let Err(e) = crate::sys::write_atomic(&dir.join(REPORTED_FILE), last.to_string().as_bytes()) {
+                            if let Err(e) =
+                                crate::sys::write_atomic(&dir.join(REPORTED_FILE), last.to_string().as_bytes())
+                            {
                                 tracing::warn!(error = %e, "recording the reported checkpoint step");
                             }
-                            reported.send_replace(last);
+                            progress.send_modify(|p| p.reported = last);
                         }
                         Err(why) => {
                             if why != said {
@@ -227,10 +239,9 @@ fn check_devices(agent: &Agent, w: &Watched, dir: &Path) -> bool {
         return false;
     }
     let devs = agent.plugins.devices();
-    let Some(bad) = devs
-        .iter()
-        .find(|d| w.devices.iter().any(|x| x.device == d.device.id) && d.device.health != suanli_model::Health::Healthy)
-    else {
+    let Some(bad) = devs.iter().find(|d| {
+        w.devices.iter().any(|x| x.device == d.device.id) && d.device.health != suanli_model::Health::Healthy
+    }) else {
         return false;
     };
     let text = format!("{}: {}\n", bad.device.id, bad.reason);

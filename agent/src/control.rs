@@ -476,15 +476,7 @@ pub(crate) struct Report {
 impl Report {
     /// A RUNNING report.
     pub fn running(alloc: u64, epoch: u64, message: String) -> Report {
-        Report {
-            alloc,
-            epoch,
-            status: pb::AllocReport::Running,
-            message,
-            exit_code: 0,
-            end: "",
-            exit_code_set: false,
-        }
+        Report { alloc, epoch, status: pb::AllocReport::Running, message, exit_code: 0, end: "", exit_code_set: false }
     }
 
     pub fn is_final(&self) -> bool {

@@ -844,11 +844,8 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
     // Reserve first: it has no effect on the node beyond the environment it returns, so an
     // agent dying during it leaves nothing behind and the allocation simply starts later.
     let ids: Vec<String> = a.devices.iter().map(|d| d.device.clone()).collect();
-    let reserved = if ids.is_empty() {
-        Ok(crate::plugins::Reserved::default())
-    } else {
-        agent.plugins.reserve(a.id, &ids).await
-    };
+    let reserved =
+        if ids.is_empty() { Ok(crate::plugins::Reserved::default()) } else { agent.plugins.reserve(a.id, &ids).await };
     // The directory is the "started once" mark: create it exclusively, and durably.
     if let Err(e) = std::fs::create_dir(&dir) {
         tracing::error!(dir = %dir.display(), error = %e, "cannot create the allocation directory; not starting");
@@ -867,8 +864,8 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
     }
     let device_files = reserved.as_ref().map(|r| r.device_files.clone()).unwrap_or_default();
     let hardware = crate::ckpt::hardware_of(&agent, &ids);
-    let alloc_file =
-        serde_json::to_vec_pretty(&alloc_json(&a, &agent.node_id, hardware.as_ref(), &device_files)).unwrap_or_default();
+    let alloc_file = serde_json::to_vec_pretty(&alloc_json(&a, &agent.node_id, hardware.as_ref(), &device_files))
+        .unwrap_or_default();
     if let Err(e) = sys::write_atomic(&dir.join(crate::shim::ALLOC_FILE), &alloc_file) {
         return fail_start(&agent, k, &dir, format!("agent: writing {}: {e}", crate::shim::ALLOC_FILE));
     }
@@ -1035,8 +1032,8 @@ impl Waiter {
 /// Watches a running task until it ends, stopping it when asked; then reports how it ended.
 ///
 /// Its checkpoint directory is watched meanwhile ([`crate::ckpt::watch`]). A checkpoint-first
-/// stop sends the checkpoint signal to the task's group and waits for a checkpoint newer than
-/// the one reported at the stop, or the wait, whichever comes first; then SIGTERM, and SIGKILL
+/// stop sends the checkpoint signal to the task's group and waits until a checkpoint newer than
+/// any seen at the stop has been stored and reported, or the wait ends, whichever comes first; then SIGTERM, and SIGKILL
 /// after the stop's grace. The final report waits for the watcher's last look (bounded by
 /// `checkpoint_final_wait_ms`), so the control plane learns of a checkpoint committed at the
 /// end before it learns of the end.
@@ -1048,11 +1045,9 @@ async fn supervise(
     pgid: i32,
     mut stop: watch::Receiver<Option<Stop>>,
 ) {
-    let (reported_tx, mut reported) = watch::channel(0u64);
+    let (reported_tx, mut reported) = watch::channel(crate::ckpt::Progress::default());
     let (ended_tx, ended_rx) = watch::channel(false);
-    let watcher = tokio::spawn(
-        crate::ckpt::watch(agent.clone(), dir.clone(), reported_tx, ended_rx).in_current_span(),
-    );
+    let watcher = tokio::spawn(crate::ckpt::watch(agent.clone(), dir.clone(), reported_tx, ended_rx).in_current_span());
     let mut term_at: Option<(tokio::time::Instant, Duration)> = None;
     let mut ckpt: Option<(u64, Stop, CheckpointAsk)> = None;
     let mut kill_at: Option<tokio::time::Instant> = None;
@@ -1076,7 +1071,9 @@ async fn supervise(
                 write_stop(&dir, &s.reason, None);
                 match s.checkpoint.clone() {
                     Some(ask) => {
-                        let from = *reported.borrow_and_update();
+                        // A checkpoint committed before the signal (being stored now) is not new.
+                        let p = *reported.borrow_and_update();
+                        let from = p.seen.max(p.reported);
                         tracing::info!(reason = %s.reason, signal = ask.name, wait_ms = ask.wait.as_millis() as u64, step = from,
                             "stopping the task: asking for a checkpoint first");
                         if let Err(e) = sys::kill_group(pgid, ask.signal) {
@@ -1095,7 +1092,7 @@ async fn supervise(
                 }
             }
             r = reported.changed(), if ckpt.is_some() && kill_at.is_none() => {
-                let step = *reported.borrow_and_update();
+                let step = reported.borrow_and_update().reported;
                 if r.is_err() {
                     // The watcher is gone: nothing more will be reported.
                     if let Some((_, s, ask)) = ckpt.take() {
@@ -1134,7 +1131,10 @@ async fn supervise(
     let wait = Duration::from_millis(agent.cfg.checkpoint_final_wait_ms);
     let mut watcher = watcher;
     if tokio::time::timeout(wait, &mut watcher).await.is_err() {
-        tracing::warn!(wait_ms = agent.cfg.checkpoint_final_wait_ms, "the last checkpoint upload took too long; reporting the end without it");
+        tracing::warn!(
+            wait_ms = agent.cfg.checkpoint_final_wait_ms,
+            "the last checkpoint upload took too long; reporting the end without it"
+        );
         watcher.abort();
     }
     let exit = ExitRecord::read(&dir);
@@ -1329,10 +1329,288 @@ mod tests {
     }
 
     #[test]
+    fn ends_are_classified() {
+        let code = |c: i32| ExitRecord { exit_code: Some(c), started_at_ms: Some(1), ..ExitRecord::default() };
+        let sig = |s: i32| ExitRecord { signal: Some(s), started_at_ms: Some(1), ..ExitRecord::default() };
+        assert_eq!(end_class(None, Some(&code(0)), false), ("succeeded", true));
+        assert_eq!(end_class(None, Some(&code(0)), true), ("succeeded", true), "it finished anyway");
+        assert_eq!(end_class(None, Some(&code(3)), false), ("exit", true));
+        assert_eq!(end_class(None, Some(&sig(9)), false), ("exit", false), "a SIGKILL the agent did not send");
+        let oom = ExitRecord { oom_kills: Some(1), ..sig(9) };
+        assert_eq!(end_class(None, Some(&oom), false), ("oom", false));
+        assert_eq!(end_class(None, Some(&ExitRecord { oom_kills: Some(0), ..sig(9) }), false), ("exit", false));
+        assert_eq!(end_class(None, Some(&code(1)), true), ("device_error", true));
+        assert_eq!(end_class(Some("preempted"), Some(&code(143)), false), ("stopped", true));
+        assert_eq!(end_class(Some("preempted"), Some(&sig(9)), false), ("stopped", false));
+        assert_eq!(end_class(Some("device_unhealthy"), Some(&sig(15)), false), ("device_error", false));
+        let not_started =
+            ExitRecord { exit_code: Some(127), error: Some("cannot start".into()), ..ExitRecord::default() };
+        assert_eq!(end_class(None, Some(&not_started), false), ("start_failed", false));
+        let quota = ExitRecord { started_at_ms: Some(1), ..not_started.clone() };
+        assert_eq!(end_class(None, Some(&quota), false), ("exit", false), "killed for its disk quota");
+        let no_restore = ExitRecord { end: Some("node_lost".into()), ..not_started.clone() };
+        assert_eq!(end_class(None, Some(&no_restore), false), ("node_lost", false));
+        assert_eq!(end_class(None, None, false), ("node_lost", false), "the shim is gone");
+        // Through final_report: a fence is node_lost; refusals are classified too.
+        let d = tempfile::tempdir().unwrap();
+        let fenced = ExitRecord { signal: Some(15), fenced: true, fenced_at_ms: Some(1), ..ExitRecord::default() };
+        let r = final_report((1, 1), d.path(), Some(&fenced), "");
+        assert_eq!((r.end, r.exit_code_set), ("node_lost", false));
+        std::fs::write(d.path().join(crate::ckpt::DEVICE_ERROR_FILE), "gpu0: XID 79\n").unwrap();
+        let r = final_report((1, 1), d.path(), Some(&code(1)), "");
+        assert_eq!(r.end, "device_error");
+        assert!(r.message.ends_with("gpu0: XID 79"), "{}", r.message);
+        assert_eq!(refused_end(pb::AllocReport::Stopped, "stopped before it started"), "stopped");
+        assert_eq!(refused_end(pb::AllocReport::Failed, "lost: x"), "node_lost");
+        assert_eq!(refused_end(pb::AllocReport::Failed, "no task"), "start_failed");
+    }
+
+    #[test]
+    fn a_checkpoint_first_stop_needs_a_signal_a_grace_and_the_flag() {
+        let cfg = AgentConfig { stop_grace_max_ms: 20_000, ..AgentConfig::default() };
+        let mut a = pb::AllocInfo {
+            checkpoint_first: true,
+            grace_s: 30,
+            checkpoint_signal: "SIGUSR1".into(),
+            ..pb::AllocInfo::default()
+        };
+        assert_eq!(
+            checkpoint_ask(&cfg, &a),
+            Some(CheckpointAsk { signal: libc::SIGUSR1, name: "SIGUSR1", wait: Duration::from_secs(20) }),
+            "bounded by stop_grace_max_ms"
+        );
+        a.checkpoint_signal = "SIGUSR2".into();
+        a.grace_s = 5;
+        assert_eq!(checkpoint_ask(&cfg, &a).map(|c| (c.signal, c.wait)), Some((libc::SIGUSR2, Duration::from_secs(5))));
+        for bad in [
+            pb::AllocInfo { checkpoint_first: false, ..a.clone() },
+            pb::AllocInfo { grace_s: 0, ..a.clone() },
+            pb::AllocInfo { checkpoint_signal: String::new(), ..a.clone() },
+            pb::AllocInfo { checkpoint_signal: "SIGKILL".into(), ..a.clone() },
+        ] {
+            assert_eq!(checkpoint_ask(&cfg, &bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn grace_is_bounded() {
         let c = AgentConfig { stop_grace_min_ms: 500, stop_grace_max_ms: 5000, ..AgentConfig::default() };
         assert_eq!(grace(&c, 0), Duration::from_millis(500));
         assert_eq!(grace(&c, 2), Duration::from_millis(2000));
         assert_eq!(grace(&c, 1000), Duration::from_millis(5000));
+    }
+}
+
+/// The checkpoint protocol against a real trainer process and a fake control plane that
+/// records what it is told.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod protocol_tests {
+    use super::*;
+    use std::sync::Mutex;
+    use tonic::{Request, Response, Status};
+
+    #[derive(Default, Clone)]
+    struct FakeControlPlane {
+        checkpoints: Arc<Mutex<Vec<pb::ReportCheckpointRequest>>>,
+        /// Reports of this epoch are refused as stale.
+        stale_epoch: u64,
+    }
+
+    #[tonic::async_trait]
+    impl pb::agent_server::Agent for FakeControlPlane {
+        async fn register(
+            &self,
+            _: Request<pb::RegisterNodeRequest>,
+        ) -> Result<Response<pb::RegisterNodeResponse>, Status> {
+            Err(Status::unimplemented("test"))
+        }
+        async fn heartbeat(&self, _: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatResponse>, Status> {
+            Err(Status::unimplemented("test"))
+        }
+        type WatchAllocationsStream = tokio_stream::Pending<Result<pb::AllocationsUpdate, Status>>;
+        async fn watch_allocations(
+            &self,
+            _: Request<pb::WatchAllocationsRequest>,
+        ) -> Result<Response<Self::WatchAllocationsStream>, Status> {
+            Err(Status::unimplemented("test"))
+        }
+        async fn report_status(
+            &self,
+            _: Request<pb::ReportStatusRequest>,
+        ) -> Result<Response<pb::ReportStatusResponse>, Status> {
+            Ok(Response::new(pb::ReportStatusResponse {}))
+        }
+        async fn report_checkpoint(
+            &self,
+            r: Request<pb::ReportCheckpointRequest>,
+        ) -> Result<Response<pb::ReportCheckpointResponse>, Status> {
+            let r = r.into_inner();
+            let stale = r.epoch == self.stale_epoch;
+            self.checkpoints.lock().unwrap().push(r);
+            if stale {
+                return Err(Status::failed_precondition("stale epoch"));
+            }
+            Ok(Response::new(pb::ReportCheckpointResponse {}))
+        }
+    }
+
+    async fn serve(cp: FakeControlPlane) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(pb::agent_server::AgentServer::new(cp))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await
+                .unwrap();
+        });
+        addr
+    }
+
+    fn trainer() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/trainer/trainer.py")
+    }
+
+    /// An allocation directory as `start` leaves it, and a process started in its own session.
+    fn spawn(agent: &Agent, k: Key, program: &str, args: &[String]) -> (PathBuf, tokio::process::Child, PathBuf) {
+        let dir = alloc_dir(agent, k);
+        std::fs::create_dir_all(dir.join(crate::ckpt::CHECKPOINT_DIR)).unwrap();
+        let a = pb::AllocInfo { id: k.0, epoch: k.1, job_id: 9, ..pb::AllocInfo::default() };
+        std::fs::write(dir.join(crate::shim::ALLOC_FILE), alloc_json(&a, "n1", None, &[]).to_string()).unwrap();
+        let journal = dir.join("trainer.jsonl");
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(args)
+            .env("SUANLI_CHECKPOINT_DIR", dir.join(crate::ckpt::CHECKPOINT_DIR))
+            .env("SUANLI_JOB_ID", "9")
+            .env("SUANLI_ATTEMPT", k.1.to_string())
+            .env("TRAINER_JOURNAL", &journal);
+        sys::new_session(&mut cmd);
+        (dir, cmd.spawn().unwrap(), journal)
+    }
+
+    /// Waits (bounded) until the trainer's journal has an event `ev`.
+    async fn journal_has(path: &Path, ev: &str) -> Vec<serde_json::Value> {
+        for _ in 0..200 {
+            let lines: Vec<serde_json::Value> = std::fs::read_to_string(path)
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect();
+            if lines.iter().any(|l| l["event"] == ev) {
+                return lines;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("no {ev} event in {}", path.display());
+    }
+
+    fn stop_record(dir: &Path) -> StopRecord {
+        read_json(&dir.join("stop.json")).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_checkpoint_first_stop_gets_a_new_checkpoint_reported_before_the_sigterm() {
+        let cp = FakeControlPlane::default();
+        let data = tempfile::tempdir().unwrap();
+        let cfg = AgentConfig {
+            servers: vec![serve(cp.clone()).await],
+            data_dir: data.path().to_owned(),
+            ..AgentConfig::default()
+        };
+        let agent = crate::test_agent(cfg).await;
+        let k = (1, 3);
+        let args: Vec<String> =
+            ["--steps", "100000", "--step-s", "0.02", "--checkpoint-every", "25"].map(String::from).into();
+        let (dir, child, journal) = spawn(&agent, k, &trainer().display().to_string(), &args);
+        let pid = i32::try_from(child.id().unwrap()).unwrap();
+        let (tx, rx) = watch::channel(None);
+        let sup = tokio::spawn(supervise(agent.clone(), k, dir.clone(), Waiter::Child(child), pid, rx));
+        // A periodic checkpoint is stored and reported while it runs.
+        journal_has(&journal, "checkpoint").await;
+        for _ in 0..200 {
+            if !cp.checkpoints.lock().unwrap().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let ask = CheckpointAsk { signal: libc::SIGUSR1, name: "SIGUSR1", wait: Duration::from_secs(20) };
+        tx.send_replace(Some(Stop {
+            reason: "preempted".into(),
+            grace: Duration::from_secs(5),
+            checkpoint: Some(ask),
+        }));
+        tokio::time::timeout(Duration::from_secs(30), sup).await.unwrap().unwrap();
+        let lines = journal_has(&journal, "exit").await;
+        let last = lines.last().unwrap();
+        assert_eq!((last["event"].as_str(), last["code"].as_u64()), (Some("exit"), Some(143)), "{last}");
+        let final_ckpt = lines.iter().rev().find(|l| l["event"] == "checkpoint").unwrap()["step"].as_u64().unwrap();
+        let reported = cp.checkpoints.lock().unwrap().clone();
+        assert!(reported.len() >= 2, "a periodic and the asked-for checkpoint: {reported:?}");
+        let r = reported.last().unwrap();
+        assert_eq!((r.alloc_id, r.epoch, r.step), (1, 3, final_ckpt), "the stop's checkpoint was the last reported");
+        assert!(r.uri.contains(&format!("jobs/9/a3-s{final_ckpt}")), "{}", r.uri);
+        assert!(reported.windows(2).all(|w| w[0].step < w[1].step), "steps only grow");
+        let s = stop_record(&dir);
+        assert_eq!(s.checkpoint, Some(format!("checkpoint at step {final_ckpt} within the grace")));
+        assert_eq!(crate::ckpt::reported_step(&dir), final_ckpt);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_task_that_does_not_checkpoint_is_terminated_after_the_wait() {
+        let cp = FakeControlPlane::default();
+        let data = tempfile::tempdir().unwrap();
+        let cfg = AgentConfig {
+            servers: vec![serve(cp.clone()).await],
+            data_dir: data.path().to_owned(),
+            ..AgentConfig::default()
+        };
+        let agent = crate::test_agent(cfg).await;
+        let k = (2, 1);
+        // Ignores the checkpoint signal; exits 143 on SIGTERM.
+        let script = "trap '' USR1; trap 'exit 143' TERM; echo '{\"event\":\"start\"}' >> \"$TRAINER_JOURNAL\"; while :; do sleep 0.05; done";
+        let (dir, child, journal) = spawn(&agent, k, "/bin/sh", &["-c".into(), script.into()]);
+        let pid = i32::try_from(child.id().unwrap()).unwrap();
+        let (tx, rx) = watch::channel(None);
+        let sup = tokio::spawn(supervise(agent.clone(), k, dir.clone(), Waiter::Child(child), pid, rx));
+        journal_has(&journal, "start").await;
+        let t0 = Instant::now();
+        let ask = CheckpointAsk { signal: libc::SIGUSR1, name: "SIGUSR1", wait: Duration::from_millis(600) };
+        tx.send_replace(Some(Stop { reason: "drain".into(), grace: Duration::from_secs(5), checkpoint: Some(ask) }));
+        tokio::time::timeout(Duration::from_secs(30), sup).await.unwrap().unwrap();
+        assert!(t0.elapsed() >= Duration::from_millis(600), "waited for the checkpoint");
+        assert!(t0.elapsed() < Duration::from_secs(5), "SIGTERM ended it, not SIGKILL: {:?}", t0.elapsed());
+        assert_eq!(stop_record(&dir).checkpoint, Some("no checkpoint within 0 s (last step 0)".into()));
+        assert!(cp.checkpoints.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_report_and_a_bad_manifest_do_not_stop_the_watcher() {
+        let cp = FakeControlPlane { stale_epoch: 4, ..FakeControlPlane::default() };
+        let data = tempfile::tempdir().unwrap();
+        let cfg = AgentConfig {
+            servers: vec![serve(cp.clone()).await],
+            data_dir: data.path().to_owned(),
+            ..AgentConfig::default()
+        };
+        let agent = crate::test_agent(cfg).await;
+        let k = (3, 4);
+        // Commits step 5, then a manifest that lies about its size, then exits 0.
+        let script = r#"d="$SUANLI_CHECKPOINT_DIR"; mkdir "$d/c5"; printf 12345 > "$d/c5/s";
+            printf '{"step":5,"wall_time":1,"path":"c5","bytes":5}' > "$d/.m"; mv "$d/.m" "$d/suanli-checkpoint.json";
+            sleep 0.6; printf '{"step":6,"wall_time":1,"path":"c5","bytes":999}' > "$d/.m"; mv "$d/.m" "$d/suanli-checkpoint.json";
+            sleep 0.6"#;
+        let (dir, child, _journal) = spawn(&agent, k, "/bin/sh", &["-c".into(), script.into()]);
+        let pid = i32::try_from(child.id().unwrap()).unwrap();
+        let (_tx, rx) = watch::channel(None);
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            supervise(agent.clone(), k, dir.clone(), Waiter::Child(child), pid, rx),
+        )
+        .await
+        .unwrap();
+        let reported = cp.checkpoints.lock().unwrap().clone();
+        assert_eq!(reported.iter().map(|r| r.step).collect::<Vec<_>>(), [5], "refused once, not retried; step 6 lies");
+        assert_eq!(crate::ckpt::reported_step(&dir), 5);
     }
 }

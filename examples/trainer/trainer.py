@@ -108,7 +108,7 @@ class Trainer:
         self.journal("start")
         while self.step < self.args.steps:
             time.sleep(self.args.step_s)
-            if self.want_stop:
+            if self.want_stop and not self.want_checkpoint:
                 self.journal("exit", code=143)
                 return 143
             self.step += 1
@@ -144,6 +144,9 @@ def main():
 
     def on_term(_sig, _frame):
         t.want_stop = True
+        if sig == signal.SIGTERM:
+            # SIGTERM is the checkpoint signal: checkpoint at the end of this step, then exit.
+            t.want_checkpoint = True
 
     sig = getattr(signal, args.signal, None)
     if sig is None:
