@@ -338,4 +338,20 @@ mod tests {
         crate::sys::write_atomic(&d.path().join(REPORTED_FILE), b"42").unwrap();
         assert_eq!(reported_step(d.path()), 42);
     }
+
+    #[tokio::test]
+    async fn a_stored_checkpoint_is_fetched_on_another_node() {
+        let store_dir = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", store_dir.path().display());
+        let a = tempfile::tempdir().unwrap();
+        commit_manifest(a.path(), 12, 7);
+        let Poll::New(c) = poll(a.path(), 0, &ManifestLimits::default()) else { panic!("no commit") };
+        let store = Store::open(&url, a.path()).unwrap();
+        let uri = store.put(5, 2, a.path(), &c).await.unwrap();
+        assert!(uri.ends_with("jobs/5/a2-s12"), "{uri}");
+        let b = tempfile::tempdir().unwrap();
+        let (path, m) = Store::open(&url, b.path()).unwrap().get(&uri, &b.path().join(RESTORE_DIR)).await.unwrap();
+        assert_eq!(m.step, 12);
+        assert_eq!(std::fs::read(path.join("state.json")).unwrap(), vec![b'x'; 7]);
+    }
 }

@@ -686,4 +686,11 @@ mod tests {
         let r = ExitRecord { signal: Some(9), ..ExitRecord::default() };
         assert_eq!(r.code(), 137);
     }
+
+    #[test]
+    fn oom_kills_come_from_memory_events() {
+        let text = "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n";
+        assert_eq!(parse_oom_kills(text), Some(2));
+        assert_eq!(parse_oom_kills("low 0\n"), None);
+    }
 }
