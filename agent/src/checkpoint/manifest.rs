@@ -64,6 +64,12 @@ pub enum ManifestError {
         /// What it is (`a symlink`, `a socket`, ...).
         what: &'static str,
     },
+    /// The manifest itself is a symlink (it is never followed).
+    #[error("{at} is a symlink; the manifest must be a regular file (write a temp file, rename it)")]
+    ManifestSymlink {
+        /// The manifest's path.
+        at: PathBuf,
+    },
     /// The checkpoint does not exist.
     #[error("manifest field `path` = {path:?}: {at} does not exist")]
     Missing {
@@ -106,26 +112,12 @@ pub enum ManifestError {
 ///
 /// `Ok(None)`: no manifest yet. `Err`: a refused manifest, with the reason (the caller logs it
 /// and keeps the last good one). Whether `step` is newer than the last committed one is the
-/// caller's to check: this sees one manifest.
+/// caller's to check: this sees one manifest. A poller can call [`read_manifest`] first (it
+/// reads only the manifest) and this only when the step is new.
 pub fn read_committed(dir: &Path, limits: &ManifestLimits) -> Result<Option<Committed>, ManifestError> {
-    let manifest_path = dir.join(MANIFEST_FILE);
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| ManifestError::Io { path, source }
+    let Some(manifest) = read_manifest(dir, limits)? else {
+        return Ok(None);
     };
-    // O_NOFOLLOW: a manifest that is a symlink is refused (ELOOP) rather than followed.
-    let file = match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&manifest_path) {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err(ManifestError::NotPlain { path: String::new(), at: manifest_path, what: "a symlink" });
-        }
-        Err(e) => return Err(io(&manifest_path)(e)),
-    };
-    let mut bytes = Vec::new();
-    file.take(limits.max_manifest_bytes.saturating_add(1)).read_to_end(&mut bytes).map_err(io(&manifest_path))?;
-    let manifest = CheckpointManifest::decode(&bytes, limits.max_manifest_bytes)
-        .map_err(|source| ManifestError::Decode { path: manifest_path.clone(), source })?;
     let files = checkpoint_files(dir, &manifest.path, limits.max_files)?;
     let actual: u64 = files.iter().map(|(_, size)| size).sum();
     if actual != manifest.bytes {
@@ -137,6 +129,28 @@ pub fn read_committed(dir: &Path, limits: &ManifestLimits) -> Result<Option<Comm
         });
     }
     Ok(Some(Committed { root: dir.join(&manifest.path), manifest, files }))
+}
+
+/// Reads and decodes `<dir>/suanli-checkpoint.json` alone: its size, its JSON and its `path`
+/// field are checked, the files it names are not (that is [`read_committed`]). `Ok(None)`: no
+/// manifest yet.
+pub fn read_manifest(dir: &Path, limits: &ManifestLimits) -> Result<Option<CheckpointManifest>, ManifestError> {
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let io = |source| ManifestError::Io { path: manifest_path.clone(), source };
+    // O_NOFOLLOW: a manifest that is a symlink is refused (ELOOP) rather than followed.
+    let file = match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&manifest_path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(ManifestError::ManifestSymlink { at: manifest_path });
+        }
+        Err(e) => return Err(io(e)),
+    };
+    let mut bytes = Vec::new();
+    file.take(limits.max_manifest_bytes.saturating_add(1)).read_to_end(&mut bytes).map_err(io)?;
+    CheckpointManifest::decode(&bytes, limits.max_manifest_bytes)
+        .map(Some)
+        .map_err(|source| ManifestError::Decode { path: manifest_path.clone(), source })
 }
 
 /// Lists the files under `<dir>/<rel>` (relative to `dir`, sorted), refusing symlinks anywhere
@@ -205,5 +219,164 @@ fn what(kind: &std::fs::FileType) -> &'static str {
         "a socket"
     } else {
         "a device"
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn write_manifest(dir: &Path, json: &str) {
+        let tmp = dir.join("manifest.tmp");
+        std::fs::write(&tmp, json).unwrap();
+        std::fs::rename(&tmp, dir.join(MANIFEST_FILE)).unwrap();
+    }
+
+    fn manifest(path: &str, bytes: u64) -> String {
+        format!(r#"{{"step":3,"wall_time":1700000000,"path":"{path}","bytes":{bytes}}}"#)
+    }
+
+    fn read(dir: &Path) -> Result<Option<Committed>, ManifestError> {
+        read_committed(dir, &ManifestLimits::default())
+    }
+
+    /// `<dir>/ckpt/{a.bin (5 bytes), sub/b.bin (3 bytes)}`.
+    fn checkpoint() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("ckpt/sub")).unwrap();
+        std::fs::write(dir.path().join("ckpt/a.bin"), b"12345").unwrap();
+        std::fs::write(dir.path().join("ckpt/sub/b.bin"), b"678").unwrap();
+        dir
+    }
+
+    fn refusal(dir: &Path) -> String {
+        match read(dir) {
+            Err(e) => e.to_string(),
+            Ok(c) => panic!("accepted: {c:?}"),
+        }
+    }
+
+    #[test]
+    fn no_manifest_yet_is_none() {
+        let dir = checkpoint();
+        assert!(read(dir.path()).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_good_directory_checkpoint_lists_its_files() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("ckpt", 8));
+        let c = read(dir.path()).unwrap().unwrap();
+        assert_eq!(c.manifest.step, 3);
+        assert_eq!(c.root, dir.path().join("ckpt"));
+        assert_eq!(c.files, vec![(PathBuf::from("ckpt/a.bin"), 5), (PathBuf::from("ckpt/sub/b.bin"), 3)]);
+    }
+
+    #[test]
+    fn a_good_file_checkpoint() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("ckpt/a.bin", 5));
+        let c = read(dir.path()).unwrap().unwrap();
+        assert_eq!(c.files, vec![(PathBuf::from("ckpt/a.bin"), 5)]);
+    }
+
+    #[test]
+    fn refuses_truncated_not_json_and_unknown_fields() {
+        let dir = checkpoint();
+        let full = manifest("ckpt", 8);
+        write_manifest(dir.path(), &full[..full.len() - 5]);
+        assert!(refusal(dir.path()).contains("not a checkpoint manifest"));
+        write_manifest(dir.path(), "step: 3");
+        assert!(refusal(dir.path()).contains("not a checkpoint manifest"));
+        write_manifest(dir.path(), r#"{"step":3,"wall_time":1,"path":"ckpt","bytes":8,"extra":true}"#);
+        assert!(refusal(dir.path()).contains("extra"));
+    }
+
+    #[test]
+    fn refuses_an_oversized_manifest() {
+        let dir = checkpoint();
+        let padded = format!("{}{}", manifest("ckpt", 8), " ".repeat(70 * 1024));
+        write_manifest(dir.path(), &padded);
+        let err = refusal(dir.path());
+        assert!(err.contains("max_manifest_bytes = 65536"), "{err}");
+    }
+
+    #[test]
+    fn refuses_absolute_and_dotdot_paths() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("/etc", 8));
+        assert!(refusal(dir.path()).contains("absolute"));
+        write_manifest(dir.path(), &manifest("ckpt/../../etc", 8));
+        assert!(refusal(dir.path()).contains("`..`"));
+    }
+
+    #[test]
+    fn refuses_symlinks_that_could_escape() {
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("secret"), b"xyz").unwrap();
+        // The checkpoint itself is a link out.
+        let dir = checkpoint();
+        symlink(outside.path(), dir.path().join("link")).unwrap();
+        write_manifest(dir.path(), &manifest("link", 3));
+        assert!(refusal(dir.path()).contains("a symlink"));
+        // A directory on the way is a link out.
+        write_manifest(dir.path(), &manifest("link/secret", 3));
+        assert!(refusal(dir.path()).contains("a symlink"));
+        // A link inside the checkpoint.
+        let dir = checkpoint();
+        symlink(outside.path().join("secret"), dir.path().join("ckpt/sub/c.bin")).unwrap();
+        write_manifest(dir.path(), &manifest("ckpt", 8));
+        let err = refusal(dir.path());
+        assert!(err.contains("c.bin is a symlink") && err.contains("`path`"), "{err}");
+        // The manifest itself.
+        let dir = checkpoint();
+        std::fs::write(outside.path().join("m.json"), manifest("ckpt", 8)).unwrap();
+        symlink(outside.path().join("m.json"), dir.path().join(MANIFEST_FILE)).unwrap();
+        assert!(refusal(dir.path()).contains("is a symlink"));
+    }
+
+    #[test]
+    fn refuses_a_manifest_that_lies_about_its_size() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("ckpt", 9));
+        let err = refusal(dir.path());
+        assert!(err.contains("`bytes` = 9") && err.contains("hold 8 bytes"), "{err}");
+    }
+
+    #[test]
+    fn read_manifest_checks_only_the_manifest() {
+        let dir = checkpoint();
+        assert!(read_manifest(dir.path(), &ManifestLimits::default()).unwrap().is_none());
+        write_manifest(dir.path(), &manifest("ckpt", 9));
+        let m = read_manifest(dir.path(), &ManifestLimits::default()).unwrap().unwrap();
+        assert_eq!((m.step, m.bytes), (3, 9));
+        write_manifest(dir.path(), &manifest("../x", 9));
+        assert!(read_manifest(dir.path(), &ManifestLimits::default()).is_err());
+    }
+
+    #[test]
+    fn refuses_a_missing_checkpoint() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("nope", 0));
+        assert!(refusal(dir.path()).contains("does not exist"));
+    }
+
+    #[test]
+    fn refuses_too_many_files() {
+        let dir = checkpoint();
+        write_manifest(dir.path(), &manifest("ckpt", 8));
+        let limits = ManifestLimits { max_files: 1, ..ManifestLimits::default() };
+        let err = read_committed(dir.path(), &limits).unwrap_err().to_string();
+        assert!(err.contains("max_files = 1"), "{err}");
+    }
+
+    #[test]
+    fn refuses_a_socket() {
+        let dir = checkpoint();
+        let _listener = std::os::unix::net::UnixListener::bind(dir.path().join("ckpt/sock")).unwrap();
+        write_manifest(dir.path(), &manifest("ckpt", 8));
+        assert!(refusal(dir.path()).contains("a socket"));
     }
 }

@@ -17,5 +17,5 @@
 mod manifest;
 mod store;
 
-pub use manifest::{Committed, ManifestError, ManifestLimits, read_committed};
+pub use manifest::{Committed, ManifestError, ManifestLimits, read_committed, read_manifest};
 pub use store::{Store, StoreError};

@@ -5,7 +5,6 @@
 use super::manifest::{Committed, ManifestError, ManifestLimits, read_committed};
 use object_store::ObjectStore;
 use object_store::ObjectStoreExt as _;
-use object_store::buffered::BufWriter;
 use object_store::path::{Path as ObjectPath, PathPart};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,6 +14,8 @@ use tokio_stream::StreamExt as _;
 
 /// Bytes buffered per upload part (S3 parts must be at least 5 MiB).
 const PART_BYTES: usize = 8 * 1024 * 1024;
+/// Bytes read from a local file at a time.
+const READ_BYTES: usize = 1024 * 1024;
 /// Parts of one file in flight at once: memory per upload is at most about
 /// `PART_BYTES * (UPLOAD_CONCURRENCY + 1)`, whatever the file's size.
 const UPLOAD_CONCURRENCY: usize = 2;
@@ -122,6 +123,19 @@ impl Store {
     /// `AWS_ENDPOINT`, `AWS_ALLOW_HTTP`, and the rest `object_store`'s `AmazonS3Builder::from_env`
     /// reads).
     pub fn open(url: &str, local_default: &Path) -> Result<Store, StoreError> {
+        // vars_os: std::env::vars panics on a variable that is not UTF-8; such ones are skipped.
+        let env = std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+        Self::open_with_env(url, local_default, env)
+    }
+
+    /// [`Store::open`] with the `AWS_*` settings taken from `env` instead of the process
+    /// environment (tests; an agent that runs several stores with different credentials).
+    /// Variables that are not `AWS_*` settings `object_store` knows are ignored.
+    pub fn open_with_env(
+        url: &str,
+        local_default: &Path,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Store, StoreError> {
         let url = if url.is_empty() { format!("file://{}", local_default.display()) } else { url.to_owned() };
         let refuse = |reason: String| StoreError::Url { url: url.clone(), reason };
         let Some((scheme, rest)) = url.split_once("://") else {
@@ -148,10 +162,16 @@ impl Store {
                 if prefix.iter().any(|p| p.is_empty() || p == "." || p == "..") {
                     return Err(refuse("the prefix after the bucket must be plain `/`-separated names".into()));
                 }
-                let s3 = object_store::aws::AmazonS3Builder::from_env()
-                    .with_bucket_name(bucket)
-                    .build()
-                    .map_err(|e| refuse(e.to_string()))?;
+                let mut builder = object_store::aws::AmazonS3Builder::new();
+                for (key, value) in env {
+                    if !key.starts_with("AWS_") {
+                        continue;
+                    }
+                    if let Ok(config_key) = key.to_ascii_lowercase().parse::<object_store::aws::AmazonS3ConfigKey>() {
+                        builder = builder.with_config(config_key, value);
+                    }
+                }
+                let s3 = builder.with_bucket_name(bucket).build().map_err(|e| refuse(e.to_string()))?;
                 (Arc::new(s3), prefix)
             }
             other => {
@@ -195,6 +215,8 @@ impl Store {
         Ok(format!("{}/{key}", self.url))
     }
 
+    /// Uploads one file: in one request when it fits in a part, else as a multipart upload
+    /// with at most `UPLOAD_CONCURRENCY` parts in flight (memory stays bounded).
     async fn put_file(&self, path: &Path, size: u64, location: ObjectPath) -> Result<(), StoreError> {
         let file = tokio::fs::OpenOptions::new()
             .read(true)
@@ -202,23 +224,44 @@ impl Store {
             .open(path)
             .await
             .map_err(io(path))?;
-        let mut writer = BufWriter::with_capacity(Arc::clone(&self.inner), location.clone(), PART_BYTES)
-            .with_max_concurrency(UPLOAD_CONCURRENCY);
+        let changed = || StoreError::Changed { path: path.to_path_buf(), expected: size };
         // One byte more than expected: a file that grew is seen.
         let mut reader = file.take(size.saturating_add(1));
-        let copied = match tokio::io::copy(&mut reader, &mut writer).await {
-            Ok(n) => n,
-            Err(e) => {
-                // The read or the upload failed; the partial upload is dropped.
-                let _ = writer.abort().await;
-                return Err(StoreError::Io { path: path.to_path_buf(), source: e });
+        if size <= PART_BYTES as u64 {
+            let mut buf = Vec::with_capacity(usize::try_from(size).unwrap_or(PART_BYTES));
+            reader.read_to_end(&mut buf).await.map_err(io(path))?;
+            if buf.len() as u64 != size {
+                return Err(changed());
             }
-        };
-        if copied != size {
-            let _ = writer.abort().await;
-            return Err(StoreError::Changed { path: path.to_path_buf(), expected: size });
+            self.inner.put(&location, buf.into()).await.map_err(|e| self.object_error("put", &location, e))?;
+            return Ok(());
         }
-        writer.shutdown().await.map_err(|e| StoreError::Io { path: path.to_path_buf(), source: e })
+        let upload = self.inner.put_multipart(&location).await.map_err(|e| self.object_error("put", &location, e))?;
+        let mut writer = object_store::WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
+        let mut buf = vec![0u8; READ_BYTES];
+        let mut total = 0u64;
+        let failed = loop {
+            let n = match reader.read(&mut buf).await {
+                Ok(0) => break None,
+                Ok(n) => n,
+                Err(e) => break Some(io(path)(e)),
+            };
+            total += n as u64;
+            if let Err(e) = writer.wait_for_capacity(UPLOAD_CONCURRENCY).await {
+                break Some(self.object_error("put", &location, e));
+            }
+            writer.write(&buf[..n]);
+        };
+        let failed = failed.or_else(|| (total != size).then(changed));
+        if let Some(err) = failed {
+            // Best effort: the store may also expire unfinished uploads itself.
+            if let Err(e) = writer.abort().await {
+                tracing::warn!(key = %location, error = %e, "aborting a checkpoint upload failed");
+            }
+            return Err(err);
+        }
+        writer.finish().await.map_err(|e| self.object_error("put", &location, e))?;
+        Ok(())
     }
 
     /// Downloads the checkpoint at `uri` (which must be under this store) into `into` (created;
@@ -236,23 +279,9 @@ impl Store {
             return Err(StoreError::NotEmpty { path: into.to_path_buf() });
         }
 
-        // The manifest, size-bounded before it is read.
+        // The manifest, read no further than the limit allows.
         let manifest_at = self.location(key, MANIFEST_FILE);
-        let meta = self.inner.head(&manifest_at).await.map_err(|e| self.object_error("head", &manifest_at, e))?;
-        if meta.size > self.limits.max_manifest_bytes {
-            return Err(invalid(format!(
-                "manifest is {} bytes, over the limit max_manifest_bytes = {}",
-                meta.size, self.limits.max_manifest_bytes
-            )));
-        }
-        let manifest_bytes = self
-            .inner
-            .get(&manifest_at)
-            .await
-            .map_err(|e| self.object_error("get", &manifest_at, e))?
-            .bytes()
-            .await
-            .map_err(|e| self.object_error("get", &manifest_at, e))?;
+        let manifest_bytes = self.get_bounded(&manifest_at).await?;
         let manifest = CheckpointManifest::decode(&manifest_bytes, self.limits.max_manifest_bytes)
             .map_err(|e| invalid(e.to_string()))?;
         if manifest.step != step {
@@ -300,6 +329,25 @@ impl Store {
             .map_err(|source| StoreError::Manifest { uri: uri.to_owned(), source })?
             .ok_or_else(|| invalid("manifest vanished after download".into()))?;
         Ok((committed.root, committed.manifest))
+    }
+
+    /// Reads a small object whole, refusing one over `max_manifest_bytes`.
+    async fn get_bounded(&self, location: &ObjectPath) -> Result<Vec<u8>, StoreError> {
+        let limit = self.limits.max_manifest_bytes;
+        let mut stream =
+            self.inner.get(location).await.map_err(|e| self.object_error("get", location, e))?.into_stream();
+        let mut out = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| self.object_error("get", location, e))?;
+            if out.len() as u64 + chunk.len() as u64 > limit {
+                return Err(StoreError::Invalid {
+                    uri: format!("{}/{location}", self.url),
+                    reason: format!("manifest is over the limit max_manifest_bytes = {limit}"),
+                });
+            }
+            out.extend_from_slice(&chunk);
+        }
+        Ok(out)
     }
 
     async fn get_file(&self, location: &ObjectPath, path: &Path, size: u64) -> Result<(), StoreError> {
@@ -350,12 +398,13 @@ fn percent_decode(s: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            if let (Some(hi), Some(lo)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                out.push(hi << 4 | lo);
-                i += 3;
-                continue;
-            }
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let (Some(hi), Some(lo)) = (hex(bytes[i + 1]), hex(bytes[i + 2]))
+        {
+            out.push((hi << 4) | lo);
+            i += 3;
+            continue;
         }
         out.push(bytes[i]);
         i += 1;
@@ -368,6 +417,7 @@ fn hex(b: u8) -> Option<u8> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -117,6 +117,7 @@ pub fn check_checkpoint_path(path: &str) -> Result<(), ManifestDecodeError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
