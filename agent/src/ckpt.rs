@@ -144,6 +144,13 @@ pub(crate) enum Poll {
 
 /// Reads the checkpoint directory once: a commit is new when its step is above `last`.
 pub(crate) fn poll(dir: &Path, last: u64, limits: &ManifestLimits) -> Poll {
+    // The manifest alone first (cheap): the files are walked only for a new step.
+    match crate::checkpoint::read_manifest(dir, limits) {
+        Ok(None) => return Poll::Nothing,
+        Ok(Some(m)) if m.step <= last => return Poll::Nothing,
+        Ok(Some(_)) => {}
+        Err(e) => return Poll::Refused(e.to_string()),
+    }
     match crate::checkpoint::read_committed(dir, limits) {
         Ok(None) => Poll::Nothing,
         Ok(Some(c)) if c.manifest.step <= last => Poll::Nothing,

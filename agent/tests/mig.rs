@@ -65,7 +65,7 @@ async fn a_gpu_and_its_mig_partitions_are_never_booked_at_once() {
     std::fs::write(dir.path().join("fake.toml"), MIG_NODE).unwrap();
     let toml = format!(
         "servers = [{addr:?}]\nnode_id = \"mig-node\"\ndata_dir = {data:?}\nplugin_dir = {plugins:?}\nplugins = [\"fake\"]\n\
-         cpu_milli = 64000\nmemory_mib = 65536\nstop_grace_min_ms = 1000\ncgroups = false\nshim_cmd = [{bin:?}, \"task-shim\"]\n\
+         cpu_milli = 64000\nmemory_mib = 65536\nstop_grace_min_ms = 1000\ncgroups = false\nshim_cmd = [{bin:?}, \"task-shim\"]\nhost_cmd = [{bin:?}, \"plugin-host\"]\n\
          [plugin_config.fake]\nconfig_path = {fake:?}\n",
         data = dir.path().join("data").display().to_string(),
         plugins = plugins.display().to_string(),
@@ -95,7 +95,8 @@ async fn a_gpu_and_its_mig_partitions_are_never_booked_at_once() {
         let spec = serde_json::json!({"name": format!("mig-{i}"), "queue": "default", "groups": [{"name": "main",
             "resources": {"cpu_milli": 100, "memory_mib": 64, "devices": {"kind": "gpu", "count": 1, "milli": 1000}},
             "task": {"command": "/bin/sh", "args": ["-c", "sleep 2"]}}]});
-        let req = pb::SubmitJobRequest { client_request_id: format!("mig-{i}"), spec_json: spec.to_string(), retry: None };
+        let req =
+            pb::SubmitJobRequest { client_request_id: format!("mig-{i}"), spec_json: spec.to_string(), retry: None };
         jobs.submit(req).await.unwrap();
     }
     // Until every job has started and stopped.
