@@ -197,6 +197,83 @@ mod tests {
         s.apply(upsert("b"));
     }
 
+    /// `mig-exclusive` fires when a MIG partition and its parent are both in use (here the
+    /// node's record is changed behind apply's back after both were placed as plain GPUs).
+    #[test]
+    fn a_partition_used_next_to_its_parent_breaks_mig_exclusive() {
+        use crate::command::{ApplyPlan, RegisterNode, SubmitJob};
+        use suanli_model::{
+            Constraints, Device, DeviceKind, DeviceRequest, DeviceShare, JobKind, JobSpec, Node, NodeId, Placement,
+            Plan, PoolId, QueueId, TaskGroup, TaskResources,
+        };
+        let mut s = State::new(StateConfig::default());
+        s.apply(upsert("q"));
+        let node = Node {
+            id: NodeId::from("n0"),
+            pool: PoolId::from("p"),
+            datacenter: String::new(),
+            region: String::new(),
+            labels: Default::default(),
+            cpu_milli: 8000,
+            memory_mib: 8192,
+            devices: vec![
+                Device::simple("gpu0", DeviceKind::Gpu, "A100"),
+                Device::simple("gpu0-mig0", DeviceKind::Gpu, "A100-3g.40gb"),
+            ],
+            schedulable: true,
+            agent_addr: String::new(),
+        };
+        s.apply(Command::RegisterNode(Box::new(RegisterNode { node, now: 1, fence: None })));
+        let mut placements = Vec::new();
+        for (i, dev) in ["gpu0", "gpu0-mig0"].into_iter().enumerate() {
+            let spec = JobSpec {
+                name: format!("j{i}"),
+                queue: QueueId::from("q"),
+                kind: JobKind::Batch,
+                priority: 0,
+                preemptible: true,
+                gang: false,
+                groups: vec![TaskGroup {
+                    task: None,
+                    name: "t".into(),
+                    replicas: 1,
+                    min_replicas: None,
+                    resources: TaskResources {
+                        cpu_milli: 100,
+                        memory_mib: 100,
+                        devices: Some(DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli: 1000, memory_mib: 0 }),
+                    },
+                }],
+                constraints: Constraints::default(),
+                runtime_estimate_s: None,
+                checkpoint: None,
+            };
+            s.apply(Command::SubmitJob(Box::new(SubmitJob {
+                client_request_id: format!("r{i}"),
+                spec,
+                retry: None,
+                now: 1,
+            })));
+            placements.push(Placement {
+                job: JobId(i as u64 + 1),
+                group: 0,
+                replica: 0,
+                node: NodeId::from("n0"),
+                cpu_milli: 100,
+                memory_mib: 100,
+                devices: vec![DeviceShare { device: dev.into(), milli: 1000, memory_mib: 0 }],
+                borrowed: false,
+            });
+        }
+        s.apply(Command::ApplyPlan(ApplyPlan { plan: Plan { placements, ..Plan::default() }, now: 2 }));
+        assert_eq!(s.invariants(), Ok(()));
+        if let Some(rec) = s.nodes.get_mut(&NodeId::from("n0")) {
+            rec.node.devices[1].partition_of = Some("gpu0".into());
+        }
+        let v = s.invariants().expect_err("both halves of one GPU are in use");
+        assert_eq!(v.rule, "mig-exclusive", "{v}");
+    }
+
     /// A command that changes nothing is not checked (the state is as the last check left it).
     #[test]
     fn an_unchanged_state_is_not_rechecked() {
