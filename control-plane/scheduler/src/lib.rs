@@ -2,8 +2,9 @@
 //!
 //! It owns every scheduling decision: queue order (priority, then weighted dominant-resource
 //! fair share, then age), quota admission with borrowing inside a cohort, gang and elastic
-//! placement, the placement policies (fragmentation-aware by default), preemption with minimal
-//! lost work, and backfill that never delays a reserved head job.
+//! placement under node, model and MIG rules (a GPU and its MIG partitions never in use at
+//! once), the placement policies (fragmentation-aware by default), preemption with minimal lost
+//! work (or youngest first, [`VictimOrder`]), and backfill that never delays a reserved head job.
 //!
 //! ```text
 //!   ClusterView (immutable snapshot) ──┐

@@ -3,7 +3,8 @@
 //! Random clusters (nodes with 0-8 GPUs, some NPUs, NVLink islands, unhealthy devices, cordoned
 //! nodes), queues (nominal quotas, cohorts, borrowing and lending limits, a parent cap), valid
 //! running allocations and pending jobs (whole, fractional, multi-GPU, gang, elastic, CPU-only,
-//! priorities, constraints) go through `schedule`, and the plan is checked against the inputs:
+//! priorities, constraints incl. allowed and avoided nodes) go through `schedule`, and the plan
+//! is checked against the inputs:
 //!
 //! - (a) no node CPU/memory and no device share or device memory over-committed once placements
 //!   are added to running work minus preempted victims; no placement on an unhealthy device or a
@@ -596,6 +597,8 @@ fn build_case(
                 }
                 8 => constraints.regions = vec!["r1".into()],
                 9 => constraints.device_models = vec!["B200".into()],
+                10 => constraints.nodes = vec![NodeId::new("n0"), NodeId::new("n1")],
+                11 => constraints.avoid_nodes = vec![NodeId::new("n0")],
                 _ => {}
             }
             PendingJob {
