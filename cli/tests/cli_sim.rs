@@ -98,3 +98,49 @@ fn bad_input_is_named_not_panicked() {
     let o = suanli(&["bench", "engine", "--nodes", "0"]);
     assert_clean_failure(&o, "--nodes");
 }
+
+/// `--compare-victim-orders` replays twice in one process. Two equal low-priority jobs hold the
+/// node's two GPUs; a high-priority job arrives at t=1000. `old` (started at 0) checkpointed at
+/// 900, `young` (started at 500) at 800: checkpoint-aware stops `old` (≈100 s lost),
+/// youngest-first stops `young` (≈200 s lost), so the ratio is about 2.
+#[test]
+fn replay_compares_victim_orders_in_one_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let n = write(dir.path(), "n.csv", "sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,2,V100M32\n");
+    let p = write(
+        dir.path(),
+        "p.csv",
+        "name,arrival_s,duration_s,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,queue,priority,replicas\n\
+         old,0,10000,1000,1024,1,1000,,default,0,1\n\
+         young,500,10000,1000,1024,1,1000,,default,0,1\n\
+         high,1000,100,1000,1024,1,1000,,default,10,1\n",
+    );
+    let args = ["sim", "replay", "--nodes", &n, "--pods", &p, "--checkpoint-interval-s", "300", "--quiet"];
+    let o = suanli(&[&args[..], &["--compare-victim-orders", "--format", "json"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let ratio = v["lost_gpu_hours_ratio_youngest_first_to_checkpoint_aware"].as_f64().expect("ratio");
+    assert!((1.8..=2.1).contains(&ratio), "ratio {ratio}: {v}");
+    assert_eq!(v["checkpoint_aware"]["preemptions"], 1);
+    assert_eq!(v["youngest_first"]["preemptions"], 1);
+    let o = suanli(&[&args[..], &["--compare-victim-orders"]].concat());
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("GPU-hours lost, youngest-first / checkpoint-aware: "), "{out}");
+
+    // One order alone, arrivals compressed (everything at t=0: nothing to preempt).
+    let o = suanli(&[&args[..], &["--victim-order", "youngest-first", "--compress-arrivals", "100000"]].concat());
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("(0 preemption(s)"), "{out}{}", stderr(&o));
+
+    let o = suanli(&[&args[..], &["--victim-order", "oldest"]].concat());
+    assert_clean_failure(
+        &o,
+        "--victim-order: unknown order \"oldest\"; valid orders: checkpoint-aware, youngest-first",
+    );
+    let o = suanli(&[&args[..], &["--qos-priority", "LS"]].concat());
+    assert_clean_failure(&o, "--qos-priority: \"LS\" is not CLASS=PRIORITY");
+    let o = suanli(&[&args[..], &["--compress-arrivals", "0"]].concat());
+    assert_clean_failure(&o, "--compress-arrivals: 0 must be between 1 and 1000000");
+    let o = suanli(&[&args[..], &["--node-stride", "0"]].concat());
+    assert_clean_failure(&o, "--node-stride");
+}

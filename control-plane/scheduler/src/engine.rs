@@ -98,6 +98,49 @@ pub struct SchedulerConfig {
     /// Benchmark baseline only: evaluate every node for every replica instead of using the
     /// class index. Same decisions in distribution, far slower.
     pub naive_scan: bool,
+    /// How preemption ranks the candidate victims on a node.
+    pub victim_order: VictimOrder,
+}
+
+/// How preemption chooses among acceptable victims (lower priority or reclaimable borrowed
+/// work). On each node the candidates are taken cheapest first until the job fits, and the
+/// node whose victims cost least in total wins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VictimOrder {
+    /// Least lost work first: device milli × (seconds since the last committed checkpoint, or
+    /// since the start without one, + the restore estimate) ([`Allocation::lost_work`]).
+    #[default]
+    CheckpointAware,
+    /// The most recently started first (cost = seconds running), blind to checkpoints, as
+    /// many schedulers order victims.
+    YoungestFirst,
+}
+
+impl VictimOrder {
+    /// Every order, by name.
+    pub const NAMES: [&'static str; 2] = ["checkpoint-aware", "youngest-first"];
+
+    /// Its name (`checkpoint-aware`, `youngest-first`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VictimOrder::CheckpointAware => "checkpoint-aware",
+            VictimOrder::YoungestFirst => "youngest-first",
+        }
+    }
+
+    /// The order named `s`, if any.
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::CheckpointAware, Self::YoungestFirst].into_iter().find(|o| o.as_str() == s)
+    }
+
+    /// The cost of stopping `a` at `now` under this order (lower is preempted first).
+    pub fn cost(self, a: &Allocation, now: u64) -> u128 {
+        match self {
+            VictimOrder::CheckpointAware => a.lost_work(now),
+            VictimOrder::YoungestFirst => u128::from(now.saturating_sub(a.started_at)),
+        }
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -113,6 +156,7 @@ impl Default for SchedulerConfig {
             backfill: true,
             max_reservation_steps: 4096,
             naive_scan: false,
+            victim_order: VictimOrder::CheckpointAware,
         }
     }
 }
@@ -567,7 +611,7 @@ impl Pass<'_> {
         if quota_blocked && !reclaim_allowed && !self.running.iter().any(own_lower) {
             return false;
         }
-        // Candidates per node, cheapest lost work first.
+        // Candidates per node, cheapest first (by the configured victim order).
         let mut by_node: BTreeMap<u32, Vec<(u128, usize)>> = BTreeMap::new();
         for (i, a) in self.running.iter().enumerate() {
             if self.evicted.contains(&i) {
@@ -583,7 +627,8 @@ impl Pass<'_> {
             }
             let Some(n) = self.cluster.node_index(&a.node) else { continue };
             let unit = self.victim_unit(i);
-            let cost: u128 = unit.iter().map(|&j| self.running[j].lost_work(self.now)).sum();
+            let order = self.cfg.victim_order;
+            let cost: u128 = unit.iter().map(|&j| order.cost(&self.running[j], self.now)).sum();
             by_node.entry(n).or_default().push((cost, i));
         }
         for v in by_node.values_mut() {
@@ -938,6 +983,154 @@ mod tests {
         let why = &plan.unplaced.first().expect("the job cannot be placed").reason;
         // n3 has no recorded reason: a plain cordon (as traces mark it).
         assert!(why.contains("0/5 nodes fit: 2 cordoned, 1 down, 1 draining, 1 insufficient cpu"), "{why}");
+    }
+
+    fn nodes(n: usize) -> Vec<Node> {
+        (0..n).map(|i| Node { id: NodeId::new(format!("n{i}")), ..node() }).collect()
+    }
+
+    fn place(nodes: Vec<Node>, running: Vec<Allocation>, job: PendingJob, seed: u64) -> Plan {
+        let view = ClusterView {
+            nodes,
+            queues: vec![queue("a", None, None)],
+            pending: vec![job],
+            running: running.into_iter().map(Arc::new).collect(),
+            ..Default::default()
+        };
+        schedule(&view, 100, seed, &SchedulerConfig::default()).expect("plan")
+    }
+
+    #[test]
+    fn node_constraints_choose_and_exclude_nodes() {
+        for seed in 0..20 {
+            let mut job = gpu_job(1, "a", 0);
+            job.spec.constraints.nodes = vec![NodeId::new("n2")];
+            let plan = place(nodes(4), vec![], job, seed);
+            assert_eq!(plan.placements.iter().map(|p| p.node.as_str()).collect::<Vec<_>>(), ["n2"]);
+
+            let mut job = gpu_job(1, "a", 0);
+            job.spec.constraints.avoid_nodes = vec![NodeId::new("n0"), NodeId::new("n1"), NodeId::new("n3")];
+            let plan = place(nodes(4), vec![], job, seed);
+            assert_eq!(plan.placements.iter().map(|p| p.node.as_str()).collect::<Vec<_>>(), ["n2"]);
+        }
+        // Allowed and avoided at once: nowhere to go, and the reason says why.
+        let mut job = gpu_job(1, "a", 0);
+        job.spec.constraints.nodes = vec![NodeId::new("n1")];
+        job.spec.constraints.avoid_nodes = vec![NodeId::new("n1")];
+        let plan = place(nodes(2), vec![], job, 1);
+        assert!(plan.placements.is_empty());
+        let why = &plan.unplaced.first().expect("unplaced").reason;
+        assert!(why.contains("2 excluded by node constraints"), "{why}");
+    }
+
+    #[test]
+    fn preemption_only_frees_capacity_on_allowed_nodes() {
+        // Both nodes are full of low-priority work; the job may only use n1, so only n1's
+        // allocation is a victim.
+        let run = |i: u64, n: &str| Allocation {
+            id: AllocId(i),
+            job: JobId(100 + i),
+            node: NodeId::new(n),
+            ..running("a", 0, false)
+        };
+        let mut job = gpu_job(1, "a", 10);
+        job.spec.constraints.nodes = vec![NodeId::new("n1")];
+        let plan = place(nodes(2), vec![run(1, "n0"), run(2, "n1")], job, 3);
+        assert_eq!(plan.preemptions.iter().map(|p| p.node.as_str()).collect::<Vec<_>>(), ["n1"]);
+    }
+
+    #[test]
+    fn device_models_narrow_the_devices() {
+        let mut n = node();
+        n.devices =
+            vec![Device::simple("gpu0", DeviceKind::Gpu, "A100"), Device::simple("gpu1", DeviceKind::Gpu, "H100")];
+        for seed in 0..10 {
+            let mut job = gpu_job(1, "a", 0);
+            job.spec.constraints.device_models = vec!["H100".into()];
+            let plan = place(vec![n.clone()], vec![], job, seed);
+            assert_eq!(plan.placements[0].devices[0].device, "gpu1");
+        }
+    }
+
+    fn mig_node() -> Node {
+        let mut n = node();
+        let mut devices = vec![Device::simple("gpu0", DeviceKind::Gpu, "A100")];
+        for k in 0..2 {
+            let mut d = Device::simple(format!("gpu0-mig{k}"), DeviceKind::Gpu, "A100-3g.40gb");
+            d.partition_of = Some("gpu0".into());
+            devices.push(d);
+        }
+        n.devices = devices;
+        n
+    }
+
+    fn holding(dev: &str, milli: u32) -> Allocation {
+        let mut a = running("a", 100, false);
+        a.preemptible = false;
+        a.devices = vec![DeviceShare { device: dev.into(), milli, memory_mib: 0 }];
+        a
+    }
+
+    #[test]
+    fn a_mig_parent_and_its_partitions_are_never_handed_out_together() {
+        for seed in 0..20 {
+            // A partition in use: the parent is not free, whole or shared; the other slice is.
+            let plan = place(vec![mig_node()], vec![holding("gpu0-mig0", 1000)], gpu_job(1, "a", 0), seed);
+            assert_eq!(plan.placements[0].devices[0].device, "gpu0-mig1");
+            let mut share = gpu_job(1, "a", 0);
+            share.spec.groups[0].resources.devices =
+                Some(DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli: 300, memory_mib: 0 });
+            share.spec.constraints.device_models = vec!["A100".into()];
+            let plan = place(vec![mig_node()], vec![holding("gpu0-mig0", 1000)], share.clone(), seed);
+            assert!(plan.placements.is_empty(), "{plan:?}");
+            // A share of the parent in use: no partition is free.
+            let mut slice = gpu_job(1, "a", 0);
+            slice.spec.constraints.device_models = vec!["A100-3g.40gb".into()];
+            let plan = place(vec![mig_node()], vec![holding("gpu0", 200)], slice, seed);
+            assert!(plan.placements.is_empty(), "{plan:?}");
+            let why = &plan.unplaced[0].reason;
+            assert!(why.contains("insufficient gpu"), "{why}");
+            // Two devices at once are whole GPUs only, never a parent with its own slice.
+            let mut two = gpu_job(1, "a", 0);
+            two.spec.groups[0].resources.devices =
+                Some(DeviceRequest { kind: DeviceKind::Gpu, count: 2, milli: 1000, memory_mib: 0 });
+            let plan = place(vec![mig_node()], vec![], two, seed);
+            assert!(plan.placements.is_empty(), "{plan:?}");
+        }
+    }
+
+    #[test]
+    fn a_mig_gpu_counts_once() {
+        let c = Cluster::new(&[mig_node()], &Limits::default(), false, policy::TieBreak::Random).expect("cluster");
+        assert_eq!(c.total_gpu_milli(), 1000);
+        assert_eq!(c.free_gpu_milli(), 1000);
+    }
+
+    #[test]
+    fn victim_order_checkpoint_aware_spares_old_unsaved_work() {
+        // n0: started long ago, checkpointed just now. n1: started recently, never checkpointed.
+        let mut old = Allocation { id: AllocId(1), job: JobId(101), ..running("a", 0, false) };
+        old.started_at = 0;
+        old.last_checkpoint_at = Some(99_990);
+        let mut young =
+            Allocation { id: AllocId(2), job: JobId(102), node: NodeId::new("n1"), ..running("a", 0, false) };
+        young.started_at = 99_000;
+        let view = ClusterView {
+            nodes: nodes(2),
+            queues: vec![queue("a", None, None)],
+            pending: vec![gpu_job(1, "a", 10)],
+            running: vec![Arc::new(old), Arc::new(young)],
+            ..Default::default()
+        };
+        let victim = |order| {
+            let cfg = SchedulerConfig { victim_order: order, ..SchedulerConfig::default() };
+            let plan = schedule(&view, 100_000, 1, &cfg).expect("plan");
+            plan.preemptions.iter().map(|p| p.alloc).collect::<Vec<_>>()
+        };
+        assert_eq!(victim(VictimOrder::CheckpointAware), [AllocId(1)]);
+        assert_eq!(victim(VictimOrder::YoungestFirst), [AllocId(2)]);
+        assert_eq!(VictimOrder::parse("youngest-first"), Some(VictimOrder::YoungestFirst));
+        assert_eq!(VictimOrder::parse("oldest"), None);
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //!
 //! It owns every scheduling decision: queue order (priority, then weighted dominant-resource
 //! fair share, then age), quota admission with borrowing inside a cohort, gang and elastic
-//! placement, the placement policies (fragmentation-aware by default), preemption with minimal
-//! lost work, and backfill that never delays a reserved head job.
+//! placement under node, model and MIG rules (a GPU and its MIG partitions never in use at
+//! once), the placement policies (fragmentation-aware by default), preemption with minimal lost
+//! work (or youngest first, [`VictimOrder`]), and backfill that never delays a reserved head job.
 //!
 //! ```text
 //!   ClusterView (immutable snapshot) ──┐
@@ -30,7 +31,7 @@ pub mod rng;
 pub mod workload;
 
 pub use cluster::{Choice, Cluster, ClusterError, MisfitTally, Shape, ShapeId};
-pub use engine::{ClusterView, PendingJob, SchedulerConfig, schedule};
+pub use engine::{ClusterView, PendingJob, SchedulerConfig, VictimOrder, schedule};
 pub use policy::{POLICY_NAMES, Policy, UnknownPolicy, Weights};
 pub use quota::QuotaError;
 pub use rng::DetRng;

@@ -3,7 +3,8 @@
 //! Random clusters (nodes with 0-8 GPUs, some NPUs, NVLink islands, unhealthy devices, cordoned
 //! nodes), queues (nominal quotas, cohorts, borrowing and lending limits, a parent cap), valid
 //! running allocations and pending jobs (whole, fractional, multi-GPU, gang, elastic, CPU-only,
-//! priorities, constraints) go through `schedule`, and the plan is checked against the inputs:
+//! priorities, constraints incl. allowed and avoided nodes) go through `schedule`, and the plan
+//! is checked against the inputs:
 //!
 //! - (a) no node CPU/memory and no device share or device memory over-committed once placements
 //!   are added to running work minus preempted victims; no placement on an unhealthy device or a
@@ -596,6 +597,8 @@ fn build_case(
                 }
                 8 => constraints.regions = vec!["r1".into()],
                 9 => constraints.device_models = vec!["B200".into()],
+                10 => constraints.nodes = vec![NodeId::new("n0"), NodeId::new("n1")],
+                11 => constraints.avoid_nodes = vec![NodeId::new("n0")],
                 _ => {}
             }
             PendingJob {
@@ -904,4 +907,233 @@ fn checkers_reject_backfill_onto_reserved_nodes() {
         p.nominated = p.id != head;
     }
     assert_eq!(check_backfill(&Inputs::new(&view), &bad, NOW), Ok(()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// MIG: a physical GPU and its partitions are never in use at once, over several passes.
+
+/// Per node, per GPU: how many MIG partitions it carries (0 = not MIG-enabled).
+fn mig_node(i: usize, layout: &[u8]) -> Node {
+    let mut devices = Vec::new();
+    for (k, &parts) in layout.iter().enumerate() {
+        devices.push(Device::simple(format!("gpu{k}"), DeviceKind::Gpu, "A100"));
+        for j in 0..parts {
+            let mut d = Device::simple(format!("gpu{k}-mig{j}"), DeviceKind::Gpu, "A100-1g.10gb");
+            d.partition_of = Some(format!("gpu{k}"));
+            devices.push(d);
+        }
+    }
+    Node {
+        id: NodeId(format!("n{i}")),
+        pool: PoolId::new("p0"),
+        datacenter: "dc".into(),
+        region: "r0".into(),
+        labels: BTreeMap::new(),
+        cpu_milli: 64_000,
+        memory_mib: 262_144,
+        devices,
+        schedulable: true,
+        agent_addr: String::new(),
+    }
+}
+
+/// A job of the MIG cases: `kind` 0 whole GPU, 1 a 400-milli share, 2 two GPUs, 3 a MIG slice
+/// by model, 4 a whole parent by model.
+fn mig_job(id: u64, kind: u8, priority: i32) -> PendingJob {
+    let (count, milli, models): (u32, u32, Vec<String>) = match kind {
+        0 => (1, 1000, vec![]),
+        1 => (1, 400, vec![]),
+        2 => (2, 1000, vec![]),
+        3 => (1, 1000, vec!["A100-1g.10gb".into()]),
+        _ => (1, 1000, vec!["A100".into()]),
+    };
+    PendingJob {
+        id: JobId(id),
+        spec: JobSpec {
+            name: format!("mig{id}"),
+            queue: QueueId::new("q"),
+            kind: JobKind::Batch,
+            priority,
+            preemptible: true,
+            gang: false,
+            groups: vec![TaskGroup {
+                task: None,
+                name: "g".into(),
+                replicas: 1,
+                min_replicas: None,
+                resources: TaskResources {
+                    cpu_milli: 1000,
+                    memory_mib: 1024,
+                    devices: Some(DeviceRequest { kind: DeviceKind::Gpu, count, milli, memory_mib: 0 }),
+                },
+            }],
+            constraints: Constraints { device_models: models, ..Constraints::default() },
+            runtime_estimate_s: None,
+            checkpoint: None,
+        },
+        submitted_at: id,
+        nominated: false,
+    }
+}
+
+/// Fails when a device is over 1000 milli or a partition and its parent are both in use.
+fn mig_double_booking(nodes: &[Node], running: &[std::sync::Arc<Allocation>]) -> Option<String> {
+    let mut used: BTreeMap<(&str, &str), u32> = BTreeMap::new();
+    for a in running {
+        for s in &a.devices {
+            *used.entry((a.node.as_str(), s.device.as_str())).or_default() += s.milli;
+        }
+    }
+    if let Some(((n, d), m)) = used.iter().find(|(_, m)| **m > 1000) {
+        return Some(format!("device {n}/{d} holds {m} milli"));
+    }
+    for n in nodes {
+        for d in &n.devices {
+            if let Some(p) = &d.partition_of
+                && used.contains_key(&(n.id.as_str(), d.id.as_str()))
+                && used.contains_key(&(n.id.as_str(), p.as_str()))
+            {
+                return Some(format!("{}: partition {} and its parent {p} both in use", n.id, d.id));
+            }
+        }
+    }
+    None
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// Random MIG layouts, random jobs (whole, shared, two-GPU, slice, parent) arriving over
+    /// passes with random priorities (so preemption frees parents and slices) and random ends:
+    /// after every pass no device is double booked, the plan passes the checker, and every
+    /// pending job is decided.
+    #[test]
+    fn mig_parents_and_partitions_are_never_used_at_once(
+        layouts in prop::collection::vec(prop::collection::vec(0u8..=3, 1..=3), 1..=3),
+        jobs in prop::collection::vec((0u8..5, 0i32..3, 1u8..4), 1..=24),
+        seed in any::<u64>(),
+        policy in 0usize..POLICY_NAMES.len(),
+    ) {
+        let nodes: Vec<Node> = layouts.iter().enumerate().map(|(i, l)| mig_node(i, l)).collect();
+        let cfg = SchedulerConfig { policy: POLICY_NAMES[policy].to_owned(), ..SchedulerConfig::default() };
+        let mut running: Vec<std::sync::Arc<Allocation>> = Vec::new();
+        let mut ends: BTreeMap<AllocId, u64> = BTreeMap::new();
+        let mut pending: Vec<PendingJob> = Vec::new();
+        let mut next_alloc = 1u64;
+        let passes = 6u64;
+        let per_pass = jobs.len().div_ceil(passes as usize - 2).max(1);
+        for pass in 0..passes {
+            let now = NOW + pass * 100;
+            for (k, &(kind, prio, _)) in jobs.iter().enumerate().skip(pass as usize * per_pass).take(per_pass) {
+                pending.push(mig_job(k as u64 + 1, kind, prio));
+            }
+            running.retain(|a| ends.get(&a.id).is_none_or(|&e| e > pass));
+            let view = ClusterView {
+                nodes: nodes.clone(),
+                queues: vec![Queue::new("q", ResVec::MAX)],
+                pending: pending.clone(),
+                running: running.clone(),
+                ..Default::default()
+            };
+            let plan = schedule(&view, now, seed ^ pass, &cfg).expect("valid view");
+            let r = check::plan(&view, &plan, now, &cfg);
+            prop_assert!(r.is_ok(), "pass {pass}: {}\nplan: {plan:#?}", msg(&r));
+            // Victims stop; placements start.
+            let victims: BTreeSet<AllocId> = plan.preemptions.iter().map(|p| p.alloc).collect();
+            for a in running.iter().filter(|a| victims.contains(&a.id)) {
+                let k = a.job.0 as usize - 1;
+                pending.push(mig_job(a.job.0, jobs[k].0, jobs[k].1));
+            }
+            running.retain(|a| !victims.contains(&a.id));
+            for p in &plan.placements {
+                let job = pending.iter().find(|j| j.id == p.job).expect("placed job was pending").clone();
+                running.push(std::sync::Arc::new(Allocation {
+                    id: AllocId(next_alloc),
+                    job: p.job,
+                    group: p.group,
+                    replica: p.replica,
+                    epoch: 1,
+                    node: p.node.clone(),
+                    queue: job.spec.queue.clone(),
+                    priority: job.spec.priority,
+                    preemptible: true,
+                    cpu_milli: p.cpu_milli,
+                    memory_mib: p.memory_mib,
+                    devices: p.devices.clone(),
+                    started_at: now,
+                    last_checkpoint_at: None,
+                    checkpoint_grace_s: None,
+                    restore_s: 0,
+                    runtime_estimate_s: None,
+                    borrowed: p.borrowed,
+                    gang: false,
+                }));
+                ends.insert(AllocId(next_alloc), pass + u64::from(jobs[p.job.0 as usize - 1].2));
+                next_alloc += 1;
+            }
+            let placed: BTreeSet<JobId> = plan.placements.iter().map(|p| p.job).collect();
+            pending.retain(|j| !placed.contains(&j.id));
+            if let Some(why) = mig_double_booking(&nodes, &running) {
+                prop_assert!(false, "pass {pass}: {why}\nplan: {plan:#?}");
+            }
+        }
+    }
+}
+
+/// The checker catches a plan that hands out a partition while its parent is used.
+#[test]
+fn checker_rejects_a_partition_next_to_its_used_parent() {
+    let nodes = vec![mig_node(0, &[2])];
+    let mut job = mig_job(1, 3, 0);
+    job.spec.constraints.device_models.clear();
+    let parent = Allocation {
+        id: AllocId(1),
+        job: JobId(50),
+        group: 0,
+        replica: 0,
+        epoch: 1,
+        node: NodeId::new("n0"),
+        queue: QueueId::new("q"),
+        priority: 0,
+        preemptible: false,
+        cpu_milli: 1000,
+        memory_mib: 1024,
+        devices: vec![DeviceShare { device: "gpu0".into(), milli: 300, memory_mib: 0 }],
+        started_at: 0,
+        last_checkpoint_at: None,
+        checkpoint_grace_s: None,
+        restore_s: 0,
+        runtime_estimate_s: None,
+        borrowed: false,
+        gang: false,
+    };
+    let view = ClusterView {
+        nodes,
+        queues: vec![Queue::new("q", ResVec::MAX)],
+        pending: vec![job],
+        running: vec![std::sync::Arc::new(parent)],
+        ..Default::default()
+    };
+    let placement = suanli_model::Placement {
+        job: JobId(1),
+        group: 0,
+        replica: 0,
+        node: NodeId::new("n0"),
+        cpu_milli: 1000,
+        memory_mib: 1024,
+        devices: vec![DeviceShare { device: "gpu0-mig1".into(), milli: 1000, memory_mib: 0 }],
+        borrowed: false,
+    };
+    let plan = Plan { placements: vec![placement.clone()], ..Plan::default() };
+    let r = check_capacity(&Inputs::new(&view), &plan);
+    assert!(msg(&r).contains("MIG partition gpu0-mig1 and its parent gpu0 both in use"), "{}", msg(&r));
+    // The same slice on a free GPU passes; with node constraints that exclude n0 it fails.
+    let mut free = view.clone();
+    free.running.clear();
+    assert_eq!(check_capacity(&Inputs::new(&free), &plan), Ok(()));
+    free.pending[0].spec.constraints.avoid_nodes = vec![NodeId::new("n0")];
+    assert!(check_capacity(&Inputs::new(&free), &plan).is_err());
+    free.pending[0].spec.constraints.avoid_nodes.clear();
+    free.pending[0].spec.constraints.nodes = vec![NodeId::new("n1")];
+    assert!(check_capacity(&Inputs::new(&free), &plan).is_err());
 }

@@ -28,6 +28,8 @@ impl State {
     /// - `node-overcommit`: live allocations on a node fit its CPU and memory.
     /// - `device-overcommit`: shares on a device sum to at most 1000 milli, and memory slices
     ///   to at most its memory (when known); every share names a device the node has.
+    /// - `mig-exclusive`: a MIG partition and its physical parent (both devices of the node)
+    ///   are never used at once.
     /// - `alloc-node`: live allocations run on known nodes that are not down.
     /// - `one-live-alloc-per-task`: at most one live allocation per (job, group, replica), and
     ///   at most one allocation per (job, group, replica, epoch).
@@ -70,6 +72,22 @@ impl State {
                     return fail(
                         "device-overcommit",
                         format!("device {dev} on {id}: {} milli, {}/{} MiB", u.milli, u.memory_mib, d.memory_mib),
+                    );
+                }
+            }
+        }
+        for (id, devs) in &usage.devices {
+            let Some(rec) = self.nodes.get(id) else { continue };
+            let used = |d: &str| devs.get(d).is_some_and(|u| u.milli > 0 || u.memory_mib > 0);
+            for d in &rec.node.devices {
+                if let Some(parent) = d.partition_of.as_deref()
+                    && parent != d.id
+                    && used(&d.id)
+                    && used(parent)
+                {
+                    return fail(
+                        "mig-exclusive",
+                        format!("device {} on {id} and its MIG parent {parent} are both in use", d.id),
                     );
                 }
             }
@@ -343,6 +361,83 @@ mod tests {
             });
         };
         assert_eq!(broken(&bad_hw), Err("checkpoint"));
+    }
+
+    /// `mig-exclusive` fires when a MIG partition and its parent are both in use (here the
+    /// node's record is changed behind apply's back after both were placed as plain GPUs).
+    #[test]
+    fn a_partition_used_next_to_its_parent_breaks_mig_exclusive() {
+        use crate::command::{ApplyPlan, RegisterNode, SubmitJob};
+        use suanli_model::{
+            Constraints, Device, DeviceKind, DeviceRequest, DeviceShare, JobKind, JobSpec, Node, NodeId, Placement,
+            Plan, PoolId, QueueId, TaskGroup, TaskResources,
+        };
+        let mut s = State::new(StateConfig::default());
+        s.apply(upsert("q"));
+        let node = Node {
+            id: NodeId::from("n0"),
+            pool: PoolId::from("p"),
+            datacenter: String::new(),
+            region: String::new(),
+            labels: Default::default(),
+            cpu_milli: 8000,
+            memory_mib: 8192,
+            devices: vec![
+                Device::simple("gpu0", DeviceKind::Gpu, "A100"),
+                Device::simple("gpu0-mig0", DeviceKind::Gpu, "A100-3g.40gb"),
+            ],
+            schedulable: true,
+            agent_addr: String::new(),
+        };
+        s.apply(Command::RegisterNode(Box::new(RegisterNode { node, now: 1, fence: None })));
+        let mut placements = Vec::new();
+        for (i, dev) in ["gpu0", "gpu0-mig0"].into_iter().enumerate() {
+            let spec = JobSpec {
+                name: format!("j{i}"),
+                queue: QueueId::from("q"),
+                kind: JobKind::Batch,
+                priority: 0,
+                preemptible: true,
+                gang: false,
+                groups: vec![TaskGroup {
+                    task: None,
+                    name: "t".into(),
+                    replicas: 1,
+                    min_replicas: None,
+                    resources: TaskResources {
+                        cpu_milli: 100,
+                        memory_mib: 100,
+                        devices: Some(DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli: 1000, memory_mib: 0 }),
+                    },
+                }],
+                constraints: Constraints::default(),
+                runtime_estimate_s: None,
+                checkpoint: None,
+            };
+            s.apply(Command::SubmitJob(Box::new(SubmitJob {
+                client_request_id: format!("r{i}"),
+                spec,
+                retry: None,
+                now: 1,
+            })));
+            placements.push(Placement {
+                job: JobId(i as u64 + 1),
+                group: 0,
+                replica: 0,
+                node: NodeId::from("n0"),
+                cpu_milli: 100,
+                memory_mib: 100,
+                devices: vec![DeviceShare { device: dev.into(), milli: 1000, memory_mib: 0 }],
+                borrowed: false,
+            });
+        }
+        s.apply(Command::ApplyPlan(ApplyPlan { plan: Plan { placements, ..Plan::default() }, now: 2 }));
+        assert_eq!(s.invariants(), Ok(()));
+        if let Some(rec) = s.nodes.get_mut(&NodeId::from("n0")) {
+            rec.node.devices[1].partition_of = Some("gpu0".into());
+        }
+        let v = s.invariants().expect_err("both halves of one GPU are in use");
+        assert_eq!(v.rule, "mig-exclusive", "{v}");
     }
 
     /// A command that changes nothing is not checked (the state is as the last check left it).
