@@ -22,14 +22,18 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;
 
-/// One line of a trainer journal (`$TRAINER_JOURNAL`, docs/checkpoints.md).
+/// One line of a trainer journal (`$TRAINER_JOURNAL`, docs/checkpoints.md). The ids are the
+/// task's environment variables as the trainer read them: numbers or strings of digits.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct TrainerLine {
     /// `$SUANLI_JOB_ID`.
+    #[serde(deserialize_with = "number_or_digits")]
     pub job: u64,
     /// `$SUANLI_ATTEMPT` (the epoch).
+    #[serde(deserialize_with = "number_or_digits")]
     pub attempt: u64,
     /// `$SUANLI_ALLOC_ID`.
+    #[serde(deserialize_with = "number_or_digits")]
     pub alloc: u64,
     /// The step (for `start` and `restore`: the step it starts from).
     pub step: u64,
@@ -37,6 +41,20 @@ pub struct TrainerLine {
     pub t: f64,
     /// step | start | checkpoint | restore | exit
     pub event: String,
+}
+
+/// A u64 written as a JSON number or as a string of digits.
+fn number_or_digits<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum N {
+        Number(u64),
+        Digits(String),
+    }
+    match N::deserialize(d)? {
+        N::Number(n) => Ok(n),
+        N::Digits(s) => s.parse().map_err(|e| serde::de::Error::custom(format!("{s:?} is not a u64: {e}"))),
+    }
 }
 
 /// Parses a trainer journal; a line that does not parse (one cut short by a SIGKILL) is
@@ -367,5 +385,13 @@ mod tests {
     fn a_torn_last_line_is_skipped() {
         let text = "{\"job\":1,\"attempt\":1,\"alloc\":1,\"step\":0,\"t\":1.0,\"event\":\"start\"}\n{\"job\":1,\"att";
         assert_eq!(parse_trainer_journal(text).len(), 1);
+    }
+
+    #[test]
+    fn ids_may_be_strings_of_digits() {
+        // What the trainer writes: its environment's values as they are.
+        let text = r#"{"alloc": "12", "attempt": "3", "event": "restore", "job": "4", "restore_step": "10", "step": 10, "t": 1.5}"#;
+        let l = parse_trainer_journal(text);
+        assert_eq!(l, [TrainerLine { job: 4, attempt: 3, alloc: 12, step: 10, t: 1.5, event: "restore".into() }]);
     }
 }

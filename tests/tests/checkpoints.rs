@@ -344,12 +344,15 @@ impl Drop for Moto {
     }
 }
 
-/// `$SUANLI_MOTO_SERVER`, else the gate's install (`target/tools/moto/bin/moto_server`).
+/// `$SUANLI_MOTO_SERVER`, else the gate's install (`$SUANLI_TOOLS_DIR`, default
+/// `target/tools`, then `moto/bin/moto_server`), as agent/tests/checkpoint_store.rs finds it.
 fn moto_server() -> std::path::PathBuf {
     if let Some(p) = std::env::var_os("SUANLI_MOTO_SERVER") {
         return p.into();
     }
-    let p = support::target_dir().parent().unwrap().join("tools").join("moto").join("bin").join("moto_server");
+    let tools = std::env::var_os("SUANLI_TOOLS_DIR")
+        .map_or_else(|| support::target_dir().parent().unwrap().join("tools"), std::path::PathBuf::from);
+    let p = tools.join("moto").join("bin").join("moto_server");
     assert!(
         p.is_file(),
         "moto_server not found at {} and SUANLI_MOTO_SERVER is unset: run scripts/setup.sh (it installs moto[server])",
