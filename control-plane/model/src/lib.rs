@@ -29,7 +29,9 @@ pub mod queue;
 pub mod resources;
 
 pub use alloc::Allocation;
-pub use checkpoint::{CheckpointHardware, CheckpointManifest, MANIFEST_FILE};
+pub use checkpoint::{
+    CheckpointHardware, CheckpointManifest, MANIFEST_FILE, ManifestDecodeError, check_checkpoint_path,
+};
 pub use device::{Device, DeviceKind, Health};
 pub use error::ValidationError;
 pub use ids::{AllocId, JobId, NodeId, PoolId, QueueId};
