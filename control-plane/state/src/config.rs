@@ -176,9 +176,46 @@ impl StateConfig {
                 "must be between 1 and 1000000".into(),
             ));
         }
+        if self.checkpoint_store.len() > self.max_uri_len {
+            return Err(ConfigError::new(
+                "checkpoint_store",
+                format!("{} bytes", self.checkpoint_store.len()),
+                format!("must be at most max_uri_len ({}) bytes", self.max_uri_len),
+            ));
+        }
+        if !self.checkpoint_store.is_empty() {
+            let scheme = self.checkpoint_store.split_once("://").map(|(s, _)| s);
+            if !scheme.is_some_and(|s| CHECKPOINT_STORE_SCHEMES.contains(&s)) {
+                return Err(ConfigError::new(
+                    "checkpoint_store",
+                    suanli_model::error::quote(&self.checkpoint_store),
+                    format!(
+                        "must be empty or a URL with scheme {} (scheme://...)",
+                        CHECKPOINT_STORE_SCHEMES.join(", ")
+                    ),
+                ));
+            }
+        }
+        if self.avoid_failed_node_s > self.limits.max_duration_s {
+            return Err(ConfigError::new(
+                "avoid_failed_node_s",
+                self.avoid_failed_node_s,
+                format!("must be at most limits.max_duration_s ({})", self.limits.max_duration_s),
+            ));
+        }
+        if self.max_infra_requeues == 0 || self.max_infra_requeues > 1_000_000 {
+            return Err(ConfigError::new(
+                "max_infra_requeues",
+                self.max_infra_requeues,
+                "must be between 1 and 1000000".into(),
+            ));
+        }
         self.default_retry.validate(self)
     }
 }
+
+/// The URL schemes a checkpoint store may use (what the agents' `object_store` opens).
+pub const CHECKPOINT_STORE_SCHEMES: [&str; 4] = ["file", "s3", "gs", "az"];
 
 #[cfg(test)]
 mod tests {
@@ -206,5 +243,26 @@ mod tests {
             ..StateConfig::default()
         };
         assert_eq!(c.validate().map_err(|e| e.field), Err("retry.max_attempts".to_owned()));
+    }
+
+    #[test]
+    fn checkpoint_settings_are_bounded() {
+        let field = |c: StateConfig| c.validate().map_err(|e| e.field);
+        for ok in ["", "file:///shared/ckpt", "s3://bucket/prefix", "gs://b", "az://container/p"] {
+            assert_eq!(field(StateConfig { checkpoint_store: ok.into(), ..StateConfig::default() }), Ok(()), "{ok}");
+        }
+        for bad in ["/shared/ckpt", "http://x", "s3:/bucket", "ftp://h/p"] {
+            let c = StateConfig { checkpoint_store: bad.into(), ..StateConfig::default() };
+            assert_eq!(field(c), Err("checkpoint_store".to_owned()), "{bad}");
+        }
+        let long = format!("s3://{}", "b".repeat(3000));
+        assert_eq!(
+            field(StateConfig { checkpoint_store: long, ..StateConfig::default() }),
+            Err("checkpoint_store".into())
+        );
+        let c = StateConfig { avoid_failed_node_s: u64::MAX, ..StateConfig::default() };
+        assert_eq!(field(c), Err("avoid_failed_node_s".to_owned()));
+        let c = StateConfig { max_infra_requeues: 0, ..StateConfig::default() };
+        assert_eq!(field(c), Err("max_infra_requeues".to_owned()));
     }
 }

@@ -1,7 +1,7 @@
 //! Invariants that must hold after every applied command, on every replica. Tests check them
 //! after each step; chaos checks them on live clusters.
 
-use crate::records::{Desired, JobState, NodeStatus};
+use crate::records::{Desired, JobState, NodeStatus, StopReason};
 use crate::state::State;
 use crate::usage::queue_usage;
 use std::collections::{BTreeMap, BTreeSet};
@@ -151,6 +151,71 @@ impl State {
                 return fail("requests", format!("request {rid:?} points at job {id}, which it did not create"));
             }
         }
+        self.checkpoint_invariants()
+    }
+
+    /// The checkpoint-side records (issue 18):
+    ///
+    /// - `nomination`: a job holding capacity is pending; its victims are allocations that
+    ///   were created, and each one still live is being stopped for that job.
+    /// - `migration`: a migration target belongs to a job between its stop and its next
+    ///   placement (requeuing or pending).
+    /// - `end-class`: a live allocation has no end yet; an ended allocation's lost work is
+    ///   counted in its job's `lost_device_s`; infrastructure requeues are requeues.
+    /// - `checkpoint`: a hardware-bound checkpoint names a model and at least one device.
+    fn checkpoint_invariants(&self) -> Result<(), Violation> {
+        for j in self.jobs.values() {
+            if let Some(n) = &j.nomination {
+                if j.state != JobState::Pending {
+                    return fail("nomination", format!("job {} holds capacity but is {}", j.id, j.state.as_str()));
+                }
+                for v in &n.victims {
+                    if v.0 >= self.next_alloc {
+                        return fail("nomination", format!("job {} waits for allocation {v}, never created", j.id));
+                    }
+                    let Some(a) = self.allocs.get(v).filter(|a| a.is_live()) else {
+                        continue;
+                    };
+                    let for_this = matches!(
+                        &a.desired,
+                        Desired::Stop { reason: StopReason::Preempted { for_job }, .. } if *for_job == j.id
+                    );
+                    if !for_this {
+                        return fail(
+                            "nomination",
+                            format!("job {} waits for allocation {v}, which is not being stopped for it", j.id),
+                        );
+                    }
+                }
+            }
+            if j.migration.is_some() && !matches!(j.state, JobState::Requeuing | JobState::Pending) {
+                return fail("migration", format!("job {} has a migration target but is {}", j.id, j.state.as_str()));
+            }
+            if j.infra_requeues > j.requeues {
+                return fail(
+                    "end-class",
+                    format!("job {}: {} infrastructure requeues of {} in all", j.id, j.infra_requeues, j.requeues),
+                );
+            }
+            let mut lost: u64 = j.history.iter().map(|h| h.lost_device_s).fold(0, u64::saturating_add);
+            for a in j.allocs.iter().filter_map(|a| self.allocs.get(a)) {
+                if a.is_live() && a.end.is_some() {
+                    return fail("end-class", format!("live allocation {} already has an end", a.alloc.id));
+                }
+                lost = lost.saturating_add(a.lost_device_s);
+            }
+            if lost > j.lost_device_s {
+                return fail(
+                    "end-class",
+                    format!("job {}: its allocations lost {lost} device-s, the job counts {}", j.id, j.lost_device_s),
+                );
+            }
+            if let Some(h) = j.latest_checkpoint.as_ref().and_then(|c| c.hardware.as_ref())
+                && (h.model.is_empty() || h.count == 0)
+            {
+                return fail("checkpoint", format!("job {}: hardware-bound checkpoint without model or count", j.id));
+            }
+        }
         Ok(())
     }
 }
@@ -177,6 +242,107 @@ mod tests {
         s.apply(upsert("a"));
         s.live_jobs.insert(JobId(99));
         s.apply(upsert("b"));
+    }
+
+    /// Each checkpoint-side invariant fires on a state broken the way it guards against.
+    #[test]
+    fn checkpoint_invariants_catch_broken_records() {
+        use crate::records::{EndClass, JobState, Nomination};
+        use std::collections::BTreeSet;
+        use suanli_model::{
+            AllocId, CheckpointHardware, Constraints, DeviceKind, DeviceRequest, JobKind, JobSpec, QueueId, TaskGroup,
+            TaskResources,
+        };
+        let mut s = State::new(StateConfig::default());
+        s.apply(upsert("q"));
+        let spec = JobSpec {
+            name: "j".into(),
+            queue: QueueId::from("q"),
+            kind: JobKind::Training,
+            priority: 0,
+            preemptible: true,
+            gang: true,
+            groups: vec![TaskGroup {
+                task: None,
+                name: "w".into(),
+                replicas: 1,
+                min_replicas: None,
+                resources: TaskResources {
+                    cpu_milli: 1000,
+                    memory_mib: 1024,
+                    devices: Some(DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli: 1000, memory_mib: 0 }),
+                },
+            }],
+            constraints: Constraints::default(),
+            runtime_estimate_s: None,
+            checkpoint: None,
+        };
+        s.apply(Command::SubmitJob(Box::new(crate::SubmitJob {
+            client_request_id: "a".into(),
+            spec,
+            retry: None,
+            now: 1,
+        })));
+        assert_eq!(s.invariants(), Ok(()));
+        let id = JobId(1);
+        let rule = |s: &State| s.invariants().map_err(|v| v.rule);
+        let broken = |f: &dyn Fn(&mut crate::records::Job)| {
+            let mut b = s.clone();
+            if let Some(j) = b.jobs.get_mut(&id) {
+                f(j);
+            }
+            b.live = crate::usage::LiveIndex::build(&b.allocs, &b.nodes, &b.jobs);
+            rule(&b)
+        };
+        let never_made = Nomination { victims: BTreeSet::from([AllocId(99)]), since: 1 };
+        assert_eq!(broken(&|j| j.nomination = Some(never_made.clone())), Err("nomination"));
+        let held = Nomination { victims: BTreeSet::new(), since: 1 };
+        assert_eq!(
+            broken(&|j| {
+                j.nomination = Some(held.clone());
+                j.state = JobState::Preempted;
+            }),
+            Err("nomination")
+        );
+        assert_eq!(
+            broken(&|j| {
+                j.migration = Some(crate::records::MigrationTarget::default());
+                j.state = JobState::Running;
+            }),
+            Err("migration")
+        );
+        assert_eq!(broken(&|j| j.infra_requeues = 1), Err("end-class"));
+        let lost_more = |j: &mut crate::records::Job| {
+            j.history.push(crate::records::AttemptRecord {
+                attempt: 1,
+                alloc: AllocId(1),
+                group: 0,
+                replica: 0,
+                node: suanli_model::NodeId::from("n"),
+                started_at: 1,
+                ended_at: 2,
+                state: crate::records::AllocState::Lost,
+                message: String::new(),
+                end: Some(EndClass::NodeLost),
+                exit_code: None,
+                lost_device_s: 5,
+                restored_step: None,
+            });
+        };
+        assert_eq!(broken(&lost_more), Err("end-class"));
+        let bad_hw = |j: &mut crate::records::Job| {
+            j.latest_checkpoint = Some(crate::records::CheckpointRecord {
+                uri: "file:///c".into(),
+                step: 1,
+                size_bytes: 1,
+                at: 1,
+                alloc: AllocId(1),
+                epoch: 1,
+                wall_time: 0,
+                hardware: Some(CheckpointHardware { kind: DeviceKind::Gpu, model: "A100".into(), count: 0 }),
+            });
+        };
+        assert_eq!(broken(&bad_hw), Err("checkpoint"));
     }
 
     /// A command that changes nothing is not checked (the state is as the last check left it).

@@ -32,11 +32,11 @@ pub use command::{
     ReportedStatus, Response, SetClusterId, SetNodeMode, SkipEntry, SubmitJob, UpdateConfig, UpsertQueue,
     check_encoded_size, encode_command,
 };
-pub use config::{ConfigError, RetryPolicy, StateConfig};
+pub use config::{CHECKPOINT_STORE_SCHEMES, ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;
 pub use records::{
     AgentFence, Alloc, AllocState, AttemptRecord, AvoidNode, CheckpointRecord, Desired, DrainPlan, EndClass, Job,
     JobState, MAX_ATTEMPT_HISTORY, MigrationTarget, NodeRecord, NodeStatus, Nomination, StopReason,
 };
 pub use refusal::RefusalReason;
-pub use state::{SNAPSHOT_FORMAT, SnapshotError, State};
+pub use state::{NOMINATION_SLACK_S, SNAPSHOT_FORMAT, SnapshotError, State};

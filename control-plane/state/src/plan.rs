@@ -395,6 +395,10 @@ impl State {
                 desired: Desired::Run,
                 updated_at: now,
                 message: String::new(),
+                end: None,
+                exit_code: None,
+                lost_device_s: 0,
+                restored_step: None,
             };
             // Node and device usage was reserved by the re-check.
             self.live.account(&rec, &self.nodes, 1);

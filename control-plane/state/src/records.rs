@@ -161,6 +161,15 @@ impl EndClass {
         )
     }
 
+    /// True for ends that make the job's next attempt avoid the node for a while
+    /// (`StateConfig::avoid_failed_node_s`): the task failed there, or the node or a device did.
+    pub fn avoids_node(self) -> bool {
+        matches!(
+            self,
+            EndClass::Exit | EndClass::Oom | EndClass::StartFailed | EndClass::DeviceError | EndClass::NodeLost
+        )
+    }
+
     /// Lowercase name (as on the wire).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -364,6 +373,18 @@ pub struct Alloc {
     pub updated_at: u64,
     /// Last message from the agent or the state machine.
     pub message: String,
+    /// How it ended, once it has (none while live, and in snapshots of earlier builds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end: Option<EndClass>,
+    /// The task's exit code, when it exited by itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Device-seconds of work lost at its end (see [`Job::lost_device_s`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lost_device_s: u64,
+    /// The checkpoint step its attempt was started from (none: from the start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored_step: Option<u64>,
 }
 
 impl Alloc {

@@ -1,13 +1,14 @@
 //! The state machine: records, `apply`, snapshots and the scheduler's view.
 
 use crate::command::{
-    AllocStatus, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, NodeCondition, NodeDown, NodeMode,
-    RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
+    AllocStatus, ApplyPlan, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, MigrateJob, NodeCondition,
+    NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob,
+    UpdateConfig, UpsertQueue,
 };
 use crate::config::StateConfig;
 use crate::records::{
-    Alloc, AllocState, AttemptRecord, CheckpointRecord, Desired, DrainPlan, Job, JobState, MAX_ATTEMPT_HISTORY,
-    NodeRecord, NodeStatus, StopReason,
+    Alloc, AllocState, AttemptRecord, AvoidNode, CheckpointRecord, Desired, DrainPlan, EndClass, Job, JobState,
+    MAX_ATTEMPT_HISTORY, MigrationTarget, NodeRecord, NodeStatus, Nomination, StopReason,
 };
 use crate::usage::{LiveIndex, Usage};
 use serde::{Deserialize, Serialize};
@@ -314,13 +315,12 @@ impl State {
             Command::NodeCondition(c) => self.node_condition(c),
             Command::SubmitJob(c) => self.submit_job(*c, rev),
             Command::CancelJob(c) => self.cancel_job(c, rev),
-            Command::ApplyPlan(c) => self.apply_plan(c, rev),
+            Command::ApplyPlan(c) => self.apply_plan_and_follow(c, rev),
             Command::AllocStatus(c) => self.alloc_status(c, rev),
             Command::ReportCheckpoint(c) => self.report_checkpoint(c, rev),
             Command::UpdateConfig(c) => self.update_config(*c),
             Command::SetClusterId(c) => self.set_cluster_id(c),
-            // Issue 18: migration is being built (helper h-state).
-            Command::MigrateJob(c) => Err(CommandError::UnknownJob { job: c.job.0 }),
+            Command::MigrateJob(c) => self.migrate_job(c, rev),
             Command::Batch(b) => return self.apply_batch(b),
             // Read only while halted, by the raft layer; met here, the entry was applied.
             Command::SkipEntry(c) => Err(CommandError::Conflict {
@@ -596,7 +596,8 @@ impl State {
             }
         }
         for aid in lost {
-            self.end_alloc(aid, AllocState::Lost, "node re-registered without the resources it used", now, rev);
+            let why = "node re-registered without the resources it used";
+            self.end_alloc(aid, AllocState::Lost, Some(EndClass::DeviceError), None, why, now, rev);
         }
         let unhealthy: BTreeSet<&str> =
             node.devices.iter().filter(|d| d.health == Health::Unhealthy).map(|d| d.id.as_str()).collect();
@@ -729,7 +730,7 @@ impl State {
         let live: Vec<AllocId> = self.allocs_on(&c.node).filter(|a| a.is_live()).map(|a| a.alloc.id).collect();
         let msg = if reason.is_empty() { "node down".to_owned() } else { format!("node down: {reason}") };
         for aid in live {
-            self.end_alloc(aid, AllocState::Lost, &msg, now, rev);
+            self.end_alloc(aid, AllocState::Lost, Some(EndClass::NodeLost), None, &msg, now, rev);
         }
         Ok((Response::Done, Effect::Changed))
     }
@@ -879,6 +880,8 @@ impl State {
         job.reason = reason.to_owned();
         job.updated_at = now;
         job.revision = rev;
+        job.nomination = None;
+        job.migration = None;
         let allocs = job.allocs.clone();
         self.live_jobs.remove(&id);
         self.live.pending.remove(&id);
@@ -933,7 +936,10 @@ impl State {
         if !a.is_live() || a.desired != Desired::Run {
             return;
         }
-        let saves = matches!(reason, StopReason::Preempted { .. } | StopReason::Drain | StopReason::DeviceUnhealthy);
+        let saves = matches!(
+            reason,
+            StopReason::Preempted { .. } | StopReason::Drain | StopReason::DeviceUnhealthy | StopReason::Migrate
+        );
         let grace = a.alloc.checkpoint_grace_s.filter(|_| saves);
         a.desired =
             Desired::Stop { reason, checkpoint_first: grace.is_some(), grace_s: grace.unwrap_or(0), since: now };
@@ -962,32 +968,95 @@ impl State {
         }
     }
 
-    /// Marks a live allocation ended and moves its job along.
-    fn end_alloc(&mut self, aid: AllocId, state: AllocState, message: &str, now: u64, rev: u64) {
+    /// Marks a live allocation ended and moves its job along. `seen` is how it ended as the
+    /// agent saw it, or as the state machine decided (a node declared down); the reason a stop
+    /// was ordered for wins over it ([`classify_end`]).
+    #[allow(clippy::too_many_arguments)]
+    fn end_alloc(
+        &mut self,
+        aid: AllocId,
+        state: AllocState,
+        seen: Option<EndClass>,
+        exit_code: Option<i32>,
+        message: &str,
+        now: u64,
+        rev: u64,
+    ) {
         let max = self.config.max_message_len;
-        let Some(a) = self.allocs.get_mut(&aid) else {
+        let avoid_s = self.config.avoid_failed_node_s;
+        let Some(a) = self.allocs.get(&aid) else {
             return;
         };
         if !a.is_live() {
             return;
         }
+        let job_id = a.alloc.job;
+        let class = classify_end(&a.desired, state, seen);
+        // The job's latest checkpoint counts for every allocation of the attempt that wrote it.
+        let job_ckpt = self
+            .jobs
+            .get(&job_id)
+            .and_then(|j| j.latest_checkpoint.as_ref())
+            .filter(|c| c.epoch == a.alloc.epoch)
+            .map(|c| c.at);
+        let lost = if class == EndClass::Succeeded { 0 } else { lost_device_s(&a.alloc, job_ckpt, now) };
+        let nominee = match &a.desired {
+            Desired::Stop { reason: StopReason::Preempted { for_job }, .. } => Some(*for_job),
+            _ => None,
+        };
+        let Some(a) = self.allocs.get_mut(&aid) else {
+            return;
+        };
         self.live.add(a, &self.nodes, -1);
         a.state = state;
         a.updated_at = now;
         a.message = cut(message, max);
-        let job_id = a.alloc.job;
+        a.end = Some(class);
+        a.exit_code = exit_code;
+        a.lost_device_s = lost;
         let stop_requested = a.desired != Desired::Run;
-        self.on_alloc_ended(job_id, state, stop_requested, message, now, rev);
+        let node = a.alloc.node.clone();
+        if let Some(j) = self.jobs.get_mut(&job_id) {
+            j.lost_device_s = j.lost_device_s.saturating_add(lost);
+            if class.avoids_node() && avoid_s > 0 && !j.state.is_terminal() {
+                j.avoid = Some(AvoidNode { node, until: now.saturating_add(avoid_s) });
+            }
+        }
+        if let Some(p) = nominee {
+            self.victim_ended(p, aid, rev);
+        }
+        self.on_alloc_ended(job_id, state, class, stop_requested, message, now, rev);
+    }
+
+    /// One of the allocations preempted for job `p` ended: its pending reason says how many
+    /// it still waits for.
+    fn victim_ended(&mut self, p: JobId, aid: AllocId, rev: u64) {
+        let Some(n) = self.jobs.get(&p).and_then(|j| j.nomination.as_ref()) else {
+            return;
+        };
+        if !n.victims.contains(&aid) {
+            return;
+        }
+        let left = n.victims.iter().filter(|v| self.allocs.get(v).is_some_and(Alloc::is_live)).count();
+        let max = self.config.max_message_len;
+        if let Some(j) = self.jobs.get_mut(&p)
+            && j.state == JobState::Pending
+        {
+            j.reason = cut(&nomination_reason(left), max);
+            j.revision = rev;
+        }
     }
 
     fn job_has_live(&self, id: JobId) -> bool {
         self.jobs.get(&id).is_some_and(|j| j.allocs.iter().any(|a| self.allocs.get(a).is_some_and(Alloc::is_live)))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn on_alloc_ended(
         &mut self,
         id: JobId,
         ended: AllocState,
+        class: EndClass,
         stop_requested: bool,
         message: &str,
         now: u64,
@@ -1010,7 +1079,8 @@ impl State {
                         j.revision = rev;
                     }
                 }
-                AllocState::Failed => {
+                // Not the application's doing: requeued without using up an attempt.
+                AllocState::Failed if !class.is_infrastructure() => {
                     let (failures, max_attempts, others) =
                         (job.failures + 1, job.retry.max_attempts, job.allocs.clone());
                     let reason = cut(&format!("attempt {} failed: {message}", job.attempt), max);
@@ -1033,19 +1103,20 @@ impl State {
                         self.requeue_when_stopped(id, now, rev);
                     }
                 }
-                AllocState::Stopped | AllocState::Lost => {
+                AllocState::Failed | AllocState::Stopped | AllocState::Lost => {
                     let others = job.allocs.clone();
                     for o in others {
                         self.ask_stop(o, StopReason::Requeue, now);
                     }
                     if let Some(j) = self.jobs.get_mut(&id) {
                         j.state = JobState::Requeuing;
+                        let word = match ended {
+                            AllocState::Lost => "lost",
+                            AllocState::Failed => class.as_str(),
+                            _ => "stopped",
+                        };
                         j.reason = cut(
-                            &format!(
-                                "{} {}: {message}",
-                                if ended == AllocState::Lost { "lost" } else { "stopped" },
-                                if stop_requested { "as asked" } else { "unexpectedly" }
-                            ),
+                            &format!("{word} {}: {message}", if stop_requested { "as asked" } else { "unexpectedly" }),
                             max,
                         );
                         j.updated_at = now;
@@ -1072,6 +1143,8 @@ impl State {
             return;
         }
         let max_total = self.config.max_total_attempts;
+        let max_infra = self.config.max_infra_requeues;
+        let infra = self.job(id).is_some_and(|j| self.attempt_was_infrastructure(j));
         let Some(job) = self.jobs.get_mut(&id) else {
             return;
         };
@@ -1079,8 +1152,19 @@ impl State {
             return;
         }
         job.requeues = job.requeues.saturating_add(1);
+        if infra {
+            job.infra_requeues = job.infra_requeues.saturating_add(1);
+        }
         if job.requeues >= max_total {
             let reason = format!("gave up after {} attempts; last: {}", job.requeues, job.reason);
+            self.finish(id, JobState::Failed, StopReason::JobFailed, &reason, now, rev);
+            return;
+        }
+        if infra && job.infra_requeues >= max_infra {
+            let reason = format!(
+                "gave up after {} requeues for infrastructure causes (max_infra_requeues {max_infra}); last: {}",
+                job.infra_requeues, job.reason
+            );
             self.finish(id, JobState::Failed, StopReason::JobFailed, &reason, now, rev);
             return;
         }
@@ -1103,16 +1187,182 @@ impl State {
                     ended_at: x.updated_at,
                     state: x.state,
                     message: x.message.clone(),
-                    end: None,
-                    exit_code: None,
-                    lost_device_s: 0,
-                    restored_step: None,
+                    end: x.end,
+                    exit_code: x.exit_code,
+                    lost_device_s: x.lost_device_s,
+                    restored_step: x.restored_step,
                 });
                 self.live.forget(&x);
             }
         }
         let over = job.history.len().saturating_sub(MAX_ATTEMPT_HISTORY);
         job.history.drain(..over);
+    }
+
+    /// Whether the ended attempt of `j` (its allocations, all ended) stopped for
+    /// infrastructure causes: some allocation ended that way and none by the application's
+    /// own failure (exit, oom, start_failed).
+    fn attempt_was_infrastructure(&self, j: &Job) -> bool {
+        let ends: Vec<EndClass> = j.allocs.iter().filter_map(|a| self.allocs.get(a)).filter_map(|a| a.end).collect();
+        ends.iter().any(|e| e.is_infrastructure())
+            && !ends.iter().any(|e| matches!(e, EndClass::Exit | EndClass::Oom | EndClass::StartFailed))
+    }
+
+    // ---- plans ---------------------------------------------------------------------------
+
+    /// Applies a plan (`plan.rs`), then follows up on what it committed: jobs that preempted
+    /// others hold the freed capacity ([`Job::nomination`]); placed jobs drop their
+    /// nomination and migration target and their allocations note the checkpoint step they
+    /// restore from; unplaced jobs whose hardware-bound checkpoint needs a device model no
+    /// schedulable node has say so.
+    fn apply_plan_and_follow(&mut self, c: ApplyPlan, rev: u64) -> Applied {
+        let unplaced: Vec<JobId> = c.plan.unplaced.iter().map(|u| u.job).collect();
+        let (resp, effect) = self.apply_plan(c, rev)?;
+        if let Response::PlanApplied(out) = &resp {
+            self.after_plan(out, &unplaced, rev);
+        }
+        Ok((resp, effect))
+    }
+
+    fn after_plan(&mut self, out: &PlanOutcome, unplaced: &[JobId], rev: u64) {
+        let now = self.clock;
+        let max = self.config.max_message_len;
+        // Victims by the job they were stopped for: every allocation of a victim's attempt
+        // (a gang stops whole).
+        let mut victims: BTreeMap<JobId, BTreeSet<AllocId>> = BTreeMap::new();
+        for aid in &out.preempted {
+            let Some(job) = self.allocs.get(aid).and_then(|a| self.jobs.get(&a.alloc.job)) else {
+                continue;
+            };
+            for x in job.allocs.iter().filter_map(|x| self.allocs.get(x)).filter(|x| x.is_live()) {
+                if let Desired::Stop { reason: StopReason::Preempted { for_job }, .. } = &x.desired {
+                    victims.entry(*for_job).or_default().insert(x.alloc.id);
+                }
+            }
+        }
+        for (p, set) in victims {
+            let left = set.len();
+            if let Some(j) = self.jobs.get_mut(&p)
+                && j.state == JobState::Pending
+            {
+                let mut all = j.nomination.take().map(|n| n.victims).unwrap_or_default();
+                all.extend(set);
+                j.nomination = Some(Nomination { victims: all, since: now });
+                j.reason = cut(&nomination_reason(left), max);
+                j.revision = rev;
+            }
+        }
+        let mut placed: BTreeSet<JobId> = BTreeSet::new();
+        for aid in &out.placed {
+            let Some(job) = self.allocs.get(aid).map(|a| a.alloc.job) else {
+                continue;
+            };
+            let step = self.jobs.get(&job).and_then(|j| j.latest_checkpoint.as_ref()).map(|c| c.step);
+            if let Some(a) = self.allocs.get_mut(aid) {
+                a.restored_step = step;
+            }
+            placed.insert(job);
+        }
+        for id in placed {
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.nomination = None;
+                j.migration = None;
+            }
+        }
+        let needs_hardware = unplaced.iter().any(|id| {
+            self.jobs.get(id).is_some_and(|j| j.latest_checkpoint.as_ref().is_some_and(|c| c.hardware.is_some()))
+        });
+        if !needs_hardware {
+            return;
+        }
+        let models: BTreeSet<(suanli_model::DeviceKind, &str)> = self
+            .nodes
+            .values()
+            .filter(|r| r.accepts_work())
+            .flat_map(|r| r.node.devices.iter().map(|d| (d.kind, d.model.as_str())))
+            .collect();
+        let waiting: Vec<(JobId, String)> = unplaced
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .filter(|j| j.state == JobState::Pending)
+            .filter_map(|j| {
+                let h = j.latest_checkpoint.as_ref()?.hardware.as_ref()?;
+                (!models.contains(&(h.kind, h.model.as_str())))
+                    .then(|| (j.id, format!("waiting for hardware its checkpoint needs: {} x{}", h.model, h.count)))
+            })
+            .collect();
+        for (id, why) in waiting {
+            if let Some(j) = self.jobs.get_mut(&id)
+                && j.reason != why
+            {
+                j.reason = cut(&why, max);
+                j.revision = rev;
+            }
+        }
+    }
+
+    // ---- migration -----------------------------------------------------------------------
+
+    /// `job migrate`: the job's attempt stops checkpoint-first and its next attempt goes
+    /// where the target allows (elsewhere than it ran when no node is named).
+    fn migrate_job(&mut self, c: MigrateJob, rev: u64) -> Applied {
+        let job = self.jobs.get(&c.job).ok_or(CommandError::UnknownJob { job: c.job.0 })?;
+        if !matches!(job.state, JobState::Placed | JobState::Running) {
+            return Err(CommandError::Conflict {
+                field: "job".into(),
+                message: format!("job {} is {}; only a placed or running job can migrate", c.job, job.state.as_str()),
+            });
+        }
+        let own = &job.spec.constraints;
+        if let Some(p) = &c.to_pool {
+            if !self.nodes.values().any(|r| &r.node.pool == p) {
+                return Err(CommandError::Invalid {
+                    field: "to_pool".into(),
+                    message: format!("no registered node is in pool {}", quote(p.as_str())),
+                });
+            }
+            if !own.pools.is_empty() && !own.pools.contains(p) {
+                return Err(CommandError::Invalid {
+                    field: "to_pool".into(),
+                    message: format!("job {}'s constraints do not allow pool {}", c.job, quote(p.as_str())),
+                });
+            }
+        }
+        if let Some(n) = &c.to_node {
+            let Some(r) = self.nodes.get(n) else {
+                return Err(CommandError::Invalid {
+                    field: "to_node".into(),
+                    message: format!("{} is not a registered node", quote(n.as_str())),
+                });
+            };
+            let pool_ok = c.to_pool.as_ref().is_none_or(|p| &r.node.pool == p)
+                && (own.pools.is_empty() || own.pools.contains(&r.node.pool));
+            if !pool_ok {
+                return Err(CommandError::Invalid {
+                    field: "to_node".into(),
+                    message: format!("node {} is in pool {}, which the target does not allow", n, r.node.pool),
+                });
+            }
+            if (!own.nodes.is_empty() && !own.nodes.contains(n)) || own.avoid_nodes.contains(n) {
+                return Err(CommandError::Invalid {
+                    field: "to_node".into(),
+                    message: format!("job {}'s constraints do not allow node {}", c.job, quote(n.as_str())),
+                });
+            }
+        }
+        let allocs = job.allocs.clone();
+        let now = self.tick(c.now);
+        for aid in allocs {
+            self.ask_stop(aid, StopReason::Migrate, now);
+        }
+        if let Some(j) = self.jobs.get_mut(&c.job) {
+            j.migration = Some(MigrationTarget { pool: c.to_pool, node: c.to_node });
+            j.state = JobState::Requeuing;
+            j.reason = format!("moving: {}", stop_text(&StopReason::Migrate));
+            j.updated_at = now;
+            j.revision = rev;
+        }
+        Ok((Response::Done, Effect::Changed))
     }
 
     // ---- agent reports -------------------------------------------------------------------
@@ -1126,6 +1376,7 @@ impl State {
     }
 
     fn alloc_status(&mut self, c: AllocStatus, rev: u64) -> Applied {
+        check_reported_end(&c)?;
         let a = self.check_report(c.alloc, c.epoch)?.clone();
         let target = match c.status {
             ReportedStatus::Running => AllocState::Running,
@@ -1160,7 +1411,7 @@ impl State {
                 j.revision = rev;
             }
         } else {
-            self.end_alloc(c.alloc, target, &c.message, now, rev);
+            self.end_alloc(c.alloc, target, c.end, c.exit_code, &c.message, now, rev);
         }
         Ok((Response::Done, Effect::Changed))
     }
@@ -1179,7 +1430,36 @@ impl State {
                 message: format!("{} bytes; must be between 1 and {} bytes", c.uri.len(), self.config.max_uri_len),
             });
         }
+        if let Some(h) = &c.hardware {
+            if h.model.is_empty() || h.model.len() > self.config.limits.max_name_len {
+                return Err(CommandError::Invalid {
+                    field: "hardware.model".into(),
+                    message: format!(
+                        "{} bytes; must be between 1 and {} bytes",
+                        h.model.len(),
+                        self.config.limits.max_name_len
+                    ),
+                });
+            }
+            if h.count == 0 {
+                return Err(CommandError::Invalid {
+                    field: "hardware.count".into(),
+                    message: "0 devices; a hardware-bound checkpoint needs at least 1".into(),
+                });
+            }
+        }
         let job_id = a.alloc.job;
+        if let Some(last) = self.jobs.get(&job_id).and_then(|j| j.latest_checkpoint.as_ref())
+            && c.step < last.step
+        {
+            return Err(CommandError::Conflict {
+                field: "step".into(),
+                message: format!(
+                    "step {} is below the job's latest committed checkpoint (step {}); steps only grow",
+                    c.step, last.step
+                ),
+            });
+        }
         let now = self.tick(c.now);
         if let Some(a) = self.allocs.get_mut(&c.alloc) {
             std::sync::Arc::make_mut(&mut a.alloc).last_checkpoint_at = Some(now);
@@ -1225,7 +1505,7 @@ impl State {
             .iter()
             .filter_map(|id| self.jobs.get(id))
             .filter(|j| j.state == JobState::Pending && j.not_before <= now)
-            .map(|j| PendingJob { id: j.id, spec: j.spec.clone(), submitted_at: j.submitted_at, nominated: false })
+            .filter_map(|j| self.pending_view(j, now))
             .collect();
         let running = self
             .allocs
@@ -1252,6 +1532,63 @@ impl State {
             workload: Vec::new(),
             unschedulable,
         }
+    }
+
+    /// How the engine sees one pending job at `now`, or `None` while it waits for the victims
+    /// it preempted to stop (so no further victims are picked for it). Its spec's constraints
+    /// are narrowed by what the state knows: a migration target (and, without a target node,
+    /// the nodes its last attempt ran on), the node its last attempt failed on (until
+    /// `avoid.until`), and the device model a hardware-bound checkpoint restores onto.
+    fn pending_view(&self, j: &Job, now: u64) -> Option<PendingJob> {
+        let nominated = match self.nomination_wait(j, now) {
+            NominationWait::None => false,
+            NominationWait::Waiting => return None,
+            NominationWait::Ready => true,
+        };
+        let mut spec = j.spec.clone();
+        let c = &mut spec.constraints;
+        if let Some(m) = &j.migration {
+            if let Some(p) = &m.pool {
+                c.pools = vec![p.clone()];
+            }
+            match &m.node {
+                Some(n) => c.nodes = vec![n.clone()],
+                None => {
+                    for h in j.history.iter().filter(|h| h.attempt == j.attempt) {
+                        if !c.avoid_nodes.contains(&h.node) {
+                            c.avoid_nodes.push(h.node.clone());
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(a) = &j.avoid
+            && now < a.until
+            && !c.avoid_nodes.contains(&a.node)
+        {
+            c.avoid_nodes.push(a.node.clone());
+        }
+        if let Some(h) = j.latest_checkpoint.as_ref().and_then(|k| k.hardware.as_ref()) {
+            c.device_models = vec![h.model.clone()];
+        }
+        Some(PendingJob { id: j.id, spec, submitted_at: j.submitted_at, nominated })
+    }
+
+    /// Where a job stands with the capacity its preemptions freed.
+    fn nomination_wait(&self, j: &Job, now: u64) -> NominationWait {
+        let Some(n) = &j.nomination else {
+            return NominationWait::None;
+        };
+        let live: Vec<&Alloc> = n.victims.iter().filter_map(|v| self.allocs.get(v)).filter(|a| a.is_live()).collect();
+        if live.is_empty() {
+            return NominationWait::Ready;
+        }
+        let grace = live.iter().filter_map(|a| a.alloc.checkpoint_grace_s).max().unwrap_or(0);
+        if now > n.since.saturating_add(grace).saturating_add(NOMINATION_SLACK_S) {
+            // The victims outstayed their grace: the job competes like any other.
+            return NominationWait::None;
+        }
+        NominationWait::Waiting
     }
 
     /// The quota vector of an allocation (device shares counted by the kind its node reports).
@@ -1293,4 +1630,110 @@ fn stop_text(r: &StopReason) -> String {
         StopReason::DeviceUnhealthy => "device unhealthy".into(),
         StopReason::Migrate => "migrated".into(),
     }
+}
+
+/// How long (seconds) beyond its victims' longest checkpoint grace a job waits for them to
+/// stop before it competes like any other job.
+pub const NOMINATION_SLACK_S: u64 = 60;
+
+/// Where a job stands with capacity held for it ([`State::cluster_view`]).
+enum NominationWait {
+    /// Nothing held (or the hold ran out): an ordinary pending job.
+    None,
+    /// Victims are still live: not offered to the engine.
+    Waiting,
+    /// Every victim ended: offered first.
+    Ready,
+}
+
+/// A nominated job's pending reason while `left` victims are still stopping.
+fn nomination_reason(left: usize) -> String {
+    if left == 0 {
+        "the capacity its preemptions freed is held for it".to_owned()
+    } else {
+        format!("waiting for {left} preempted allocations to stop")
+    }
+}
+
+/// How an allocation ended: success stays success; otherwise the reason a stop was ordered for
+/// wins over what the agent (or a node declared down) saw; otherwise what was seen; otherwise
+/// what the reported state implies.
+pub(crate) fn classify_end(desired: &Desired, state: AllocState, seen: Option<EndClass>) -> EndClass {
+    if state == AllocState::Succeeded || seen == Some(EndClass::Succeeded) {
+        return EndClass::Succeeded;
+    }
+    if let Desired::Stop { reason, .. } = desired {
+        return match reason {
+            StopReason::Preempted { .. } => EndClass::Preempted,
+            StopReason::Cancelled => EndClass::Cancelled,
+            StopReason::JobFailed | StopReason::Requeue => EndClass::Stopped,
+            StopReason::Drain => EndClass::Drained,
+            StopReason::DeviceUnhealthy => EndClass::DeviceError,
+            StopReason::Migrate => EndClass::Migrated,
+        };
+    }
+    match (seen, state) {
+        (Some(c), _) => c,
+        (None, AllocState::Failed) => EndClass::Exit,
+        (None, AllocState::Lost) => EndClass::NodeLost,
+        (None, _) => EndClass::Stopped,
+    }
+}
+
+/// Device-seconds of work an allocation ending at `now` lost: the time since it started or
+/// last checkpointed (its own, or `job_ckpt`, its attempt's latest), times its device shares
+/// in whole devices (500 milli for 10 s is 5).
+pub(crate) fn lost_device_s(a: &suanli_model::Allocation, job_ckpt: Option<u64>, now: u64) -> u64 {
+    let since = a.started_at.max(a.last_checkpoint_at.unwrap_or(0)).max(job_ckpt.unwrap_or(0));
+    let milli: u128 = a.devices.iter().map(|d| u128::from(d.milli)).sum();
+    let lost = u128::from(now.saturating_sub(since)) * milli / u128::from(suanli_model::WHOLE_DEVICE_MILLI);
+    u64::try_from(lost).unwrap_or(u64::MAX)
+}
+
+/// The ends an agent may report, and only with a status that agrees.
+fn check_reported_end(c: &AllocStatus) -> Result<(), CommandError> {
+    let Some(end) = c.end else {
+        return Ok(());
+    };
+    let agent_may = matches!(
+        end,
+        EndClass::Succeeded
+            | EndClass::Exit
+            | EndClass::Oom
+            | EndClass::StartFailed
+            | EndClass::DeviceError
+            | EndClass::Stopped
+            | EndClass::NodeLost
+    );
+    if !agent_may {
+        return Err(CommandError::Invalid {
+            field: "end".into(),
+            message: format!(
+                "{} is decided by the state machine; an agent reports succeeded, exit, oom, start_failed, \
+                 device_error, stopped or node_lost",
+                end.as_str()
+            ),
+        });
+    }
+    let agrees = match c.status {
+        ReportedStatus::Running => false,
+        ReportedStatus::Succeeded => end == EndClass::Succeeded,
+        ReportedStatus::Failed | ReportedStatus::Stopped => end != EndClass::Succeeded,
+    };
+    if !agrees {
+        return Err(CommandError::Invalid {
+            field: "end".into(),
+            message: format!(
+                "{} does not go with status {}",
+                end.as_str(),
+                match c.status {
+                    ReportedStatus::Running => "running",
+                    ReportedStatus::Succeeded => "succeeded",
+                    ReportedStatus::Failed => "failed",
+                    ReportedStatus::Stopped => "stopped",
+                }
+            ),
+        });
+    }
+    Ok(())
 }

@@ -6,11 +6,13 @@ mod common;
 
 use common::*;
 use proptest::prelude::*;
-use suanli_model::{AllocId, DeviceKind, DeviceRequest, DeviceShare, Health, JobId, NodeId, Placement, Plan};
+use suanli_model::{
+    AllocId, CheckpointHardware, DeviceKind, DeviceRequest, DeviceShare, Health, JobId, NodeId, Placement, Plan, PoolId,
+};
 use suanli_scheduler::{SchedulerConfig, schedule};
 use suanli_state::{
-    ApplyPlan, CancelJob, Command, DeviceHealth, NodeDown, NodeMode, ReportCheckpoint, ReportedStatus, RetryPolicy,
-    SetNodeMode, State, SubmitJob,
+    AllocStatus, ApplyPlan, CancelJob, Command, DeviceHealth, EndClass, MigrateJob, NodeDown, NodeMode,
+    ReportCheckpoint, ReportedStatus, RetryPolicy, SetNodeMode, State, SubmitJob,
 };
 
 #[derive(Debug, Clone)]
@@ -18,8 +20,9 @@ enum Op {
     Submit { rid: u8, queue: u8, replicas: u32, gpus: u32, milli: u32, priority: i32, gang: bool, attempts: u32 },
     Schedule { seed: u64 },
     BadPlan { job: u8, node: u8, dev: u8, milli: u32, replica: u32 },
-    Report { pick: usize, epoch_skew: u8, status: u8 },
-    Checkpoint { pick: usize },
+    Report { pick: usize, epoch_skew: u8, status: u8, end: u8, code: Option<i32> },
+    Checkpoint { pick: usize, step: u64, bound: bool },
+    Migrate { job: u8, pool: u8, node: u8 },
     NodeDown { node: u8 },
     Register { node: u8, gpus: u32, cpu_k: u64, npu: bool },
     Health { node: u8, dev: u8, healthy: bool },
@@ -38,8 +41,10 @@ fn op() -> impl Strategy<Value = Op> {
         4 => any::<u64>().prop_map(|seed| Op::Schedule { seed }),
         1 => (0u8..24, 0u8..4, 0u8..6, prop_oneof![Just(0u32), Just(500), Just(1000), Just(1500)], 0u32..4)
             .prop_map(|(job, node, dev, milli, replica)| Op::BadPlan { job, node, dev, milli, replica }),
-        5 => (any::<usize>(), 0u8..4, 0u8..4).prop_map(|(pick, epoch_skew, status)| Op::Report { pick, epoch_skew, status }),
-        1 => any::<usize>().prop_map(|pick| Op::Checkpoint { pick }),
+        5 => (any::<usize>(), 0u8..4, 0u8..4, 0u8..16, prop::option::of(-2i32..140))
+            .prop_map(|(pick, epoch_skew, status, end, code)| Op::Report { pick, epoch_skew, status, end, code }),
+        1 => (any::<usize>(), 0u64..6, any::<bool>()).prop_map(|(pick, step, bound)| Op::Checkpoint { pick, step, bound }),
+        2 => (0u8..24, 0u8..3, 0u8..6).prop_map(|(job, pool, node)| Op::Migrate { job, pool, node }),
         1 => (0u8..4).prop_map(|node| Op::NodeDown { node }),
         1 => (0u8..4, 0u32..6, 1u64..64, any::<bool>()).prop_map(|(node, gpus, cpu_k, npu)| Op::Register { node, gpus, cpu_k, npu }),
         1 => (0u8..4, 0u8..5, any::<bool>()).prop_map(|(node, dev, healthy)| Op::Health { node, dev, healthy }),
@@ -51,6 +56,21 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 const QUEUES: [&str; 3] = ["q", "r", "ghost"];
+
+/// Ends a report may carry (by index; beyond the list: none).
+const END_CLASSES: [EndClass; 11] = [
+    EndClass::Succeeded,
+    EndClass::Exit,
+    EndClass::Exit,
+    EndClass::Oom,
+    EndClass::StartFailed,
+    EndClass::DeviceError,
+    EndClass::Stopped,
+    EndClass::NodeLost,
+    EndClass::Preempted,
+    EndClass::Migrated,
+    EndClass::Cancelled,
+];
 
 /// Turns an op into a command against the current state (picking live ids where it needs
 /// them). `None` when the op only moves time.
@@ -96,16 +116,33 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
                 Plan { placements: vec![p.clone(), Placement { replica: p.replica + 1, ..p }], ..Plan::default() };
             Command::ApplyPlan(ApplyPlan { plan, now: *now })
         }
-        Op::Report { pick, epoch_skew, status } => {
+        Op::Report { pick, epoch_skew, status, end, code } => {
             let ids: Vec<AllocId> = s.allocs().keys().copied().collect();
             let id = if ids.is_empty() { AllocId(1) } else { ids[pick % ids.len()] };
             let epoch = s.allocs().get(&id).map_or(1, |a| a.alloc.epoch) + u64::from(*epoch_skew / 3);
             let status =
                 [ReportedStatus::Running, ReportedStatus::Succeeded, ReportedStatus::Failed, ReportedStatus::Stopped]
                     [*status as usize % 4];
-            report(id, epoch, status, *now)
+            // Mostly an end that goes with the status; sometimes none (an older agent), sometimes
+            // one only the state machine may decide (refused).
+            let end = END_CLASSES.get(*end as usize).copied();
+            Command::AllocStatus(AllocStatus {
+                alloc: id,
+                epoch,
+                status,
+                message: String::new(),
+                end,
+                exit_code: *code,
+                now: *now,
+            })
         }
-        Op::Checkpoint { pick } => {
+        Op::Migrate { job, pool, node } => Command::MigrateJob(MigrateJob {
+            job: JobId(u64::from(*job)),
+            to_pool: [None, Some("p"), Some("ghost")][*pool as usize % 3].map(PoolId::from),
+            to_node: [None, Some(0), Some(1), Some(2), Some(3), Some(9)][*node as usize % 6].map(nid),
+            now: *now,
+        }),
+        Op::Checkpoint { pick, step, bound } => {
             let ids: Vec<AllocId> = s.allocs().keys().copied().collect();
             let id = if ids.is_empty() { AllocId(1) } else { ids[pick % ids.len()] };
             let epoch = s.allocs().get(&id).map_or(1, |a| a.alloc.epoch);
@@ -113,10 +150,10 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
                 alloc: id,
                 epoch,
                 uri: "file:///ck".into(),
-                step: 1,
+                step: *step,
                 size_bytes: 1,
-                wall_time: 0,
-                hardware: None,
+                wall_time: *step,
+                hardware: bound.then(|| CheckpointHardware { kind: DeviceKind::Gpu, model: "A100".into(), count: 1 }),
                 now: *now,
             })
         }
@@ -230,6 +267,7 @@ fn the_generator_reaches_the_interesting_states() {
     let mut runner = TestRunner::deterministic();
     let mut seen_states = BTreeSet::new();
     let (mut placed, mut refused, mut preempted) = (0, 0, 0);
+    let (mut ends, mut nominated, mut migrating) = (std::collections::HashSet::new(), 0, 0);
     for _ in 0..20 {
         let ops = prop::collection::vec(op(), 200).new_tree(&mut runner).expect("generates").current();
         let (mut s, _) = start();
@@ -245,10 +283,17 @@ fn the_generator_reaches_the_interesting_states() {
             }
             assert_eq!(s.invariants(), Ok(()));
             seen_states.extend(s.jobs().values().map(|j| j.state.as_str()));
+            ends.extend(s.jobs().values().flat_map(|j| j.history.iter().filter_map(|h| h.end)));
+            nominated += s.jobs().values().filter(|j| j.nomination.is_some()).count();
+            migrating += s.jobs().values().filter(|j| j.migration.is_some()).count();
         }
     }
     for st in [JobState::Pending, JobState::Running, JobState::Succeeded, JobState::Failed, JobState::Cancelled] {
         assert!(seen_states.contains(st.as_str()), "never reached {st:?}: {seen_states:?}");
     }
     assert!(placed > 50 && refused > 10, "placed {placed}, refused {refused}, preempted {preempted}");
+    for e in [EndClass::Exit, EndClass::Oom, EndClass::NodeLost, EndClass::Stopped, EndClass::Migrated] {
+        assert!(ends.contains(&e), "never saw an attempt end {e:?}: {ends:?}");
+    }
+    assert!(nominated > 0 && migrating > 0, "nominations {nominated}, migrations {migrating}");
 }
