@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 use suanli_model::CheckpointPolicy;
 use suanli_scheduler::POLICY_NAMES;
+use suanli_scheduler::VictimOrder;
 use suanli_scheduler::engine::SchedulerConfig;
+use std::collections::BTreeMap;
 use suanli_sim::replay::{self, ReplayOptions};
 use suanli_sim::trace;
 
@@ -77,9 +79,49 @@ pub struct ReplayArgs {
     /// Turn backfill off.
     #[arg(long)]
     pub no_backfill: bool,
+    /// How preemption picks victims: `checkpoint-aware` (least lost work: device milli × time
+    /// since the last checkpoint + restore) or `youngest-first` (most recently started).
+    #[arg(long, default_value = "checkpoint-aware")]
+    pub victim_order: String,
+    /// Replay the trace twice in this process, once per victim order, and print both and the
+    /// ratio of GPU-hours lost to preemption (youngest-first / checkpoint-aware).
+    #[arg(long)]
+    pub compare_victim_orders: bool,
+    /// Keep every K-th node of the node list only (the model mix stays, capacity shrinks K
+    /// times), so a trace that never fills the whole cluster queues on part of it.
+    #[arg(long, default_value_t = 1)]
+    pub node_stride: usize,
+    /// Divide every arrival time by this factor (run times unchanged), so queues form.
+    #[arg(long, default_value_t = 1)]
+    pub compress_arrivals: u64,
+    /// Priorities by QoS class for traces that carry QoS but no priority (Alibaba), e.g.
+    /// `LS=10,Guaranteed=10,Burstable=5,BE=0`.
+    #[arg(long)]
+    pub qos_priority: Option<String>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+}
+
+/// Parses `CLASS=PRIORITY,...`.
+fn parse_qos_priority(s: &str) -> Result<BTreeMap<String, i32>> {
+    let mut m = BTreeMap::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let Some((k, v)) = part.split_once('=') else {
+            bail!("--qos-priority: {part:?} is not CLASS=PRIORITY");
+        };
+        let prio: i32 = v
+            .trim()
+            .parse()
+            .ok()
+            .filter(|p: &i32| p.unsigned_abs() <= 1_000_000)
+            .with_context(|| format!("--qos-priority: {v:?} is not an integer in -1000000..=1000000"))?;
+        m.insert(k.trim().to_owned(), prio);
+    }
+    if m.is_empty() {
+        bail!("--qos-priority: empty; expected CLASS=PRIORITY[,CLASS=PRIORITY...]");
+    }
+    Ok(m)
 }
 
 /// Runs `suanli sim replay`.
@@ -87,9 +129,24 @@ pub fn run(a: ReplayArgs) -> Result<()> {
     if !POLICY_NAMES.contains(&a.policy.as_str()) {
         bail!("--policy: unknown policy {:?}; valid policies: {}", a.policy, POLICY_NAMES.join(", "));
     }
+    let Some(victim_order) = VictimOrder::parse(&a.victim_order) else {
+        bail!("--victim-order: unknown order {:?}; valid orders: {}", a.victim_order, VictimOrder::NAMES.join(", "));
+    };
+    if a.compress_arrivals == 0 || a.compress_arrivals > 1_000_000 {
+        bail!("--compress-arrivals: {} must be between 1 and 1000000", a.compress_arrivals);
+    }
+    let qos = a.qos_priority.as_deref().map(parse_qos_priority).transpose()?;
     let loading = Instant::now();
-    let nodes = trace::read_alibaba_nodes(&a.nodes).context("--nodes")?;
-    let pods = trace::read_pods(&a.pods).context("--pods")?;
+    if a.node_stride == 0 || a.node_stride > 1_000_000 {
+        bail!("--node-stride: {} must be between 1 and 1000000", a.node_stride);
+    }
+    let nodes: Vec<_> =
+        trace::read_alibaba_nodes(&a.nodes).context("--nodes")?.into_iter().step_by(a.node_stride).collect();
+    let mut pods = trace::read_pods(&a.pods).context("--pods")?;
+    trace::compress_arrivals(&mut pods, a.compress_arrivals);
+    if let Some(m) = &qos {
+        trace::priority_by_qos(&mut pods, m);
+    }
     let queues = match &a.queues {
         Some(p) => replay::read_queues(p).context("--queues")?,
         None => vec![replay::default_queue()],
@@ -99,6 +156,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             policy: a.policy.clone(),
             preemption: !a.no_preemption,
             backfill: !a.no_backfill,
+            victim_order,
             ..SchedulerConfig::default()
         },
         seed: a.seed,
@@ -115,6 +173,9 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             signal: Default::default(),
         }),
     };
+    if a.compare_victim_orders {
+        return compare(&a, &nodes, &pods, &queues, opts);
+    }
     let bar = if a.quiet {
         ProgressBar::hidden()
     } else {
@@ -147,6 +208,52 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             report.passes,
             report.events as f64 / took.max(1e-9)
         );
+    }
+    Ok(())
+}
+
+/// `--compare-victim-orders`: one replay per order, same trace, options and seed.
+fn compare(
+    a: &ReplayArgs,
+    nodes: &[suanli_model::Node],
+    pods: &[trace::TracePod],
+    queues: &[suanli_model::Queue],
+    opts: ReplayOptions,
+) -> Result<()> {
+    let orders = [VictimOrder::CheckpointAware, VictimOrder::YoungestFirst];
+    let mut reports = Vec::new();
+    for order in orders {
+        let o = ReplayOptions { config: SchedulerConfig { victim_order: order, ..opts.config.clone() }, ..opts.clone() };
+        let started = Instant::now();
+        let r = replay::replay(nodes, pods, queues, &o).with_context(|| format!("replay with {}", order.as_str()))?;
+        if !a.quiet {
+            eprintln!("{}: replayed in {:.2}s wall", order.as_str(), started.elapsed().as_secs_f64());
+        }
+        reports.push((order, r));
+    }
+    let lost = |i: usize| reports[i].1.lost_gpu_hours;
+    let ratio = if lost(0) > 0.0 { lost(1) / lost(0) } else { f64::NAN };
+    match a.format {
+        ReplayFormat::Json => {
+            let v = serde_json::json!({
+                "checkpoint_aware": reports[0].1,
+                "youngest_first": reports[1].1,
+                "lost_gpu_hours_ratio_youngest_first_to_checkpoint_aware": ratio,
+            });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        _ => {
+            println!("{} on {}: {} pod(s), {} queue(s)", a.pods.display(), a.nodes.display(), pods.len(), queues.len());
+            for (order, r) in &reports {
+                println!("== victim order {}", order.as_str());
+                print!("{}", r.table());
+            }
+            println!("victim order       preemptions  preempted jobs  GPU-h lost to preemption");
+            for (order, r) in &reports {
+                println!("{:<18} {:>11} {:>15} {:>25.2}", order.as_str(), r.preemptions, r.preempted_jobs, r.lost_gpu_hours);
+            }
+            println!("GPU-hours lost, youngest-first / checkpoint-aware: {ratio:.2}x");
+        }
     }
     Ok(())
 }

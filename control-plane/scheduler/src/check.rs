@@ -235,6 +235,15 @@ pub fn capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
             p.node,
             c.labels
         );
+        ensure!(
+            P,
+            c.nodes.is_empty() || c.nodes.contains(&p.node),
+            "job {} on {} outside node constraints {:?}",
+            p.job,
+            p.node,
+            c.nodes
+        );
+        ensure!(P, !c.avoid_nodes.contains(&p.node), "job {} on {}, which it must avoid", p.job, p.node);
         match &r.devices {
             None => ensure!(P, p.devices.is_empty(), "CPU-only job {} got devices {:?}", p.job, p.devices),
             Some(req) => {
@@ -331,6 +340,24 @@ pub fn capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
         let free_mem = cap.saturating_sub(used_mem);
         ensure!(P, *milli <= free_milli, "device {node}/{d}: placements take {milli} milli, {free_milli} free");
         ensure!(P, *dmem <= free_mem, "device {node}/{d}: placements take {dmem} MiB, {free_mem} free of {cap}");
+    }
+    // MIG: a physical device and its partitions are never in use at once.
+    let used = |node: &NodeId, d: &str| {
+        dev_add.get(&(node, d)).is_some_and(|u| u.0 > 0) || dev_used.get(&(node, d)).is_some_and(|u| u.0 > 0)
+    };
+    for id in node_add.keys() {
+        let Some(n) = inp.nodes.get(id) else { continue };
+        for d in &n.devices {
+            let Some(parent) = d.partition_of.as_deref() else { continue };
+            if n.devices.iter().any(|x| x.id == parent && x.id != d.id) {
+                ensure!(
+                    P,
+                    !(used(id, &d.id) && used(id, parent)),
+                    "node {id}: MIG partition {} and its parent {parent} both in use",
+                    d.id
+                );
+            }
+        }
     }
     Ok(())
 }
@@ -620,7 +647,9 @@ pub fn usable_by(n: &Node, spec: &JobSpec) -> bool {
     let placeable = n.schedulable
         && (c.pools.is_empty() || c.pools.contains(&n.pool))
         && (c.regions.is_empty() || c.regions.contains(&n.region))
-        && c.labels.iter().all(|(k, v)| n.labels.get(k) == Some(v));
+        && c.labels.iter().all(|(k, v)| n.labels.get(k) == Some(v))
+        && (c.nodes.is_empty() || c.nodes.contains(&n.id))
+        && !c.avoid_nodes.contains(&n.id);
     placeable
         && spec.groups.iter().any(|g| match &g.resources.devices {
             None => true,

@@ -73,6 +73,10 @@ pub struct DevStatic {
     pub memory_mib: u64,
     /// Topology block: devices in one block share NUMA node and NVLink/HCCS island.
     pub block: u16,
+    /// A MIG (or vNPU) partition whose physical device is also a device of the node. Such a
+    /// slice serves only single-device requests (CUDA shows a process one MIG instance), and
+    /// adds no capacity of its own: the physical device is counted once, as the parent.
+    pub partition: bool,
 }
 
 /// Nodes that are identical in everything but their current usage.
@@ -179,14 +183,25 @@ pub struct Shape {
     pub model_names: Option<Arc<[String]>>,
     /// Allowed static groups (bitset), `None` = all.
     pub groups: Option<Arc<[u64]>>,
+    /// Allowed nodes (bitset over dense node indices) from `constraints.nodes` less
+    /// `constraints.avoid_nodes`; `None` = all.
+    pub nodes: Option<Arc<[u64]>>,
+}
+
+fn bit(bits: &Option<Arc<[u64]>>, i: u32) -> bool {
+    match bits {
+        None => true,
+        Some(bits) => bits.get((i / 64) as usize).is_some_and(|w| w & (1 << (i % 64)) != 0),
+    }
 }
 
 impl Shape {
     fn allows_group(&self, g: u32) -> bool {
-        match &self.groups {
-            None => true,
-            Some(bits) => bits.get((g / 64) as usize).is_some_and(|w| w & (1 << (g % 64)) != 0),
-        }
+        bit(&self.groups, g)
+    }
+    /// Whether the node constraints (`nodes`, `avoid_nodes`) allow the dense node `n`.
+    pub fn allows_node(&self, n: u32) -> bool {
+        bit(&self.nodes, n)
     }
 }
 
@@ -234,6 +249,32 @@ struct NodeRt {
     held: bool,
     /// Whether the node is listed in its class's members.
     listed: bool,
+    /// MIG links, for nodes that report partitions of their own devices.
+    mig: Option<Box<MigLinks>>,
+}
+
+/// Which devices of a node are partitions of which (device indices in the node's order).
+#[derive(Debug, Clone)]
+struct MigLinks {
+    /// Device -> its physical parent, when the parent is a device of the node.
+    parent: Vec<Option<u16>>,
+    /// Device -> its partitions.
+    children: Vec<Vec<u16>>,
+}
+
+impl NodeRt {
+    /// The device's state as placement sees it: a MIG parent while any of its partitions is
+    /// used, and a partition while any share of its parent is used, have nothing free.
+    fn effective(&self, i: usize) -> DevState {
+        let st = self.devs[i];
+        let Some(m) = &self.mig else { return st };
+        let used = |d: u16| self.devs[d as usize].free_milli < WHOLE_DEVICE_MILLI as u16;
+        if m.parent[i].is_some_and(used) || m.children[i].iter().copied().any(used) {
+            DevState { free_milli: 0, free_mem_mib: 0, ..st }
+        } else {
+            st
+        }
+    }
 }
 
 /// Where a task goes: node index and the devices (node's own order) with shares.
@@ -333,13 +374,37 @@ impl Cluster {
             // Static slots sorted by (block, kind, model, memory), remembering device indices.
             let mut blocks = Vec::new();
             let mut slots: Vec<(DevStatic, u16)> = Vec::with_capacity(n.devices.len());
+            let parent: Vec<Option<u16>> = n
+                .devices
+                .iter()
+                .map(|d| {
+                    let p = d.partition_of.as_deref()?;
+                    n.devices.iter().position(|x| x.id == p && x.id != d.id).map(|i| i as u16)
+                })
+                .collect();
             for (i, d) in n.devices.iter().enumerate() {
                 let model = c.intern_model(&d.model)?;
                 let block = block_of(&mut blocks, d.numa, d.peer_group);
-                slots.push((DevStatic { kind: d.kind, model, memory_mib: d.memory_mib, block }, i as u16));
+                let partition = parent[i].is_some();
+                slots.push((DevStatic { kind: d.kind, model, memory_mib: d.memory_mib, block, partition }, i as u16));
             }
+            let mig = parent.iter().any(Option::is_some).then(|| {
+                let mut children = vec![Vec::new(); n.devices.len()];
+                for (i, p) in parent.iter().enumerate() {
+                    if let Some(p) = p {
+                        children[*p as usize].push(i as u16);
+                    }
+                }
+                Box::new(MigLinks { parent: parent.clone(), children })
+            });
             slots.sort_by(|a, b| {
-                (a.0.block, a.0.kind, a.0.model, a.0.memory_mib).cmp(&(b.0.block, b.0.kind, b.0.model, b.0.memory_mib))
+                (a.0.block, a.0.kind, a.0.model, a.0.memory_mib, a.0.partition).cmp(&(
+                    b.0.block,
+                    b.0.kind,
+                    b.0.model,
+                    b.0.memory_mib,
+                    b.0.partition,
+                ))
             });
             let devs: Vec<DevStatic> = slots.iter().map(|s| s.0.clone()).collect();
             let mut runs = Vec::new();
@@ -412,8 +477,11 @@ impl Cluster {
                     free_mem_mib: d.memory_mib,
                 })
                 .collect();
-            c.total_gpu_milli +=
-                n.devices.iter().filter(|d| d.kind == DeviceKind::Gpu).count() as u64 * u64::from(WHOLE_DEVICE_MILLI);
+            // A MIG parent counts once; its partitions add no capacity.
+            c.total_gpu_milli += (0..n.devices.len())
+                .filter(|&i| n.devices[i].kind == DeviceKind::Gpu && parent[i].is_none())
+                .count() as u64
+                * u64::from(WHOLE_DEVICE_MILLI);
             c.nodes.push(NodeRt {
                 id: n.id.clone(),
                 group,
@@ -427,6 +495,7 @@ impl Cluster {
                 tag_counts: [0; 16],
                 held: false,
                 listed: false,
+                mig,
             });
             c.reclass(idx);
         }
@@ -479,6 +548,29 @@ impl Cluster {
             memory_mib: d.memory_mib,
         });
         let model_names = (!constraints.device_models.is_empty()).then(|| Arc::from(constraints.device_models.clone()));
+        let nodes = if constraints.nodes.is_empty() && constraints.avoid_nodes.is_empty() {
+            None
+        } else {
+            let words = self.nodes.len().div_ceil(64).max(1);
+            let mut bits = vec![0u64; words];
+            if constraints.nodes.is_empty() {
+                for i in 0..self.nodes.len() {
+                    bits[i / 64] |= 1 << (i % 64);
+                }
+            } else {
+                for id in &constraints.nodes {
+                    if let Some(&i) = self.node_index.get(id) {
+                        bits[i as usize / 64] |= 1 << (i % 64);
+                    }
+                }
+            }
+            for id in &constraints.avoid_nodes {
+                if let Some(&i) = self.node_index.get(id) {
+                    bits[i as usize / 64] &= !(1 << (i % 64));
+                }
+            }
+            Some(Arc::from(bits))
+        };
         self.intern(Shape {
             cpu_milli: resources.cpu_milli,
             memory_mib: resources.memory_mib,
@@ -486,6 +578,7 @@ impl Cluster {
             models,
             model_names,
             groups,
+            nodes,
         })
     }
 
@@ -547,8 +640,8 @@ impl Cluster {
                 n.slot_dev
                     .iter()
                     .enumerate()
-                    .filter(|(s, _)| g.devs[*s].kind == DeviceKind::Gpu)
-                    .map(|(_, &d)| u64::from(n.devs[d as usize].free_milli))
+                    .filter(|(s, _)| g.devs[*s].kind == DeviceKind::Gpu && !g.devs[*s].partition)
+                    .map(|(_, &d)| u64::from(n.effective(d as usize).free_milli))
                     .sum::<u64>()
             })
             .sum()
@@ -593,9 +686,9 @@ impl Cluster {
         let mut p = Vec::new();
         for &(s, e) in &g.runs {
             let mut idx: Vec<u16> = n.slot_dev[s as usize..e as usize].to_vec();
-            idx.sort_by(|&a, &b| n.devs[b as usize].cmp(&n.devs[a as usize]).then(a.cmp(&b)));
+            idx.sort_by(|&a, &b| n.effective(b as usize).cmp(&n.effective(a as usize)).then(a.cmp(&b)));
             for &i in &idx {
-                out.push(n.devs[i as usize]);
+                out.push(n.effective(i as usize));
             }
             p.extend_from_slice(&idx);
         }
@@ -769,12 +862,24 @@ impl Cluster {
     /// Equal best scores are broken uniformly at random over nodes.
     pub fn choose(&mut self, shape: ShapeId, policy: &dyn Policy, rng: &mut DetRng) -> Option<Choice> {
         let mut best = i64::MIN;
-        let mut ties: Vec<(u32, Eval)> = Vec::new();
+        let mut ties: Vec<(u32, Eval, u64)> = Vec::new();
         let mut total = 0u64;
+        // Node constraints split classes: only the allowed members count.
+        let allowed = self.shapes[shape as usize].nodes.clone();
+        let allowed_members = |c: &Class| -> u64 {
+            match &allowed {
+                None => c.members.len() as u64,
+                Some(_) => c.members.iter().filter(|&&m| bit(&allowed, m)).count() as u64,
+            }
+        };
         for i in 0..self.active.len() {
             let class = self.active[i];
             let group = self.classes[class as usize].group;
             if !self.shapes[shape as usize].allows_group(group) || !self.groups[group as usize].schedulable {
+                continue;
+            }
+            let members = allowed_members(&self.classes[class as usize]);
+            if members == 0 {
                 continue;
             }
             if let Slot::Fit(e) = self.eval_class(class, shape, policy) {
@@ -784,8 +889,8 @@ impl Cluster {
                     total = 0;
                 }
                 if e.score == best {
-                    ties.push((class, e));
-                    total += self.classes[class as usize].members.len() as u64;
+                    ties.push((class, e, members));
+                    total += members;
                 }
             }
         }
@@ -795,16 +900,20 @@ impl Cluster {
         if self.ties == TieBreak::FixedOrder {
             let (rank_node, e) = ties
                 .iter()
-                .filter_map(|(c, e)| self.classes[*c as usize].ordered.first().map(|f| (*f, *e)))
+                .filter_map(|(c, e, _)| {
+                    self.classes[*c as usize].ordered.iter().find(|(_, m)| bit(&allowed, *m)).map(|f| (*f, *e))
+                })
                 .min_by_key(|(f, _)| *f)?;
             return Some(self.resolve(rank_node.1, &e, shape, rng));
         }
         let mut r = rng.below(total);
-        for (class, e) in ties {
-            let members = &self.classes[class as usize].members;
-            let n = members.len() as u64;
+        for (class, e, n) in ties {
             if r < n {
-                let node = members[r as usize];
+                let members = &self.classes[class as usize].members;
+                let node = match &allowed {
+                    None => members[r as usize],
+                    Some(_) => *members.iter().filter(|&&m| bit(&allowed, m)).nth(r as usize)?,
+                };
                 return Some(self.resolve(node, &e, shape, rng));
             }
             r -= n;
@@ -821,7 +930,8 @@ impl Cluster {
         for node in 0..self.nodes.len() as u32 {
             let n = &self.nodes[node as usize];
             let g = &self.groups[n.group as usize];
-            if !self.shapes[shape as usize].allows_group(n.group) || !g.schedulable {
+            let s = &self.shapes[shape as usize];
+            if !s.allows_group(n.group) || !s.allows_node(node) || !g.schedulable {
                 continue;
             }
             self.canonical(node, &mut devs, None);
@@ -1024,6 +1134,7 @@ impl Cluster {
         let s = &self.shapes[shape as usize];
         let g = &self.groups[n.group as usize];
         s.allows_group(n.group)
+            && s.allows_node(node)
             && g.schedulable
             && g.cpu_milli >= s.cpu_milli
             && g.memory_mib >= s.memory_mib
@@ -1036,7 +1147,8 @@ impl Cluster {
     /// Evaluates `shape` on one node only (used by preemption); held nodes never fit.
     pub fn choose_on(&mut self, node: u32, shape: ShapeId, policy: &dyn Policy, rng: &mut DetRng) -> Option<Choice> {
         let n = &self.nodes[node as usize];
-        if n.held || !self.shapes[shape as usize].allows_group(n.group) || !self.groups[n.group as usize].schedulable {
+        let s = &self.shapes[shape as usize];
+        if n.held || !s.allows_group(n.group) || !s.allows_node(node) || !self.groups[n.group as usize].schedulable {
             return None;
         }
         let class = n.class;
@@ -1076,13 +1188,23 @@ impl Cluster {
         for &ci in &self.active {
             let c = &self.classes[ci as usize];
             let g = &self.groups[c.group as usize];
-            let n = c.members.len() as u64;
+            let mut n = c.members.len() as u64;
             listed += n;
+            if s.nodes.is_some() {
+                let excluded = c.members.iter().filter(|&&m| !s.allows_node(m)).count() as u64;
+                if excluded > 0 {
+                    *t.reasons.entry("excluded by node constraints".to_owned()).or_default() += excluded;
+                    n -= excluded;
+                    if n == 0 {
+                        continue;
+                    }
+                }
+            }
             let reason = if !s.allows_group(c.group) {
                 Some("excluded by pool/region/label constraints".to_owned())
             } else if !g.schedulable {
                 // Each node its own word: down, draining, cordoned, not schedulable: <why>.
-                for m in &c.members {
+                for m in c.members.iter().filter(|&&m| s.allows_node(m)) {
                     let why = self.unschedulable.get(m).map_or("cordoned", String::as_str);
                     *t.reasons.entry(why.to_owned()).or_default() += 1;
                 }

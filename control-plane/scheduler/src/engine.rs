@@ -98,6 +98,49 @@ pub struct SchedulerConfig {
     /// Benchmark baseline only: evaluate every node for every replica instead of using the
     /// class index. Same decisions in distribution, far slower.
     pub naive_scan: bool,
+    /// How preemption ranks the candidate victims on a node.
+    pub victim_order: VictimOrder,
+}
+
+/// How preemption chooses among acceptable victims (lower priority or reclaimable borrowed
+/// work). On each node the candidates are taken cheapest first until the job fits, and the
+/// node whose victims cost least in total wins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VictimOrder {
+    /// Least lost work first: device milli × (seconds since the last committed checkpoint, or
+    /// since the start without one, + the restore estimate) ([`Allocation::lost_work`]).
+    #[default]
+    CheckpointAware,
+    /// The most recently started first (cost = seconds running), blind to checkpoints, as
+    /// many schedulers order victims.
+    YoungestFirst,
+}
+
+impl VictimOrder {
+    /// Every order, by name.
+    pub const NAMES: [&'static str; 2] = ["checkpoint-aware", "youngest-first"];
+
+    /// Its name (`checkpoint-aware`, `youngest-first`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VictimOrder::CheckpointAware => "checkpoint-aware",
+            VictimOrder::YoungestFirst => "youngest-first",
+        }
+    }
+
+    /// The order named `s`, if any.
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::CheckpointAware, Self::YoungestFirst].into_iter().find(|o| o.as_str() == s)
+    }
+
+    /// The cost of stopping `a` at `now` under this order (lower is preempted first).
+    pub fn cost(self, a: &Allocation, now: u64) -> u128 {
+        match self {
+            VictimOrder::CheckpointAware => a.lost_work(now),
+            VictimOrder::YoungestFirst => u128::from(now.saturating_sub(a.started_at)),
+        }
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -113,6 +156,7 @@ impl Default for SchedulerConfig {
             backfill: true,
             max_reservation_steps: 4096,
             naive_scan: false,
+            victim_order: VictimOrder::CheckpointAware,
         }
     }
 }
@@ -567,7 +611,7 @@ impl Pass<'_> {
         if quota_blocked && !reclaim_allowed && !self.running.iter().any(own_lower) {
             return false;
         }
-        // Candidates per node, cheapest lost work first.
+        // Candidates per node, cheapest first (by the configured victim order).
         let mut by_node: BTreeMap<u32, Vec<(u128, usize)>> = BTreeMap::new();
         for (i, a) in self.running.iter().enumerate() {
             if self.evicted.contains(&i) {
@@ -583,7 +627,8 @@ impl Pass<'_> {
             }
             let Some(n) = self.cluster.node_index(&a.node) else { continue };
             let unit = self.victim_unit(i);
-            let cost: u128 = unit.iter().map(|&j| self.running[j].lost_work(self.now)).sum();
+            let order = self.cfg.victim_order;
+            let cost: u128 = unit.iter().map(|&j| order.cost(&self.running[j], self.now)).sum();
             by_node.entry(n).or_default().push((cost, i));
         }
         for v in by_node.values_mut() {

@@ -144,6 +144,7 @@ pub fn eligible(g: &StaticGroup, n: &NodeView<'_>, req: &DevReq, models: ModelSe
     for (i, (d, st)) in g.devs.iter().zip(n.devs).enumerate() {
         if d.kind == req.kind
             && models & (1u128 << d.model) != 0
+            && (req.count == 1 || !d.partition)
             && st.healthy
             && st.free_milli >= req.milli
             && st.free_mem_mib >= req.memory_mib

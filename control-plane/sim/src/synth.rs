@@ -172,6 +172,7 @@ pub fn trace_pods(count: usize, seed: u64, mean_gap_s: u64, gangs: bool) -> Vec<
                 queue: "default".into(),
                 priority: spec.priority,
                 replicas: if gangs { g.replicas } else { 1 },
+                qos: String::new(),
             }
         })
         .collect()

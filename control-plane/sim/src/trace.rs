@@ -110,6 +110,29 @@ pub struct TracePod {
     pub priority: i32,
     /// Gang size: replicas that must start together (1 = a single task).
     pub replicas: u32,
+    /// QoS class as the trace names it (Alibaba: `LS`, `BE`, `Burstable`, `Guaranteed`;
+    /// empty when the trace has none). See [`priority_by_qos`].
+    pub qos: String,
+}
+
+/// Gives each pod the priority its QoS class maps to (`map`: class -> priority); pods of
+/// classes not in the map keep theirs. The Alibaba traces carry no priority, only QoS, so
+/// this is how a replay of them makes preemption happen.
+pub fn priority_by_qos(pods: &mut [TracePod], map: &std::collections::BTreeMap<String, i32>) {
+    for p in pods {
+        if let Some(&prio) = map.get(&p.qos) {
+            p.priority = prio;
+        }
+    }
+}
+
+/// Divides every arrival time by `factor` (≥ 1), keeping run times: the same work arrives
+/// `factor` times faster, so queues form on a cluster the trace barely filled.
+pub fn compress_arrivals(pods: &mut [TracePod], factor: u64) {
+    let f = factor.max(1);
+    for p in pods {
+        p.arrival_s /= f;
+    }
 }
 
 impl TracePod {
@@ -308,6 +331,7 @@ struct PodCols {
     ngpu: usize,
     milli: usize,
     spec: Option<usize>,
+    qos: Option<usize>,
 }
 
 impl PodCols {
@@ -319,6 +343,7 @@ impl PodCols {
             ngpu: t.col("num_gpu")?,
             milli: t.col("gpu_milli")?,
             spec: t.columns.get("gpu_spec").copied(),
+            qos: t.columns.get("qos").copied(),
         })
     }
 
@@ -343,6 +368,7 @@ impl PodCols {
             queue: "default".into(),
             priority: 0,
             replicas: 1,
+            qos: self.qos.map(|q| t.str(rec, q).to_owned()).unwrap_or_default(),
         })
     }
 }

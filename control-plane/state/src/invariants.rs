@@ -28,6 +28,8 @@ impl State {
     /// - `node-overcommit`: live allocations on a node fit its CPU and memory.
     /// - `device-overcommit`: shares on a device sum to at most 1000 milli, and memory slices
     ///   to at most its memory (when known); every share names a device the node has.
+    /// - `mig-exclusive`: a MIG partition and its physical parent (both devices of the node)
+    ///   are never used at once.
     /// - `alloc-node`: live allocations run on known nodes that are not down.
     /// - `one-live-alloc-per-task`: at most one live allocation per (job, group, replica), and
     ///   at most one allocation per (job, group, replica, epoch).
@@ -70,6 +72,22 @@ impl State {
                     return fail(
                         "device-overcommit",
                         format!("device {dev} on {id}: {} milli, {}/{} MiB", u.milli, u.memory_mib, d.memory_mib),
+                    );
+                }
+            }
+        }
+        for (id, devs) in &usage.devices {
+            let Some(rec) = self.nodes.get(id) else { continue };
+            let used = |d: &str| devs.get(d).is_some_and(|u| u.milli > 0 || u.memory_mib > 0);
+            for d in &rec.node.devices {
+                if let Some(parent) = d.partition_of.as_deref()
+                    && parent != d.id
+                    && used(&d.id)
+                    && used(parent)
+                {
+                    return fail(
+                        "mig-exclusive",
+                        format!("device {} on {id} and its MIG parent {parent} are both in use", d.id),
                     );
                 }
             }

@@ -5,8 +5,10 @@
 //!  preemptions ─▶ victim live, running as asked, preemptible, beneficiary still pending,
 //!                 and outranked (priority) or reclaimable (borrowed)  ─▶ ask the job to stop
 //!  placements by job ─▶ job pending, out of backoff, no live allocation
-//!                    ─▶ each replica: node ready and schedulable, constraints, CPU/memory
-//!                       fit, each device share exists, right kind and model, healthy, fits
+//!                    ─▶ each replica: node ready and schedulable, constraints (pools,
+//!                       regions, labels, nodes, avoid_nodes), CPU/memory fit, each device
+//!                       share exists, right kind and model, healthy, fits, and no MIG
+//!                       partition shares its physical GPU with a used parent (or vice versa)
 //!                    ─▶ gang: all replicas; elastic: ≥ min per group ─▶ quota admits it
 //!                    ─▶ commit allocations (epoch = attempt + 1)   else: refuse the job
 //! ```
@@ -21,6 +23,29 @@ use suanli_model::{
     AllocId, Allocation, DeviceKind, Health, JobId, Placement, Preemption, PreemptionReason, ResVec, WHOLE_DEVICE_MILLI,
 };
 use suanli_scheduler::quota::QuotaBook;
+
+/// The device of `node` that shares a physical GPU with `device` and is in use (by `used`) or
+/// asked for in the same placement (`asked`): its MIG parent, or one of its MIG partitions.
+pub(crate) fn mig_conflict(
+    node: &suanli_model::Node,
+    device: &str,
+    asked: &BTreeSet<&str>,
+    used: impl Fn(&str) -> bool,
+) -> Option<String> {
+    let busy = |x: &str| x != device && (used(x) || asked.contains(x));
+    let d = node.devices.iter().find(|d| d.id == device)?;
+    if let Some(parent) = d.partition_of.as_deref()
+        && node.devices.iter().any(|x| x.id == parent)
+        && busy(parent)
+    {
+        return Some(parent.to_owned());
+    }
+    node.devices
+        .iter()
+        .filter(|x| x.partition_of.as_deref() == Some(device))
+        .find(|x| busy(&x.id))
+        .map(|x| x.id.clone())
+}
 
 impl State {
     pub(crate) fn apply_plan(&mut self, c: ApplyPlan, rev: u64) -> Applied {
@@ -254,6 +279,12 @@ impl State {
         if let Some((k, v)) = c.labels.iter().find(|(k, v)| node.labels.get(*k) != Some(*v)) {
             return Err(R::MissingLabel { node: node_id(), key: k.clone(), value: v.clone() });
         }
+        if !c.nodes.is_empty() && !c.nodes.contains(&p.node) {
+            return Err(R::NodeNotAllowed { node: node_id() });
+        }
+        if c.avoid_nodes.contains(&p.node) {
+            return Err(R::NodeAvoided { node: node_id() });
+        }
         let r = &g.resources;
         if p.cpu_milli < r.cpu_milli || p.memory_mib < r.memory_mib {
             return Err(R::ReservesLess { node: node_id() });
@@ -340,6 +371,9 @@ impl State {
                             asked: s.memory_mib,
                             capacity: d.memory_mib,
                         });
+                    }
+                    if let Some(other) = mig_conflict(node, &d.id, &ids, |x| usage.device(&p.node, x).milli > 0) {
+                        return Err(R::MigConflict { device: d.id.clone(), node: node_id(), other });
                     }
                     match d.kind {
                         DeviceKind::Gpu => v.gpu_milli += u64::from(s.milli),

@@ -200,6 +200,28 @@ pub enum RefusalReason {
         /// The value required.
         value: String,
     },
+    /// The node is not among the job's allowed nodes (`constraints.nodes`).
+    #[error("node {node} is not among the job's node constraints")]
+    NodeNotAllowed {
+        /// The node.
+        node: NodeId,
+    },
+    /// The job must avoid the node (`constraints.avoid_nodes`, e.g. it just failed there).
+    #[error("node {node} is one the job must avoid")]
+    NodeAvoided {
+        /// The node.
+        node: NodeId,
+    },
+    /// A MIG partition and its physical parent device would be in use at once.
+    #[error("device {device} on {node} shares its physical GPU with {other}, which is in use")]
+    MigConflict {
+        /// The device asked for.
+        device: String,
+        /// The node.
+        node: NodeId,
+        /// The parent or partition of it that is in use (or asked for by the same placement).
+        other: String,
+    },
     /// The placement reserves less CPU or memory than the task asks.
     #[error("placement on {node} reserves less cpu or memory than the task asks")]
     ReservesLess {
@@ -372,6 +394,9 @@ impl RefusalReason {
             R::OutsidePools { .. } => "outside_pools",
             R::OutsideRegions { .. } => "outside_regions",
             R::MissingLabel { .. } => "missing_label",
+            R::NodeNotAllowed { .. } => "node_not_allowed",
+            R::NodeAvoided { .. } => "node_avoided",
+            R::MigConflict { .. } => "mig_conflict",
             R::ReservesLess { .. } => "reserves_less",
             R::CpuFull { .. } => "cpu_full",
             R::MemoryFull { .. } => "memory_full",
