@@ -116,6 +116,9 @@ pub struct AgentConfig {
     pub stop_grace_min_ms: u64,
     /// Longest grace period honoured, whatever the allocation asks.
     pub stop_grace_max_ms: u64,
+    /// After a task ended, how long its final status waits for the upload and report of a
+    /// checkpoint it committed at the end (the status goes without it after this).
+    pub checkpoint_final_wait_ms: u64,
     /// Deadline of one control-plane call.
     pub rpc_timeout_ms: u64,
     /// Deadline of connecting to a server.
@@ -203,6 +206,7 @@ impl Default for AgentConfig {
             max_log_bytes: 64 * 1024 * 1024,
             stop_grace_min_ms: 10_000,
             stop_grace_max_ms: 300_000,
+            checkpoint_final_wait_ms: 120_000,
             rpc_timeout_ms: 10_000,
             connect_timeout_ms: 3_000,
             first_answer_ms: 2_000,
@@ -362,6 +366,7 @@ impl AgentConfig {
         check_ms("max_log_bytes", self.max_log_bytes, 4096, 1 << 40)?;
         check_ms("stop_grace_min_ms", self.stop_grace_min_ms, 0, 3_600_000)?;
         check_ms("stop_grace_max_ms", self.stop_grace_max_ms, self.stop_grace_min_ms, 86_400_000)?;
+        check_ms("checkpoint_final_wait_ms", self.checkpoint_final_wait_ms, 0, 3_600_000)?;
         check_ms("rpc_timeout_ms", self.rpc_timeout_ms, 100, 600_000)?;
         check_ms("connect_timeout_ms", self.connect_timeout_ms, 10, 600_000)?;
         check_ms("first_answer_ms", self.first_answer_ms, 10, 600_000)?;

@@ -466,9 +466,19 @@ pub(crate) struct Report {
     pub status: pb::AllocReport,
     pub message: String,
     pub exit_code: i32,
+    /// How it ended (an `EndClass` name: succeeded, exit, oom, start_failed, device_error,
+    /// node_lost, stopped); empty for RUNNING.
+    pub end: &'static str,
+    /// `exit_code` is the task's own (it exited by itself).
+    pub exit_code_set: bool,
 }
 
 impl Report {
+    /// A RUNNING report.
+    pub fn running(alloc: u64, epoch: u64, message: String) -> Report {
+        Report { alloc, epoch, status: pb::AllocReport::Running, message, exit_code: 0, end: "", exit_code_set: false }
+    }
+
     pub fn is_final(&self) -> bool {
         self.status != pb::AllocReport::Running
     }
@@ -555,7 +565,8 @@ pub(crate) async fn report_loop(agent: Arc<Agent>) {
                     status: r.status as i32,
                     message: r.message.clone(),
                     exit_code: r.exit_code,
-                    ..Default::default()
+                    end: r.end.to_owned(),
+                    exit_code_set: r.exit_code_set,
                 };
                 let res = a
                     .servers
@@ -633,7 +644,7 @@ mod tests {
     }
 
     fn rep(status: pb::AllocReport) -> Report {
-        Report { alloc: 1, epoch: 1, status, message: String::new(), exit_code: 0 }
+        Report { status, ..Report::running(1, 1, String::new()) }
     }
 
     #[test]

@@ -30,6 +30,7 @@
 
 mod cgroup;
 pub mod checkpoint;
+mod ckpt;
 pub mod config;
 mod control;
 mod disk;
@@ -146,6 +147,33 @@ fn reserve_lease(path: &std::path::Path) {
     if let Err(e) = r {
         tracing::warn!(path = %path.display(), error = %e, "reserving the lease file");
     }
+}
+
+/// An agent for unit tests: no plugins, the given servers, nothing running yet.
+#[cfg(test)]
+pub(crate) async fn test_agent(mut cfg: AgentConfig) -> Arc<Agent> {
+    cfg.plugins = Some(Vec::new());
+    std::fs::create_dir_all(cfg.allocs_dir()).expect("test data dir");
+    let plugins = Arc::new(plugins::Plugins::load(&cfg, "n1").await);
+    let (stop_tx, stop) = watch::channel(false);
+    // Never stops: the sender lives as long as the test process.
+    std::mem::forget(stop_tx);
+    Arc::new(Agent {
+        node_id: "n1".into(),
+        agent_addr: String::new(),
+        plugins,
+        servers: control::Servers::new(&cfg).expect("test servers"),
+        cgroups: None,
+        reporter: control::Reporter::default(),
+        tasks: Mutex::new(tasks::Tasks::default()),
+        stop,
+        registered: watch::channel(0).0,
+        reregister: Notify::new(),
+        lease: watch::channel(None).0,
+        boot_id: sys::boot_id(),
+        disk_pressure: watch::channel(String::new()).0,
+        cfg,
+    })
 }
 
 /// Runs the agent until `shutdown` completes. Tasks keep running after it returns; the next

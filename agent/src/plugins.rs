@@ -147,6 +147,16 @@ fn parse_kind(k: &str) -> Option<DeviceKind> {
     }
 }
 
+/// What the plugins returned for a task's devices.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Reserved {
+    /// Environment for the task.
+    pub env: BTreeMap<String, String>,
+    /// Device files (host paths) a container runtime would bind into the task, in order,
+    /// without repeats.
+    pub device_files: Vec<String>,
+}
+
 impl Plugins {
     /// Loads every candidate library; one that is refused (permissions, load error, ABI
     /// mismatch, init failure) is logged and skipped. Each loaded plugin is fingerprinted once.
@@ -308,7 +318,7 @@ impl Plugins {
     }
 
     /// Asks the plugins owning `device_ids` what a task using them needs; the merged env.
-    pub async fn reserve(&self, alloc_id: u64, device_ids: &[String]) -> Result<BTreeMap<String, String>, String> {
+    pub async fn reserve(&self, alloc_id: u64, device_ids: &[String]) -> Result<Reserved, String> {
         let devs = self.devices();
         let mut by_owner: BTreeMap<usize, Vec<String>> = BTreeMap::new();
         for id in device_ids {
@@ -317,6 +327,7 @@ impl Plugins {
             by_owner.entry(d.owner).or_default().push(id.clone());
         }
         let mut env = BTreeMap::new();
+        let mut device_files = Vec::new();
         for (owner, ids) in by_owner {
             let p = &self.list[owner];
             let r = p
@@ -324,8 +335,13 @@ impl Plugins {
                 .reserve(pb::ReserveRequest { device_ids: ids.clone(), alloc_id })
                 .await
                 .map_err(|e| format!("reserve of {ids:?} by plugin {}: {e}", p.stem))?;
-            if !r.device_files.is_empty() || !r.mounts.is_empty() {
-                tracing::debug!(plugin = %p.stem, alloc = alloc_id, "device files and mounts are for container runtimes; a plain process sees the host's");
+            if !r.mounts.is_empty() {
+                tracing::debug!(plugin = %p.stem, alloc = alloc_id, "mounts are for container runtimes; a plain process sees the host's");
+            }
+            for f in r.device_files {
+                if !device_files.contains(&f.host_path) {
+                    device_files.push(f.host_path);
+                }
             }
             for (k, v) in r.env {
                 if let Some(old) = env.insert(k.clone(), v.clone())
@@ -335,7 +351,7 @@ impl Plugins {
                 }
             }
         }
-        Ok(env)
+        Ok(Reserved { env, device_files })
     }
 
     /// Starts one monitor per plugin; they end when `stop` turns true.

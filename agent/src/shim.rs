@@ -81,6 +81,15 @@ pub struct ExitRecord {
     /// When the shim decided to fence a running task (its SIGTERM), ms since the Unix epoch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fenced_at_ms: Option<u64>,
+    /// The task cgroup's `oom_kill` count (memory.events) when the task ended: above 0, the
+    /// kernel's OOM killer killed a process of the task (none: no cgroup, or unreadable).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_kills: Option<u64>,
+    /// How the end is classified when the agent knows better than the exit status (e.g.
+    /// `node_lost` when the node could not fetch the checkpoint to restore); none: from the
+    /// exit status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end: Option<String>,
 }
 
 impl ExitRecord {
@@ -188,8 +197,28 @@ extern "C" fn on_signal(sig: libc::c_int) {
     }
 }
 
+extern "C" fn on_checkpoint_signal(_sig: libc::c_int) {}
+
+/// Signals a task may be asked to checkpoint with, that the shim does not forward: the agent
+/// sends them to the whole process group (the task's processes get them directly), and the
+/// shim must not die of them. Caught by a no-op handler, not ignored: an ignored signal stays
+/// ignored in the child across exec, a caught one is reset to its default.
+const CHECKPOINT_SIGNALS: [libc::c_int; 2] = [libc::SIGUSR1, libc::SIGUSR2];
+
 #[allow(unsafe_code)]
 fn install_forwarding() -> std::io::Result<()> {
+    for sig in CHECKPOINT_SIGNALS {
+        // SAFETY: as below; the handler does nothing.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_checkpoint_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
     for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
         // SAFETY: a zeroed sigaction is a valid "no flags, empty mask" value; the handler is an
         // extern "C" fn that only touches atomics and calls kill(2), both async-signal-safe.
@@ -493,8 +522,21 @@ pub fn run(a: ShimArgs) -> ExitCode {
             finished_at_ms: Some(finished_at_ms),
             fenced,
             fenced_at_ms,
+            oom_kills: a.cgroup.as_deref().and_then(oom_kills),
+            end: None,
         },
     )
+}
+
+/// The `oom_kill` count of a cgroup v2 directory's `memory.events`.
+pub fn oom_kills(cgroup: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(cgroup.join("memory.events")).ok()?;
+    parse_oom_kills(&text)
+}
+
+/// The `oom_kill` line of a `memory.events` text.
+pub fn parse_oom_kills(text: &str) -> Option<u64> {
+    text.lines().find_map(|l| l.strip_prefix("oom_kill ").and_then(|v| v.trim().parse().ok()))
 }
 
 /// The task's disk quota: its directory (logs not counted) is measured every
@@ -643,5 +685,12 @@ mod tests {
     fn exit_codes() {
         let r = ExitRecord { signal: Some(9), ..ExitRecord::default() };
         assert_eq!(r.code(), 137);
+    }
+
+    #[test]
+    fn oom_kills_come_from_memory_events() {
+        let text = "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n";
+        assert_eq!(parse_oom_kills(text), Some(2));
+        assert_eq!(parse_oom_kills("low 0\n"), None);
     }
 }

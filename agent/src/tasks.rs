@@ -85,13 +85,48 @@ struct StopRecord {
     /// Milliseconds since the Unix epoch (0 in records of older agents).
     #[serde(default)]
     at_ms: u64,
+    /// A checkpoint-first stop: what came of asking for the checkpoint ("checkpoint at step
+    /// 40", "no checkpoint within 30 s"); none: no checkpoint was asked for, or not yet known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    checkpoint: Option<String>,
 }
 
 /// A request to stop a task.
 #[derive(Debug, Clone)]
 struct Stop {
     reason: String,
+    /// Between SIGTERM and SIGKILL.
     grace: Duration,
+    /// Ask for a checkpoint first.
+    checkpoint: Option<CheckpointAsk>,
+}
+
+/// The checkpoint-first part of a stop: send `signal` to the task's process group, and wait up
+/// to `wait` for a new checkpoint to be reported before the SIGTERM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct CheckpointAsk {
+    signal: i32,
+    name: &'static str,
+    wait: Duration,
+}
+
+/// The checkpoint-first part of a stop the control plane asks for, when the allocation has a
+/// checkpoint signal, a grace and `checkpoint_first` (the wait is bounded by
+/// `stop_grace_max_ms`).
+fn checkpoint_ask(cfg: &AgentConfig, a: &pb::AllocInfo) -> Option<CheckpointAsk> {
+    if !a.checkpoint_first || a.grace_s == 0 {
+        return None;
+    }
+    let sig = suanli_model::CheckpointSignal::parse(&a.checkpoint_signal)?;
+    let signal = match sig {
+        suanli_model::CheckpointSignal::Usr1 => libc::SIGUSR1,
+        suanli_model::CheckpointSignal::Usr2 => libc::SIGUSR2,
+        suanli_model::CheckpointSignal::Int => libc::SIGINT,
+        suanli_model::CheckpointSignal::Term => libc::SIGTERM,
+        suanli_model::CheckpointSignal::Hup => libc::SIGHUP,
+    };
+    let wait = Duration::from_millis(a.grace_s.saturating_mul(1000).min(cfg.stop_grace_max_ms));
+    Some(CheckpointAsk { signal, name: sig.as_str(), wait })
 }
 
 /// What the manager remembers about an allocation it handles.
@@ -218,13 +253,7 @@ fn recover_one(agent: &Arc<Agent>, k: Key, dir: &Path) -> Entry {
         };
         tracing::info!(alloc = k.0, epoch = k.1, job_id, pid = shim.pid, "adopting a running task");
         let (tx, rx) = watch::channel(None);
-        agent.reporter.enqueue(Report {
-            alloc: k.0,
-            epoch: k.1,
-            status: pb::AllocReport::Running,
-            message: "adopted after an agent restart".into(),
-            exit_code: 0,
-        });
+        agent.reporter.enqueue(Report::running(k.0, k.1, "adopted after an agent restart".into()));
         let a = agent.clone();
         let dir = dir.to_owned();
         let span = tracing::info_span!("task", alloc = k.0, epoch = k.1, job_id);
@@ -268,10 +297,11 @@ fn fenced_message(e: &ExitRecord) -> String {
 
 /// The final report for an ended task: a requested stop wins (unless the task was fenced
 /// before the stop was asked for), then a fence, then how it exited; `lost` is the message when
-/// nothing is known.
+/// nothing is known. Its end class is [`end_class`]'s.
 fn final_report(k: Key, dir: &Path, exit: Option<&ExitRecord>, lost: &str) -> Report {
     let stop: Option<StopRecord> =
         std::fs::read(dir.join("stop.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+    let device_error = dir.join(crate::ckpt::DEVICE_ERROR_FILE).exists();
     if let Some(e) = exit.filter(|e| e.fenced) {
         let fenced_at = e.fenced_at_ms.or(e.finished_at_ms).unwrap_or(e.finished_at.saturating_mul(1000));
         let stop_first = stop.as_ref().is_some_and(|s| {
@@ -285,9 +315,12 @@ fn final_report(k: Key, dir: &Path, exit: Option<&ExitRecord>, lost: &str) -> Re
                 status: pb::AllocReport::Failed,
                 message: fenced_message(e),
                 exit_code: e.code(),
+                end: "node_lost",
+                exit_code_set: false,
             };
         }
     }
+    let (end, exit_code_set) = end_class(stop.as_ref().map(|s| s.reason.as_str()), exit, device_error);
     let (status, message, exit_code) = match (stop, exit) {
         (Some(s), e) => {
             let how = match e {
@@ -295,7 +328,8 @@ fn final_report(k: Key, dir: &Path, exit: Option<&ExitRecord>, lost: &str) -> Re
                 Some(ExitRecord { signal: Some(s), .. }) => format!(" (killed by signal {s})"),
                 _ => String::new(),
             };
-            (pb::AllocReport::Stopped, format!("stopped: {}{how}", s.reason), e.map_or(0, ExitRecord::code))
+            let ck = s.checkpoint.map(|c| format!("; {c}")).unwrap_or_default();
+            (pb::AllocReport::Stopped, format!("stopped: {}{how}{ck}", s.reason), e.map_or(0, ExitRecord::code))
         }
         (None, Some(e)) if e.error.is_some() => {
             (pb::AllocReport::Failed, e.error.clone().unwrap_or_default(), e.code())
@@ -303,12 +337,61 @@ fn final_report(k: Key, dir: &Path, exit: Option<&ExitRecord>, lost: &str) -> Re
         (None, Some(e)) => match (e.exit_code, e.signal) {
             (Some(0), _) => (pb::AllocReport::Succeeded, "exit code 0".into(), 0),
             (Some(c), _) => (pb::AllocReport::Failed, format!("exit code {c}"), c),
+            (None, Some(s)) if end == "oom" => {
+                (pb::AllocReport::Failed, format!("killed by signal {s} (out of memory)"), 128 + s)
+            }
             (None, Some(s)) => (pb::AllocReport::Failed, format!("killed by signal {s}"), 128 + s),
             (None, None) => (pb::AllocReport::Failed, "ended without an exit status".into(), e.code()),
         },
         (None, None) => (pb::AllocReport::Failed, lost.to_owned(), -1),
     };
-    Report { alloc: k.0, epoch: k.1, status, message, exit_code }
+    let message = if end == "device_error" && status == pb::AllocReport::Failed {
+        let which = std::fs::read_to_string(dir.join(crate::ckpt::DEVICE_ERROR_FILE)).unwrap_or_default();
+        format!("{message}; a device turned unhealthy while it ran: {}", which.trim())
+    } else {
+        message
+    };
+    Report { alloc: k.0, epoch: k.1, status, message, exit_code, end, exit_code_set }
+}
+
+/// How a task's end is classified (pure; fences are decided before): the end class, and
+/// whether its exit code is the task's own.
+///
+/// - stopped as asked: `stopped`, or `device_error` when the control plane stopped it because
+///   a device turned unhealthy;
+/// - not started: `start_failed` (or the class the agent recorded, e.g. `node_lost` when the
+///   checkpoint to restore from could not be fetched);
+/// - exit code 0: `succeeded` (even when a device turned unhealthy meanwhile);
+/// - a device of the allocation turned unhealthy while it ran: `device_error`;
+/// - killed by a signal while its cgroup counted an OOM kill: `oom`;
+/// - any other exit code or signal the agent did not send: `exit`;
+/// - nothing recorded (the shim is gone): `node_lost`.
+fn end_class(stop_reason: Option<&str>, exit: Option<&ExitRecord>, device_error: bool) -> (&'static str, bool) {
+    let own_code = exit.is_some_and(|e| e.exit_code.is_some() && e.error.is_none());
+    if let Some(reason) = stop_reason {
+        let end = if reason == "device_unhealthy" { "device_error" } else { "stopped" };
+        return (end, own_code);
+    }
+    let Some(e) = exit else { return ("node_lost", false) };
+    if let Some(end) = e.end.as_deref().and_then(known_end) {
+        return (end, false);
+    }
+    if e.error.is_some() {
+        // Killed by the shim for its disk quota after it started; else it never started.
+        return if e.started_at_ms.is_some() { ("exit", false) } else { ("start_failed", false) };
+    }
+    match (e.exit_code, e.signal) {
+        (Some(0), _) => ("succeeded", true),
+        _ if device_error => ("device_error", own_code),
+        (Some(_), _) => ("exit", true),
+        (None, Some(_)) if e.oom_kills.is_some_and(|n| n > 0) => ("oom", false),
+        _ => ("exit", false),
+    }
+}
+
+/// The end class named `s`, if the agent may report it.
+fn known_end(s: &str) -> Option<&'static str> {
+    ["succeeded", "exit", "oom", "start_failed", "device_error", "node_lost", "stopped"].into_iter().find(|x| *x == s)
 }
 
 /// Called by the reporter once a final report is acknowledged (or refused for good).
@@ -336,11 +419,11 @@ fn grace(cfg: &AgentConfig, grace_s: u64) -> Duration {
     Duration::from_millis(ms)
 }
 
-fn request_stop(e: &Entry, reason: String, grace: Duration) {
+fn request_stop(e: &Entry, reason: String, grace: Duration, checkpoint: Option<CheckpointAsk>) {
     if e.ended || e.stop.borrow().is_some() {
         return;
     }
-    e.stop.send_replace(Some(Stop { reason, grace }));
+    e.stop.send_replace(Some(Stop { reason, grace, checkpoint }));
 }
 
 /// Applies every new allocation set, forever.
@@ -385,7 +468,7 @@ fn same_cluster(agent: &Arc<Agent>, t: &mut Tasks, u: &pb::AllocationsUpdate) ->
     );
     agent.reporter.hold(true);
     for e in t.map.values() {
-        request_stop(e, format!("the control plane is now cluster {} (was {old})", u.cluster_id), Duration::ZERO);
+        request_stop(e, format!("the control plane is now cluster {} (was {old})", u.cluster_id), Duration::ZERO, None);
     }
     t.switching = Some((u.cluster_id.clone(), Some(u.clone())));
     let a = agent.clone();
@@ -568,20 +651,29 @@ fn reconcile(agent: &Arc<Agent>, u: pb::AllocationsUpdate) {
             AllocAction::Keep => {}
             AllocAction::Stop(why) => {
                 if let Some(e) = t.map.get(&k) {
-                    request_stop(e, why, grace(cfg, a.grace_s));
+                    request_stop(e, why, grace(cfg, a.grace_s), checkpoint_ask(cfg, &a));
                 }
             }
             AllocAction::Recover(stop) => {
                 let e = recover_one(agent, k, &dir);
                 if let Some(why) = stop {
-                    request_stop(&e, why, grace(cfg, a.grace_s));
+                    request_stop(&e, why, grace(cfg, a.grace_s), checkpoint_ask(cfg, &a));
                 }
                 running += usize::from(!e.ended);
                 t.map.insert(k, e);
             }
             AllocAction::Refuse(status, message) => {
                 tracing::warn!(alloc = k.0, epoch = k.1, job_id = a.job_id, %message, "not starting the task");
-                agent.reporter.enqueue(Report { alloc: k.0, epoch: k.1, status, message, exit_code: 0 });
+                let end = refused_end(status, &message);
+                agent.reporter.enqueue(Report {
+                    alloc: k.0,
+                    epoch: k.1,
+                    status,
+                    message,
+                    exit_code: 0,
+                    end,
+                    exit_code_set: false,
+                });
             }
             AllocAction::Start => {
                 let (tx, rx) = watch::channel(None);
@@ -600,9 +692,20 @@ fn reconcile(agent: &Arc<Agent>, u: pb::AllocationsUpdate) {
                 // Finished and no longer listed: the directory remembers it from now on.
                 t.map.remove(&k);
             } else if let Some(e) = t.map.get(&k) {
-                request_stop(e, "no longer assigned to this node".into(), grace(cfg, 0));
+                request_stop(e, "no longer assigned to this node".into(), grace(cfg, 0), None);
             }
         }
+    }
+}
+
+/// The end class of an allocation the agent refused to start.
+fn refused_end(status: pb::AllocReport, message: &str) -> &'static str {
+    if status == pb::AllocReport::Stopped {
+        "stopped"
+    } else if message.starts_with("lost:") {
+        "node_lost"
+    } else {
+        "start_failed"
     }
 }
 
@@ -614,11 +717,17 @@ fn set_ended(agent: &Agent, k: Key) {
 
 /// Records that the task could not start (as its exit record) and reports it.
 fn fail_start(agent: &Agent, k: Key, dir: &Path, msg: String) {
+    fail_start_as(agent, k, dir, msg, None);
+}
+
+/// [`fail_start`], with the end class when it is not `start_failed`.
+fn fail_start_as(agent: &Agent, k: Key, dir: &Path, msg: String, end: Option<&str>) {
     tracing::warn!(alloc = k.0, epoch = k.1, error = %msg, "task could not start");
     let rec = ExitRecord {
         finished_at: sys::now_s(),
         finished_at_ms: Some(sys::now_ms()),
         error: Some(msg),
+        end: end.map(str::to_owned),
         ..ExitRecord::default()
     };
     if let Err(e) = sys::write_atomic(&dir.join(crate::shim::EXIT_FILE), &serde_json::to_vec(&rec).unwrap_or_default())
@@ -635,6 +744,8 @@ fn task_env(
     a: &pb::AllocInfo,
     dir: &Path,
     plugin_env: BTreeMap<String, String>,
+    restore: Option<&(PathBuf, u64)>,
+    device_files: &[String],
 ) -> BTreeMap<String, String> {
     let mut env = BTreeMap::new();
     for name in &agent.cfg.inherit_env {
@@ -664,8 +775,16 @@ fn task_env(
         ("SUANLI_MEMORY_MIB", a.memory_mib.to_string()),
     ];
     env.extend(ours.into_iter().map(|(k, v)| (k.to_owned(), v)));
-    if !a.restore_from.is_empty() {
-        env.insert("SUANLI_RESTORE_FROM".into(), a.restore_from.clone());
+    env.insert("SUANLI_CHECKPOINT_DIR".into(), dir.join(crate::ckpt::CHECKPOINT_DIR).display().to_string());
+    if !a.checkpoint_signal.is_empty() {
+        env.insert("SUANLI_CHECKPOINT_SIGNAL".into(), a.checkpoint_signal.clone());
+    }
+    if let Some((path, step)) = restore {
+        env.insert("SUANLI_RESTORE_FROM".into(), path.display().to_string());
+        env.insert("SUANLI_RESTORE_STEP".into(), step.to_string());
+    }
+    if !device_files.is_empty() {
+        env.insert("SUANLI_DEVICE_FILES".into(), device_files.join(":"));
     }
     // A fractional share: tell the task how much of the device is its own.
     for d in a.devices.iter().filter(|d| d.milli < 1000) {
@@ -725,17 +844,16 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
     // Reserve first: it has no effect on the node beyond the environment it returns, so an
     // agent dying during it leaves nothing behind and the allocation simply starts later.
     let ids: Vec<String> = a.devices.iter().map(|d| d.device.clone()).collect();
-    let reserved = if ids.is_empty() { Ok(BTreeMap::new()) } else { agent.plugins.reserve(a.id, &ids).await };
+    let reserved =
+        if ids.is_empty() { Ok(crate::plugins::Reserved::default()) } else { agent.plugins.reserve(a.id, &ids).await };
     // The directory is the "started once" mark: create it exclusively, and durably.
     if let Err(e) = std::fs::create_dir(&dir) {
         tracing::error!(dir = %dir.display(), error = %e, "cannot create the allocation directory; not starting");
         if e.kind() != std::io::ErrorKind::AlreadyExists {
             agent.reporter.enqueue(Report {
-                alloc: k.0,
-                epoch: k.1,
                 status: pb::AllocReport::Failed,
-                message: format!("agent: creating {}: {e}", dir.display()),
-                exit_code: 0,
+                end: "start_failed",
+                ..Report::running(k.0, k.1, format!("agent: creating {}: {e}", dir.display()))
             });
         }
         set_ended(&agent, k);
@@ -744,7 +862,10 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
     if let Err(e) = sys::sync_dir(&agent.cfg.allocs_dir()) {
         tracing::warn!(error = %e, "fsync of the allocs directory");
     }
-    let alloc_file = serde_json::to_vec_pretty(&alloc_json(&a, &agent.node_id)).unwrap_or_default();
+    let device_files = reserved.as_ref().map(|r| r.device_files.clone()).unwrap_or_default();
+    let hardware = crate::ckpt::hardware_of(&agent, &ids);
+    let alloc_file = serde_json::to_vec_pretty(&alloc_json(&a, &agent.node_id, hardware.as_ref(), &device_files))
+        .unwrap_or_default();
     if let Err(e) = sys::write_atomic(&dir.join(crate::shim::ALLOC_FILE), &alloc_file) {
         return fail_start(&agent, k, &dir, format!("agent: writing {}: {e}", crate::shim::ALLOC_FILE));
     }
@@ -754,9 +875,12 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
         tracing::warn!(error = %e, "reserving the space of stop.json");
     }
     let plugin_env = match reserved {
-        Ok(env) => env,
+        Ok(r) => r.env,
         Err(e) => return fail_start(&agent, k, &dir, format!("cannot reserve its devices: {e}")),
     };
+    if let Err(e) = std::fs::create_dir(dir.join(crate::ckpt::CHECKPOINT_DIR)) {
+        return fail_start(&agent, k, &dir, format!("agent: creating the checkpoint directory: {e}"));
+    }
     let cg_name = dir_name(k);
     let cgroup = match &agent.cgroups {
         Some(c) => match c.create(&cg_name, a.cpu_milli, a.memory_mib) {
@@ -765,6 +889,20 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
         },
         None => None,
     };
+    // The checkpoint to restore from is fetched before the task starts; a fetch that fails is
+    // the node's or the store's fault, not the application's: `node_lost` (infrastructure,
+    // the next attempt avoids this node).
+    let restore = if a.restore_from.is_empty() {
+        None
+    } else {
+        match crate::ckpt::fetch(&agent, &a.checkpoint_store, &a.restore_from, &dir).await {
+            Ok(r) => {
+                tracing::info!(from = %a.restore_from, step = r.1, path = %r.0.display(), "checkpoint fetched to restore from");
+                Some(r)
+            }
+            Err(e) => return fail_start_as(&agent, k, &dir, format!("not started: {e}"), Some("node_lost")),
+        }
+    };
     if agent.cfg.fence
         && let Err(why) = await_lease(&agent, &mut stop).await
         && stop.borrow().is_none()
@@ -772,10 +910,10 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
         return fail_start(&agent, k, &dir, format!("not started: {why}"));
     }
     if let Some(s) = stop.borrow().clone() {
-        write_stop(&dir, &s.reason);
+        write_stop(&dir, &s.reason, None);
         return fail_start(&agent, k, &dir, "stopped before it started".into());
     }
-    let env = task_env(&agent, &a, &dir, plugin_env);
+    let env = task_env(&agent, &a, &dir, plugin_env, restore.as_ref(), &device_files);
     let shim = agent.shim_cmd();
     let mut cmd = tokio::process::Command::new(&shim[0]);
     cmd.args(&shim[1..]).arg("--dir").arg(&dir).arg("--max-log-bytes").arg(agent.cfg.max_log_bytes.to_string());
@@ -823,19 +961,18 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
         tracing::error!(error = %e, "writing task.json; the task runs but cannot be adopted after an agent restart");
     }
     tracing::info!(pid, command = %a.command, devices = %env.get("SUANLI_DEVICES").map_or("", String::as_str), "task started");
-    agent.reporter.enqueue(Report {
-        alloc: k.0,
-        epoch: k.1,
-        status: pb::AllocReport::Running,
-        message: String::new(),
-        exit_code: 0,
-    });
+    agent.reporter.enqueue(Report::running(k.0, k.1, String::new()));
     supervise(agent, k, dir, Waiter::Child(child), pid, stop).await;
 }
 
 /// `alloc.json`: the allocation as received, with the node and the task name (the shim reads
 /// its identity for the journal from it).
-fn alloc_json(a: &pb::AllocInfo, node: &str) -> serde_json::Value {
+fn alloc_json(
+    a: &pb::AllocInfo,
+    node: &str,
+    hardware: Option<&crate::ckpt::Hardware>,
+    device_files: &[String],
+) -> serde_json::Value {
     let group = if a.group_name.is_empty() { a.group.to_string() } else { a.group_name.clone() };
     serde_json::json!({
         "id": a.id, "job_id": a.job_id, "job_name": a.job_name, "group": a.group_name, "replica": a.replica,
@@ -843,13 +980,28 @@ fn alloc_json(a: &pb::AllocInfo, node: &str) -> serde_json::Value {
         "cpu_milli": a.cpu_milli, "memory_mib": a.memory_mib,
         "devices": a.devices.iter().map(|d| serde_json::json!({"device": d.device, "milli": d.milli, "memory_mib": d.memory_mib})).collect::<Vec<_>>(),
         "command": a.command, "args": a.args, "workdir": a.workdir,
+        "checkpoint_store": a.checkpoint_store, "checkpoint_signal": a.checkpoint_signal,
+        "restore_from": a.restore_from, "restore_step": a.restore_step,
+        "hardware": hardware, "device_files": device_files,
     })
 }
 
-fn write_stop(dir: &Path, reason: &str) {
-    let rec = StopRecord { reason: reason.to_owned(), at: sys::now_s(), at_ms: sys::now_ms() };
+/// Writes `stop.json`; again with the checkpoint's `outcome` once it is known (keeping the
+/// first record's time, which orders the stop against a fence).
+fn write_stop(dir: &Path, reason: &str, outcome: Option<String>) {
+    let path = dir.join("stop.json");
+    let first: Option<StopRecord> = outcome.as_ref().and_then(|_| read_json(&path));
+    let rec = match first {
+        Some(f) => StopRecord { checkpoint: outcome, ..f },
+        None => StopRecord { reason: reason.to_owned(), at: sys::now_s(), at_ms: sys::now_ms(), checkpoint: outcome },
+    };
     let data = serde_json::to_vec(&rec).unwrap_or_default();
-    if let Err(e) = sys::write_reserved(&dir.join("stop.json"), &dir.join(STOP_RESERVED_FILE), &data, STOP_FILE_BYTES) {
+    let r = if path.exists() {
+        sys::write_atomic(&path, &data)
+    } else {
+        sys::write_reserved(&path, &dir.join(STOP_RESERVED_FILE), &data, STOP_FILE_BYTES)
+    };
+    if let Err(e) = r {
         tracing::warn!(error = %e, "writing stop.json");
     }
 }
@@ -878,6 +1030,13 @@ impl Waiter {
 }
 
 /// Watches a running task until it ends, stopping it when asked; then reports how it ended.
+///
+/// Its checkpoint directory is watched meanwhile ([`crate::ckpt::watch`]). A checkpoint-first
+/// stop sends the checkpoint signal to the task's group and waits until a checkpoint newer than
+/// any seen at the stop has been stored and reported, or the wait ends, whichever comes first; then SIGTERM, and SIGKILL
+/// after the stop's grace. The final report waits for the watcher's last look (bounded by
+/// `checkpoint_final_wait_ms`), so the control plane learns of a checkpoint committed at the
+/// end before it learns of the end.
 async fn supervise(
     agent: Arc<Agent>,
     k: Key,
@@ -886,26 +1045,74 @@ async fn supervise(
     pgid: i32,
     mut stop: watch::Receiver<Option<Stop>>,
 ) {
+    let (reported_tx, mut reported) = watch::channel(crate::ckpt::Progress::default());
+    let (ended_tx, ended_rx) = watch::channel(false);
+    let watcher = tokio::spawn(crate::ckpt::watch(agent.clone(), dir.clone(), reported_tx, ended_rx).in_current_span());
+    let mut term_at: Option<(tokio::time::Instant, Duration)> = None;
+    let mut ckpt: Option<(u64, Stop, CheckpointAsk)> = None;
     let mut kill_at: Option<tokio::time::Instant> = None;
     let mut killed = false;
     let mut stop_open = true;
+    let until = |t: Option<tokio::time::Instant>| async move {
+        match t {
+            Some(t) => tokio::time::sleep_until(t).await,
+            None => std::future::pending().await,
+        }
+    };
     let status = loop {
         tokio::select! {
             s = waiter.wait() => break s,
-            r = stop.changed(), if stop_open && kill_at.is_none() => {
+            r = stop.changed(), if stop_open && kill_at.is_none() && term_at.is_none() => {
                 if r.is_err() {
                     stop_open = false;
                     continue;
                 }
                 let Some(s) = stop.borrow_and_update().clone() else { continue };
-                write_stop(&dir, &s.reason);
-                tracing::info!(reason = %s.reason, grace_ms = s.grace.as_millis() as u64, "stopping the task: SIGTERM");
-                if let Err(e) = sys::kill_group(pgid, libc::SIGTERM) {
-                    tracing::warn!(error = %e, "SIGTERM");
+                write_stop(&dir, &s.reason, None);
+                match s.checkpoint.clone() {
+                    Some(ask) => {
+                        // A checkpoint committed before the signal (being stored now) is not new.
+                        let p = *reported.borrow_and_update();
+                        let from = p.seen.max(p.reported);
+                        tracing::info!(reason = %s.reason, signal = ask.name, wait_ms = ask.wait.as_millis() as u64, step = from,
+                            "stopping the task: asking for a checkpoint first");
+                        if let Err(e) = sys::kill_group(pgid, ask.signal) {
+                            tracing::warn!(error = %e, signal = ask.name, "sending the checkpoint signal");
+                        }
+                        term_at = Some((tokio::time::Instant::now() + ask.wait, s.grace));
+                        ckpt = Some((from, s, ask));
+                    }
+                    None => {
+                        tracing::info!(reason = %s.reason, grace_ms = s.grace.as_millis() as u64, "stopping the task: SIGTERM");
+                        if let Err(e) = sys::kill_group(pgid, libc::SIGTERM) {
+                            tracing::warn!(error = %e, "SIGTERM");
+                        }
+                        kill_at = Some(tokio::time::Instant::now() + s.grace);
+                    }
                 }
-                kill_at = Some(tokio::time::Instant::now() + s.grace);
             }
-            () = async { if let Some(t) = kill_at { tokio::time::sleep_until(t).await } else { std::future::pending().await } }, if !killed => {
+            r = reported.changed(), if ckpt.is_some() && kill_at.is_none() => {
+                let step = reported.borrow_and_update().reported;
+                if r.is_err() {
+                    // The watcher is gone: nothing more will be reported.
+                    if let Some((_, s, ask)) = ckpt.take() {
+                        kill_at = Some(terminate(&dir, pgid, &s, format!("no checkpoint: the checkpoint watcher ended ({} asked)", ask.name)));
+                    }
+                    continue;
+                }
+                if let Some((from, s, _)) = ckpt.as_ref().filter(|(from, _, _)| step > *from) {
+                    tracing::info!(step, was = *from, "the task committed a checkpoint within its grace");
+                    kill_at = Some(terminate(&dir, pgid, s, format!("checkpoint at step {step} within the grace")));
+                    ckpt = None;
+                }
+            }
+            () = until(term_at.map(|t| t.0)), if kill_at.is_none() && ckpt.is_some() => {
+                if let Some((from, s, ask)) = ckpt.take() {
+                    tracing::warn!(step = from, wait_ms = ask.wait.as_millis() as u64, "no new checkpoint within the grace");
+                    kill_at = Some(terminate(&dir, pgid, &s, format!("no checkpoint within {} s (last step {from})", ask.wait.as_secs())));
+                }
+            }
+            () = until(kill_at), if !killed => {
                 tracing::warn!("the task outlived its grace period: SIGKILL");
                 killed = true;
                 if let Err(e) = sys::kill_group(pgid, libc::SIGKILL) {
@@ -919,15 +1126,37 @@ async fn supervise(
     if let Some(c) = &agent.cgroups {
         c.remove(&dir_name(k));
     }
+    // The watcher's last look: a checkpoint committed at the end is reported before the end.
+    ended_tx.send_replace(true);
+    let wait = Duration::from_millis(agent.cfg.checkpoint_final_wait_ms);
+    let mut watcher = watcher;
+    if tokio::time::timeout(wait, &mut watcher).await.is_err() {
+        tracing::warn!(
+            wait_ms = agent.cfg.checkpoint_final_wait_ms,
+            "the last checkpoint upload took too long; reporting the end without it"
+        );
+        watcher.abort();
+    }
     let exit = ExitRecord::read(&dir);
     let lost = match status {
         Some(s) => format!("lost: the task shim ended ({s}) without recording an exit status"),
         None => "lost: the task shim is gone and recorded no exit status".to_owned(),
     };
     let r = final_report(k, &dir, exit.as_ref(), &lost);
-    tracing::info!(status = ?r.status, message = %r.message, "task ended");
+    tracing::info!(status = ?r.status, end = r.end, message = %r.message, "task ended");
     agent.reporter.enqueue(r);
     set_ended(&agent, k);
+}
+
+/// The SIGTERM of a checkpoint-first stop, recording what came of the checkpoint; the SIGKILL
+/// deadline.
+fn terminate(dir: &Path, pgid: i32, s: &Stop, outcome: String) -> tokio::time::Instant {
+    write_stop(dir, &s.reason, Some(outcome));
+    tracing::info!(reason = %s.reason, grace_ms = s.grace.as_millis() as u64, "stopping the task: SIGTERM");
+    if let Err(e) = sys::kill_group(pgid, libc::SIGTERM) {
+        tracing::warn!(error = %e, "SIGTERM");
+    }
+    tokio::time::Instant::now() + s.grace
 }
 
 /// Deletes finished allocation directories older than the retention, forever.
@@ -1066,7 +1295,7 @@ mod tests {
         assert_eq!((r.status, r.message.as_str(), r.exit_code), (pb::AllocReport::Failed, "killed by signal 9", 137));
         let r = final_report((1, 1), d.path(), None, "lost: x");
         assert_eq!((r.status, r.message.as_str()), (pb::AllocReport::Failed, "lost: x"));
-        write_stop(d.path(), "preempted");
+        write_stop(d.path(), "preempted", None);
         let r = final_report((1, 1), d.path(), Some(&sig), "");
         assert_eq!(r.status, pb::AllocReport::Stopped);
         assert!(r.message.starts_with("stopped: preempted"), "{}", r.message);
@@ -1091,7 +1320,7 @@ mod tests {
         assert_eq!((r.status, r.message.as_str()), (pb::AllocReport::Failed, "fenced: not started: no lease at /x"));
         // A stop asked for after the fence (the agent came back and found the allocation
         // gone) does not hide the fence; one asked for before it wins.
-        write_stop(d.path(), "no longer assigned");
+        write_stop(d.path(), "no longer assigned", None);
         let r = final_report((1, 1), d.path(), Some(&fenced), "");
         assert!(r.message.starts_with("fenced: "), "{}", r.message);
         let later = ExitRecord { fenced_at_ms: Some(now + 60_000), ..fenced.clone() };
@@ -1100,10 +1329,288 @@ mod tests {
     }
 
     #[test]
+    fn ends_are_classified() {
+        let code = |c: i32| ExitRecord { exit_code: Some(c), started_at_ms: Some(1), ..ExitRecord::default() };
+        let sig = |s: i32| ExitRecord { signal: Some(s), started_at_ms: Some(1), ..ExitRecord::default() };
+        assert_eq!(end_class(None, Some(&code(0)), false), ("succeeded", true));
+        assert_eq!(end_class(None, Some(&code(0)), true), ("succeeded", true), "it finished anyway");
+        assert_eq!(end_class(None, Some(&code(3)), false), ("exit", true));
+        assert_eq!(end_class(None, Some(&sig(9)), false), ("exit", false), "a SIGKILL the agent did not send");
+        let oom = ExitRecord { oom_kills: Some(1), ..sig(9) };
+        assert_eq!(end_class(None, Some(&oom), false), ("oom", false));
+        assert_eq!(end_class(None, Some(&ExitRecord { oom_kills: Some(0), ..sig(9) }), false), ("exit", false));
+        assert_eq!(end_class(None, Some(&code(1)), true), ("device_error", true));
+        assert_eq!(end_class(Some("preempted"), Some(&code(143)), false), ("stopped", true));
+        assert_eq!(end_class(Some("preempted"), Some(&sig(9)), false), ("stopped", false));
+        assert_eq!(end_class(Some("device_unhealthy"), Some(&sig(15)), false), ("device_error", false));
+        let not_started =
+            ExitRecord { exit_code: Some(127), error: Some("cannot start".into()), ..ExitRecord::default() };
+        assert_eq!(end_class(None, Some(&not_started), false), ("start_failed", false));
+        let quota = ExitRecord { started_at_ms: Some(1), ..not_started.clone() };
+        assert_eq!(end_class(None, Some(&quota), false), ("exit", false), "killed for its disk quota");
+        let no_restore = ExitRecord { end: Some("node_lost".into()), ..not_started.clone() };
+        assert_eq!(end_class(None, Some(&no_restore), false), ("node_lost", false));
+        assert_eq!(end_class(None, None, false), ("node_lost", false), "the shim is gone");
+        // Through final_report: a fence is node_lost; refusals are classified too.
+        let d = tempfile::tempdir().unwrap();
+        let fenced = ExitRecord { signal: Some(15), fenced: true, fenced_at_ms: Some(1), ..ExitRecord::default() };
+        let r = final_report((1, 1), d.path(), Some(&fenced), "");
+        assert_eq!((r.end, r.exit_code_set), ("node_lost", false));
+        std::fs::write(d.path().join(crate::ckpt::DEVICE_ERROR_FILE), "gpu0: XID 79\n").unwrap();
+        let r = final_report((1, 1), d.path(), Some(&code(1)), "");
+        assert_eq!(r.end, "device_error");
+        assert!(r.message.ends_with("gpu0: XID 79"), "{}", r.message);
+        assert_eq!(refused_end(pb::AllocReport::Stopped, "stopped before it started"), "stopped");
+        assert_eq!(refused_end(pb::AllocReport::Failed, "lost: x"), "node_lost");
+        assert_eq!(refused_end(pb::AllocReport::Failed, "no task"), "start_failed");
+    }
+
+    #[test]
+    fn a_checkpoint_first_stop_needs_a_signal_a_grace_and_the_flag() {
+        let cfg = AgentConfig { stop_grace_max_ms: 20_000, ..AgentConfig::default() };
+        let mut a = pb::AllocInfo {
+            checkpoint_first: true,
+            grace_s: 30,
+            checkpoint_signal: "SIGUSR1".into(),
+            ..pb::AllocInfo::default()
+        };
+        assert_eq!(
+            checkpoint_ask(&cfg, &a),
+            Some(CheckpointAsk { signal: libc::SIGUSR1, name: "SIGUSR1", wait: Duration::from_secs(20) }),
+            "bounded by stop_grace_max_ms"
+        );
+        a.checkpoint_signal = "SIGUSR2".into();
+        a.grace_s = 5;
+        assert_eq!(checkpoint_ask(&cfg, &a).map(|c| (c.signal, c.wait)), Some((libc::SIGUSR2, Duration::from_secs(5))));
+        for bad in [
+            pb::AllocInfo { checkpoint_first: false, ..a.clone() },
+            pb::AllocInfo { grace_s: 0, ..a.clone() },
+            pb::AllocInfo { checkpoint_signal: String::new(), ..a.clone() },
+            pb::AllocInfo { checkpoint_signal: "SIGKILL".into(), ..a.clone() },
+        ] {
+            assert_eq!(checkpoint_ask(&cfg, &bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn grace_is_bounded() {
         let c = AgentConfig { stop_grace_min_ms: 500, stop_grace_max_ms: 5000, ..AgentConfig::default() };
         assert_eq!(grace(&c, 0), Duration::from_millis(500));
         assert_eq!(grace(&c, 2), Duration::from_millis(2000));
         assert_eq!(grace(&c, 1000), Duration::from_millis(5000));
+    }
+}
+
+/// The checkpoint protocol against a real trainer process and a fake control plane that
+/// records what it is told.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod protocol_tests {
+    use super::*;
+    use std::sync::Mutex;
+    use tonic::{Request, Response, Status};
+
+    #[derive(Default, Clone)]
+    struct FakeControlPlane {
+        checkpoints: Arc<Mutex<Vec<pb::ReportCheckpointRequest>>>,
+        /// Reports of this epoch are refused as stale.
+        stale_epoch: u64,
+    }
+
+    #[tonic::async_trait]
+    impl pb::agent_server::Agent for FakeControlPlane {
+        async fn register(
+            &self,
+            _: Request<pb::RegisterNodeRequest>,
+        ) -> Result<Response<pb::RegisterNodeResponse>, Status> {
+            Err(Status::unimplemented("test"))
+        }
+        async fn heartbeat(&self, _: Request<pb::HeartbeatRequest>) -> Result<Response<pb::HeartbeatResponse>, Status> {
+            Err(Status::unimplemented("test"))
+        }
+        type WatchAllocationsStream = tokio_stream::Pending<Result<pb::AllocationsUpdate, Status>>;
+        async fn watch_allocations(
+            &self,
+            _: Request<pb::WatchAllocationsRequest>,
+        ) -> Result<Response<Self::WatchAllocationsStream>, Status> {
+            Err(Status::unimplemented("test"))
+        }
+        async fn report_status(
+            &self,
+            _: Request<pb::ReportStatusRequest>,
+        ) -> Result<Response<pb::ReportStatusResponse>, Status> {
+            Ok(Response::new(pb::ReportStatusResponse {}))
+        }
+        async fn report_checkpoint(
+            &self,
+            r: Request<pb::ReportCheckpointRequest>,
+        ) -> Result<Response<pb::ReportCheckpointResponse>, Status> {
+            let r = r.into_inner();
+            let stale = r.epoch == self.stale_epoch;
+            self.checkpoints.lock().unwrap().push(r);
+            if stale {
+                return Err(Status::failed_precondition("stale epoch"));
+            }
+            Ok(Response::new(pb::ReportCheckpointResponse {}))
+        }
+    }
+
+    async fn serve(cp: FakeControlPlane) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(pb::agent_server::AgentServer::new(cp))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await
+                .unwrap();
+        });
+        addr
+    }
+
+    fn trainer() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/trainer/trainer.py")
+    }
+
+    /// An allocation directory as `start` leaves it, and a process started in its own session.
+    fn spawn(agent: &Agent, k: Key, program: &str, args: &[String]) -> (PathBuf, tokio::process::Child, PathBuf) {
+        let dir = alloc_dir(agent, k);
+        std::fs::create_dir_all(dir.join(crate::ckpt::CHECKPOINT_DIR)).unwrap();
+        let a = pb::AllocInfo { id: k.0, epoch: k.1, job_id: 9, ..pb::AllocInfo::default() };
+        std::fs::write(dir.join(crate::shim::ALLOC_FILE), alloc_json(&a, "n1", None, &[]).to_string()).unwrap();
+        let journal = dir.join("trainer.jsonl");
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(args)
+            .env("SUANLI_CHECKPOINT_DIR", dir.join(crate::ckpt::CHECKPOINT_DIR))
+            .env("SUANLI_JOB_ID", "9")
+            .env("SUANLI_ATTEMPT", k.1.to_string())
+            .env("TRAINER_JOURNAL", &journal);
+        sys::new_session(&mut cmd);
+        (dir, cmd.spawn().unwrap(), journal)
+    }
+
+    /// Waits (bounded) until the trainer's journal has an event `ev`.
+    async fn journal_has(path: &Path, ev: &str) -> Vec<serde_json::Value> {
+        for _ in 0..200 {
+            let lines: Vec<serde_json::Value> = std::fs::read_to_string(path)
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect();
+            if lines.iter().any(|l| l["event"] == ev) {
+                return lines;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("no {ev} event in {}", path.display());
+    }
+
+    fn stop_record(dir: &Path) -> StopRecord {
+        read_json(&dir.join("stop.json")).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_checkpoint_first_stop_gets_a_new_checkpoint_reported_before_the_sigterm() {
+        let cp = FakeControlPlane::default();
+        let data = tempfile::tempdir().unwrap();
+        let cfg = AgentConfig {
+            servers: vec![serve(cp.clone()).await],
+            data_dir: data.path().to_owned(),
+            ..AgentConfig::default()
+        };
+        let agent = crate::test_agent(cfg).await;
+        let k = (1, 3);
+        let args: Vec<String> =
+            ["--steps", "100000", "--step-s", "0.02", "--checkpoint-every", "25"].map(String::from).into();
+        let (dir, child, journal) = spawn(&agent, k, &trainer().display().to_string(), &args);
+        let pid = i32::try_from(child.id().unwrap()).unwrap();
+        let (tx, rx) = watch::channel(None);
+        let sup = tokio::spawn(supervise(agent.clone(), k, dir.clone(), Waiter::Child(child), pid, rx));
+        // A periodic checkpoint is stored and reported while it runs.
+        journal_has(&journal, "checkpoint").await;
+        for _ in 0..200 {
+            if !cp.checkpoints.lock().unwrap().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let ask = CheckpointAsk { signal: libc::SIGUSR1, name: "SIGUSR1", wait: Duration::from_secs(20) };
+        tx.send_replace(Some(Stop {
+            reason: "preempted".into(),
+            grace: Duration::from_secs(5),
+            checkpoint: Some(ask),
+        }));
+        tokio::time::timeout(Duration::from_secs(30), sup).await.unwrap().unwrap();
+        let lines = journal_has(&journal, "exit").await;
+        let last = lines.last().unwrap();
+        assert_eq!((last["event"].as_str(), last["code"].as_u64()), (Some("exit"), Some(143)), "{last}");
+        let final_ckpt = lines.iter().rev().find(|l| l["event"] == "checkpoint").unwrap()["step"].as_u64().unwrap();
+        let reported = cp.checkpoints.lock().unwrap().clone();
+        assert!(reported.len() >= 2, "a periodic and the asked-for checkpoint: {reported:?}");
+        let r = reported.last().unwrap();
+        assert_eq!((r.alloc_id, r.epoch, r.step), (1, 3, final_ckpt), "the stop's checkpoint was the last reported");
+        assert!(r.uri.contains(&format!("jobs/9/a3-s{final_ckpt}")), "{}", r.uri);
+        assert!(reported.windows(2).all(|w| w[0].step < w[1].step), "steps only grow");
+        let s = stop_record(&dir);
+        assert_eq!(s.checkpoint, Some(format!("checkpoint at step {final_ckpt} within the grace")));
+        assert_eq!(crate::ckpt::reported_step(&dir), final_ckpt);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_task_that_does_not_checkpoint_is_terminated_after_the_wait() {
+        let cp = FakeControlPlane::default();
+        let data = tempfile::tempdir().unwrap();
+        let cfg = AgentConfig {
+            servers: vec![serve(cp.clone()).await],
+            data_dir: data.path().to_owned(),
+            ..AgentConfig::default()
+        };
+        let agent = crate::test_agent(cfg).await;
+        let k = (2, 1);
+        // Ignores the checkpoint signal; exits 143 on SIGTERM.
+        let script = "trap '' USR1; trap 'exit 143' TERM; echo '{\"event\":\"start\"}' >> \"$TRAINER_JOURNAL\"; while :; do sleep 0.05; done";
+        let (dir, child, journal) = spawn(&agent, k, "/bin/sh", &["-c".into(), script.into()]);
+        let pid = i32::try_from(child.id().unwrap()).unwrap();
+        let (tx, rx) = watch::channel(None);
+        let sup = tokio::spawn(supervise(agent.clone(), k, dir.clone(), Waiter::Child(child), pid, rx));
+        journal_has(&journal, "start").await;
+        let t0 = Instant::now();
+        let ask = CheckpointAsk { signal: libc::SIGUSR1, name: "SIGUSR1", wait: Duration::from_millis(600) };
+        tx.send_replace(Some(Stop { reason: "drain".into(), grace: Duration::from_secs(5), checkpoint: Some(ask) }));
+        tokio::time::timeout(Duration::from_secs(30), sup).await.unwrap().unwrap();
+        assert!(t0.elapsed() >= Duration::from_millis(600), "waited for the checkpoint");
+        assert!(t0.elapsed() < Duration::from_secs(5), "SIGTERM ended it, not SIGKILL: {:?}", t0.elapsed());
+        assert_eq!(stop_record(&dir).checkpoint, Some("no checkpoint within 0 s (last step 0)".into()));
+        assert!(cp.checkpoints.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_report_and_a_bad_manifest_do_not_stop_the_watcher() {
+        let cp = FakeControlPlane { stale_epoch: 4, ..FakeControlPlane::default() };
+        let data = tempfile::tempdir().unwrap();
+        let cfg = AgentConfig {
+            servers: vec![serve(cp.clone()).await],
+            data_dir: data.path().to_owned(),
+            ..AgentConfig::default()
+        };
+        let agent = crate::test_agent(cfg).await;
+        let k = (3, 4);
+        // Commits step 5, then a manifest that lies about its size, then exits 0.
+        let script = r#"d="$SUANLI_CHECKPOINT_DIR"; mkdir "$d/c5"; printf 12345 > "$d/c5/s";
+            printf '{"step":5,"wall_time":1,"path":"c5","bytes":5}' > "$d/.m"; mv "$d/.m" "$d/suanli-checkpoint.json";
+            sleep 0.6; printf '{"step":6,"wall_time":1,"path":"c5","bytes":999}' > "$d/.m"; mv "$d/.m" "$d/suanli-checkpoint.json";
+            sleep 0.6"#;
+        let (dir, child, _journal) = spawn(&agent, k, "/bin/sh", &["-c".into(), script.into()]);
+        let pid = i32::try_from(child.id().unwrap()).unwrap();
+        let (_tx, rx) = watch::channel(None);
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            supervise(agent.clone(), k, dir.clone(), Waiter::Child(child), pid, rx),
+        )
+        .await
+        .unwrap();
+        let reported = cp.checkpoints.lock().unwrap().clone();
+        assert_eq!(reported.iter().map(|r| r.step).collect::<Vec<_>>(), [5], "refused once, not retried; step 6 lies");
+        assert_eq!(crate::ckpt::reported_step(&dir), 5);
     }
 }

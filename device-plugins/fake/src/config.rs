@@ -20,6 +20,8 @@ pub const MAX_NUMA: u32 = 4095;
 pub const MAX_LINKS: usize = 256;
 /// The largest link bandwidth (100 TB/s).
 pub const MAX_BANDWIDTH_MBPS: u64 = 100_000_000;
+/// The most MIG-style partitions one GPU may be split into (an A100/H100 has 7 slices).
+pub const MAX_MIG_SLICES: u32 = 7;
 /// The largest config or fault file.
 pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
 
@@ -80,6 +82,8 @@ pub struct FakeDevice {
     pub uuid: String,
     /// Fast links to peers.
     pub links: Vec<pb::PeerLink>,
+    /// The parent GPU of a MIG-style partition (`[[mig]]`); none for a whole device.
+    pub partition_of: Option<String>,
 }
 
 /// A validated config.
@@ -100,6 +104,19 @@ struct RawConfig {
     devices: Vec<RawDevice>,
     #[serde(default)]
     groups: Vec<RawGroup>,
+    #[serde(default)]
+    mig: Vec<RawMig>,
+}
+
+/// `[[mig]]`: GPU `gpu` (an id defined above) is also offered as `slices` partitions
+/// `<gpu>-mig0`… (`partition_of` = `gpu`), as the NVIDIA plugin reports a GPU in MIG mode.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMig {
+    gpu: String,
+    slices: u32,
+    model: Option<String>,
+    memory_mib: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -246,6 +263,7 @@ pub fn parse_config(text: &str) -> Result<FakeConfig, String> {
             index,
             uuid,
             links: Vec::new(),
+            partition_of: None,
         });
         if devices.len() > MAX_DEVICES {
             return Err(format!("more than the limit of {MAX_DEVICES} devices"));
@@ -331,6 +349,7 @@ pub fn parse_config(text: &str) -> Result<FakeConfig, String> {
                 peer_group,
                 index,
                 links: Vec::new(),
+                partition_of: None,
             });
         }
         // Full mesh inside each island of this group.
@@ -351,13 +370,54 @@ pub fn parse_config(text: &str) -> Result<FakeConfig, String> {
         }
     }
 
+    let mut parents = BTreeSet::new();
+    for (m, mig) in raw.mig.into_iter().enumerate() {
+        let f = |name: &str| format!("mig[{m}].{name}");
+        let Some(parent) = devices.iter().find(|d| d.id == mig.gpu && d.partition_of.is_none()).cloned() else {
+            return Err(format!("{} {:?} is not a device id defined above", f("gpu"), mig.gpu));
+        };
+        if parent.kind != Kind::Gpu {
+            return Err(format!("{} {:?} is an {}, expected a gpu", f("gpu"), mig.gpu, parent.kind.as_str()));
+        }
+        if !parents.insert(parent.id.clone()) {
+            return Err(format!("{} {:?} is partitioned twice", f("gpu"), mig.gpu));
+        }
+        if mig.slices == 0 || mig.slices > MAX_MIG_SLICES {
+            return Err(format!("{} is {}, expected 1 to {MAX_MIG_SLICES}", f("slices"), mig.slices));
+        }
+        if devices.len() + mig.slices as usize > MAX_DEVICES {
+            return Err(format!("{} brings the total past the limit of {MAX_DEVICES} devices", f("slices")));
+        }
+        let model = mig.model.unwrap_or_else(|| format!("{} MIG 1/{}", parent.model, mig.slices));
+        check_name(&model, &f("model"))?;
+        let memory_mib = mig.memory_mib.unwrap_or(parent.memory_mib / u64::from(mig.slices)).max(1);
+        check_memory(memory_mib, &f("memory_mib"))?;
+        for n in 0..mig.slices {
+            let id = format!("{}-mig{n}", parent.id);
+            check_id(&id, &f("gpu"))?;
+            devices.push(FakeDevice {
+                uuid: format!("MIG-FAKE-{id}"),
+                id,
+                kind: Kind::Gpu,
+                model: model.clone(),
+                vendor: parent.vendor.clone(),
+                memory_mib,
+                numa: parent.numa,
+                peer_group: None,
+                index: parent.index,
+                links: Vec::new(),
+                partition_of: Some(parent.id.clone()),
+            });
+        }
+    }
+
     let mut ids = BTreeSet::new();
     let mut indexes = BTreeSet::new();
     for d in &devices {
         if !ids.insert(d.id.clone()) {
             return Err(format!("device id {:?} is defined twice", d.id));
         }
-        if !indexes.insert((d.kind, d.index)) {
+        if d.partition_of.is_none() && !indexes.insert((d.kind, d.index)) {
             return Err(format!("device {:?}: {} index {} is used twice", d.id, d.kind.as_str(), d.index));
         }
     }
@@ -398,6 +458,31 @@ numa_nodes = 2
 island_size = 4
 link_bandwidth_mbps = 600000
 "#;
+
+    #[test]
+    fn mig_slices_are_partitions_of_their_gpu() {
+        let text = "[[groups]]\ncount = 2\nkind = \"gpu\"\nmodel = \"A100\"\nmemory_mib = 81920\n[[mig]]\ngpu = \"gpu1\"\nslices = 7\n";
+        let c = parse_config(text).unwrap();
+        assert_eq!(c.devices.len(), 9);
+        let m = &c.devices[8];
+        assert_eq!(
+            (m.id.as_str(), m.partition_of.as_deref(), m.index, m.memory_mib, m.model.as_str()),
+            ("gpu1-mig6", Some("gpu1"), 1, 11702, "A100 MIG 1/7")
+        );
+        for (bad, why) in [
+            ("gpu = \"gpu9\"\nslices = 2", "mig[0].gpu \"gpu9\" is not a device id"),
+            ("gpu = \"gpu0\"\nslices = 8", "mig[0].slices is 8, expected 1 to 7"),
+            ("gpu = \"gpu0\"\nslices = 0", "mig[0].slices is 0"),
+        ] {
+            let e = parse_config(&format!(
+                "[[groups]]\ncount = 1\nkind = \"gpu\"\nmodel = \"A\"\nmemory_mib = 1\n[[mig]]\n{bad}\n"
+            ))
+            .unwrap_err();
+            assert!(e.starts_with(why), "{e}");
+        }
+        let twice = format!("{text}[[mig]]\ngpu = \"gpu1\"\nslices = 2\n");
+        assert!(parse_config(&twice).unwrap_err().contains("partitioned twice"));
+    }
 
     #[test]
     fn a_group_split_into_two_islands() {

@@ -228,7 +228,7 @@ impl FakePlugin {
                     health_reason: reason.unwrap_or_default(),
                     numa_node: d.numa,
                     links: d.links.clone(),
-                    partition_of: String::new(),
+                    partition_of: d.partition_of.clone().unwrap_or_default(),
                     uuid: d.uuid.clone(),
                     index: d.index,
                     peer_group: d.peer_group,
@@ -348,6 +348,7 @@ impl DevicePlugin for FakePlugin {
         let mut seen = BTreeSet::new();
         let mut gpus = Vec::new();
         let mut npus = Vec::new();
+        let mut migs = Vec::new();
         for id in &req.device_ids {
             let d = self.device(id)?;
             if !seen.insert(id.as_str()) {
@@ -359,12 +360,22 @@ impl DevicePlugin for FakePlugin {
                     format!("device {id:?} is unhealthy: {reason}"),
                 ));
             }
-            match d.kind {
-                Kind::Gpu => gpus.push(d.index.to_string()),
-                Kind::Npu => npus.push(d.index.to_string()),
+            match (d.kind, &d.partition_of) {
+                // A partition is named by its UUID, as CUDA names MIG devices.
+                (Kind::Gpu, Some(_)) => gpus.push(d.uuid.clone()),
+                (Kind::Gpu, None) => gpus.push(d.index.to_string()),
+                (Kind::Npu, _) => npus.push(d.index.to_string()),
+            }
+            if d.partition_of.is_some() {
+                migs.push(d.id.clone());
             }
         }
         let mut res = pb::Reservation::default();
+        // A stand-in for the NVIDIA plugin's /dev/nvidia-caps files: names only, no such files.
+        for id in migs {
+            let p = format!("/dev/fake-mig/{id}");
+            res.device_files.push(pb::DeviceFile { host_path: p.clone(), container_path: p, permissions: "rw".into() });
+        }
         if !gpus.is_empty() {
             res.env.insert("CUDA_VISIBLE_DEVICES".into(), gpus.join(","));
         }
@@ -466,6 +477,20 @@ mod plugin_fake_tests {
         assert_eq!(r.env["ASCEND_RT_VISIBLE_DEVICES"], "2,0");
         assert_eq!(r.env["SUANLI_FAKE_DEVICES"], "npu2,npu0");
         assert!(!r.env.contains_key("CUDA_VISIBLE_DEVICES"));
+    }
+
+    #[test]
+    fn mig_slices_reserve_by_uuid_with_their_device_files() {
+        let (_d, p) = setup("fake-mig.toml");
+        let inv = p.fingerprint().unwrap();
+        let m = inv.devices.iter().find(|d| d.id == "gpu0-mig3").unwrap();
+        assert_eq!((m.partition_of.as_str(), m.memory_mib), ("gpu0", 10240));
+        assert!(inv.devices.iter().filter(|d| d.partition_of.is_empty()).count() == 2);
+        let r =
+            p.reserve(pb::ReserveRequest { device_ids: vec!["gpu0-mig3".into(), "gpu1".into()], alloc_id: 1 }).unwrap();
+        assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], "MIG-FAKE-gpu0-mig3,1");
+        let files: Vec<_> = r.device_files.iter().map(|f| f.host_path.as_str()).collect();
+        assert_eq!(files, ["/dev/fake-mig/gpu0-mig3"]);
     }
 
     #[test]

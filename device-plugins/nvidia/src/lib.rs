@@ -7,7 +7,9 @@
 //!  fingerprint ─▶ per GPU: index, UUID, name, memory, NUMA, MIG devices (partition_of), NVLink
 //!                 peers (links + peer_group islands); unhealthy after a device XID
 //!  stats ───────▶ utilization, memory used, power, temperature, volatile uncorrected ECC, XIDs seen
-//!  reserve ─────▶ CUDA_VISIBLE_DEVICES=<UUIDs>, /dev/nvidia<minor>, /dev/nvidiactl, /dev/nvidia-uvm
+//!  reserve ─────▶ CUDA_VISIBLE_DEVICES=<UUIDs>, /dev/nvidia<minor>, /dev/nvidiactl, /dev/nvidia-uvm,
+//!                 and for a MIG device its GI and CI access files /dev/nvidia-caps/nvidia-cap<N>
+//!                 (minors from /proc/driver/nvidia-caps/mig-minors)
 //!  health_events ▶ drains the queue
 //! ```
 //!
@@ -17,7 +19,8 @@
 //! cannot run on machines without one; they are kept straightforward (one NVML query per field,
 //! each failure reported rather than fatal).
 //!
-//! Plugin options: `nvml_lib` (a path to load instead of `libnvidia-ml.so.1`).
+//! Plugin options: `nvml_lib` (a path to load instead of `libnvidia-ml.so.1`), `mig_minors_file`
+//! (a path to read instead of `/proc/driver/nvidia-caps/mig-minors`).
 
 pub mod topo;
 
@@ -62,6 +65,9 @@ enum Backend {
 
 struct Live {
     nvml: Arc<Nvml>,
+    /// The driver's MIG capability minors (`/proc/driver/nvidia-caps/mig-minors`; option
+    /// `mig_minors_file`).
+    mig_minors_file: std::path::PathBuf,
     driver_version: String,
     health: Arc<Mutex<Health>>,
     stop: Arc<AtomicBool>,
@@ -263,12 +269,37 @@ impl Live {
         }
     }
 
+    /// The GPU instance and compute instance ids of a MIG device handle.
+    #[allow(unsafe_code)]
+    fn mig_instance_ids(&self, id: &str, dev: &Device<'_>) -> Result<(u32, u32), PluginError> {
+        let lib = self.nvml.lib();
+        let (Ok(gi_fn), Ok(ci_fn)) = (&lib.nvmlDeviceGetGpuInstanceId, &lib.nvmlDeviceGetComputeInstanceId) else {
+            return Err(PluginError::new(
+                Code::FailedPrecondition,
+                format!("device {id:?}: this NVML has no nvmlDeviceGetGpuInstanceId/ComputeInstanceId"),
+            ));
+        };
+        let (mut gi, mut ci) = (0u32, 0u32);
+        // SAFETY: the handle is a live MIG device handle of this NVML (Device borrows it), the
+        // out-pointers are valid u32s, and the functions take nothing else.
+        let (r1, r2) = unsafe { (gi_fn(dev.handle(), &mut gi), ci_fn(dev.handle(), &mut ci)) };
+        if r1 != 0 || r2 != 0 {
+            return Err(PluginError::new(
+                Code::FailedPrecondition,
+                format!("device {id:?}: NVML could not name its GPU/compute instance (codes {r1}, {r2})"),
+            ));
+        }
+        Ok((gi, ci))
+    }
+
     fn reserve(&self, req: &pb::ReserveRequest) -> Result<pb::Reservation, PluginError> {
         let bad = self.health()?.bad.clone();
         let mut uuids = Vec::new();
         let mut minors = std::collections::BTreeSet::new();
+        let mut caps = Vec::new();
+        let mut mig_minors: Option<BTreeMap<String, u32>> = None;
         for id in &req.device_ids {
-            let (dev, index, _) = self.resolve(id)?;
+            let (dev, index, is_mig) = self.resolve(id)?;
             if let Some(code) = bad.get(&topo::gpu_id(index)) {
                 return Err(PluginError::new(
                     Code::FailedPrecondition,
@@ -277,7 +308,26 @@ impl Live {
             }
             uuids.push(dev.uuid().map_err(|e| nvml_err(&format!("device {id:?} uuid"), &e))?);
             let parent = self.nvml.device_by_index(index).map_err(|e| nvml_err(&format!("device {id:?}"), &e))?;
-            minors.insert(parent.minor_number().unwrap_or(index));
+            let minor = parent.minor_number().unwrap_or(index);
+            minors.insert(minor);
+            if is_mig {
+                // A MIG device is opened through its GPU and compute instances' capability
+                // files (/dev/nvidia-caps/nvidia-cap<N>), which a container runtime must bind.
+                let (gi, ci) = self.mig_instance_ids(id, &dev)?;
+                if mig_minors.is_none() {
+                    let text = std::fs::read_to_string(&self.mig_minors_file).map_err(|e| {
+                        PluginError::new(
+                            Code::FailedPrecondition,
+                            format!("device {id:?}: reading {}: {e}", self.mig_minors_file.display()),
+                        )
+                    })?;
+                    mig_minors = Some(topo::parse_mig_minors(&text));
+                }
+                let table = mig_minors.as_ref().map_or_else(BTreeMap::new, Clone::clone);
+                let files = topo::mig_cap_files(&table, minor, gi, ci)
+                    .map_err(|e| PluginError::new(Code::FailedPrecondition, format!("device {id:?}: {e}")))?;
+                caps.extend(files);
+            }
         }
         let mut res = pb::Reservation::default();
         if req.device_ids.is_empty() {
@@ -290,6 +340,9 @@ impl Live {
         }
         for f in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] {
             res.device_files.push(file(f.into()));
+        }
+        for c in caps {
+            res.device_files.push(file(c));
         }
         Ok(res)
     }
@@ -473,8 +526,13 @@ impl DevicePlugin for NvidiaPlugin {
             }
         };
         let driver_version = nvml.sys_driver_version().unwrap_or_default();
+        let mig_minors_file = config
+            .options
+            .get("mig_minors_file")
+            .map_or_else(|| std::path::PathBuf::from(topo::MIG_MINORS_FILE), std::path::PathBuf::from);
         let live = Live {
             nvml: Arc::clone(&nvml),
+            mig_minors_file,
             driver_version,
             health: Arc::new(Mutex::new(Health::default())),
             stop: Arc::new(AtomicBool::new(false)),
@@ -650,6 +708,8 @@ int nvmlDeviceGetMaxMigDeviceCount(void *d, unsigned *c) { *c = 3; return 0; }
 int nvmlDeviceGetMigDeviceHandleByIndex(void *d, unsigned i, void **m) { stub_dev *x = d;
   if (x->index != 1 || i >= 3) return 2; if (i == 1) return 6; *m = &migs[i]; return 0; }
 int nvmlDeviceGetMinorNumber(void *d, unsigned *m) { *m = ((stub_dev *)d)->index + 100; return 0; }
+int nvmlDeviceGetGpuInstanceId(void *d, unsigned *id) { stub_dev *x = d; if (x->mig < 0) return 3; *id = x->mig + 1; return 0; }
+int nvmlDeviceGetComputeInstanceId(void *d, unsigned *id) { stub_dev *x = d; if (x->mig < 0) return 3; *id = 0; return 0; }
 int nvmlDeviceGetUtilizationRates(void *d, util_t *u) { stub_dev *x = d; if (x->mig >= 0) return 3; u->gpu = 10 * (x->index + 1); u->memory = 5; return 0; }
 int nvmlDeviceGetPowerUsage(void *d, unsigned *p) { *p = 123456; return 0; }
 int nvmlDeviceGetTemperature(void *d, int sensor, unsigned *t) { *t = 40 + ((stub_dev *)d)->index; return 0; }
@@ -714,6 +774,9 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
         let stub = build_stub();
         let mut cfg = pb::PluginConfig::default();
         cfg.options.insert("nvml_lib".into(), stub.0.join("libnvidia-ml.so.1").display().to_string());
+        let minors = stub.0.join("mig-minors");
+        std::fs::write(&minors, "config 1\nmonitor 2\ngpu101/gi3/access 30\ngpu101/gi3/ci0/access 31\n").unwrap();
+        cfg.options.insert("mig_minors_file".into(), minors.display().to_string());
         let p = NvidiaPlugin::init(cfg).unwrap();
         assert!(p.nvml_loaded());
 
@@ -749,8 +812,19 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
         let files: Vec<_> = r.device_files.iter().map(|f| f.host_path.as_str()).collect();
         assert_eq!(
             files,
-            ["/dev/nvidia101", "/dev/nvidia103", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+            [
+                "/dev/nvidia101",
+                "/dev/nvidia103",
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia-uvm-tools",
+                "/dev/nvidia-caps/nvidia-cap30",
+                "/dev/nvidia-caps/nvidia-cap31"
+            ]
         );
+        // MIG device 0 (GPU instance 1) is not in the minors file: refused with the reason.
+        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu1-mig0".into()], alloc_id: 1 }).unwrap_err();
+        assert!(e.message.contains("gpu101/gi1/access"), "{e}");
         for bad in ["gpu4", "gpu1-mig1", "cpu0"] {
             let e = p.reserve(pb::ReserveRequest { device_ids: vec![bad.into()], alloc_id: 1 }).unwrap_err();
             assert_eq!(e.code, Code::NotFound, "{bad}: {e}");

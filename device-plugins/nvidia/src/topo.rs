@@ -211,6 +211,36 @@ pub fn parse_numa_node(text: &str) -> Option<u32> {
     Some(u32::try_from(v).unwrap_or(0))
 }
 
+/// Where the driver lists the minor numbers of the MIG capability device files.
+pub const MIG_MINORS_FILE: &str = "/proc/driver/nvidia-caps/mig-minors";
+/// The directory of the MIG capability device files (`nvidia-cap<minor>`).
+pub const CAPS_DIR: &str = "/dev/nvidia-caps";
+
+/// Parses `/proc/driver/nvidia-caps/mig-minors`: lines `<capability> <minor>` such as
+/// `gpu0/gi1/access 12` and `gpu0/gi1/ci0/access 13` (`gpu<N>` is the GPU's device minor).
+/// Lines that do not parse are skipped.
+pub fn parse_mig_minors(text: &str) -> BTreeMap<String, u32> {
+    text.lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            let (cap, minor) = (it.next()?, it.next()?);
+            Some((cap.to_owned(), minor.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The capability device files a task needs to use the MIG device of GPU instance `gi` and
+/// compute instance `ci` on the GPU with device minor `gpu_minor`: its GI and CI access files.
+pub fn mig_cap_files(minors: &BTreeMap<String, u32>, gpu_minor: u32, gi: u32, ci: u32) -> Result<[String; 2], String> {
+    let get = |cap: String| {
+        minors
+            .get(&cap)
+            .map(|m| format!("{CAPS_DIR}/nvidia-cap{m}"))
+            .ok_or_else(|| format!("{MIG_MINORS_FILE} has no {cap:?}"))
+    };
+    Ok([get(format!("gpu{gpu_minor}/gi{gi}/access"))?, get(format!("gpu{gpu_minor}/gi{gi}/ci{ci}/access"))?])
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod plugin_nvidia_topo_tests {
@@ -309,5 +339,18 @@ mod plugin_nvidia_topo_tests {
         }
         let e = Outer(std::io::Error::other("libnvidia-ml.so.1: cannot open shared object file"));
         assert_eq!(error_chain(&e), "dlopen failed: libnvidia-ml.so.1: cannot open shared object file");
+    }
+
+    #[test]
+    fn mig_minors_name_the_capability_files() {
+        let text = "config 1\nmonitor 2\ngpu0/gi0/access 3\ngpu0/gi0/ci0/access 4\ngpu1/gi2/access 66\ngpu1/gi2/ci0/access 67\ngpu1/gi2/ci1/access 68\nbroken line\n";
+        let m = parse_mig_minors(text);
+        assert_eq!(m.len(), 7);
+        assert_eq!(
+            mig_cap_files(&m, 1, 2, 1).unwrap(),
+            ["/dev/nvidia-caps/nvidia-cap66".to_owned(), "/dev/nvidia-caps/nvidia-cap68".to_owned()]
+        );
+        let e = mig_cap_files(&m, 1, 3, 0).unwrap_err();
+        assert!(e.contains("gpu1/gi3/access"), "{e}");
     }
 }
