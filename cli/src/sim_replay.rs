@@ -5,13 +5,13 @@
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 use suanli_model::CheckpointPolicy;
 use suanli_scheduler::POLICY_NAMES;
 use suanli_scheduler::VictimOrder;
 use suanli_scheduler::engine::SchedulerConfig;
-use std::collections::BTreeMap;
 use suanli_sim::replay::{self, ReplayOptions};
 use suanli_sim::trace;
 
@@ -223,7 +223,8 @@ fn compare(
     let orders = [VictimOrder::CheckpointAware, VictimOrder::YoungestFirst];
     let mut reports = Vec::new();
     for order in orders {
-        let o = ReplayOptions { config: SchedulerConfig { victim_order: order, ..opts.config.clone() }, ..opts.clone() };
+        let o =
+            ReplayOptions { config: SchedulerConfig { victim_order: order, ..opts.config.clone() }, ..opts.clone() };
         let started = Instant::now();
         let r = replay::replay(nodes, pods, queues, &o).with_context(|| format!("replay with {}", order.as_str()))?;
         if !a.quiet {
@@ -250,7 +251,13 @@ fn compare(
             }
             println!("victim order       preemptions  preempted jobs  GPU-h lost to preemption");
             for (order, r) in &reports {
-                println!("{:<18} {:>11} {:>15} {:>25.2}", order.as_str(), r.preemptions, r.preempted_jobs, r.lost_gpu_hours);
+                println!(
+                    "{:<18} {:>11} {:>15} {:>25.2}",
+                    order.as_str(),
+                    r.preemptions,
+                    r.preempted_jobs,
+                    r.lost_gpu_hours
+                );
             }
             println!("GPU-hours lost, youngest-first / checkpoint-aware: {ratio:.2}x");
         }

@@ -314,20 +314,28 @@ async fn a_stale_attempts_checkpoint_report_is_refused() {
         .await;
     assert!(j2.attempt > j1.attempt);
     let mut agent = AgentClient::new(channel(&c.addr).await.unwrap());
-    let req = pb::ReportCheckpointRequest {
-        alloc_id: old.id,
-        epoch: old.epoch,
+    let stale_step = j2.latest_checkpoint_step + 1_000;
+    let report = |alloc_id: u64, epoch: u64| pb::ReportCheckpointRequest {
+        alloc_id,
+        epoch,
         uri: format!("{}/jobs/{id}/stale", c.store_url),
-        step: j2.latest_checkpoint_step + 1_000,
+        step: stale_step,
         size_bytes: 1,
         wall_time: 1,
         ..Default::default()
     };
-    let e = agent.report_checkpoint(req).await.expect_err("a stale attempt's report is refused");
+    // The live allocation with the ended attempt's epoch: the epoch fence refuses it.
+    let live = j2.allocs.iter().find(|a| a.state == "running").unwrap();
+    assert!(live.epoch > old.epoch);
+    let e = agent.report_checkpoint(report(live.id, old.epoch)).await.expect_err("a stale epoch is refused");
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
-    eprintln!("stale report refused: {e:?}");
+    eprintln!("stale: report with the live allocation and the old epoch refused: {e:?}");
+    // The ended attempt's own allocation: it is gone from the state, so refused too.
+    let e = agent.report_checkpoint(report(old.id, old.epoch)).await.expect_err("an ended attempt's report is refused");
+    assert!(matches!(e.code(), tonic::Code::FailedPrecondition | tonic::Code::NotFound), "{e:?}");
+    eprintln!("stale: report from the ended attempt's allocation refused: {e:?}");
     let after = support::job(&c.addr, id).await;
-    assert!(after.latest_checkpoint_step < j2.latest_checkpoint_step + 1_000, "the stale step was not recorded");
+    assert!(after.latest_checkpoint_step < stale_step, "the stale step was not recorded: {after:#?}");
 }
 
 /// A moto S3 server on a port it chose itself (`moto_server -p 0`, the port read from its log).
@@ -355,7 +363,7 @@ fn moto_server() -> std::path::PathBuf {
     let p = tools.join("moto").join("bin").join("moto_server");
     assert!(
         p.is_file(),
-        "moto_server not found at {} and SUANLI_MOTO_SERVER is unset: run scripts/setup.sh (it installs moto[server])",
+        "moto_server not found at {} and SUANLI_MOTO_SERVER is unset: scripts/test.sh installs it into target/tools/moto",
         p.display()
     );
     p
