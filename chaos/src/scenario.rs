@@ -200,7 +200,8 @@ pub const SCENARIOS: &[Scenario] = &[
         name: "migrate",
         about: "checkpointing trainers while agents are killed or cut off, servers partitioned and nodes drained",
         servers: 3,
-        kinds: &[Kind::KillAgent, Kind::PartitionAgent, Kind::PartitionMinority, Kind::DrainNode],
+        // Drains twice as often as the rest: they are what moves the trainers with checkpoints.
+        kinds: &[Kind::KillAgent, Kind::PartitionAgent, Kind::PartitionMinority, Kind::DrainNode, Kind::DrainNode],
         hold_ms: (1_000, 4_000),
         short: true,
         hostile: false,
