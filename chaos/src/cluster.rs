@@ -723,6 +723,33 @@ impl Cluster {
         }
     }
 
+    /// Sets node `node`'s mode through the leader, directly (draining: grace 0, no budget).
+    pub async fn set_node_mode(&mut self, node: &str, mode: pb::NodeMode) -> anyhow::Result<()> {
+        let l = self.wait_leader(Duration::from_secs(10)).await?;
+        let ch = channel(&self.servers[l].addr, Duration::from_secs(5)).await?;
+        let req = pb::SetNodeModeRequest { id: node.into(), mode: mode as i32, grace_s: 0, max_unavailable: 0 };
+        suanli_proto::v1::nodes_client::NodesClient::new(ch).set_mode(req).await?;
+        Ok(())
+    }
+
+    /// Sets one field of the replicated configuration (`Cluster.SetConfig`, the value as
+    /// JSON) through the leader, directly.
+    pub async fn set_config(&mut self, field: &str, value: &serde_json::Value) -> anyhow::Result<()> {
+        let l = self.wait_leader(Duration::from_secs(10)).await?;
+        let ch = channel(&self.servers[l].addr, Duration::from_secs(5)).await?;
+        let set = [(field.to_owned(), value.to_string())].into();
+        ClusterClient::new(ch).set_config(pb::SetConfigRequest { set }).await?;
+        Ok(())
+    }
+
+    /// Submits a job spec through the leader, directly, with client request id `rid`; its id.
+    pub async fn submit(&mut self, rid: &str, spec: &serde_json::Value) -> anyhow::Result<u64> {
+        let l = self.wait_leader(Duration::from_secs(10)).await?;
+        let ch = channel(&self.servers[l].addr, Duration::from_secs(5)).await?;
+        let req = pb::SubmitJobRequest { client_request_id: rid.into(), spec_json: spec.to_string(), retry: None };
+        Ok(suanli_proto::v1::jobs_client::JobsClient::new(ch).submit(req).await?.into_inner().job_id)
+    }
+
     /// Raft members as the leader sees them: `(id, voter)`.
     pub async fn members(&mut self) -> anyhow::Result<Vec<(u64, bool)>> {
         let l = self.wait_leader(Duration::from_secs(10)).await?;

@@ -25,6 +25,7 @@ pub mod hostile;
 pub mod nemesis;
 pub mod proxy;
 pub mod scenario;
+pub mod trainers;
 pub mod workload;
 
 use anyhow::Context as _;
@@ -221,6 +222,7 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
     let stop = Arc::new(AtomicBool::new(false));
     // The clients stop with this run, even when it ends early with an error.
     let _stop_clients = StopOnDrop(stop.clone());
+    let trainer_jobs = trainers::start(&mut cluster, scn.trainers).await?;
     let spec = workload::WorkloadSpec::default();
     let clients = workload::start(&cluster, opts.clients, seed, &spec, &history, &stop)?;
     let hostile = scn.hostile.then(|| hostile::start(hostile::Targets::of(&cluster), seed, &stop));
@@ -237,6 +239,9 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
         "heal everything{}",
         if exited.is_empty() { String::new() } else { format!(" (restarted {exited:?})") }
     ));
+    if scn.kinds.contains(&nemesis::Kind::DrainNode) {
+        trainers::undrain_all(&mut cluster, &history).await;
+    }
     let healed = Instant::now();
     stop.store(true, Ordering::Relaxed);
     let bound = Duration::from_millis(opts.settle_bound_ms);
@@ -358,6 +363,12 @@ pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::
             format!("{} overlaps: {}", double.len(), sample(&double))
         },
     });
+
+    // (10), (11) the trainers' journals: no job runs twice at once, steps never go back
+    // beyond the last committed checkpoint.
+    if !trainer_jobs.is_empty() {
+        verdicts.extend(trainers::verdicts(&trainer_jobs, &jobs));
+    }
 
     // (8) the hostile client's calls broke nothing (before the convergence checks: the probe
     // writes it makes are part of the state they compare).

@@ -13,6 +13,7 @@ use crate::history::{History, now_ms};
 use crate::proxy::Fault;
 use serde::Serialize;
 use std::time::{Duration, Instant};
+use suanli_proto::v1 as pb;
 use suanli_scheduler::DetRng;
 
 /// Which server a step targets.
@@ -47,6 +48,9 @@ pub enum Kind {
     KillAgent,
     /// SIGSTOP an agent (and its plugin hosts), SIGCONT after the hold.
     PauseAgent,
+    /// Drain an agent's node now (grace 0: its work is asked to checkpoint and stop, then
+    /// moves); schedulable again after the hold.
+    DrainNode,
     /// The fake plugin segfaults once on its next stats call (the supervisor restarts it).
     PluginCrash,
     /// One device of an agent reports unhealthy for the hold.
@@ -282,6 +286,23 @@ async fn inject(
             tokio::time::sleep(hold).await;
             cluster.pause_agent(a, false);
             h.fault(format!("SIGCONT agent {}", cluster.agents[a].node));
+        }
+        Kind::DrainNode => {
+            let a = rng.below(cluster.agents.len() as u64) as usize;
+            let node = cluster.agents[a].node.clone();
+            match cluster.set_node_mode(&node, pb::NodeMode::Draining).await {
+                Ok(()) => h.fault(format!("drain node {node}")),
+                Err(e) => {
+                    h.fault(format!("drain node {node} refused: {e}"));
+                    return Ok(None);
+                }
+            }
+            tokio::time::sleep(hold).await;
+            // Undone for sure: the heal checks every node is schedulable again.
+            match cluster.set_node_mode(&node, pb::NodeMode::Schedulable).await {
+                Ok(()) => h.fault(format!("node {node} schedulable again")),
+                Err(e) => h.fault(format!("uncordon node {node} failed (the heal retries): {e}")),
+            }
         }
         Kind::PluginCrash => {
             let a = rng.below(cluster.agents.len() as u64) as usize;

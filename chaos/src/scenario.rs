@@ -23,6 +23,10 @@ pub struct Scenario {
     pub hostile: bool,
     /// Servers run under libfaketime (the clock faults need it).
     pub clocks: Option<FakeClocks>,
+    /// Checkpointing trainer jobs submitted before the fault phase ([`crate::trainers`]); with
+    /// any, the trainer invariants (no job runs twice at once, steps never go back beyond the
+    /// last committed checkpoint) are checked.
+    pub trainers: usize,
 }
 
 /// Every scenario.
@@ -36,6 +40,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "follower-kill-pause",
@@ -46,6 +51,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "partition",
@@ -56,6 +62,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "leader-isolated",
@@ -66,6 +73,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "bridge",
@@ -76,6 +84,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "agents",
@@ -86,6 +95,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "plugin-faults",
@@ -96,6 +106,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "membership",
@@ -106,6 +117,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "disk",
@@ -116,6 +128,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "flaky-net",
@@ -126,6 +139,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "power-loss",
@@ -136,6 +150,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "rolling-restart",
@@ -146,6 +161,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "hostile-client",
@@ -156,6 +172,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: true,
         clocks: None,
+        trainers: 0,
     },
     Scenario {
         name: "clock-skew",
@@ -166,6 +183,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: Some(FakeClocks::Wall),
+        trainers: 0,
     },
     Scenario {
         name: "clock-rate",
@@ -176,6 +194,19 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: Some(FakeClocks::All),
+        trainers: 0,
+    },
+    Scenario {
+        name: "migrate",
+        about: "checkpointing trainers while agents are killed or cut off, servers partitioned and nodes drained",
+        servers: 3,
+        // Drains twice as often as the rest: they are what moves the trainers with checkpoints.
+        kinds: &[Kind::KillAgent, Kind::PartitionAgent, Kind::PartitionMinority, Kind::DrainNode, Kind::DrainNode],
+        hold_ms: (1_000, 4_000),
+        short: true,
+        hostile: false,
+        clocks: None,
+        trainers: 3,
     },
     Scenario {
         name: "mixed",
@@ -203,6 +234,7 @@ pub const SCENARIOS: &[Scenario] = &[
         short: true,
         hostile: false,
         clocks: None,
+        trainers: 0,
     },
 ];
 

@@ -139,3 +139,25 @@ fn main() -> std::process::ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parses(args: &[&str]) -> bool {
+        Cli::try_parse_from(std::iter::once("suanli").chain(args.iter().copied())).is_ok()
+    }
+
+    #[test]
+    fn checkpoint_commands_parse() {
+        assert!(parses(&["job", "migrate", "7"]));
+        assert!(parses(&["job", "migrate", "7", "--to-pool", "gpu-b"]));
+        assert!(parses(&["job", "migrate", "7", "--to-node", "n3"]));
+        assert!(!parses(&["job", "migrate", "7", "--to-pool", "gpu-b", "--to-node", "n3"]), "one target");
+        assert!(parses(&["cluster", "config", "get"]));
+        assert!(parses(&["cluster", "config", "get", "--stale", "--output", "json"]));
+        assert!(parses(&["cluster", "config", "set", "checkpoint_store=file:///c", "avoid_failed_node_s=60"]));
+        assert!(!parses(&["cluster", "config", "set"]), "at least one FIELD=VALUE");
+        assert!(!parses(&["cluster", "config", "set", "novalue"]));
+    }
+}

@@ -203,7 +203,8 @@ const FAKE_4NPU: &str = include_str!("../../examples/plugins/fake-4npu.toml");
 
 /// `suanli dev`: one server on an embedded default data directory with a `default` queue, and
 /// two agents with fake devices: `dev-gpu` (8 fake 80 GB GPUs in two NVLink islands) and
-/// `dev-npu` (4 fake NPUs), both with the cpu plugin.
+/// `dev-npu` (4 fake NPUs), both with the cpu plugin. Checkpoints go to one directory both
+/// agents share (`<data dir>/checkpoints`), so a job restores on either node.
 pub fn dev(args: DevArgs) -> Result<()> {
     let cfg = ServerConfig {
         data_dir: args.data_dir.join("server"),
@@ -230,9 +231,9 @@ pub fn dev(args: DevArgs) -> Result<()> {
                 r.context("server task")??;
                 anyhow::bail!("the dev server stopped before it was ready");
             }
-            r = ensure_default_queue(&l) => {
+            r = ensure_dev_setup(&l, &args.data_dir) => {
                 if let Err(e) = r {
-                    tracing::warn!(error = %e, "could not create the default queue");
+                    tracing::warn!(error = %format!("{e:#}"), "could not set up the dev cluster (default queue, checkpoint store)");
                 }
             }
         }
@@ -333,7 +334,33 @@ fn dev_agents(args: &DevArgs, server: &str) -> Result<Vec<suanli_agent::AgentCon
     Ok(out)
 }
 
-async fn ensure_default_queue(addr: &str) -> Result<()> {
+/// The dev cluster's shared checkpoint store: `file://` and the absolute path of
+/// `<data dir>/checkpoints` (created).
+fn dev_checkpoint_store(data_dir: &std::path::Path) -> Result<String> {
+    let dir = data_dir.join("checkpoints");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let abs = std::fs::canonicalize(&dir).with_context(|| format!("resolving {}", dir.display()))?;
+    let path = abs.to_str().with_context(|| format!("{} is not UTF-8", abs.display()))?;
+    anyhow::ensure!(
+        !path.chars().any(|c| c.is_whitespace() || c.is_control() || matches!(c, '%' | '?' | '#')),
+        "the dev data directory {path:?} holds characters a file:// URL would need escaped; use --data-dir without them"
+    );
+    Ok(format!("file://{path}"))
+}
+
+/// The dev cluster's `default` queue, and its checkpoint store unless one is set already (an
+/// operator's `cluster config set checkpoint_store=...` is kept across restarts).
+async fn ensure_dev_setup(addr: &str, data_dir: &std::path::Path) -> Result<()> {
+    let conn = ensure_default_queue(addr).await?;
+    let current: serde_json::Value = serde_json::from_str(&conn.get_config(false).await?.config_json)?;
+    if current["checkpoint_store"].as_str().is_none_or(str::is_empty) {
+        let store = dev_checkpoint_store(data_dir)?;
+        conn.set_config([("checkpoint_store".to_owned(), serde_json::Value::String(store).to_string())]).await?;
+    }
+    Ok(())
+}
+
+async fn ensure_default_queue(addr: &str) -> Result<suanli_client::Connection> {
     let conn = suanli_client::Connection::new(&[addr.to_owned()], suanli_client::ConnectionConfig::default())?;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     // Wait until the server is up and has elected itself.
@@ -345,5 +372,5 @@ async fn ensure_default_queue(addr: &str) -> Result<()> {
         let queue = suanli_model::Queue::new("default", suanli_model::ResVec::MAX);
         conn.upsert_queue(&serde_json::to_string(&queue)?).await?;
     }
-    Ok(())
+    Ok(conn)
 }

@@ -187,6 +187,19 @@ impl Connection {
         .map(drop)
     }
 
+    /// Moves a running job, checkpoint first: to `to_pool` / `to_node` when not empty, else to
+    /// any other allowed node. Answers the state revision of the request. Not retried (a
+    /// retry after a lost answer would be refused: the job is already moving).
+    pub async fn migrate_job(&self, job_id: u64, to_pool: &str, to_node: &str) -> Result<u64, ClientError> {
+        self.call(|ch| {
+            let req = pb::MigrateJobRequest { job_id, to_pool: to_pool.to_owned(), to_node: to_node.to_owned() };
+            let mut c = self.jobs(ch);
+            async move { c.migrate(req).await }
+        })
+        .await
+        .map(|r| r.revision)
+    }
+
     /// Job changes after `from_revision` (call on a [`Connection::streaming`] connection).
     pub async fn watch_jobs(
         &self,
@@ -315,6 +328,30 @@ impl Connection {
         .await
     }
 
+    /// Reports how an allocation is doing (as an agent does): `end` and `exit_code_set` say
+    /// how it ended, for an ended one.
+    pub async fn report_status(&self, req: &pb::ReportStatusRequest) -> Result<(), ClientError> {
+        self.call(|ch| {
+            let req = req.clone();
+            let mut c = self.agent(ch);
+            async move { c.report_status(req).await }
+        })
+        .await
+        .map(drop)
+    }
+
+    /// Reports a committed, stored checkpoint (as an agent does): step, wall time, size and,
+    /// for a hardware-bound one, the device kind, model and count it restores onto.
+    pub async fn report_checkpoint(&self, req: &pb::ReportCheckpointRequest) -> Result<(), ClientError> {
+        self.call(|ch| {
+            let req = req.clone();
+            let mut c = self.agent(ch);
+            async move { c.report_checkpoint(req).await }
+        })
+        .await
+        .map(drop)
+    }
+
     /// A task's log from the agent at `agent_addr` (direct, not through the servers).
     pub async fn agent_logs(
         &self,
@@ -386,6 +423,31 @@ impl Connection {
         self.call(|ch| {
             let mut c = self.cluster(ch);
             async move { c.version(pb::VersionRequest {}).await }
+        })
+        .await
+    }
+
+    /// The replicated configuration as JSON, and the state revision it was read at.
+    pub async fn get_config(&self, stale: bool) -> Result<pb::GetConfigResponse, ClientError> {
+        self.call(|ch| {
+            let mut c = self.cluster(ch);
+            async move { c.get_config(pb::GetConfigRequest { stale }).await }
+        })
+        .await
+    }
+
+    /// Changes fields of the replicated configuration: each `(path, JSON value)` pair sets one
+    /// field (`checkpoint_store` = `"file:///shared/ckpt"`). Answers the new configuration.
+    /// Safe to retry: the same values set again change nothing.
+    pub async fn set_config(
+        &self,
+        set: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<pb::SetConfigResponse, ClientError> {
+        let set: std::collections::BTreeMap<String, String> = set.into_iter().collect();
+        self.call(|ch| {
+            let req = pb::SetConfigRequest { set: set.clone() };
+            let mut c = self.cluster(ch);
+            async move { c.set_config(req).await }
         })
         .await
     }

@@ -55,8 +55,17 @@ impl pb::cluster_server::Cluster for Fake {
     async fn get_config(&self, _: Request<pb::GetConfigRequest>) -> Answer<pb::GetConfigResponse> {
         Err(Status::unimplemented("get_config"))
     }
-    async fn set_config(&self, _: Request<pb::SetConfigRequest>) -> Answer<pb::SetConfigResponse> {
-        Err(Status::unimplemented("set_config"))
+    /// Like `members`: the leader echoes the fields it was given as the new config.
+    async fn set_config(&self, req: Request<pb::SetConfigRequest>) -> Answer<pb::SetConfigResponse> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if let Some(l) = &self.leader {
+            let mut s = Status::unavailable("not the leader");
+            s.metadata_mut().insert(suanli_proto::LEADER_HEADER, l.parse().unwrap());
+            return Err(s);
+        }
+        let set = req.into_inner().set;
+        let config_json = set.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",");
+        Ok(Response::new(pb::SetConfigResponse { config_json, revision: self.id }))
     }
     async fn backup(&self, _: Request<pb::BackupRequest>) -> Answer<Self::BackupStream> {
         Err(Status::unimplemented("backup"))
@@ -155,4 +164,20 @@ async fn an_idempotent_submission_is_retried_with_the_same_request_and_bounded()
     assert_eq!(e.code(), tonic::Code::Unavailable);
     let waits: Vec<Duration> = retries.iter().map(|(_, d)| *d).collect();
     assert_eq!(waits, [500, 1000, 2000, 4000].map(Duration::from_millis));
+}
+
+#[tokio::test]
+async fn a_config_change_reaches_the_leader_with_every_field() {
+    let (leader_calls, follower_calls) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let leader = serve(Fake { id: 1, leader: None, calls: leader_calls.clone() }).await;
+    let follower = serve(Fake { id: 2, leader: Some(leader.clone()), calls: follower_calls.clone() }).await;
+    let conn = Connection::new(std::slice::from_ref(&follower), quick(LeaderHints::Follow)).unwrap();
+    let set = [
+        ("checkpoint_store".to_owned(), r#""file:///ckpt""#.to_owned()),
+        ("avoid_failed_node_s".to_owned(), "60".to_owned()),
+    ];
+    let r = conn.set_config(set).await.unwrap();
+    assert_eq!(r.revision, 1, "answered by the leader");
+    assert_eq!(r.config_json, r#"avoid_failed_node_s=60,checkpoint_store="file:///ckpt""#);
+    assert_eq!((follower_calls.load(Ordering::SeqCst), leader_calls.load(Ordering::SeqCst)), (1, 1));
 }

@@ -144,9 +144,16 @@ config_path = "{fake}"
 
     /// Starts (or restarts) the agent process; its stderr goes to `agent.log` (appended).
     pub fn start(&mut self) {
+        self.start_with(|_| {});
+    }
+
+    /// As [`AgentProc::start`], letting `f` adjust the command first (environment, ...).
+    pub fn start_with(&mut self, f: impl FnOnce(&mut Command)) {
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("agent.log")).unwrap();
-        let child = Command::new(bin())
+        let mut cmd = Command::new(bin());
+        f(&mut cmd);
+        let child = cmd
             .arg("agent")
             .arg("--config")
             .arg(self.dir.path().join("agent.toml"))

@@ -21,9 +21,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod agents;
+pub mod checkpoints;
 pub mod servers;
 
 pub use agents::*;
+pub use checkpoints::*;
 pub use servers::*;
 
 use std::path::PathBuf;

@@ -101,6 +101,9 @@ pub enum ClusterCmd {
         #[arg(long)]
         peer_advertise: Option<String>,
     },
+    /// The replicated configuration (limits, retry defaults, checkpoint store, ...).
+    #[command(subcommand)]
+    Config(ConfigCmd),
     /// Skip the log entry the group halted at (a command no server can apply); every server
     /// applies again after it. Give the index and kind `cluster version` shows.
     SkipEntry {
@@ -111,6 +114,73 @@ pub enum ClusterCmd {
         #[arg(long)]
         kind: String,
     },
+}
+
+/// `suanli cluster config ...`.
+#[derive(Subcommand, Debug)]
+pub enum ConfigCmd {
+    /// Show the replicated configuration, one `FIELD = VALUE` line per field.
+    Get {
+        /// Answer from the contacted server's local state (possibly stale).
+        #[arg(long)]
+        stale: bool,
+    },
+    /// Change fields: `FIELD=VALUE ...`, FIELD as `get` names it (`checkpoint_store`,
+    /// `default_retry.max_attempts`), VALUE as JSON (`300`, `true`, `"text"`), else taken as a
+    /// string (`checkpoint_store=file:///shared/ckpt`). All change at once, or none.
+    Set {
+        /// FIELD=VALUE pairs.
+        #[arg(required = true, num_args = 1.., value_parser = parse_setting)]
+        settings: Vec<(String, String)>,
+    },
+}
+
+/// `FIELD=VALUE` as (field, value as JSON): VALUE if it is JSON, else VALUE as a JSON string.
+fn parse_setting(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s.split_once('=').ok_or_else(|| format!("{s:?} is not FIELD=VALUE"))?;
+    let k = k.trim();
+    if k.is_empty() {
+        return Err(format!("{s:?} names no field before '='"));
+    }
+    let json = match serde_json::from_str::<serde_json::Value>(v) {
+        Ok(_) => v.to_owned(),
+        Err(_) => serde_json::Value::String(v.to_owned()).to_string(),
+    };
+    Ok((k.to_owned(), json))
+}
+
+/// A JSON object's leaves as `path = value` lines, in key order (nested objects dotted).
+fn config_lines(v: &serde_json::Value) -> Vec<String> {
+    fn walk(v: &serde_json::Value, prefix: &str, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                let mut keys: Vec<&String> = m.keys().collect();
+                keys.sort();
+                for k in keys {
+                    let p = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    walk(&m[k], &p, out);
+                }
+            }
+            leaf => out.push(format!("{prefix} = {leaf}")),
+        }
+    }
+    let mut out = Vec::new();
+    walk(v, "", &mut out);
+    out
+}
+
+/// Prints a configuration a server answered (`config_json`) at `revision`.
+fn print_config(out: Output, config_json: &str, revision: u64) -> anyhow::Result<()> {
+    let config: serde_json::Value = serde_json::from_str(config_json).context("the server's config_json")?;
+    match out {
+        Output::Json => print_json(&json!({"revision": revision, "config": config})),
+        Output::Table => {
+            for l in config_lines(&config) {
+                println!("{}", super::render::printable(&l));
+            }
+            Ok(())
+        }
+    }
 }
 
 /// Most bytes `cluster backup` accepts from a server.
@@ -244,6 +314,18 @@ async fn online(conn: &Connection, out: Output, cmd: ClusterCmd) -> anyhow::Resu
                     Ok(())
                 }
             }
+        }
+        ClusterCmd::Config(ConfigCmd::Get { stale }) => {
+            let r = conn.get_config(stale).await?;
+            print_config(out, &r.config_json, r.revision)
+        }
+        ClusterCmd::Config(ConfigCmd::Set { settings }) => {
+            let fields: Vec<String> = settings.iter().map(|(k, _)| k.clone()).collect();
+            let r = conn.set_config(settings).await?;
+            if out == Output::Table {
+                println!("configuration changed at revision {} ({}):", r.revision, fields.join(", "));
+            }
+            print_config(out, &r.config_json, r.revision)
         }
         ClusterCmd::SkipEntry { index, kind } => {
             let r = conn.skip_entry(index, &kind).await?;
@@ -431,5 +513,32 @@ async fn restore(
             );
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_are_json_or_else_strings() {
+        assert_eq!(parse_setting("avoid_failed_node_s=60"), Ok(("avoid_failed_node_s".into(), "60".into())));
+        assert_eq!(
+            parse_setting("checkpoint_store=file:///shared/ckpt"),
+            Ok(("checkpoint_store".into(), r#""file:///shared/ckpt""#.into()))
+        );
+        assert_eq!(
+            parse_setting(r#"checkpoint_store="s3://b/p""#),
+            Ok(("checkpoint_store".into(), r#""s3://b/p""#.into()))
+        );
+        assert_eq!(parse_setting("checkpoint_store="), Ok(("checkpoint_store".into(), r#""""#.into())));
+        assert!(parse_setting("no-equals").is_err());
+        assert!(parse_setting("=5").is_err());
+    }
+
+    #[test]
+    fn config_prints_one_dotted_line_per_field() {
+        let v = json!({"b": 1, "a": {"y": "s", "x": true}});
+        assert_eq!(config_lines(&v), vec!["a.x = true", "a.y = \"s\"", "b = 1"]);
     }
 }

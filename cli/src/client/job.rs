@@ -73,6 +73,19 @@ pub enum JobCmd {
         #[arg(long, default_value = "")]
         reason: String,
     },
+    /// Move a running job, checkpoint first: its tasks are asked to checkpoint and stop (as
+    /// for a preemption), and the next attempt is placed in --to-pool or on --to-node, else on
+    /// any other node the job allows. It resumes from its latest checkpoint.
+    Migrate {
+        /// Job id.
+        id: u64,
+        /// Only this pool.
+        #[arg(long, conflicts_with = "to_node")]
+        to_pool: Option<String>,
+        /// Only this node.
+        #[arg(long)]
+        to_node: Option<String>,
+    },
     /// Print a task's stdout (or stderr) as its node's agent recorded it.
     Logs {
         /// Job id.
@@ -145,6 +158,26 @@ impl JobArgs {
                     Output::Json => print_json(&json!({"job_id": id, "cancelled": true})),
                     Output::Table => {
                         println!("job {id} cancelled");
+                        Ok(())
+                    }
+                }
+            }
+            JobCmd::Migrate { id, to_pool, to_node } => {
+                let (pool, node) = (to_pool.unwrap_or_default(), to_node.unwrap_or_default());
+                let revision = conn.migrate_job(id, &pool, &node).await?;
+                match out {
+                    Output::Json => print_json(&json!({
+                        "job_id": id, "to_pool": pool, "to_node": node, "revision": revision,
+                    })),
+                    Output::Table => {
+                        let to = match (pool.as_str(), node.as_str()) {
+                            ("", "") => "another node".to_owned(),
+                            (p, "") => format!("pool {p}"),
+                            (_, n) => format!("node {n}"),
+                        };
+                        println!(
+                            "job {id} is moving to {to}: its tasks checkpoint and stop, then it resumes there (revision {revision})"
+                        );
                         Ok(())
                     }
                 }

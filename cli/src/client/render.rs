@@ -157,7 +157,13 @@ pub fn print_job(j: &pb::JobInfo) {
         ("priority", j.priority.to_string()),
         ("submitted", format!("{} ago", age(j.submitted_at))),
         ("updated", format!("{} ago", age(j.updated_at))),
-        ("attempt", format!("{} (failures {}, requeues {})", j.attempt, j.failures, j.requeues)),
+        (
+            "attempt",
+            format!(
+                "{} (failures {}, requeues {}, infrastructure requeues {})",
+                j.attempt, j.failures, j.requeues, j.infra_requeues
+            ),
+        ),
         ("revision", j.revision.to_string()),
         ("request id", dash(&j.client_request_id)),
     ];
@@ -171,11 +177,45 @@ pub fn print_job(j: &pb::JobInfo) {
         kv.push(("reason", j.reason.clone()));
     }
     if !j.latest_checkpoint_uri.is_empty() {
-        kv.push(("checkpoint", j.latest_checkpoint_uri.clone()));
+        kv.push(("checkpoint", checkpoint_line(j)));
+        kv.push(("checkpoint uri", j.latest_checkpoint_uri.clone()));
+    }
+    if !j.nominated_victims.is_empty() {
+        let ids: Vec<String> = j.nominated_victims.iter().map(u64::to_string).collect();
+        kv.push(("held for it", format!("capacity of allocations {} (stopping for it)", ids.join(", "))));
+    }
+    if !j.migrating_to.is_empty() {
+        kv.push(("migrating to", j.migrating_to.clone()));
+    }
+    if j.lost_device_s > 0 {
+        kv.push((
+            "lost work",
+            format!("{} device-hours ({} device-seconds)", device_hours(j.lost_device_s), j.lost_device_s),
+        ));
     }
     println!("{}", fields(&kv));
     print_allocs(j);
     print_attempts(j);
+}
+
+/// The latest checkpoint: `step 1200, 3m ago, portable` (or the hardware it is bound to).
+pub fn checkpoint_line(j: &pb::JobInfo) -> String {
+    let when = if j.latest_checkpoint_at == 0 {
+        "time unknown".to_owned()
+    } else {
+        format!("{} ago", age(j.latest_checkpoint_at))
+    };
+    let hw = if j.latest_checkpoint_hardware.is_empty() {
+        "portable".to_owned()
+    } else {
+        format!("restores only onto {}", j.latest_checkpoint_hardware)
+    };
+    format!("step {}, {when}, {hw}", j.latest_checkpoint_step)
+}
+
+/// Device-seconds as device-hours with two decimals: 5400 -> "1.50".
+pub fn device_hours(s: u64) -> String {
+    format!("{:.2}", s as f64 / 3600.0)
 }
 
 /// The ended attempts' allocations (oldest first): where each ran and how it ended.
@@ -196,11 +236,31 @@ fn print_attempts(j: &pb::JobInfo) {
                 format!("{} ago", age(h.started_at)),
                 format!("{} ago", age(h.ended_at)),
                 h.state.clone(),
+                dash(&h.end),
+                if h.exit_code_set { h.exit_code.to_string() } else { "-".into() },
+                if h.lost_device_s > 0 { device_hours(h.lost_device_s) } else { "-".into() },
+                if h.restored_step_set { h.restored_step.to_string() } else { "-".into() },
                 dash(&h.message),
             ]
         })
         .collect();
-    print_indented_table(&["ATTEMPT", "ALLOC", "GROUP/REPLICA", "NODE", "STARTED", "ENDED", "STATE", "MESSAGE"], &rows);
+    print_indented_table(
+        &[
+            "ATTEMPT",
+            "ALLOC",
+            "GROUP/REPLICA",
+            "NODE",
+            "STARTED",
+            "ENDED",
+            "STATE",
+            "END",
+            "EXIT",
+            "LOST DEV-H",
+            "FROM STEP",
+            "MESSAGE",
+        ],
+        &rows,
+    );
 }
 
 /// The current attempt's allocations.
@@ -295,6 +355,17 @@ mod tests {
         assert_eq!(mib(1536), "1.5Gi");
         assert_eq!(mib(500), "500Mi");
         assert_eq!(mib(2 * 1024 * 1024), "2Ti");
+    }
+
+    #[test]
+    fn checkpoints_and_lost_work_read_plainly() {
+        let mut j = pb::JobInfo { latest_checkpoint_step: 1200, ..Default::default() };
+        assert_eq!(checkpoint_line(&j), "step 1200, time unknown, portable");
+        j.latest_checkpoint_at = now_s();
+        j.latest_checkpoint_hardware = "NVIDIA H200 x8".into();
+        assert_eq!(checkpoint_line(&j), "step 1200, 0s ago, restores only onto NVIDIA H200 x8");
+        assert_eq!(device_hours(5400), "1.50");
+        assert_eq!(device_hours(36), "0.01");
     }
 
     #[test]

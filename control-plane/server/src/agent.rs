@@ -4,16 +4,17 @@
 
 use crate::convert;
 use crate::core::Core;
-use crate::status::{decode_json, invalid};
+use crate::status::{decode_json, invalid, invalid_model};
 use std::sync::Arc;
 use std::time::Duration;
-use suanli_model::{AllocId, Health, Node, NodeId};
+use suanli_model::error::quote;
+use suanli_model::{AllocId, CheckpointHardware, DeviceKind, Health, Node, NodeId};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_client::AgentClient;
 use suanli_proto::v1::agent_server::Agent;
 use suanli_state::{
-    AgentFence, AllocStatus, Command, DeviceHealth, NodeCondition, NodeStatus, RegisterNode, ReportCheckpoint,
-    ReportedStatus,
+    AgentFence, AllocStatus, Command, DeviceHealth, EndClass, NodeCondition, NodeStatus, RegisterNode,
+    ReportCheckpoint, ReportedStatus,
 };
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -179,13 +180,14 @@ impl Agent for AgentApi {
                 ));
             }
         };
+        let end = reported_end(status, &r.end)?;
         let cmd = Command::AllocStatus(AllocStatus {
             alloc: AllocId(r.alloc_id),
             epoch: r.epoch,
             status,
             message: r.message,
-            end: None,
-            exit_code: None,
+            end,
+            exit_code: r.exit_code_set.then_some(r.exit_code),
             now: self.0.now_s(),
         });
         self.0.propose(cmd).await?;
@@ -197,6 +199,8 @@ impl Agent for AgentApi {
 
     async fn report_checkpoint(&self, req: Request<pb::ReportCheckpointRequest>) -> Resp<pb::ReportCheckpointResponse> {
         let r = req.into_inner();
+        let limits = self.0.state.read(|s| s.config().limits.clone());
+        let hardware = checkpoint_hardware(&r, &limits)?;
         let cmd = Command::ReportCheckpoint(ReportCheckpoint {
             alloc: AllocId(r.alloc_id),
             epoch: r.epoch,
@@ -204,12 +208,72 @@ impl Agent for AgentApi {
             step: r.step,
             size_bytes: r.size_bytes,
             wall_time: r.wall_time,
-            hardware: None,
+            hardware,
             now: self.0.now_s(),
         });
         self.0.propose(cmd).await?;
         ok(pb::ReportCheckpointResponse {})
     }
+}
+
+/// The ends an agent reports: what it saw happen to the task. The others (preempted, drained,
+/// migrated, cancelled) are the state machine's to decide, from why it stopped the task.
+const AGENT_ENDS: [EndClass; 7] = [
+    EndClass::Succeeded,
+    EndClass::Exit,
+    EndClass::Oom,
+    EndClass::StartFailed,
+    EndClass::DeviceError,
+    EndClass::NodeLost,
+    EndClass::Stopped,
+];
+
+/// A report's `end`: none when empty (an older agent, or a running task); refused when it is
+/// not an end an agent reports, or comes with a running report.
+fn reported_end(status: ReportedStatus, end: &str) -> Result<Option<EndClass>, Status> {
+    if end.is_empty() {
+        return Ok(None);
+    }
+    let names = || AGENT_ENDS.iter().map(|e| e.as_str()).collect::<Vec<_>>().join(", ");
+    let Some(class) = EndClass::parse(end).filter(|c| AGENT_ENDS.contains(c)) else {
+        return Err(invalid("end", format!("{} is not one of {} (or empty)", quote(end), names())));
+    };
+    if status == ReportedStatus::Running {
+        return Err(invalid("end", format!("{} given for a running allocation; leave it empty", quote(end))));
+    }
+    Ok(Some(class))
+}
+
+/// The hardware a checkpoint report binds its checkpoint to: none unless `hardware_bound`;
+/// then the device kind (`gpu` or `npu`), model (a name within the limits) and count (1 up to
+/// the devices a node may have) must all be given.
+fn checkpoint_hardware(
+    r: &pb::ReportCheckpointRequest,
+    limits: &suanli_model::Limits,
+) -> Result<Option<CheckpointHardware>, Status> {
+    if !r.hardware_bound {
+        return Ok(None);
+    }
+    let kind = match r.device_kind.as_str() {
+        "gpu" => DeviceKind::Gpu,
+        "npu" => DeviceKind::Npu,
+        other => {
+            return Err(invalid(
+                "device_kind",
+                format!("{} is not gpu or npu (a hardware-bound checkpoint names its devices' kind)", quote(other)),
+            ));
+        }
+    };
+    if r.device_model.is_empty() {
+        return Err(invalid("device_model", "is empty; a hardware-bound checkpoint names its devices' model"));
+    }
+    suanli_model::error::check_value(|| "device_model".into(), &r.device_model, limits.max_name_len)
+        .map_err(|e| invalid_model(&e))?;
+    let max = limits.max_devices_per_node;
+    if r.device_count == 0 || r.device_count as usize > max {
+        return Err(invalid("device_count", format!("{} is not between 1 and {max}", r.device_count)));
+    }
+    Ok(Some(CheckpointHardware { kind, model: r.device_model.clone(), count: r.device_count }))
 }
 
 /// Sends `node`'s live allocations each time they change, until the receiver goes away or
@@ -224,7 +288,7 @@ async fn watch_allocations(
     loop {
         let (rev, allocs, cluster_id) = core.state.read(|s| {
             let v: Vec<pb::AllocInfo> =
-                s.allocs_on(&id).filter(|a| a.is_live()).map(|a| convert::alloc(a, s.job(a.alloc.job))).collect();
+                s.allocs_on(&id).filter(|a| a.is_live()).map(|a| convert::alloc(s, a)).collect();
             (s.revision(), v, s.cluster_id().to_owned())
         });
         if last.as_ref() != Some(&allocs) {
@@ -239,5 +303,56 @@ async fn watch_allocations(
             () = tx.closed() => return,
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ends_an_agent_reports_are_mapped_and_others_refused_naming_end() {
+        assert_eq!(reported_end(ReportedStatus::Failed, "").ok(), Some(None));
+        assert_eq!(reported_end(ReportedStatus::Failed, "oom").ok(), Some(Some(EndClass::Oom)));
+        assert_eq!(reported_end(ReportedStatus::Succeeded, "succeeded").ok(), Some(Some(EndClass::Succeeded)));
+        assert_eq!(reported_end(ReportedStatus::Stopped, "node_lost").ok(), Some(Some(EndClass::NodeLost)));
+        for (status, bad) in [
+            (ReportedStatus::Failed, "segfault"),
+            (ReportedStatus::Stopped, "preempted"),
+            (ReportedStatus::Running, "exit"),
+        ] {
+            let e = reported_end(status, bad).expect_err(bad);
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().starts_with("end: "), "{}", e.message());
+        }
+    }
+
+    #[test]
+    fn hardware_is_read_only_when_bound_and_checked_field_by_field() {
+        let limits = suanli_model::Limits::default();
+        let good = pb::ReportCheckpointRequest {
+            hardware_bound: true,
+            device_kind: "gpu".into(),
+            device_model: "NVIDIA H200".into(),
+            device_count: 8,
+            ..Default::default()
+        };
+        assert_eq!(
+            checkpoint_hardware(&good, &limits).ok(),
+            Some(Some(CheckpointHardware { kind: DeviceKind::Gpu, model: "NVIDIA H200".into(), count: 8 }))
+        );
+        let portable = pb::ReportCheckpointRequest { hardware_bound: false, ..good.clone() };
+        assert_eq!(checkpoint_hardware(&portable, &limits).ok(), Some(None));
+        let cases = [
+            ("device_kind", pb::ReportCheckpointRequest { device_kind: "cpu".into(), ..good.clone() }),
+            ("device_model", pb::ReportCheckpointRequest { device_model: String::new(), ..good.clone() }),
+            ("device_count", pb::ReportCheckpointRequest { device_count: 0, ..good.clone() }),
+            ("device_count", pb::ReportCheckpointRequest { device_count: 100_000, ..good.clone() }),
+        ];
+        for (field, r) in cases {
+            let e = checkpoint_hardware(&r, &limits).expect_err(field);
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().starts_with(&format!("{field}")), "{field}: {}", e.message());
+        }
     }
 }

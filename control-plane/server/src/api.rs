@@ -10,8 +10,8 @@ use std::collections::BTreeSet;
 use std::ops::Bound;
 use std::sync::Arc;
 use std::time::Duration;
-use suanli_model::error::{check_text, check_value, quote};
-use suanli_model::{JobId, JobSpec, NodeId, Queue, QueueId};
+use suanli_model::error::{check_name, check_text, check_value, quote};
+use suanli_model::{JobId, JobSpec, NodeId, PoolId, Queue, QueueId};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
 use suanli_proto::v1::cluster_server::Cluster;
@@ -21,7 +21,9 @@ use suanli_proto::v1::nodes_server::Nodes;
 use suanli_proto::v1::pools_server::Pools;
 use suanli_proto::v1::queues_server::Queues;
 use suanli_raft::ServerNode;
-use suanli_state::{CancelJob, Command, DeleteQueue, Response, SetNodeMode, SubmitJob, UpsertQueue};
+use suanli_state::{
+    CancelJob, Command, DeleteQueue, MigrateJob, Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
+};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status};
 
@@ -193,8 +195,25 @@ impl Jobs for Api {
 
     type WatchStream = ReceiverStream<Result<pb::JobEvent, Status>>;
 
-    async fn migrate(&self, _req: Request<pb::MigrateJobRequest>) -> Resp<pb::MigrateJobResponse> {
-        Err(Status::unimplemented("Jobs.Migrate is being built (issue 18)"))
+    async fn migrate(&self, req: Request<pb::MigrateJobRequest>) -> Resp<pb::MigrateJobResponse> {
+        let r = req.into_inner();
+        let max = self.0.state.read(|s| s.config().limits.max_name_len);
+        let target = |field: &'static str, v: &str| -> Result<Option<String>, Status> {
+            if v.is_empty() {
+                return Ok(None);
+            }
+            check_name(|| field.into(), v, max).map_err(|e| invalid_model(&e))?;
+            Ok(Some(v.to_owned()))
+        };
+        let cmd = Command::MigrateJob(MigrateJob {
+            job: JobId(r.job_id),
+            to_pool: target("to_pool", &r.to_pool)?.map(PoolId),
+            to_node: target("to_node", &r.to_node)?.map(NodeId),
+            now: self.0.now_s(),
+        });
+        let (_, index) = self.0.propose(cmd).await?;
+        self.0.kick.notify_one();
+        ok(pb::MigrateJobResponse { revision: index })
     }
 
     async fn watch(&self, req: Request<pb::WatchJobsRequest>) -> Resp<Self::WatchStream> {
@@ -716,12 +735,41 @@ impl Cluster for Api {
 
     type BackupStream = tokio_stream::wrappers::ReceiverStream<Result<pb::BackupChunk, Status>>;
 
-    async fn get_config(&self, _req: Request<pb::GetConfigRequest>) -> Resp<pb::GetConfigResponse> {
-        Err(Status::unimplemented("Cluster.GetConfig is being built (issue 18)"))
+    async fn get_config(&self, req: Request<pb::GetConfigRequest>) -> Resp<pb::GetConfigResponse> {
+        let r = req.into_inner();
+        let (config, revision) = self.0.read(r.stale, |s| (serde_json::to_string(s.config()), s.revision())).await?;
+        let config_json = config.map_err(|e| Status::internal(format!("encoding the config: {e}")))?;
+        ok(pb::GetConfigResponse { config_json, revision })
     }
 
-    async fn set_config(&self, _req: Request<pb::SetConfigRequest>) -> Resp<pb::SetConfigResponse> {
-        Err(Status::unimplemented("Cluster.SetConfig is being built (issue 18)"))
+    async fn set_config(&self, req: Request<pb::SetConfigRequest>) -> Resp<pb::SetConfigResponse> {
+        // `UpdateConfig` is built by the leader only (a follower never forwards it): the call
+        // itself goes to the leader, once, which merges into the configuration it holds.
+        let forwarded = req.metadata().get(FORWARDED).is_some();
+        let r = req.into_inner();
+        if !self.0.is_leader() {
+            if forwarded {
+                return Err(unavailable("not the leader (a forwarded SetConfig)", self.0.leader().map(|l| l.1)));
+            }
+            let mut fwd = Request::new(r);
+            fwd.metadata_mut().insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+            fwd.set_timeout(self.0.timeout());
+            return self.leader_cluster_client()?.set_config(fwd).await;
+        }
+        // One change at a time on this leader, so two calls never merge into the same base.
+        let _one = self.0.config_writes.lock().await;
+        let current = self.0.read(false, |s| s.config().clone()).await?;
+        let config = crate::cluster_config::merge(&current, &r.set)?;
+        let config_json =
+            serde_json::to_string(&config).map_err(|e| Status::internal(format!("encoding the config: {e}")))?;
+        let cmd = Command::UpdateConfig(Box::new(UpdateConfig { config }));
+        let (resp, revision) = self.0.propose_local(cmd).await?;
+        if let Some(e) = resp.rejection() {
+            return Err(crate::status::rejection(e));
+        }
+        tracing::info!(fields = ?r.set.keys().collect::<Vec<_>>(), revision, "replicated configuration changed");
+        self.0.kick.notify_one();
+        ok(pb::SetConfigResponse { config_json, revision })
     }
 
     async fn backup(&self, _req: Request<pb::BackupRequest>) -> Resp<Self::BackupStream> {

@@ -1,9 +1,11 @@
 //! Replicated records to their wire messages.
 
 use std::collections::BTreeMap;
-use suanli_model::{Health, QueueId, ResVec};
+use suanli_model::{CheckpointHardware, Health, QueueId, ResVec};
 use suanli_proto::v1 as pb;
-use suanli_state::{Alloc, Desired, Job, JobState, NodeMode, NodeRecord, NodeStatus, State, StopReason};
+use suanli_state::{
+    Alloc, Desired, Job, JobState, MigrationTarget, NodeMode, NodeRecord, NodeStatus, State, StopReason,
+};
 
 /// A resource vector on the wire (`u64::MAX` stays "unlimited").
 pub fn res(v: &ResVec) -> pb::Resources {
@@ -22,15 +24,18 @@ fn stop_reason(r: &StopReason) -> &'static str {
     }
 }
 
-/// An allocation on the wire, with its job's task (what to run) and latest checkpoint.
-pub fn alloc(a: &Alloc, job: Option<&Job>) -> pb::AllocInfo {
-    alloc_view(a, job, JobView::Full)
+/// An allocation on the wire, with its job's task (what to run), checkpoint policy, the
+/// cluster's checkpoint store and the job's latest checkpoint (what the agent restores).
+pub fn alloc(s: &State, a: &Alloc) -> pb::AllocInfo {
+    alloc_view(s, a, s.job(a.alloc.job), JobView::Full)
 }
 
-/// An allocation on the wire; its job's task only in the [`JobView::Full`] view.
-fn alloc_view(a: &Alloc, job: Option<&Job>, view: JobView) -> pb::AllocInfo {
+/// An allocation on the wire; its job's task and the checkpoint store only in the
+/// [`JobView::Full`] view.
+fn alloc_view(s: &State, a: &Alloc, job: Option<&Job>, view: JobView) -> pb::AllocInfo {
     let x = &a.alloc;
-    let restore_from = job.and_then(|j| j.latest_checkpoint.as_ref()).map(|c| c.uri.as_str()).unwrap_or("");
+    let latest = job.and_then(|j| j.latest_checkpoint.as_ref());
+    let policy = job.and_then(|j| j.spec.checkpoint.as_ref());
     let group = job.and_then(|j| j.spec.groups.get(x.group as usize));
     let task = group.and_then(|g| g.task.as_ref()).filter(|_| view == JobView::Full);
     let (desired, stop, ckpt, grace) = match &a.desired {
@@ -63,14 +68,17 @@ fn alloc_view(a: &Alloc, job: Option<&Job>, view: JobView) -> pb::AllocInfo {
         queue: x.queue.0.clone(),
         priority: x.priority,
         borrowed: x.borrowed,
-        restore_from: restore_from.into(),
+        restore_from: latest.map(|c| c.uri.clone()).unwrap_or_default(),
+        restore_step: latest.map_or(0, |c| c.step),
+        checkpoint_signal: policy.map(|p| p.signal.as_str().to_owned()).unwrap_or_default(),
+        checkpoint_interval_s: policy.map_or(0, |p| p.interval_s),
+        checkpoint_store: if view == JobView::Full { s.config().checkpoint_store.clone() } else { String::new() },
         job_name: job.map(|j| j.spec.name.clone()).unwrap_or_default(),
         group_name: group.map(|g| g.name.clone()).unwrap_or_default(),
         command: task.map(|t| t.command.clone()).unwrap_or_default(),
         args: task.map(|t| t.args.clone()).unwrap_or_default(),
         env: task.map(|t| t.env.clone().into_iter().collect()).unwrap_or_default(),
         workdir: task.and_then(|t| t.workdir.clone()).unwrap_or_default(),
-        ..Default::default()
     }
 }
 
@@ -94,6 +102,7 @@ pub enum JobView {
 /// A job on the wire, with its allocations.
 pub fn job(s: &State, j: &Job, queue_position: u64, view: JobView) -> pb::JobInfo {
     let summary = view == JobView::Summary;
+    let latest = j.latest_checkpoint.as_ref();
     let allocs = j.allocs.iter().filter_map(|id| s.allocs().get(id));
     pb::JobInfo {
         id: j.id.0,
@@ -108,16 +117,37 @@ pub fn job(s: &State, j: &Job, queue_position: u64, view: JobView) -> pb::JobInf
         requeues: j.requeues,
         not_before: j.not_before,
         reason: j.reason.clone(),
-        allocs: allocs.map(|a| alloc_view(a, Some(j), view)).collect(),
+        allocs: allocs.map(|a| alloc_view(s, a, Some(j), view)).collect(),
         spec_json: if summary { String::new() } else { serde_json::to_string(&j.spec).unwrap_or_default() },
         revision: j.revision,
         client_request_id: j.client_request_id.clone(),
         queue_position,
-        latest_checkpoint_uri: j.latest_checkpoint.as_ref().map(|c| c.uri.clone()).unwrap_or_default(),
+        latest_checkpoint_uri: latest.map(|c| c.uri.clone()).unwrap_or_default(),
         summary,
         omitted_allocs: 0,
         attempts: if summary { Vec::new() } else { j.history.iter().map(attempt).collect() },
-        ..Default::default()
+        latest_checkpoint_step: latest.map_or(0, |c| c.step),
+        latest_checkpoint_at: latest.map_or(0, |c| if c.wall_time > 0 { c.wall_time } else { c.at }),
+        latest_checkpoint_hardware: latest.and_then(|c| c.hardware.as_ref()).map(hardware).unwrap_or_default(),
+        infra_requeues: j.infra_requeues,
+        lost_device_s: j.lost_device_s,
+        nominated_victims: j.nomination.as_ref().map(|n| n.victims.iter().map(|v| v.0).collect()).unwrap_or_default(),
+        migrating_to: j.migration.as_ref().map(migrating_to).unwrap_or_default(),
+    }
+}
+
+/// A hardware-bound checkpoint's hardware as people read it: `NVIDIA H200 x8`.
+pub fn hardware(h: &CheckpointHardware) -> String {
+    format!("{} x{}", h.model, h.count)
+}
+
+/// Where `job migrate` sends a job: `pool gpu-b`, `node n3`, both, or `another node`.
+fn migrating_to(m: &MigrationTarget) -> String {
+    match (&m.pool, &m.node) {
+        (Some(p), Some(n)) => format!("pool {p}, node {n}"),
+        (Some(p), None) => format!("pool {p}"),
+        (None, Some(n)) => format!("node {n}"),
+        (None, None) => "another node".into(),
     }
 }
 
@@ -133,7 +163,12 @@ fn attempt(h: &suanli_state::AttemptRecord) -> pb::AttemptInfo {
         ended_at: h.ended_at,
         state: serde_plain(&h.state),
         message: h.message.clone(),
-        ..Default::default()
+        end: h.end.map(|e| e.as_str().to_owned()).unwrap_or_default(),
+        exit_code: h.exit_code.unwrap_or(0),
+        exit_code_set: h.exit_code.is_some(),
+        lost_device_s: h.lost_device_s,
+        restored_step: h.restored_step.unwrap_or(0),
+        restored_step_set: h.restored_step.is_some(),
     }
 }
 

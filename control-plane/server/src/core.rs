@@ -58,6 +58,8 @@ pub struct Core {
     pub backups: std::sync::Arc<tokio::sync::Semaphore>,
     /// The leader's clock check and the bound on the time it stamps (leader memory).
     pub clock: crate::clock::ClockGuard,
+    /// One `Cluster.SetConfig` at a time: each merges into the configuration it read.
+    pub config_writes: tokio::sync::Mutex<()>,
 }
 
 impl Core {
@@ -83,6 +85,7 @@ impl Core {
             log,
             confirmed: tokio::sync::Mutex::new(None),
             backups: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
+            config_writes: tokio::sync::Mutex::new(()),
         }
     }
 

@@ -23,6 +23,7 @@ mod api;
 pub mod backup;
 mod batch;
 mod clock;
+mod cluster_config;
 pub mod config;
 mod convert;
 mod core;
