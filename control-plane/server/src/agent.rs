@@ -352,7 +352,7 @@ mod tests {
         for (field, r) in cases {
             let e = checkpoint_hardware(&r, &limits).expect_err(field);
             assert_eq!(e.code(), tonic::Code::InvalidArgument);
-            assert!(e.message().starts_with(&format!("{field}")), "{field}: {}", e.message());
+            assert!(e.message().starts_with(field), "{field}: {}", e.message());
         }
     }
 }

@@ -211,9 +211,12 @@ impl Jobs for Api {
             to_node: target("to_node", &r.to_node)?.map(NodeId),
             now: self.0.now_s(),
         });
-        let (_, index) = self.0.propose(cmd).await?;
+        self.0.propose(cmd).await?;
         self.0.kick.notify_one();
-        ok(pb::MigrateJobResponse { revision: index })
+        // Applied here before `propose` answered (a forwarded write waits for it): the job's
+        // revision now is its migration's or a later one.
+        let revision = self.0.state.read(|s| s.job(JobId(r.job_id)).map_or(s.revision(), |j| j.revision));
+        ok(pb::MigrateJobResponse { revision })
     }
 
     async fn watch(&self, req: Request<pb::WatchJobsRequest>) -> Resp<Self::WatchStream> {
@@ -763,10 +766,12 @@ impl Cluster for Api {
         let config_json =
             serde_json::to_string(&config).map_err(|e| Status::internal(format!("encoding the config: {e}")))?;
         let cmd = Command::UpdateConfig(Box::new(UpdateConfig { config }));
-        let (resp, revision) = self.0.propose_local(cmd).await?;
+        let (resp, _) = self.0.propose_local(cmd).await?;
         if let Some(e) = resp.rejection() {
             return Err(crate::status::rejection(e));
         }
+        // The state revision (as GetConfig answers it) once the change is applied here.
+        let revision = self.0.state.read(suanli_state::State::revision);
         tracing::info!(fields = ?r.set.keys().collect::<Vec<_>>(), revision, "replicated configuration changed");
         self.0.kick.notify_one();
         ok(pb::SetConfigResponse { config_json, revision })

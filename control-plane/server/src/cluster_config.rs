@@ -36,7 +36,13 @@ pub fn merge(current: &StateConfig, set: &BTreeMap<String, String>) -> Result<St
         })?;
         let slot = lookup(&mut doc, path).ok_or_else(|| {
             let known = field_names(&serde_json::to_value(current).unwrap_or(Value::Null));
-            invalid(&field, format!("unknown field; the fields are {}", known.join(", ")))
+            invalid(
+                &field,
+                format!(
+                    "unknown field; the top-level fields are {} (`suanli cluster config get` lists every one)",
+                    known.join(", ")
+                ),
+            )
         })?;
         *slot = value;
     }
@@ -58,19 +64,9 @@ fn lookup<'a>(doc: &'a mut Value, path: &str) -> Option<&'a mut Value> {
     path.split('.').try_fold(doc, |v, part| v.as_object_mut()?.get_mut(part))
 }
 
-/// Every settable field path, sorted (objects are descended into; their own name is settable too).
+/// The configuration's top-level field names, sorted (nested ones are `name.field`).
 fn field_names(doc: &Value) -> Vec<String> {
-    fn walk(v: &Value, prefix: &str, out: &mut Vec<String>) {
-        if let Value::Object(m) = v {
-            for (k, child) in m {
-                let p = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
-                out.push(p.clone());
-                walk(child, &p, out);
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(doc, "", &mut out);
+    let mut out: Vec<String> = doc.as_object().map(|m| m.keys().cloned().collect()).unwrap_or_default();
     out.sort();
     out
 }

@@ -1,7 +1,8 @@
 //! Whole servers in the test's process ([`crate::testkit`]): listeners on port 0, paused tokio
 //! time, real raft and RocksDB. What they pin: a follower forwards writes to its leader (and
 //! answers UNAVAILABLE, bounded, when it has none), and node liveness (down after the TTL,
-//! never before, a heartbeat renewing it).
+//! never before, a heartbeat renewing it), and a replicated config change made through a
+//! follower.
 
 use crate::testkit::{self, Running};
 use std::time::Duration;
@@ -118,4 +119,53 @@ async fn a_silent_node_is_down_after_its_ttl_and_a_heartbeat_keeps_it_up() {
     tokio::time::sleep(ttl + Duration::from_millis(350)).await;
     assert_eq!(status(s.channel(), "chatty").await.0, "down");
     s.stop().await.expect("stops cleanly");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_config_change_through_a_follower_is_made_by_the_leader_and_read_everywhere() {
+    use suanli_proto::v1::cluster_client::ClusterClient;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let s = testkit::cluster(2, dir.path(), |c| c).await;
+    let (l, f) = roles(&s).await;
+    let mut follower = ClusterClient::new(s[f].channel());
+    let set = [
+        ("checkpoint_store".to_owned(), r#""file:///shared/ckpt""#.to_owned()),
+        ("avoid_failed_node_s".to_owned(), "60".to_owned()),
+    ];
+    let r = follower.set_config(pb::SetConfigRequest { set: set.into_iter().collect() }).await.expect("set");
+    let r = r.into_inner();
+    let changed: serde_json::Value = serde_json::from_str(&r.config_json).expect("json");
+    assert_eq!(changed["checkpoint_store"], "file:///shared/ckpt");
+    assert_eq!(changed["avoid_failed_node_s"], 60);
+    for i in [l, f] {
+        let got = ClusterClient::new(s[i].channel())
+            .get_config(pb::GetConfigRequest { stale: false })
+            .await
+            .expect("get")
+            .into_inner();
+        assert!(got.revision >= r.revision, "server {i}: read at {} < {}", got.revision, r.revision);
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&got.config_json).expect("json"), changed);
+    }
+    // Refusals name the field and change nothing.
+    let bad = [("avoid_failed_node_s".to_owned(), r#""soon""#.to_owned())];
+    let e = follower.set_config(pb::SetConfigRequest { set: bad.into_iter().collect() }).await.expect_err("type");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().starts_with("set.avoid_failed_node_s: "), "{e:?}");
+    let unknown = [("no_such_field".to_owned(), "1".to_owned())];
+    let e = follower.set_config(pb::SetConfigRequest { set: unknown.into_iter().collect() }).await.expect_err("x");
+    assert!(e.message().starts_with("set.no_such_field: unknown field"), "{e:?}");
+    let now = follower.get_config(pb::GetConfigRequest { stale: false }).await.expect("get").into_inner();
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&now.config_json).expect("json"), changed);
+    // Migrating a job that does not exist is NOT_FOUND, through the follower's forwarding.
+    let e = suanli_proto::v1::jobs_client::JobsClient::new(s[f].channel())
+        .migrate(pb::MigrateJobRequest { job_id: 424_242, ..Default::default() })
+        .await
+        .expect_err("unknown job");
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let e = suanli_proto::v1::jobs_client::JobsClient::new(s[f].channel())
+        .migrate(pb::MigrateJobRequest { job_id: 1, to_node: "bad node".into(), ..Default::default() })
+        .await
+        .expect_err("bad name");
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().starts_with("to_node"), "{e:?}");
 }
