@@ -67,6 +67,13 @@ fn every_example_validates() {
             seen += 1;
         }
     }
+    // The trainer's job (examples/trainer/job.toml; not run here: it trains for minutes).
+    for f in toml_files(&root.join("trainer")) {
+        let path = f.display().to_string();
+        let o = suanli(&["job", "validate", &path]);
+        assert!(o.status.success(), "{path} should validate: {}", String::from_utf8_lossy(&o.stderr));
+        seen += 1;
+    }
     // Fake device plugin configurations: checked by `suanli plugin check` in the plugin tests;
     // here they must at least be TOML.
     for f in files(&root.join("plugins")) {
@@ -79,7 +86,7 @@ fn every_example_validates() {
     for d in files(&root).into_iter().filter(|d| d.is_dir()) {
         let name = d.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
         assert!(
-            ["jobs", "dev", "queues", "nodes", "plugins"].contains(&name.as_str()),
+            ["jobs", "dev", "queues", "nodes", "plugins", "trainer"].contains(&name.as_str()),
             "unchecked examples entry {name}"
         );
     }

@@ -1138,8 +1138,19 @@ impl Cluster {
             && g.schedulable
             && g.cpu_milli >= s.cpu_milli
             && g.memory_mib >= s.memory_mib
+            // Healthy devices only, as the plan checker's `usable_by` counts them: a node whose
+            // matching devices are partly unhealthy must not have work stopped for a job that
+            // cannot run there.
             && s.dev.is_none_or(|r| {
-                g.devs.iter().filter(|d| d.kind == r.kind && s.models & (1u128 << d.model) != 0).count()
+                g.devs
+                    .iter()
+                    .enumerate()
+                    .filter(|(slot, d)| {
+                        d.kind == r.kind
+                            && s.models & (1u128 << d.model) != 0
+                            && n.slot_dev.get(*slot).and_then(|&i| n.devs.get(usize::from(i))).is_some_and(|x| x.healthy)
+                    })
+                    .count()
                     >= r.count as usize
             })
     }
