@@ -43,7 +43,6 @@ slices = 7
 "#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the scheduler's MIG exclusion (h-sched's branch): run with --ignored once it is merged"]
 async fn a_gpu_and_its_mig_partitions_are_never_booked_at_once() {
     let cluster = suanli_server::local::ProcessCluster::start(&bin(), 1, &[]).unwrap();
     let leader = cluster.wait_leader(Duration::from_secs(30)).await.unwrap();
