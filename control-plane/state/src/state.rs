@@ -1583,16 +1583,40 @@ impl State {
                 }
             }
         }
-        if let Some(a) = &j.avoid
-            && now < a.until
-            && !c.avoid_nodes.contains(&a.node)
-        {
-            c.avoid_nodes.push(a.node.clone());
-        }
         if let Some(h) = j.latest_checkpoint.as_ref().and_then(|k| k.hardware.as_ref()) {
             c.device_models = vec![h.model.clone()];
         }
+        // The failed node is avoided only while another node could run the job at all: a job
+        // whose pool has one usable node goes back to it after its backoff, not after
+        // `avoid_failed_node_s`.
+        if let Some(a) = &j.avoid
+            && now < a.until
+            && !c.avoid_nodes.contains(&a.node)
+            && self.another_node_could_run(j, &c, &a.node)
+        {
+            c.avoid_nodes.push(a.node.clone());
+        }
         c
+    }
+
+    /// Whether a node other than `except`, accepting work, could hold the job under
+    /// constraints `c` (pools, regions, labels, node lists, device kinds, models and counts,
+    /// healthy devices only), whatever runs there now.
+    fn another_node_could_run(&self, j: &Job, c: &suanli_model::Constraints, except: &NodeId) -> bool {
+        let mut spec = j.spec.clone();
+        spec.constraints = c.clone();
+        self.nodes.values().any(|r| {
+            let id = &r.node.id;
+            if id == except || !r.accepts_work() || c.avoid_nodes.contains(id) {
+                return false;
+            }
+            if !c.nodes.is_empty() && !c.nodes.contains(id) {
+                return false;
+            }
+            let mut n = r.node.clone();
+            n.schedulable = true;
+            suanli_scheduler::check::usable_by(&n, &spec)
+        })
     }
 
     /// Where a job stands with the capacity its preemptions freed.

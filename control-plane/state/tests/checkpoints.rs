@@ -111,6 +111,21 @@ fn an_application_failure_is_classified_and_counts_against_max_attempts() {
 }
 
 #[test]
+fn the_only_node_that_can_run_a_job_is_not_avoided() {
+    let mut s = cluster(1);
+    apply_ok(&mut s, submit("a", spec("q", 1, 2, 0), 1));
+    schedule_once(&mut s, 2);
+    let (a, e) = allocs_of(&s, 1)[0];
+    apply_ok(&mut s, report(a, e, ReportedStatus::Running, 10));
+    apply_ok(&mut s, ended(a, e, ReportedStatus::Failed, EndClass::Exit, Some(3), 20));
+    let j = job(&s, 1);
+    assert!(j.avoid.is_some(), "the failure is recorded against the node");
+    // No other node could run it: it goes back to the same node after its backoff.
+    let now = j.not_before.max(21);
+    assert!(s.cluster_view(now).pending[0].spec.constraints.avoid_nodes.is_empty());
+}
+
+#[test]
 fn infrastructure_ends_do_not_use_up_attempts_but_are_bounded() {
     let mut s = cluster(2);
     let config = StateConfig { max_infra_requeues: 3, ..StateConfig::default() };
