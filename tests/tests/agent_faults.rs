@@ -17,8 +17,8 @@ use suanli_proto::v1 as pb;
 use suanli_proto::v1::jobs_client::JobsClient;
 use suanli_proto::v1::nodes_client::NodesClient;
 use support::{
-    AgentProc, channel, cluster, cluster_with, fake_config, read_lines, ready_healthy, record_job, submit, wait_nodes,
-    wait_terminal,
+    AgentProc, channel, cluster, cluster_with, fake_config, job, read_lines, ready_healthy, record_job, submit,
+    wait_nodes,
 };
 
 async fn set_mode(addr: &str, id: &str, mode: pb::NodeMode) {
@@ -163,19 +163,27 @@ async fn a_frozen_agent_has_its_tasks_fenced() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     assert!(exit.fenced, "{exit:?}");
-    // Back, the agent reports the fence; the job has no retries left.
-    let jobs = wait_terminal(&addr, &[id], Duration::from_secs(20)).await;
-    let j = &jobs[&id];
-    let alloc = j.allocs.iter().find(|x| x.id == start.alloc_id).unwrap();
+    // Back, the agent reports the fence as end `node_lost`: an infrastructure end, so the job
+    // (no retries left for failures of its own) is requeued rather than failed.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let j = loop {
+        let j = job(&addr, id).await;
+        if j.attempts.iter().any(|h| h.alloc_id == start.alloc_id) {
+            break j;
+        }
+        assert!(Instant::now() < deadline, "the fenced attempt never ended: {j:#?}\n--- agent:\n{}", a.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let h = j.attempts.iter().find(|h| h.alloc_id == start.alloc_id).unwrap();
     assert_eq!(
-        (j.state.as_str(), alloc.state.as_str()),
-        ("failed", "failed"),
+        (h.state.as_str(), h.end.as_str(), j.failures, j.infra_requeues),
+        ("failed", "node_lost", 0, 1),
         "{j:#?}\n--- agent:\n{}\n--- server:\n{}",
         a.log(),
         c.log(0)
     );
-    assert!(alloc.message.starts_with("fenced: "), "{}", alloc.message);
-    let lines: Vec<_> = a.journal().into_iter().filter(|e| e.job_id == id).collect();
-    assert_eq!(lines.len(), 2, "one start and one stop: {lines:#?}");
+    assert!(h.message.contains("fenced"), "{}", h.message);
+    let lines: Vec<_> = a.journal().into_iter().filter(|e| e.alloc_id == start.alloc_id).collect();
+    assert_eq!(lines.len(), 2, "one start and one stop of the fenced allocation: {lines:#?}");
     assert!(a.alive());
 }
