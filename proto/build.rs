@@ -56,6 +56,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &[
                 "proto/suanli/v1/types.proto",
                 "proto/suanli/v1/api.proto",
+                "proto/suanli/v1/access.proto",
                 "proto/suanli/v1/agent.proto",
                 "proto/suanli/v1/raft.proto",
                 "proto/suanli/v1/internal.proto",

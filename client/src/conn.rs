@@ -46,6 +46,12 @@ pub struct ConnectionConfig {
     /// own address when the caller reaches it through a proxy). Empty: hints are dialed as
     /// they are.
     pub aliases: BTreeMap<String, String>,
+    /// TLS to the servers (their certificates are verified against its CA; its certificate is
+    /// presented as the client's). `None`: plaintext, only for servers started `--insecure`.
+    pub tls: Option<suanli_security::tls::Tls>,
+    /// A bearer token sent with every call (`authorization: Bearer ...`); it is then the
+    /// caller's identity (docs/security.md).
+    pub token: Option<String>,
 }
 
 /// Only UNAVAILABLE moves a call to the next server (a leader change, a server shutting down).
@@ -67,6 +73,8 @@ impl Default for ConnectionConfig {
             max_reply_bytes: 4 * suanli_proto::DEFAULT_MAX_MESSAGE_BYTES,
             keepalive: None,
             aliases: BTreeMap::new(),
+            tls: None,
+            token: None,
         }
     }
 }

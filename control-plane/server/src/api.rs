@@ -858,7 +858,10 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
         | Command::CancelJob(_)
         | Command::AllocStatus(_)
         | Command::ReportCheckpoint(_)
-        | Command::MigrateJob(_) => Ok(()),
+        | Command::MigrateJob(_)
+        | Command::IssueToken(_)
+        | Command::RevokeToken(_)
+        | Command::RecordAudit(_) => Ok(()),
     }
 }
 

@@ -21,8 +21,8 @@ use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
 use tonic::transport::{Channel, Endpoint};
 
-/// A connected channel (connect within 5 s, requests within 15 s: generous, because the
-/// servers under test share a small machine with the test itself).
+/// A connected channel as the local PKI's admin, over TLS (connect within 5 s, requests within
+/// 15 s: generous, because the servers under test share a small machine with the test itself).
 pub async fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
     Endpoint::from_shared(format!("http://{addr}"))?
         .connect_timeout(Duration::from_secs(5))
@@ -30,6 +30,63 @@ pub async fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
         .tcp_nodelay(true)
         .connect()
         .await
+}
+
+/// The PKI of local clusters (tests, benchmarks, chaos): one development CA per process, made on
+/// first use in a temp dir that lives as long as the process, with the server and admin
+/// certificates; node and user certificates are issued on first ask. Every cluster this module
+/// starts uses it, unless started with `--insecure` among its flags.
+pub struct LocalPki {
+    #[allow(dead_code)]
+    dir: PathBuf,
+}
+
+impl LocalPki {
+    /// The process's PKI (made on the first call).
+    pub fn get() -> &'static LocalPki {
+        todo!("h-wire-srv")
+    }
+    /// The directory holding the files (`suanli tls init`'s layout).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// The servers' certificate (`suanli://server/server`, hosts localhost and 127.0.0.1).
+    pub fn server(&self) -> suanli_security::tls::TlsFiles {
+        todo!("h-wire-srv")
+    }
+    /// The admin user's certificate.
+    pub fn admin(&self) -> suanli_security::tls::TlsFiles {
+        todo!("h-wire-srv")
+    }
+    /// Node `id`'s agent certificate (issued on first ask).
+    pub fn node(&self, id: &str) -> suanli_security::tls::TlsFiles {
+        let _ = id;
+        todo!("h-wire-srv")
+    }
+    /// A user's certificate (issued on first ask).
+    pub fn user(&self, name: &str, role: suanli_security::Role, team: Option<&str>) -> suanli_security::tls::TlsFiles {
+        let _ = (name, role, team);
+        todo!("h-wire-srv")
+    }
+    /// The admin's TLS material, loaded (what [`channel`] uses).
+    pub fn admin_tls(&self) -> suanli_security::tls::Tls {
+        todo!("h-wire-srv")
+    }
+}
+
+/// A connected channel as `files`' holder (over TLS, verified against its CA).
+pub async fn channel_as(
+    addr: &str,
+    files: &suanli_security::tls::TlsFiles,
+) -> Result<Channel, tonic::transport::Error> {
+    let _ = (addr, files);
+    todo!("h-wire-srv")
+}
+
+/// A connected plaintext channel, for a cluster started `--insecure`.
+pub async fn channel_insecure(addr: &str) -> Result<Channel, tonic::transport::Error> {
+    let _ = addr;
+    todo!("h-wire-srv")
 }
 
 /// Server processes forming one cluster (ids 1..=n).

@@ -391,6 +391,12 @@ commands! {
     SetClusterId(SetClusterId) = "set_cluster_id", ignorable: true;
     /// Move a job elsewhere, checkpoint first.
     MigrateJob(MigrateJob) = "migrate_job", ignorable: false;
+    /// Record a bearer token (and the signing key, the first time).
+    IssueToken(Box<crate::security::IssueToken>) = "issue_token", ignorable: false;
+    /// Revoke a bearer token.
+    RevokeToken(crate::security::RevokeToken) = "revoke_token", ignorable: false;
+    /// Append audit records. Ignorable: an older server only lacks the records.
+    RecordAudit(crate::security::RecordAudit) = "record_audit", ignorable: true;
 }
 
 impl Command {
@@ -408,6 +414,8 @@ impl Command {
             Command::AllocStatus(c) => c.now = now,
             Command::ReportCheckpoint(c) => c.now = now,
             Command::MigrateJob(c) => c.now = now,
+            Command::IssueToken(c) => c.now = now,
+            Command::RevokeToken(c) => c.now = now,
             Command::NodeCondition(c) => c.now = now,
             Command::Batch(b) => b.commands.iter_mut().for_each(|c| c.stamp(now)),
             Command::ApplyPlan(_)
@@ -416,6 +424,7 @@ impl Command {
             | Command::UpdateConfig(_)
             | Command::SkipEntry(_)
             | Command::SetClusterId(_)
+            | Command::RecordAudit(_)
             | Command::Unknown { .. } => {}
         }
     }

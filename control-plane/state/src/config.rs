@@ -106,6 +106,10 @@ pub struct StateConfig {
     /// drains, migrations) before the job fails anyway: they do not use up `max_attempts`,
     /// but they are not unbounded either.
     pub max_infra_requeues: u32,
+    /// Most audit records kept (the oldest is dropped first).
+    pub audit_retention: usize,
+    /// Most tokens recorded and not yet expired (creating one more is refused).
+    pub max_tokens: usize,
 }
 
 impl Default for StateConfig {
@@ -127,6 +131,8 @@ impl Default for StateConfig {
             checkpoint_store: String::new(),
             avoid_failed_node_s: 300,
             max_infra_requeues: 1000,
+            audit_retention: 100_000,
+            max_tokens: 10_000,
         }
     }
 }

@@ -23,6 +23,7 @@ pub mod invariants;
 mod plan;
 pub mod records;
 pub mod refusal;
+pub mod security;
 mod state;
 mod usage;
 
@@ -39,4 +40,7 @@ pub use records::{
     JobState, MAX_ATTEMPT_HISTORY, MigrationTarget, NodeRecord, NodeStatus, Nomination, StopReason,
 };
 pub use refusal::RefusalReason;
+pub use security::{
+    AuditEntry, AuditPage, AuditRecord, IssueToken, RecordAudit, RevokeToken, SecurityState, TokenRecord,
+};
 pub use state::{NOMINATION_SLACK_S, SNAPSHOT_FORMAT, SnapshotError, State};

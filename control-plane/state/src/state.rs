@@ -95,6 +95,10 @@ pub struct State {
     /// it). Not written while empty, so states from before it hash as they did.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub(crate) cluster_id: String,
+    /// Token key, tokens and the audit log ([`crate::security`]). Not written while empty, so
+    /// states from before it hash as they did.
+    #[serde(default, skip_serializing_if = "crate::security::SecurityState::is_empty")]
+    pub(crate) security: crate::security::SecurityState,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -159,6 +163,7 @@ impl State {
             live: LiveIndex::default(),
             parents: BTreeSet::new(),
             cluster_id: String::new(),
+            security: Default::default(),
         }
     }
 
@@ -321,6 +326,9 @@ impl State {
             Command::UpdateConfig(c) => self.update_config(*c),
             Command::SetClusterId(c) => self.set_cluster_id(c),
             Command::MigrateJob(c) => self.migrate_job(c, rev),
+            Command::IssueToken(c) => self.issue_token(*c),
+            Command::RevokeToken(c) => self.revoke_token(c),
+            Command::RecordAudit(c) => self.record_audit(c),
             Command::Batch(b) => return self.apply_batch(b),
             // Read only while halted, by the raft layer; met here, the entry was applied.
             Command::SkipEntry(c) => Err(CommandError::Conflict {
