@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use suanli_raft::RaftSettings;
 use thiserror::Error;
 
+/// Default of [`ServerConfig::max_token_ttl_s`]: 90 days.
+pub const DEFAULT_MAX_TOKEN_TTL_S: u64 = 90 * 24 * 3_600;
+
 /// Default of [`ServerConfig::max_list_bytes`]: 4 MiB less 64 KiB, so a page with its framing
 /// fits the 4 MiB receive limit of gRPC clients left at their defaults.
 pub const DEFAULT_MAX_LIST_BYTES: usize = 4 * 1024 * 1024 - 64 * 1024;
@@ -165,6 +168,9 @@ pub struct ServerConfig {
     pub max_clock_drift_permille: u64,
     /// How often the leader samples its followers' clocks (`Internal.Clock`).
     pub clock_check_interval_ms: u64,
+    /// Longest lifetime of a bearer token `Access.CreateToken` signs, in seconds (default 90
+    /// days; at most 10 years).
+    pub max_token_ttl_s: u64,
 }
 
 impl Default for ServerConfig {
@@ -201,6 +207,7 @@ impl Default for ServerConfig {
             max_clock_skew_ms: 500,
             max_clock_drift_permille: 50,
             clock_check_interval_ms: 500,
+            max_token_ttl_s: DEFAULT_MAX_TOKEN_TTL_S,
         }
     }
 }
@@ -385,6 +392,7 @@ impl ServerConfig {
         range("max_clock_skew_ms", self.max_clock_skew_ms, 10, 3_600_000)?;
         range("max_clock_drift_permille", self.max_clock_drift_permille, 1, 500)?;
         range("clock_check_interval_ms", self.clock_check_interval_ms, 10, 60_000)?;
+        range("max_token_ttl_s", self.max_token_ttl_s, 1, 10 * 366 * 24 * 3_600)?;
         Ok(())
     }
 }
@@ -392,6 +400,17 @@ impl ServerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_lifetimes_are_bounded() {
+        assert_eq!(ServerConfig::default().max_token_ttl_s, 90 * 24 * 3600);
+        let c = ServerConfig::from_toml("max_token_ttl_s = 3600\n").expect("a valid ttl");
+        assert_eq!(c.max_token_ttl_s, 3600);
+        for bad in [0, 11 * 366 * 24 * 3600] {
+            let c = ServerConfig { max_token_ttl_s: bad, ..ServerConfig::default() };
+            assert_eq!(c.validate().expect_err("out of range").field, "max_token_ttl_s");
+        }
+    }
 
     #[test]
     fn unknown_keys_in_any_table_are_named() {
