@@ -165,6 +165,12 @@ pub struct ServerConfig {
     pub max_clock_drift_permille: u64,
     /// How often the leader samples its followers' clocks (`Internal.Clock`).
     pub clock_check_interval_ms: u64,
+    /// Calls per second one user (by identity) or one anonymous address may make on the client
+    /// listener, sustained; above it a call answers RESOURCE_EXHAUSTED. Nodes, servers and
+    /// callers of an `insecure` server are not limited. 0: no limit (docs/security.md).
+    pub rate_limit_per_s: u32,
+    /// Calls one caller may make at once above `rate_limit_per_s` (the token bucket's size).
+    pub rate_limit_burst: u32,
 }
 
 impl Default for ServerConfig {
@@ -201,6 +207,8 @@ impl Default for ServerConfig {
             max_clock_skew_ms: 500,
             max_clock_drift_permille: 50,
             clock_check_interval_ms: 500,
+            rate_limit_per_s: 200,
+            rate_limit_burst: 400,
         }
     }
 }
@@ -385,6 +393,10 @@ impl ServerConfig {
         range("max_clock_skew_ms", self.max_clock_skew_ms, 10, 3_600_000)?;
         range("max_clock_drift_permille", self.max_clock_drift_permille, 1, 500)?;
         range("clock_check_interval_ms", self.clock_check_interval_ms, 10, 60_000)?;
+        range("rate_limit_per_s", self.rate_limit_per_s.into(), 0, 1_000_000)?;
+        if self.rate_limit_per_s > 0 {
+            range("rate_limit_burst", self.rate_limit_burst.into(), 1, 10_000_000)?;
+        }
         Ok(())
     }
 }
