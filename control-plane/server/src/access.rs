@@ -297,7 +297,9 @@ impl Shared {
                 Some(k) => k.clone(),
                 None => match self.core.state.read(State::token_key) {
                     Some(k) => self.key.get_or_init(|| k).clone(),
-                    None => return Err(Status::unauthenticated(format!("authorization: {}", token::TokenError::NoKey))),
+                    None => {
+                        return Err(Status::unauthenticated(format!("authorization: {}", token::TokenError::NoKey)));
+                    }
                 },
             };
             let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -317,7 +319,8 @@ impl Shared {
             Principal::Anonymous => format!("anonymous@{}", remote.map(|r| r.ip().to_string()).unwrap_or_default()),
             Principal::Node { .. } | Principal::Server { .. } | Principal::Insecure => return Ok(()),
         };
-        let ok = limiter.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take(&key, tokio::time::Instant::now());
+        let ok =
+            limiter.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take(&key, tokio::time::Instant::now());
         if ok {
             return Ok(());
         }
@@ -337,9 +340,9 @@ impl Shared {
         let limited = http_body_util::Limited::new(body, max.saturating_add(5));
         match tokio::time::timeout(self.core.timeout(), limited.collect()).await {
             Err(_) => Err(Status::deadline_exceeded("the request's body did not arrive within the request timeout")),
-            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(Status::resource_exhausted(format!(
-                "request: over the limit of {max} bytes (max_request_bytes)"
-            ))),
+            Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+                Err(Status::resource_exhausted(format!("request: over the limit of {max} bytes (max_request_bytes)")))
+            }
             Ok(Err(e)) => Err(Status::cancelled(format!("request: reading the body: {e}"))),
             Ok(Ok(c)) => Ok(c.to_bytes()),
         }
@@ -421,7 +424,11 @@ impl Shared {
         if self.audit.try_send(entry).is_err() {
             let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
             if self.every_minute(&self.last_drop_warn_ms) {
-                tracing::warn!(dropped_total = n, queue = AUDIT_QUEUE, "audit queue full: entries dropped (logged once a minute)");
+                tracing::warn!(
+                    dropped_total = n,
+                    queue = AUDIT_QUEUE,
+                    "audit queue full: entries dropped (logged once a minute)"
+                );
             }
         }
     }
@@ -469,7 +476,10 @@ fn message(body: &[u8]) -> Result<&[u8], Status> {
     let mut len = &body[1..5];
     let n = len.get_u32() as usize;
     if body.len() - 5 != n {
-        return Err(bad(&format!("one message of {n} bytes expected, the body holds {} bytes after the header", body.len() - 5)));
+        return Err(bad(&format!(
+            "one message of {n} bytes expected, the body holds {} bytes after the header",
+            body.len() - 5
+        )));
     }
     Ok(&body[5..])
 }
@@ -806,7 +816,10 @@ mod tests {
         };
         assert!(inspect("/suanli.v1.Jobs/Submit", &dup.encode_to_vec(), true).is_err());
         let hb = pb::HeartbeatRequest { node_id: "n2".into(), ..Default::default() };
-        assert_eq!(inspect("/suanli.v1.Agent/Heartbeat", &hb.encode_to_vec(), true).expect("hb").node.as_deref(), Some("n2"));
+        assert_eq!(
+            inspect("/suanli.v1.Agent/Heartbeat", &hb.encode_to_vec(), true).expect("hb").node.as_deref(),
+            Some("n2")
+        );
     }
 
     #[tokio::test(start_paused = true)]
