@@ -256,6 +256,13 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
     let svc = logs::LogsService {
         allocs_dir: agent.cfg.allocs_dir(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
+        auth: logs::LogsAuth::new(false, {
+            let agent = agent.clone();
+            Box::new(move |token| {
+                let agent = agent.clone();
+                Box::pin(async move { agent.servers.whoami(&token).await })
+            })
+        }),
     };
     let mut stop_logs = stop_rx.clone();
     loops.spawn(async move {

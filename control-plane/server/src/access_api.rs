@@ -464,7 +464,7 @@ mod inproc {
         let mut cfg = core.cfg.clone();
         cfg.max_list_bytes = 1024;
         let small =
-            AccessApi(Arc::new(crate::core::Core::new(cfg, core.raft.clone(), core.state.clone(), core.log.clone())));
+            AccessApi(Arc::new(crate::core::Core::new(cfg, core.raft.clone(), core.state.clone(), core.log.clone(), None)));
         let entries: Vec<AuditEntry> = (1..=10)
             .map(|i| AuditEntry {
                 at_ms: i,

@@ -186,6 +186,12 @@ pub struct ServerConfig {
     /// Longest lifetime of a bearer token `Access.CreateToken` signs, in seconds (default 90
     /// days; at most 10 years).
     pub max_token_ttl_s: u64,
+    /// Calls per second one user (by identity) or one anonymous address may make on the client
+    /// listener, sustained; above it a call answers RESOURCE_EXHAUSTED. Nodes, servers and
+    /// callers of an `insecure` server are not limited. 0: no limit (docs/security.md).
+    pub rate_limit_per_s: u32,
+    /// Calls one caller may make at once above `rate_limit_per_s` (the token bucket's size).
+    pub rate_limit_burst: u32,
 }
 
 impl Default for ServerConfig {
@@ -227,6 +233,8 @@ impl Default for ServerConfig {
             tls_reload_interval_ms: 5_000,
             tls_handshake_timeout_ms: 10_000,
             max_token_ttl_s: DEFAULT_MAX_TOKEN_TTL_S,
+            rate_limit_per_s: 200,
+            rate_limit_burst: 400,
         }
     }
 }
@@ -450,6 +458,10 @@ impl ServerConfig {
         range("tls_reload_interval_ms", self.tls_reload_interval_ms, 100, 3_600_000)?;
         range("tls_handshake_timeout_ms", self.tls_handshake_timeout_ms, 100, 600_000)?;
         range("max_token_ttl_s", self.max_token_ttl_s, 1, 10 * 366 * 24 * 3_600)?;
+        range("rate_limit_per_s", self.rate_limit_per_s.into(), 0, 1_000_000)?;
+        if self.rate_limit_per_s > 0 {
+            range("rate_limit_burst", self.rate_limit_burst.into(), 1, 10_000_000)?;
+        }
         Ok(())
     }
 }

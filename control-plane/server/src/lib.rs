@@ -18,6 +18,7 @@
 //! liveness on a follower, acknowledge a write before raft committed it, or keep heartbeats
 //! anywhere but in the leader's memory.
 
+mod access;
 mod access_api;
 mod agent;
 mod api;
@@ -185,10 +186,12 @@ pub async fn serve(
     let api = Api(core.clone(), batch::Batcher::start(core.clone()));
     let (health, health_server) = health::HealthServices::serving().await;
     let (reflection_v1, reflection_v1alpha) = health::reflection();
+    let access = access::Access::start(core.clone(), cfg.insecure);
     let clients = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .concurrency_limit_per_connection(cfg.max_concurrent_per_connection)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .layer(access.layer(suanli_security::policy::Listener::Client))
         .layer(oversize::layer())
         .add_service(bounded!(JobsServer, api.clone(), max))
         .add_service(bounded!(QueuesServer, api.clone(), max))
@@ -203,6 +206,7 @@ pub async fn serve(
     let peers = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .layer(access.layer(suanli_security::policy::Listener::Peer))
         .add_service(RaftService::new(raft.clone(), &settings).into_server(&settings))
         .add_service(bounded!(InternalServer, api.clone(), settings.max_message_bytes));
 
