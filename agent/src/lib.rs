@@ -45,6 +45,7 @@ mod tasks;
 pub use config::{AgentConfig, ConfigError, PluginSettings};
 pub use journal::{JournalDevice, JournalEntry, JournalEvent, read_journal};
 pub use lease::Lease;
+pub use plugins::{PluginCheck, Refused, check_plugins, file_sha256};
 pub use shim::{ExitRecord, ShimArgs};
 pub use tasks::TaskRecord;
 
