@@ -84,3 +84,9 @@ cargo test --workspace --quiet
 disk
 stage "suanli-chaos suite --short (every short scenario once; seed base ${SUANLI_CHAOS_SEED:-1})"
 "$target_dir/debug/suanli-chaos" suite --short --seed "${SUANLI_CHAOS_SEED:-1}" --duration-s 15
+# Fuzzing (docs/fuzzing.md): every cargo-fuzz target for 30 s, two at a time, built into
+# <target>/fuzz with cargo-fuzz's own flags (the main build cache is untouched; nothing there
+# links RocksDB). Fails on a crash, printing the reproducer's path.
+stage "scripts/fuzz.sh 30 (every fuzz target 30 s, two at a time)"
+scripts/fuzz.sh 30
+stage "done"

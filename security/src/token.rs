@@ -120,8 +120,7 @@ pub fn verify(key: &[u8], token: &str, now: u64, revoked: impl Fn(&str) -> bool)
     hmac::verify(&hmac::Key::new(hmac::HMAC_SHA256, key), body.as_bytes(), &sig)
         .map_err(|_| TokenError::BadSignature)?;
     let json = URL_SAFE_NO_PAD.decode(claims_part).map_err(|e| TokenError::Malformed(format!("claims: {e}")))?;
-    let claims: Claims =
-        serde_json::from_slice(&json).map_err(|e| TokenError::Malformed(format!("claims: {e}")))?;
+    let claims: Claims = serde_json::from_slice(&json).map_err(|e| TokenError::Malformed(format!("claims: {e}")))?;
     if claims.exp <= now {
         return Err(TokenError::Expired { id: claims.id, exp: claims.exp, now });
     }
@@ -214,7 +213,9 @@ mod tests {
     fn garbage_is_malformed_or_unsigned() {
         let good = sign(&KEY, &claims());
         let (_, sig) = good.rsplit_once('.').expect("three parts");
-        for g in ["", "sl1", "sl1.", "sl1..", "x.y.z", "sl2.abc.def", "sl1.a.b.c", "sl1.abc.!!!", "Bearer sl1.a.b", "\u{0}"] {
+        for g in
+            ["", "sl1", "sl1.", "sl1..", "x.y.z", "sl2.abc.def", "sl1.a.b.c", "sl1.abc.!!!", "Bearer sl1.a.b", "\u{0}"]
+        {
             match verify(&KEY, g, 1_500, never) {
                 Err(TokenError::Malformed(_) | TokenError::BadSignature) => {}
                 other => panic!("{g:?}: {other:?}"),

@@ -158,7 +158,7 @@ impl ConfigError {
 impl StateConfig {
     /// Checks that every bound is usable (non-zero, and not absurd).
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let counts: [(&str, usize, usize); 10] = [
+        let counts: [(&str, usize, usize); 12] = [
             ("max_live_jobs", self.max_live_jobs, 100_000_000),
             ("max_retained_jobs", self.max_retained_jobs, 100_000_000),
             ("max_nodes", self.max_nodes, 10_000_000),
@@ -169,6 +169,8 @@ impl StateConfig {
             ("max_message_len", self.max_message_len, 1 << 20),
             ("max_uri_len", self.max_uri_len, 1 << 16),
             ("max_command_bytes", self.max_command_bytes, 1 << 30),
+            ("audit_retention", self.audit_retention, 10_000_000),
+            ("max_tokens", self.max_tokens, 1_000_000),
         ];
         for (field, v, max) in counts {
             if v == 0 || v > max {

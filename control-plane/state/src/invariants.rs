@@ -40,7 +40,12 @@ impl State {
     /// - `requests`: every remembered client request id points at the job it created.
     /// - `live-index`: the usage index kept up to date as allocations start and end equals a
     ///   fresh count over every live allocation.
+    /// - `audit`: audit sequence numbers increase and are below the next one to assign; the
+    ///   log holds at most `audit_retention` records.
+    /// - `tokens`: at most `max_tokens` token records, each filed under its own id; a token
+    ///   signing key, when set, decodes to 32 bytes.
     pub fn invariants(&self) -> Result<(), Violation> {
+        self.security_invariants()?;
         let usage = self.usage();
         for (id, u) in &usage.nodes {
             let Some(rec) = self.nodes.get(id) else {
@@ -238,12 +243,101 @@ impl State {
     }
 }
 
+impl State {
+    fn security_invariants(&self) -> Result<(), Violation> {
+        let sec = &self.security;
+        let mut prev = 0;
+        for r in &sec.audit {
+            if r.seq <= prev || r.seq >= sec.next_audit_seq {
+                return fail(
+                    "audit",
+                    format!("audit seq {} after {prev}, next to assign {}", r.seq, sec.next_audit_seq),
+                );
+            }
+            prev = r.seq;
+        }
+        if sec.audit.len() > self.config.audit_retention {
+            return fail(
+                "audit",
+                format!("{} audit records, retention {}", sec.audit.len(), self.config.audit_retention),
+            );
+        }
+        if sec.tokens.len() > self.config.max_tokens {
+            return fail("tokens", format!("{} tokens, max_tokens {}", sec.tokens.len(), self.config.max_tokens));
+        }
+        if let Some((id, t)) = sec.tokens.iter().find(|(id, t)| **id != t.id) {
+            return fail("tokens", format!("token {} filed under id {id}", t.id));
+        }
+        if let Some(k) = &sec.token_key
+            && crate::security::decode_key(k).is_err()
+        {
+            return fail("tokens", "the token signing key is not base64 of 32 bytes".into());
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::command::{Command, UpsertQueue};
     use crate::config::StateConfig;
     use crate::state::State;
     use suanli_model::{JobId, Queue, ResVec};
+
+    /// Each security rule catches its breakage.
+    #[test]
+    fn security_records_are_checked() {
+        use crate::security::{AuditEntry, AuditRecord, TokenRecord};
+        let rec = |seq| AuditRecord {
+            seq,
+            entry: AuditEntry {
+                at_ms: 0,
+                principal: "p".into(),
+                method: "m".into(),
+                target: String::new(),
+                code: "OK".into(),
+                message: String::new(),
+                server: 1,
+                remote: String::new(),
+            },
+        };
+        let rule = |s: &State| s.invariants().map_err(|v| v.rule);
+        let base = State::new(StateConfig { audit_retention: 2, max_tokens: 1, ..StateConfig::default() });
+        assert_eq!(rule(&base), Ok(()));
+        let mut s = base.clone();
+        s.security.audit.extend([rec(2), rec(1)]);
+        s.security.next_audit_seq = 3;
+        assert_eq!(rule(&s), Err("audit"), "decreasing");
+        let mut s = base.clone();
+        s.security.audit.extend([rec(1), rec(2)]);
+        s.security.next_audit_seq = 2;
+        assert_eq!(rule(&s), Err("audit"), "a seq not below the next");
+        let mut s = base.clone();
+        s.security.audit.extend([rec(1), rec(2), rec(3)]);
+        s.security.next_audit_seq = 4;
+        assert_eq!(rule(&s), Err("audit"), "beyond retention");
+        let t = |id: &str| TokenRecord {
+            id: id.into(),
+            name: "a".into(),
+            role: "admin".into(),
+            team: None,
+            issued_at: 1,
+            expires_at: 2,
+            revoked: false,
+            created_by: String::new(),
+        };
+        let mut s = base.clone();
+        s.security.tokens.insert("a".into(), t("a"));
+        assert_eq!(rule(&s), Ok(()));
+        s.security.tokens.insert("b".into(), t("b"));
+        assert_eq!(rule(&s), Err("tokens"), "beyond max_tokens");
+        let mut s = base.clone();
+        s.security.tokens.insert("a".into(), t("b"));
+        assert_eq!(rule(&s), Err("tokens"), "filed under another id");
+        let mut s = base;
+        s.security.token_key = Some("short".into());
+        assert_eq!(rule(&s), Err("tokens"), "a bad key");
+    }
 
     fn upsert(id: &str) -> Command {
         Command::UpsertQueue(UpsertQueue { queue: Queue::new(id, ResVec::MAX) })

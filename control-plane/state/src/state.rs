@@ -492,6 +492,7 @@ impl State {
 
     fn update_config(&mut self, c: UpdateConfig) -> Applied {
         c.config.validate()?;
+        self.fit_security_to(&c.config)?;
         self.config = c.config;
         Ok((Response::Done, Effect::Changed))
     }
