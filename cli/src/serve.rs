@@ -53,6 +53,14 @@ pub struct ServerArgs {
     /// Declare a node down after this long without a heartbeat.
     #[arg(long, env = "SUANLI_HEARTBEAT_TTL_MS")]
     pub heartbeat_ttl_ms: Option<u64>,
+    /// Serve TLS with the files of DIR (`suanli tls init DIR`'s layout): DIR/ca.pem,
+    /// DIR/server.pem, DIR/server-key.pem (the configuration file's `[tls]` otherwise).
+    #[arg(long, value_name = "DIR", conflicts_with = "insecure")]
+    pub tls_dir: Option<PathBuf>,
+    /// Serve plaintext with no identities: anyone who reaches a port is admin (a warning says
+    /// so at every start). Only for a trusted network or a throwaway cluster.
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 impl ServerArgs {
@@ -98,6 +106,12 @@ impl ServerArgs {
         }
         if let Some(v) = self.heartbeat_ttl_ms {
             c.heartbeat_ttl_ms = v;
+        }
+        if let Some(dir) = &self.tls_dir {
+            c.tls = Some(ServerConfig::tls_files_in(dir));
+        }
+        if self.insecure {
+            c.insecure = true;
         }
         c.validate()?;
         Ok(c)

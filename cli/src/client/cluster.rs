@@ -475,7 +475,7 @@ async fn restore(
         data_dir: data_dir.clone(),
         ..suanli_server::ServerConfig::default()
     };
-    cfg.validate()?;
+    cfg.validate_settings()?; // writes a data directory: serves nothing, so no transport to choose
     let node = suanli_raft::ServerNode::new(cfg.peer_advertised(), cfg.advertised().to_owned());
     let r = match (&file, &from_data_dir) {
         (Some(f), _) => {

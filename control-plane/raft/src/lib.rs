@@ -116,12 +116,16 @@ fn db_error(dir: &str, source: rocksdb::Error) -> OpenError {
 /// peers. A fresh cluster still needs `raft.initialize(members)` on one node; a restarted node
 /// recovers its log, vote and snapshot and rejoins on its own.
 ///
+/// Peers are dialed over mutual TLS with `tls` (plaintext without it: a server started
+/// `--insecure`).
+///
 /// Besides the node and its applied state it returns a second handle on the log store, for
 /// reading only ([`LogStore::digests`]: the consistency checks of the chaos harness).
 pub async fn open_group<C, M>(
     dir: &Path,
     id: u64,
     settings: &RaftSettings,
+    tls: Option<suanli_security::tls::Tls>,
 ) -> Result<(Raft<C>, MachineHandle<M>, LogStore<C>), OpenError>
 where
     C: StoreConfig,
@@ -138,7 +142,7 @@ where
     let reader = log.clone();
     let sm = StateMachineStore::<C, M>::open(db)?;
     let handle = sm.handle();
-    let net = GrpcNetworkFactory::<C>::new(id, settings.clone());
+    let net = GrpcNetworkFactory::<C>::new(id, settings.clone(), tls);
     let raft = Raft::new(id, config, net, log, sm).await?;
     Ok((raft, handle, reader))
 }
@@ -148,8 +152,9 @@ pub async fn open(
     dir: &Path,
     id: u64,
     settings: &RaftSettings,
+    tls: Option<suanli_security::tls::Tls>,
 ) -> Result<(SuanliRaft, StateHandle, LogStore<TypeConfig>), OpenError> {
-    open_group::<TypeConfig, State>(dir, id, settings).await
+    open_group::<TypeConfig, State>(dir, id, settings, tls).await
 }
 
 /// A write that did not commit.

@@ -30,6 +30,7 @@ use serde::de::DeserializeOwned;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::time::Duration;
+use suanli_security::tls::Tls;
 use suanli_proto::v1::raft_transport_client::RaftTransportClient;
 use suanli_proto::v1::raft_transport_server::{RaftTransport, RaftTransportServer};
 use suanli_proto::v1::{RaftMessage, SnapshotChunk};
@@ -40,13 +41,16 @@ use tonic::{Request, Status};
 pub struct GrpcNetworkFactory<C> {
     id: u64,
     settings: RaftSettings,
+    tls: Option<Tls>,
     _c: PhantomData<C>,
 }
 
 impl<C> GrpcNetworkFactory<C> {
-    /// A factory for node `id` (used in timeout reports).
-    pub fn new(id: u64, settings: RaftSettings) -> Self {
-        Self { id, settings, _c: PhantomData }
+    /// A factory for node `id` (used in timeout reports). With `tls`, peers are dialed over
+    /// mutual TLS (this server's certificate is its client certificate; a peer's is verified
+    /// against the CA, for the host of its address); without it, plaintext.
+    pub fn new(id: u64, settings: RaftSettings, tls: Option<Tls>) -> Self {
+        Self { id, settings, tls, _c: PhantomData }
     }
 }
 
@@ -59,6 +63,7 @@ impl<C: StoreConfig> RaftNetworkFactory<C> for GrpcNetworkFactory<C> {
             target,
             addr: self.settings.dial_addr(&node.addr).to_owned(),
             settings: self.settings.clone(),
+            tls: self.tls.clone(),
             client: None,
             _c: PhantomData,
         }
@@ -71,6 +76,7 @@ pub struct GrpcNetwork<C> {
     target: u64,
     addr: String,
     settings: RaftSettings,
+    tls: Option<Tls>,
     client: Option<RaftTransportClient<Channel>>,
     _c: PhantomData<C>,
 }
@@ -88,7 +94,7 @@ impl<C: StoreConfig> GrpcNetwork<C> {
             .connect_timeout(self.settings.connect_timeout())
             .tcp_nodelay(true);
         let max = self.settings.max_message_bytes;
-        let c = RaftTransportClient::new(endpoint.connect_lazy())
+        let c = RaftTransportClient::new(suanli_security::tls::channel(endpoint, self.tls.as_ref()))
             .max_decoding_message_size(max)
             .max_encoding_message_size(max);
         self.client = Some(c.clone());

@@ -221,7 +221,7 @@ impl Jobs for Api {
 
     async fn watch(&self, req: Request<pb::WatchJobsRequest>) -> Resp<Self::WatchStream> {
         // A connection is its peer's socket address: its streams are bounded on their own.
-        let permit = self.0.watchers.client(req.remote_addr())?;
+        let permit = self.0.watchers.client(crate::core::remote_of(&req))?;
         let r = req.into_inner();
         let (tx, rx) = tokio::sync::mpsc::channel(256);
         let core = self.0.clone();

@@ -5,6 +5,7 @@ use crate::watchers::WatchLimits;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use suanli_raft::RaftSettings;
+use suanli_security::tls::TlsFiles;
 use thiserror::Error;
 
 /// Default of [`ServerConfig::max_list_bytes`]: 4 MiB less 64 KiB, so a page with its framing
@@ -165,6 +166,20 @@ pub struct ServerConfig {
     pub max_clock_drift_permille: u64,
     /// How often the leader samples its followers' clocks (`Internal.Clock`).
     pub clock_check_interval_ms: u64,
+    /// The TLS material of every link (`[tls]`: `ca`, `cert`, `key`, PEM files): the client
+    /// listener asks for a client certificate (optional: token holders come without one), the
+    /// peer listener requires one, and this server presents `cert` as its client certificate
+    /// to the other servers. Required unless `insecure`.
+    pub tls: Option<TlsFiles>,
+    /// Serve plaintext with no identities (anyone who reaches a port is admin): only for a
+    /// cluster on a trusted network or a throwaway test; a warning is logged at every start.
+    pub insecure: bool,
+    /// How often the TLS files are checked for a change (a changed file is reloaded; SIGHUP
+    /// reloads at once). New connections use the new certificate; open ones keep theirs.
+    pub tls_reload_interval_ms: u64,
+    /// Longest TLS handshake a listener waits for (a connection still handshaking then is
+    /// dropped); handshakes run concurrently, so a slow one holds no other.
+    pub tls_handshake_timeout_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -201,6 +216,10 @@ impl Default for ServerConfig {
             max_clock_skew_ms: 500,
             max_clock_drift_permille: 50,
             clock_check_interval_ms: 500,
+            tls: None,
+            insecure: false,
+            tls_reload_interval_ms: 5_000,
+            tls_handshake_timeout_ms: 10_000,
         }
     }
 }
@@ -254,6 +273,12 @@ impl ServerConfig {
         })
     }
 
+    /// The server's files in a directory of `suanli tls init`'s layout (`--tls-dir DIR`):
+    /// DIR/ca.pem, DIR/server.pem, DIR/server-key.pem.
+    pub fn tls_files_in(dir: &Path) -> TlsFiles {
+        suanli_security::certs::paths(dir, "server")
+    }
+
     /// Largest reply a client-facing service encodes (4 x `max_request_bytes`): lists return
     /// whole records, several of which may each be as large as the request that created them.
     pub fn max_reply_bytes(&self) -> usize {
@@ -305,8 +330,38 @@ impl ServerConfig {
         }
     }
 
-    /// Checks every bound.
+    /// Checks every bound, and that the transport is chosen: `[tls]` or `insecure`, exactly one.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_settings()?;
+        self.validate_transport()
+    }
+
+    /// `[tls]` or `insecure`: one of them, not both.
+    pub fn validate_transport(&self) -> Result<(), ConfigError> {
+        match (&self.tls, self.insecure) {
+            (None, false) => Err(ConfigError::new(
+                "tls",
+                "no TLS material: give [tls] ca, cert and key (`suanli tls init DIR` makes a development CA; then `suanli server --tls-dir DIR`), or serve plaintext with no identities with --insecure (insecure = true)",
+            )),
+            (Some(_), true) => Err(ConfigError::new(
+                "tls",
+                "both [tls] and insecure are given: drop insecure (TLS) or [tls] (plaintext)",
+            )),
+            (Some(t), false) => {
+                for (what, p) in [("tls.ca", &t.ca), ("tls.cert", &t.cert), ("tls.key", &t.key)] {
+                    if p.as_os_str().is_empty() {
+                        return Err(ConfigError::new(what, "must not be empty (a PEM file)"));
+                    }
+                }
+                Ok(())
+            }
+            (None, true) => Ok(()),
+        }
+    }
+
+    /// Checks every bound but the transport's choice ([`ServerConfig::validate_transport`]):
+    /// what a tool that only writes a data directory (`suanli cluster restore`) needs.
+    pub fn validate_settings(&self) -> Result<(), ConfigError> {
         range("id", self.id, 1, u64::MAX)?;
         if self.listen.parse::<std::net::SocketAddr>().is_err() {
             return Err(ConfigError::new("listen", format!("{:?} is not an IP:PORT address", self.listen)));
@@ -385,6 +440,8 @@ impl ServerConfig {
         range("max_clock_skew_ms", self.max_clock_skew_ms, 10, 3_600_000)?;
         range("max_clock_drift_permille", self.max_clock_drift_permille, 1, 500)?;
         range("clock_check_interval_ms", self.clock_check_interval_ms, 10, 60_000)?;
+        range("tls_reload_interval_ms", self.tls_reload_interval_ms, 100, 3_600_000)?;
+        range("tls_handshake_timeout_ms", self.tls_handshake_timeout_ms, 100, 600_000)?;
         Ok(())
     }
 }
@@ -406,33 +463,67 @@ mod tests {
         assert_eq!((c.id, c.raft.heartbeat_interval_ms), (3, 70));
     }
 
+    /// The defaults with the transport chosen (plaintext).
+    fn insecure() -> ServerConfig {
+        ServerConfig { insecure: true, ..ServerConfig::default() }
+    }
+
+    #[test]
+    fn tls_or_insecure_is_required_and_not_both() {
+        let e = ServerConfig::default().validate().expect_err("neither");
+        assert_eq!(e.field, "tls", "{e}");
+        assert!(e.message.contains("suanli tls init") && e.message.contains("--insecure"), "{e}");
+        insecure().validate().expect("insecure alone");
+        let files = TlsFiles { ca: "ca.pem".into(), cert: "server.pem".into(), key: "server-key.pem".into() };
+        let tls = ServerConfig { tls: Some(files.clone()), ..ServerConfig::default() };
+        tls.validate().expect("tls alone");
+        let both = ServerConfig { insecure: true, ..tls.clone() };
+        let e = both.validate().expect_err("both");
+        assert_eq!(e.field, "tls", "{e}");
+        assert!(e.message.contains("both"), "{e}");
+        let empty = ServerConfig { tls: Some(TlsFiles { key: "".into(), ..files }), ..ServerConfig::default() };
+        assert_eq!(empty.validate().expect_err("empty key").field, "tls.key");
+        // The file's form: a [tls] table, strict like every other table.
+        let c = ServerConfig::from_toml("[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\n").expect("[tls]");
+        assert_eq!(c.tls.as_ref().map(|t| t.key.as_path()), Some(Path::new("c")));
+        c.validate().expect("valid");
+        let e = ServerConfig::from_toml("[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\ncrl = \"d\"\n").expect_err("unknown");
+        assert_eq!(e.field, "tls.crl", "{e}");
+        let c = ServerConfig::from_toml("insecure = true\n").expect("insecure key");
+        c.validate().expect("valid");
+        let c = ServerConfig { tls_handshake_timeout_ms: 0, ..insecure() };
+        assert_eq!(c.validate().expect_err("0 ms").field, "tls_handshake_timeout_ms");
+        let c = ServerConfig { tls_reload_interval_ms: 10, ..insecure() };
+        assert_eq!(c.validate().expect_err("10 ms").field, "tls_reload_interval_ms");
+    }
+
     #[test]
     fn defaults_validate_and_bad_values_name_the_field() {
-        ServerConfig::default().validate().expect("defaults are valid");
-        let c = ServerConfig { heartbeat_ttl_ms: 10, ..ServerConfig::default() };
+        insecure().validate().expect("defaults are valid");
+        let c = ServerConfig { heartbeat_ttl_ms: 10, ..insecure() };
         let e = c.validate().expect_err("ttl below twice the interval");
         assert_eq!(e.field, "heartbeat_ttl_ms", "{e}");
         let c = ServerConfig {
             peers: vec![Peer { id: 2, addr: "x:1".into(), peer_addr: None }],
-            ..ServerConfig::default()
+            ..insecure()
         };
         assert_eq!(c.validate().expect_err("self missing").field, "peers");
-        let c = ServerConfig { bootstrap: true, join: Some("10.0.0.1:7400".into()), ..ServerConfig::default() };
+        let c = ServerConfig { bootstrap: true, join: Some("10.0.0.1:7400".into()), ..insecure() };
         assert_eq!(c.validate().expect_err("bootstrap and join").field, "bootstrap");
-        let c = ServerConfig { shutdown_grace_ms: 600_001, ..ServerConfig::default() };
+        let c = ServerConfig { shutdown_grace_ms: 600_001, ..insecure() };
         assert_eq!(c.validate().expect_err("grace").field, "shutdown_grace_ms");
-        let c = ServerConfig { policy: "nope".into(), ..ServerConfig::default() };
+        let c = ServerConfig { policy: "nope".into(), ..insecure() };
         assert!(c.validate().expect_err("policy").to_string().contains("bestfit"));
         // A page must fit the reply limit (4 x max_request_bytes) with room for its token.
-        let c = ServerConfig { max_request_bytes: 1024 * 1024, ..ServerConfig::default() };
+        let c = ServerConfig { max_request_bytes: 1024 * 1024, ..insecure() };
         c.validate().expect("4 MiB replies hold the default page");
-        let c = ServerConfig { max_request_bytes: 512 * 1024, ..ServerConfig::default() };
+        let c = ServerConfig { max_request_bytes: 512 * 1024, ..insecure() };
         let e = c.validate().expect_err("a 2 MiB reply limit cannot hold a 4 MiB page");
         assert_eq!(e.field, "max_list_bytes", "{e}");
         assert!(e.message.contains("2096128"), "{e}");
-        let c = ServerConfig { max_agent_watchers: 0, ..ServerConfig::default() };
+        let c = ServerConfig { max_agent_watchers: 0, ..insecure() };
         assert_eq!(c.validate().expect_err("no agent slots").field, "max_agent_watchers");
-        let c = ServerConfig { max_client_watchers: 8, max_watchers_per_connection: 9, ..ServerConfig::default() };
+        let c = ServerConfig { max_client_watchers: 8, max_watchers_per_connection: 9, ..insecure() };
         let e = c.validate().expect_err("a connection allowed more than the pool");
         assert_eq!(e.field, "max_watchers_per_connection", "{e}");
         assert!(e.message.contains("1..=8"), "{e}");
@@ -448,7 +539,7 @@ mod tests {
                 Peer::parse("1=127.0.0.1:0/127.0.0.1:0").expect("own entry"),
                 Peer::parse("2=127.0.0.1:5100/127.0.0.1:5200").expect("other"),
             ],
-            ..ServerConfig::default()
+            ..insecure()
         };
         c.validate().expect("port 0 in the own entry");
         let c = c.bound_to(&bound);
@@ -456,12 +547,12 @@ mod tests {
         assert_eq!(c.peers[0], Peer::parse("1=127.0.0.1:4100/127.0.0.1:4200").expect("bound"));
         assert_eq!(c.peers[1], Peer::parse("2=127.0.0.1:5100/127.0.0.1:5200").expect("untouched"));
         // An advertised address given wins over the bound one.
-        let c = ServerConfig { advertise: Some("10.0.0.1:7400".into()), ..ServerConfig::default() }.bound_to(&bound);
+        let c = ServerConfig { advertise: Some("10.0.0.1:7400".into()), ..insecure() }.bound_to(&bound);
         assert_eq!((c.listen.as_str(), c.advertised()), ("127.0.0.1:4100", "10.0.0.1:7400"));
         // Another server's port cannot be picked here.
         let c = ServerConfig {
             peers: vec![Peer::parse("1=127.0.0.1:7400").expect("own"), Peer::parse("2=127.0.0.1:0").expect("other")],
-            ..ServerConfig::default()
+            ..insecure()
         };
         let e = c.validate().expect_err("port 0 for another server");
         assert_eq!(e.field, "peers[1]", "{e}");

@@ -31,6 +31,15 @@ use tonic::transport::{Channel, Endpoint};
 /// Metadata key that names the leader's address on UNAVAILABLE answers (shared with clients).
 pub use suanli_proto::LEADER_HEADER;
 
+/// The peer's address of a request: from the TLS connection's [`suanli_security::tls::PeerInfo`],
+/// or from the plaintext TCP connection (`--insecure`); `None` when the transport reports none.
+pub fn remote_of<T>(req: &tonic::Request<T>) -> Option<std::net::SocketAddr> {
+    match req.extensions().get::<suanli_security::tls::PeerInfo>() {
+        Some(p) => p.remote,
+        None => req.remote_addr(),
+    }
+}
+
 /// The shared core of one server.
 pub struct Core {
     /// This server's raft id.
@@ -60,15 +69,20 @@ pub struct Core {
     pub clock: crate::clock::ClockGuard,
     /// One `Cluster.SetConfig` at a time: each merges into the configuration it read.
     pub config_writes: tokio::sync::Mutex<()>,
+    /// The TLS material every link uses (`None`: the server runs `--insecure`): the listeners
+    /// serve it, and every call to another server presents its certificate.
+    tls: Option<suanli_security::tls::Tls>,
 }
 
 impl Core {
-    /// A core over an opened raft node.
+    /// A core over an opened raft node; `tls` is what calls to other servers present (`None`:
+    /// plaintext, an `--insecure` server).
     pub fn new(
         cfg: ServerConfig,
         raft: SuanliRaft,
         state: StateHandle,
         log: suanli_raft::LogStore<suanli_raft::TypeConfig>,
+        tls: Option<suanli_security::tls::Tls>,
     ) -> Self {
         let clock = crate::clock::ClockGuard::new(&cfg);
         Self {
@@ -86,7 +100,13 @@ impl Core {
             confirmed: tokio::sync::Mutex::new(None),
             backups: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
             config_writes: tokio::sync::Mutex::new(()),
+            tls,
         }
+    }
+
+    /// The TLS material of this server's links (`None`: `--insecure`).
+    pub fn tls(&self) -> Option<&suanli_security::tls::Tls> {
+        self.tls.as_ref()
     }
 
     /// The latest device statistics of `node` this server holds (leader only).
@@ -159,7 +179,9 @@ impl Core {
         }
     }
 
-    /// A (cached, lazily connected) channel to another server.
+    /// A (cached, lazily connected) channel to another server: over TLS with this server's
+    /// certificate unless it runs `--insecure` (each new connection uses the material current
+    /// then, so a reloaded certificate reaches cached channels when they reconnect).
     pub fn channel(&self, addr: &str) -> Result<Channel, Status> {
         let addr = self.cfg.raft.dial_addr(addr);
         let mut map = self.channels.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -171,7 +193,7 @@ impl Core {
             .map_err(|e| Status::internal(format!("leader address {addr:?}: {e}")))?
             .connect_timeout(self.cfg.raft.connect_timeout())
             .tcp_nodelay(true);
-        let c = ep.connect_lazy();
+        let c = suanli_security::tls::channel(ep, self.tls.as_ref());
         map.insert(addr.to_owned(), c.clone());
         Ok(c)
     }

@@ -64,8 +64,10 @@ use suanli_proto::v1::pools_server::PoolsServer;
 use suanli_proto::v1::queues_server::QueuesServer;
 use suanli_raft::RaftService;
 use suanli_raft::ServerNode;
+use suanli_security::tls::{self, ClientAuth, Tls};
 use thiserror::Error;
 use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
 
 /// Why a server could not start or stopped with an error.
 #[derive(Debug, Error)]
@@ -102,6 +104,10 @@ pub enum ServerError {
     /// The cluster removed this server from its membership; it stepped down and stopped.
     #[error("removed from the cluster: {0}")]
     Removed(String),
+    /// The TLS material could not be loaded (the error names the file: `tls.ca`, `tls.cert`
+    /// or `tls.key`).
+    #[error("tls: {0}")]
+    Tls(#[from] suanli_security::tls::TlsError),
 }
 
 macro_rules! bounded {
@@ -124,6 +130,13 @@ macro_rules! bounded {
 /// `cfg.peer_listen` are replaced by them, see [`ServerConfig::bound_to`]) and writes them to
 /// `<data_dir>/listening.json`. Nothing reaches the raft log from the client listener but
 /// commands this server built from validated requests.
+///
+/// With `cfg.tls` both listeners serve TLS (the client listener takes a client certificate
+/// when one is offered, the peer listener requires one of the cluster's CA), every call to
+/// another server (raft, forwarding, joining) presents this server's certificate, and the
+/// files are reloaded on a change or SIGHUP; an unreadable file ends it at once
+/// ([`ServerError::Tls`], naming the file). With `cfg.insecure` everything is plaintext and a
+/// warning says so at every start.
 pub async fn serve(
     listeners: Listeners,
     cfg: ServerConfig,
@@ -140,13 +153,25 @@ pub async fn serve(
         what: format!("data_dir {}: writing {LISTENING_FILE}", cfg.data_dir.display()),
         source,
     })?;
+    let tls = match &cfg.tls {
+        Some(files) => Some(Tls::load(files.clone())?),
+        None => {
+            tracing::warn!(
+                "--insecure: plaintext, no identities: anyone who reaches a port is admin (give [tls] or --tls-dir to serve TLS)"
+            );
+            None
+        }
+    };
+    // Reloads the certificate on a file change or SIGHUP; ends with the server.
+    let reloader =
+        tls.as_ref().map(|t| AbortOnDrop(t.spawn_reloader(Duration::from_millis(cfg.tls_reload_interval_ms))));
     let settings = cfg.raft.clone();
     failpoints::arm();
-    let (raft, state, log) = suanli_raft::open(&cfg.data_dir, cfg.id, &settings).await?;
+    let (raft, state, log) = suanli_raft::open(&cfg.data_dir, cfg.id, &settings, tls.clone()).await?;
     // Before anything is served (the listeners are bound: a peer's connection waits in the
     // backlog, and is dropped with them when this server refuses to start).
     if !raft.is_initialized().await.unwrap_or(true)
-        && let Some(why) = lifecycle::wiped_voter(&cfg).await
+        && let Some(why) = lifecycle::wiped_voter(&cfg, tls.as_ref()).await
     {
         tracing::error!("{why}");
         let _ = raft.shutdown().await;
@@ -154,7 +179,7 @@ pub async fn serve(
     }
     let peer_addr = bound.peer;
     let max = cfg.max_request_bytes;
-    let core = Arc::new(Core::new(cfg.clone(), raft.clone(), state, log));
+    let core = Arc::new(Core::new(cfg.clone(), raft.clone(), state, log, tls.clone()));
     let api = Api(core.clone(), batch::Batcher::start(core.clone()));
     let (health, health_server) = health::HealthServices::serving().await;
     let (reflection_v1, reflection_v1alpha) = health::reflection();
@@ -188,7 +213,7 @@ pub async fn serve(
         tokio::spawn(loops::identity(core.clone(), stop_rx.clone())),
         tokio::spawn(clock::sampling(core.clone(), stop_rx.clone())),
     ];
-    tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), peer_listen = %peer_addr, peer_advertise = %cfg.peer_advertised(), data_dir = %cfg.data_dir.display(), "suanli server listening");
+    tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), peer_listen = %peer_addr, peer_advertise = %cfg.peer_advertised(), data_dir = %cfg.data_dir.display(), tls = tls.is_some(), "suanli server listening");
     let (done_tx, done_rx) = watch::channel(false);
     let until = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|d| *d).await;
@@ -197,15 +222,31 @@ pub async fn serve(
     // the peer listener only after raft stopped, so raft here is never cut off from its peers
     // while it still runs (it would campaign).
     let (peers_done_tx, peers_done_rx) = watch::channel(false);
+    let handshake = Duration::from_millis(cfg.tls_handshake_timeout_ms);
     let mut listeners = tokio::spawn(async move {
-        let (served, peered) = tokio::join!(
-            clients
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), until(done_rx)),
-            peers.serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(peer_listener),
-                until(peers_done_rx)
-            ),
-        );
+        let (served, peered) = match tls {
+            // The client listener takes a certificate when one is offered (users, agents,
+            // servers forwarding) and token holders without one; the peer listener only
+            // callers with a certificate of the cluster's CA.
+            Some(tls) => {
+                tokio::join!(
+                    clients.serve_with_incoming_shutdown(
+                        tls::incoming(listener, tls.clone(), ClientAuth::Optional, handshake),
+                        until(done_rx)
+                    ),
+                    peers.serve_with_incoming_shutdown(
+                        tls::incoming(peer_listener, tls, ClientAuth::Required, handshake),
+                        until(peers_done_rx)
+                    ),
+                )
+            }
+            None => {
+                tokio::join!(
+                    clients.serve_with_incoming_shutdown(TcpListenerStream::new(listener), until(done_rx)),
+                    peers.serve_with_incoming_shutdown(TcpListenerStream::new(peer_listener), until(peers_done_rx)),
+                )
+            }
+        };
         served.and(peered)
     });
     let mut metrics = raft.metrics();
@@ -282,12 +323,22 @@ pub async fn serve(
             Ok(())
         }
     };
+    drop(reloader);
     tracing::info!("shutdown: done");
     if let Some(e) = ended {
         return Err(e);
     }
     served?;
     Ok(())
+}
+
+/// Aborts its task when dropped (on every way out of [`serve`]).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Resolves when raft reports a fatal error (or its metrics end).

@@ -24,6 +24,7 @@ use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
 use suanli_proto::v1::internal_client::InternalClient;
 use suanli_raft::ServerNode;
+use suanli_security::tls::Tls;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tonic::{Code, Status};
@@ -48,6 +49,8 @@ const JOIN_BACKOFF: Backoff =
     Backoff::new(Duration::from_millis(200), Duration::from_secs(5)).with_max_retries(JOIN_RETRIES);
 /// Deadline of one call to another server made by these steps.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Deadline of one `AddServer` call of `--join` (the leader answers once this server caught up).
+const JOIN_CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// First start: initialize a new cluster (`bootstrap`: a single server, or the smallest id of
 /// `peers`), or ask a running cluster to add this server (`join`), or wait to be added. Later
@@ -64,10 +67,9 @@ pub async fn bootstrap(core: Arc<Core>, mut stop: watch::Receiver<bool>, ending:
     let why = match decide::first_start(cfg, initialized) {
         Start::Recover => return,
         Start::Join(join) => {
-            let (me, me_peer) = (cfg.advertised(), cfg.peer_advertised());
             let mut backoff = JOIN_BACKOFF.delays();
             loop {
-                match join_once(&join, cfg.id, me, &me_peer, cfg.learner_only).await {
+                match join_once(&join, &core, cfg.learner_only).await {
                     Ok(()) => {
                         tracing::info!(via = %join, "joined the cluster");
                         return;
@@ -155,15 +157,13 @@ async fn running_peer(core: &Core) -> Option<(String, u64)> {
 /// start filling the empty storage at once): when the storage
 /// is empty and the leader (one of the listed peers) names this id as a voter it had already
 /// replicated entries to, the reason to refuse.
-pub async fn wiped_voter(cfg: &crate::ServerConfig) -> Option<String> {
+/// The peers are asked over TLS with `tls` (this server's certificate), plaintext without it.
+pub async fn wiped_voter(cfg: &crate::ServerConfig, tls: Option<&Tls>) -> Option<String> {
     if cfg.join.is_some() {
         return None;
     }
     for p in cfg.peers.iter().filter(|p| p.id != cfg.id) {
-        let uri = if p.addr.contains("://") { p.addr.clone() } else { format!("http://{}", p.addr) };
-        let Ok(ep) = tonic::transport::Endpoint::from_shared(uri) else { continue };
-        let ep = ep.connect_timeout(CALL_TIMEOUT).timeout(CALL_TIMEOUT);
-        let Ok(Ok(ch)) = tokio::time::timeout(CALL_TIMEOUT, ep.connect()).await else { continue };
+        let Ok(ch) = dial(&p.addr, tls, CALL_TIMEOUT) else { continue };
         let Ok(Ok(r)) = tokio::time::timeout(CALL_TIMEOUT, ClusterClient::new(ch).members(pb::MembersRequest {})).await
         else {
             continue;
@@ -183,15 +183,25 @@ pub async fn wiped_voter(cfg: &crate::ServerConfig) -> Option<String> {
     None
 }
 
-async fn join_once(via: &str, id: u64, addr: &str, peer_addr: &str, learner_only: bool) -> Result<(), Status> {
-    let uri = if via.contains("://") { via.to_owned() } else { format!("http://{via}") };
+/// A channel to another server's `addr` (connected on first use within [`CALL_TIMEOUT`], each
+/// call bounded by `timeout`): over TLS with `tls`, plaintext without it.
+fn dial(addr: &str, tls: Option<&Tls>, timeout: Duration) -> Result<tonic::transport::Channel, Status> {
+    let uri = if addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") };
     let ep = tonic::transport::Endpoint::from_shared(uri)
-        .map_err(|e| Status::invalid_argument(format!("join: {via:?}: {e}")))?
-        .connect_timeout(CALL_TIMEOUT);
-    let ch = ep.connect().await.map_err(|e| Status::unavailable(e.to_string()))?;
-    ClusterClient::new(ch)
-        .add_server(pb::AddServerRequest { id, addr: addr.to_owned(), learner_only, peer_addr: peer_addr.to_owned() })
-        .await?;
+        .map_err(|e| Status::invalid_argument(format!("{addr:?}: {e}")))?
+        .connect_timeout(CALL_TIMEOUT)
+        .timeout(timeout)
+        .tcp_nodelay(true);
+    Ok(suanli_security::tls::channel(ep, tls))
+}
+
+async fn join_once(via: &str, core: &Core, learner_only: bool) -> Result<(), Status> {
+    let (id, addr, peer_addr) = (core.cfg.id, core.cfg.advertised().to_owned(), core.cfg.peer_advertised());
+    // AddServer waits for the new member's catch-up: longer than the other calls here.
+    let ch = dial(via, core.tls(), JOIN_CALL_TIMEOUT)
+        .map_err(|e| Status::invalid_argument(format!("join: {}", e.message())))?;
+    let req = pb::AddServerRequest { id, addr, learner_only, peer_addr };
+    ClusterClient::new(ch).add_server(req).await?;
     Ok(())
 }
 

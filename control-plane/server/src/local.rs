@@ -10,83 +10,207 @@
 //! cluster's membership names them). To list the others as initial voters, server 1 starts
 //! last: servers 2..n start first and wait to be added.
 //!
+//! The servers run TLS with the process's [`LocalPki`] (`--tls-dir`: its server certificate,
+//! `suanli://server/server` for localhost, 127.0.0.1 and ::1), unless `--insecure` is among a
+//! cluster's flags; the helpers here dial them as the PKI's admin (client listeners) or with
+//! the server certificate (peer listeners). [`LocalPki::node`] and [`LocalPki::user`] issue the
+//! certificates of agents and users on first ask.
+//!
 //! What the benchmarks need (start, leader, kill, restart, catch up) is always built; the rest
 //! (membership changes, wipes, SIGTERM, restores, port pairs) only serves tests and is behind
 //! the `testing` feature, which test crates enable in their dev-dependency on this crate.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
+use suanli_security::certs::{self, Leaf};
+use suanli_security::tls::{self, Tls, TlsFiles};
+use suanli_security::{Principal, Role};
 use tonic::transport::{Channel, Endpoint};
 
-/// A connected channel as the local PKI's admin, over TLS (connect within 5 s, requests within
-/// 15 s: generous, because the servers under test share a small machine with the test itself).
+/// How long local certificates are valid (the development default, a year).
+const VALIDITY: Duration = certs::DEFAULT_VALIDITY;
+
+/// A channel to `addr` as the local PKI's admin, over TLS (connected on the first call, within
+/// 5 s; requests within 15 s: generous, because the servers under test share a small machine
+/// with the test itself). A server that is down or refuses the handshake fails that call.
 pub async fn channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    Endpoint::from_shared(format!("http://{addr}"))?
+    Ok(tls::channel(endpoint(addr)?, Some(&LocalPki::get().admin_tls())))
+}
+
+/// The endpoint every helper here dials (`http://addr`; TLS comes from [`tls::channel`]).
+fn endpoint(addr: &str) -> Result<Endpoint, tonic::transport::Error> {
+    Ok(Endpoint::from_shared(format!("http://{addr}"))?
         .connect_timeout(Duration::from_secs(5))
         .timeout(Duration::from_secs(15))
-        .tcp_nodelay(true)
-        .connect()
-        .await
+        .tcp_nodelay(true))
 }
 
 /// The PKI of local clusters (tests, benchmarks, chaos): one development CA per process, made on
 /// first use in a temp dir that lives as long as the process, with the server and admin
 /// certificates; node and user certificates are issued on first ask. Every cluster this module
-/// starts uses it, unless started with `--insecure` among its flags.
+/// starts uses it, unless started with `--insecure` among its flags (or with a PKI of its own,
+/// [`LocalPki::create`] and [`ProcessCluster::start_with_pki`]).
 pub struct LocalPki {
-    #[allow(dead_code)]
     dir: PathBuf,
+    /// Issued leaves by file stem (node and user certificates), so each is issued once.
+    issued: Mutex<BTreeMap<String, TlsFiles>>,
+    admin_tls: OnceLock<Tls>,
+}
+
+impl std::fmt::Debug for LocalPki {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalPki").field("dir", &self.dir).finish_non_exhaustive()
+    }
 }
 
 impl LocalPki {
-    /// The process's PKI (made on the first call).
+    /// The process's PKI (made on the first call, in a temp dir left in place for the life of
+    /// the process: server processes it starts read their certificates from it).
     pub fn get() -> &'static LocalPki {
-        todo!("h-wire-srv")
+        static PKI: OnceLock<LocalPki> = OnceLock::new();
+        PKI.get_or_init(|| {
+            let tmp = tempfile::Builder::new()
+                .prefix("suanli-pki-")
+                .tempdir()
+                .expect("a temp dir for the local PKI (is the temp dir writable?)");
+            // Kept: the static is never dropped, and servers started from it may outlive a test.
+            let dir = tmp.keep().join("pki");
+            LocalPki::create(&dir).expect("the local PKI: certs::init in a fresh temp dir")
+        })
     }
+
+    /// A PKI of its own in `dir` (`certs::init`: a new CA, the server certificate for
+    /// `localhost`, `127.0.0.1` and `::1`, and the admin's): for a cluster whose certificates a
+    /// test rotates. Refuses a `dir` that already holds a CA.
+    pub fn create(dir: &Path) -> std::io::Result<LocalPki> {
+        let hosts: Vec<String> = certs::DEFAULT_HOSTS.iter().map(|h| (*h).to_owned()).collect();
+        let admin = Principal::User {
+            name: "admin".into(),
+            role: Role::Admin,
+            team: None,
+            credential: suanli_security::principal::Credential::Certificate,
+        };
+        certs::init(dir, &[Leaf::server("server", &hosts), Leaf::user(admin)], VALIDITY)?;
+        Ok(LocalPki { dir: dir.to_owned(), issued: Mutex::new(BTreeMap::new()), admin_tls: OnceLock::new() })
+    }
+
     /// The directory holding the files (`suanli tls init`'s layout).
     pub fn dir(&self) -> &Path {
         &self.dir
     }
-    /// The servers' certificate (`suanli://server/server`, hosts localhost and 127.0.0.1).
-    pub fn server(&self) -> suanli_security::tls::TlsFiles {
-        todo!("h-wire-srv")
+
+    /// The servers' certificate (`suanli://server/server`, hosts localhost, 127.0.0.1 and ::1).
+    pub fn server(&self) -> TlsFiles {
+        certs::paths(&self.dir, "server")
     }
+
     /// The admin user's certificate.
-    pub fn admin(&self) -> suanli_security::tls::TlsFiles {
-        todo!("h-wire-srv")
+    pub fn admin(&self) -> TlsFiles {
+        certs::paths(&self.dir, "admin")
     }
-    /// Node `id`'s agent certificate (issued on first ask).
-    pub fn node(&self, id: &str) -> suanli_security::tls::TlsFiles {
-        let _ = id;
-        todo!("h-wire-srv")
+
+    /// Node `id`'s agent certificate (`suanli://node/<id>`, issued on first ask, for the same
+    /// hosts as the servers': an agent serves its log service with it).
+    pub fn node(&self, id: &str) -> TlsFiles {
+        let hosts: Vec<String> = certs::DEFAULT_HOSTS.iter().map(|h| (*h).to_owned()).collect();
+        self.issue_once(Leaf::node(id, &hosts))
     }
-    /// A user's certificate (issued on first ask).
-    pub fn user(&self, name: &str, role: suanli_security::Role, team: Option<&str>) -> suanli_security::tls::TlsFiles {
-        let _ = (name, role, team);
-        todo!("h-wire-srv")
+
+    /// A user's certificate (issued on first ask; one file pair per name, role and team, so two
+    /// asks for one name with different roles get two certificates).
+    pub fn user(&self, name: &str, role: Role, team: Option<&str>) -> TlsFiles {
+        let principal = Principal::User {
+            name: name.to_owned(),
+            role,
+            team: team.map(str::to_owned),
+            credential: suanli_security::principal::Credential::Certificate,
+        };
+        let stem = match team {
+            Some(t) => format!("user-{name}-{role}-{t}"),
+            None => format!("user-{name}-{role}"),
+        };
+        self.issue_once(Leaf { stem, ..Leaf::user(principal) })
     }
-    /// The admin's TLS material, loaded (what [`channel`] uses).
-    pub fn admin_tls(&self) -> suanli_security::tls::Tls {
-        todo!("h-wire-srv")
+
+    /// The admin's TLS material, loaded (what [`channel`] uses; loaded once).
+    pub fn admin_tls(&self) -> Tls {
+        self.admin_tls.get_or_init(|| Tls::load(self.admin()).expect("the local PKI's admin certificate loads")).clone()
+    }
+
+    fn issue_once(&self, leaf: Leaf) -> TlsFiles {
+        let mut issued = self.issued.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(f) = issued.get(&leaf.stem) {
+            return f.clone();
+        }
+        let files = certs::issue(&self.dir, &leaf, VALIDITY)
+            .unwrap_or_else(|e| panic!("issuing {} in the local PKI {}: {e}", leaf.stem, self.dir.display()));
+        issued.insert(leaf.stem, files.clone());
+        files
     }
 }
 
-/// A connected channel as `files`' holder (over TLS, verified against its CA).
-pub async fn channel_as(
-    addr: &str,
-    files: &suanli_security::tls::TlsFiles,
-) -> Result<Channel, tonic::transport::Error> {
-    let _ = (addr, files);
-    todo!("h-wire-srv")
+/// A channel to `addr` as `files`' holder (over TLS, verified against its CA; connected on the
+/// first call). An unreadable or mismatched file is an error naming it.
+pub async fn channel_as(addr: &str, files: &TlsFiles) -> Result<Channel, ChannelError> {
+    let tls = Tls::load(files.clone())?;
+    Ok(tls::channel(endpoint(addr)?, Some(&tls)))
 }
 
-/// A connected plaintext channel, for a cluster started `--insecure`.
+/// Why [`channel_as`] could not make a channel.
+#[derive(Debug, thiserror::Error)]
+pub enum ChannelError {
+    /// The certificate, its key or the CA could not be loaded.
+    #[error(transparent)]
+    Tls(#[from] suanli_security::tls::TlsError),
+    /// The address is not one.
+    #[error(transparent)]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// A plaintext channel (connected on the first call), for a cluster started `--insecure`.
 pub async fn channel_insecure(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    let _ = addr;
-    todo!("h-wire-srv")
+    Ok(endpoint(addr)?.connect_lazy())
+}
+
+/// The identity the server at `addr` presents in its TLS handshake (verified with `tls`: its
+/// CA, and the host of `addr` as the server name), and the certificate's DER: how a test sees
+/// which certificate new connections get after a rotation.
+pub async fn server_identity(addr: &str, tls: &Tls) -> Result<(Principal, Vec<u8>), String> {
+    let sock: std::net::SocketAddr = addr.parse().map_err(|e| format!("{addr:?}: {e}"))?;
+    let name = rustls_pki_types::ServerName::from(sock.ip());
+    let handshake = async {
+        let tcp = tokio::net::TcpStream::connect(sock).await.map_err(|e| format!("connecting to {addr}: {e}"))?;
+        let conn = tokio_rustls::TlsConnector::from(tls.client_config())
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("TLS handshake with {addr}: {e}"))?;
+        let der = conn
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| c.as_ref().to_vec())
+            .ok_or_else(|| format!("{addr} presented no certificate"))?;
+        Ok((tls::principal_of(&der), der))
+    };
+    tokio::time::timeout(Duration::from_secs(10), handshake)
+        .await
+        .map_err(|_| format!("TLS handshake with {addr}: no answer within 10 s"))?
+}
+
+/// The TLS material a [`ProcessCluster`] runs with.
+struct ClusterTls {
+    /// `--tls-dir` of every server.
+    dir: PathBuf,
+    /// What its helper calls on client listeners present.
+    admin: Tls,
+    /// What its helper calls on peer listeners present (`Internal` is for servers only).
+    server: Tls,
 }
 
 /// Server processes forming one cluster (ids 1..=n).
@@ -100,10 +224,25 @@ pub struct ProcessCluster {
     procs: Vec<Option<Child>>,
     extra: Vec<String>,
     env: Vec<(String, String)>,
+    /// `None`: the servers run `--insecure` (it is among `extra`).
+    tls: Option<ClusterTls>,
 }
 
 impl ProcessCluster {
-    /// `n` server slots (addresses not known yet) and a temp dir; starts nothing.
+    /// `n` server slots (addresses not known yet) and a temp dir; starts nothing. The servers
+    /// run TLS with `pki`'s server certificate, unless `extra` holds `--insecure`.
+    fn reserve_with(bin: &Path, n: usize, extra: &[&str], pki: &LocalPki) -> std::io::Result<ProcessCluster> {
+        let tls = if extra.contains(&"--insecure") {
+            None
+        } else {
+            let load = |f: TlsFiles| Tls::load(f).map_err(std::io::Error::other);
+            Some(ClusterTls { dir: pki.dir().to_owned(), admin: load(pki.admin())?, server: load(pki.server())? })
+        };
+        let mut c = Self::reserve(bin, n, extra)?;
+        c.tls = tls;
+        Ok(c)
+    }
+
     fn reserve(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
         // SUANLI_KEEP_CLUSTER_DIR=1 keeps the data directories and logs for a post-mortem.
         let keep = std::env::var_os("SUANLI_KEEP_CLUSTER_DIR").is_some();
@@ -119,14 +258,39 @@ impl ProcessCluster {
             procs: (0..n).map(|_| None).collect(),
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
             env: Vec::new(),
+            tls: None,
         })
     }
 
-    /// Starts `n` servers of binary `bin` (`bin server ...`), with `extra` flags for each.
+    /// Starts `n` servers of binary `bin` (`bin server ...`), with `extra` flags for each: over
+    /// TLS with the process's [`LocalPki`] (`--tls-dir`), unless `extra` holds `--insecure`.
     pub fn start(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
-        let mut c = Self::reserve(bin, n, extra)?;
+        Self::start_with_pki(bin, n, extra, LocalPki::get())
+    }
+
+    /// [`ProcessCluster::start`] with the certificates of `pki` (a PKI of the cluster's own,
+    /// whose files a test may reissue: the servers reload them on a change or SIGHUP).
+    pub fn start_with_pki(bin: &Path, n: usize, extra: &[&str], pki: &LocalPki) -> std::io::Result<ProcessCluster> {
+        let mut c = Self::reserve_with(bin, n, extra, pki)?;
         c.start_all()?;
         Ok(c)
+    }
+
+    /// The servers' `--tls-dir` (`None`: they run `--insecure`).
+    pub fn tls_dir(&self) -> Option<&Path> {
+        self.tls.as_ref().map(|t| t.dir.as_path())
+    }
+
+    /// A channel to `addr` (a client address of this cluster) as its PKI's admin, or
+    /// plaintext for an `--insecure` cluster; connected on the first call.
+    pub fn channel_to(&self, addr: &str) -> Result<Channel, tonic::transport::Error> {
+        Ok(tls::channel(endpoint(addr)?, self.tls.as_ref().map(|t| &t.admin)))
+    }
+
+    /// A channel to `addr` (a peer address of this cluster) with the servers' certificate, as
+    /// another server calls it, or plaintext for an `--insecure` cluster.
+    pub fn peer_channel_to(&self, addr: &str) -> Result<Channel, tonic::transport::Error> {
+        Ok(tls::channel(endpoint(addr)?, self.tls.as_ref().map(|t| &t.server)))
     }
 
     /// First starts of every server: 2..n wait to be added, then 1 bootstraps them all.
@@ -141,7 +305,7 @@ impl ProcessCluster {
     /// `SUANLI_FAILPOINTS` in a build that has them).
     #[cfg(feature = "testing")]
     pub fn start_env(bin: &Path, n: usize, extra: &[&str], env: &[(&str, &str)]) -> std::io::Result<ProcessCluster> {
-        let mut c = Self::reserve(bin, n, extra)?;
+        let mut c = Self::reserve_with(bin, n, extra, LocalPki::get())?;
         c.env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
         c.start_all()?;
         Ok(c)
@@ -157,7 +321,7 @@ impl ProcessCluster {
     /// started later with [`ProcessCluster::spawn_joining`] (their ports picked then).
     #[cfg(feature = "testing")]
     pub fn start_one_of(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
-        let mut c = Self::reserve(bin, n, extra)?;
+        let mut c = Self::reserve_with(bin, n, extra, LocalPki::get())?;
         c.launch(0, &["--bootstrap"])?;
         Ok(c)
     }
@@ -168,7 +332,7 @@ impl ProcessCluster {
     /// data directory removed. Later starts reuse the ports.
     #[cfg(feature = "testing")]
     pub fn prepare(bin: &Path, n: usize, extra: &[&str]) -> std::io::Result<ProcessCluster> {
-        let mut c = Self::reserve(bin, n, extra)?;
+        let mut c = Self::reserve_with(bin, n, extra, LocalPki::get())?;
         for i in 0..n {
             c.launch(i, &[])?;
             c.kill(i);
@@ -268,6 +432,14 @@ impl ProcessCluster {
         }
     }
 
+    /// Sends SIGHUP to server `i` (it reloads its TLS files at once); `false` when it does not
+    /// run or the signal could not be sent.
+    #[cfg(feature = "testing")]
+    pub fn reload_tls(&self, i: usize) -> bool {
+        let Some(p) = self.procs[i].as_ref() else { return false };
+        Command::new("kill").args(["-HUP", &p.id().to_string()]).status().is_ok_and(|s| s.success())
+    }
+
     /// Server `i`'s process id, when it runs.
     #[cfg(feature = "testing")]
     pub fn pid(&self, i: usize) -> Option<u32> {
@@ -303,6 +475,7 @@ impl ProcessCluster {
             .arg("--data-dir")
             .arg(self.dir.path().join(format!("s{}", i + 1)))
             .args(membership)
+            .args(self.tls.iter().flat_map(|t| [std::ffi::OsStr::new("--tls-dir"), t.dir.as_os_str()]))
             .args(&self.extra)
             .env("SUANLI_LOG", std::env::var("SUANLI_LOG").unwrap_or_else(|_| "warn,suanli_server=info".into()))
             .env_remove("SUANLI_CONFIG")
@@ -356,7 +529,7 @@ impl ProcessCluster {
         let deadline = Instant::now() + within;
         loop {
             for i in self.alive() {
-                if let Ok(ch) = channel(&self.addrs[i]).await
+                if let Ok(ch) = self.channel_to(&self.addrs[i])
                     && let Ok(r) = ClusterClient::new(ch).leader(pb::LeaderRequest {}).await
                 {
                     let id = r.into_inner().leader_id as usize;
@@ -376,7 +549,7 @@ impl ProcessCluster {
     pub async fn wait_caught_up(&self, i: usize, within: Duration) -> Result<(), String> {
         let deadline = Instant::now() + within;
         let leader = self.wait_leader(within).await?;
-        let target = match channel(&self.addrs[leader]).await {
+        let target = match self.channel_to(&self.addrs[leader]) {
             Ok(ch) => ClusterClient::new(ch)
                 .members(pb::MembersRequest {})
                 .await
@@ -387,7 +560,7 @@ impl ProcessCluster {
         // Applied here, asked of this server alone (`Internal.Inspect` on its peer listener is
         // never forwarded; `Cluster.Members` through a follower answers with the leader's view).
         loop {
-            if let Ok(ch) = channel(&self.peer_addrs[i]).await
+            if let Ok(ch) = self.peer_channel_to(&self.peer_addrs[i])
                 && let Ok(r) = suanli_proto::v1::internal_client::InternalClient::new(ch)
                     .inspect(pb::InspectRequest { group: "region".into(), log_from: 0, log_to: 0 })
                     .await

@@ -2,6 +2,10 @@
 //! bound to `127.0.0.1:0` and handed to [`crate::serve`], all on the test's own runtime, so
 //! `#[tokio::test(start_paused = true)]` drives every timer of the server (heartbeat TTLs,
 //! request timeouts, raft elections) without waiting for them.
+//!
+//! They run `insecure` (plaintext): with the clock paused, a TLS handshake's timeout could
+//! fire while the handshake's bytes are still on their way. TLS is covered by the tests that
+//! run real server processes (`local::ProcessCluster`, tests/tests/tls.rs).
 
 use crate::core::Core;
 use crate::{Bound, Listeners, Peer, ServerConfig, ServerError};
@@ -26,6 +30,7 @@ pub fn config(id: u64, dir: &Path) -> ServerConfig {
         heartbeat_ttl_ms: 1_000,
         clock_check_interval_ms: 100,
         request_timeout_ms: 3_000,
+        insecure: true,
         ..ServerConfig::default()
     }
 }
@@ -112,11 +117,11 @@ pub async fn leader_of(s: &Running) -> u64 {
 /// listener and none of the loops (what the batcher's tests drive).
 pub async fn solo_core(dir: &Path) -> Arc<Core> {
     let cfg = config(1, dir);
-    let (raft, state, log) = suanli_raft::open(&cfg.data_dir, cfg.id, &cfg.raft).await.expect("open raft");
+    let (raft, state, log) = suanli_raft::open(&cfg.data_dir, cfg.id, &cfg.raft, None).await.expect("open raft");
     let me = ServerNode::new(cfg.peer_advertised(), cfg.advertised().to_owned());
     let members: std::collections::BTreeMap<u64, ServerNode> = [(cfg.id, me)].into();
     raft.initialize(members).await.expect("initialize");
-    let core = Arc::new(Core::new(cfg, raft, state, log));
+    let core = Arc::new(Core::new(cfg, raft, state, log, None));
     let mut m = core.raft.metrics();
     m.wait_for(|m| m.state == openraft::ServerState::Leader).await.expect("leads");
     core

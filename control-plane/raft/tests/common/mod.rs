@@ -43,7 +43,7 @@ impl TestNode {
     pub async fn start_in(id: u64, dir: TempDir, settings: &RaftSettings) -> anyhow::Result<TestNode> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?.to_string();
-        let (raft, state, _) = suanli_raft::open(dir.path(), id, settings).await?;
+        let (raft, state, _) = suanli_raft::open(dir.path(), id, settings, None).await?;
         let svc = RaftService::new(raft.clone(), settings).into_server(settings);
         let (stop, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(async move {
