@@ -449,6 +449,9 @@ async fn every_job_example_runs_on_the_example_cluster() {
         let mut logs_of = Vec::new();
         for f in toml_files(&examples().join("nodes")) {
             let cfg = suanli_agent::AgentConfig::from_file(&f).expect("agent config");
+            // Its certificate in the cluster's directory (`suanli tls init --node ID` did it in
+            // examples/README.md).
+            suanli_tests::LocalPki::get().node(&cfg.node_id);
             let log = dir.path().join(format!("{}.log", cfg.node_id));
             agents.push(spawn_logged(
                 Command::new(suanli_tests::bin())

@@ -61,6 +61,11 @@ impl CredArgs {
     /// The credentials these flags (or the environment, or the dev cluster's directory) name;
     /// an error names the flag and says what to pass.
     pub fn load(&self) -> anyhow::Result<Credentials> {
+        self.load_with(default_dir)
+    }
+
+    /// [`CredArgs::load`], with `dir` finding the directory used when no credential is given.
+    fn load_with(&self, dir: impl FnOnce() -> Option<PathBuf>) -> anyhow::Result<Credentials> {
         let token = self.token.as_deref().map(str::trim).filter(|t| !t.is_empty()).map(str::to_owned);
         if self.insecure {
             if self.ca.is_some() || self.cert.is_some() {
@@ -89,7 +94,7 @@ impl CredArgs {
         let files = match files {
             Some(f) => f,
             None => {
-                let Some(dir) = default_dir() else {
+                let Some(dir) = dir() else {
                     bail!(
                         "no credentials: pass --ca CA --cert CERT --key KEY (or SUANLI_CA, SUANLI_CERT, SUANLI_KEY), \
                          --ca CA --token TOKEN, or SUANLI_TLS_DIR=DIR (a `suanli tls init` directory: its admin \
@@ -111,4 +116,55 @@ impl CredArgs {
 /// TLS that verifies the servers against `ca` and presents no client certificate.
 fn load_ca_only(ca: &Path) -> anyhow::Result<Tls> {
     Tls::load_ca_only(ca.to_owned()).context("--ca (SUANLI_CA)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(a: CredArgs) -> String {
+        format!("{:#}", a.load().expect_err("refused"))
+    }
+
+    #[test]
+    fn partial_or_conflicting_credentials_name_the_flags() {
+        let p = |s: &str| Some(PathBuf::from(s));
+        let e = err(CredArgs { insecure: true, ca: p("/x/ca.pem"), ..CredArgs::default() });
+        assert!(e.starts_with("--insecure: plaintext has no use for --ca"), "{e}");
+        let e = err(CredArgs { ca: p("/x/ca.pem"), ..CredArgs::default() });
+        assert!(e.contains("--ca without --cert and --key") && e.contains("--token"), "{e}");
+        let e = err(CredArgs { cert: p("/x/c.pem"), key: p("/x/k.pem"), ..CredArgs::default() });
+        assert!(e.contains("need --ca"), "{e}");
+        let e = err(CredArgs { ca: p("/x/ca.pem"), cert: p("/x/c.pem"), ..CredArgs::default() });
+        assert!(e.contains("--cert and --key come together"), "{e}");
+        let e = err(CredArgs { ca: p("/nonexistent/ca.pem"), cert: p("/x/c.pem"), key: p("/x/k.pem"), ..CredArgs::default() });
+        assert!(e.contains("--ca, --cert, --key") && e.contains("/nonexistent/ca.pem"), "names the file: {e}");
+        let e = err(CredArgs { ca: p("/nonexistent/ca.pem"), token: Some("sl1.a.b".into()), ..CredArgs::default() });
+        assert!(e.contains("--ca (SUANLI_CA)") && e.contains("/nonexistent/ca.pem"), "{e}");
+        // Plaintext needs no file; a token still travels.
+        let c = CredArgs { insecure: true, token: Some(" sl1.a.b ".into()), ..CredArgs::default() }.load().expect("insecure");
+        assert!(c.tls.is_none() && c.token.as_deref() == Some("sl1.a.b"));
+    }
+
+    #[test]
+    fn a_tls_dir_gives_the_admin_certificate_or_with_a_token_only_the_ca() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let tls = dir.path().join("tls");
+        let hosts = vec!["localhost".to_owned()];
+        let admin = suanli_security::Principal::from_uri("suanli://user/admin?role=admin").expect("admin");
+        suanli_security::certs::init(
+            &tls,
+            &[suanli_security::certs::Leaf::server("server", &hosts), suanli_security::certs::Leaf::user(admin)],
+            suanli_security::certs::DEFAULT_VALIDITY,
+        )
+        .expect("certs::init");
+        let found = || Some(tls.clone());
+        let c = CredArgs::default().load_with(found).expect("the directory's admin");
+        let t = c.tls.expect("TLS");
+        assert_eq!(t.own_identity().and_then(|p| p.to_uri()).as_deref(), Some("suanli://user/admin?role=admin"));
+        let c = CredArgs { token: Some("sl1.a.b".into()), ..CredArgs::default() }.load_with(found).expect("CA only");
+        let e = format!("{:#}", CredArgs::default().load_with(|| None).expect_err("nothing found"));
+        assert!(e.starts_with("no credentials: pass --ca CA --cert CERT --key KEY") && e.contains("--insecure"), "{e}");
+        assert_eq!(c.tls.expect("TLS").own_identity(), None, "a token's caller presents no certificate");
+    }
 }
