@@ -12,6 +12,7 @@ mod serve;
 mod sim;
 mod sim_replay;
 mod spec;
+mod tls_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -59,6 +60,8 @@ enum Cmd {
     Agent(agent_cmd::AgentArgs),
     /// Device plugins: `plugin check LIB.so` is the vendor's conformance kit.
     Plugin(plugin::PluginArgs),
+    /// Development certificates: `tls init DIR` (a CA, server and admin), `tls issue` (one more, or a rotation).
+    Tls(tls_cmd::TlsArgs),
     /// (internal) Host one device plugin library in this process for the agent, over stdin/stdout.
     #[command(hide = true)]
     PluginHost(plugin::PluginHostArgs),
@@ -118,6 +121,7 @@ fn main() -> std::process::ExitCode {
         Cmd::TaskShim(a) => return agent_cmd::shim(a),
         Cmd::Agent(a) => agent_cmd::run(a),
         Cmd::Plugin(a) => plugin::run(a),
+        Cmd::Tls(a) => tls_cmd::run(a),
         Cmd::Dev(a) => serve::dev(a),
         Cmd::Server(a) => serve::server(a),
         Cmd::Sim(c) => sim::run(c),

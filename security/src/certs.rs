@@ -145,15 +145,23 @@ impl Leaf {
     }
 }
 
+/// Whether `host` can be a certificate's host SAN: an IP address or a DNS name.
+pub fn check_host(host: &str) -> Result<(), String> {
+    if host.parse::<IpAddr>().is_ok() {
+        return Ok(());
+    }
+    match rustls_pki_types::ServerName::try_from(host) {
+        Ok(rustls_pki_types::ServerName::DnsName(_)) => Ok(()),
+        _ => Err(format!("host {host:?}: neither an IP address nor a DNS name")),
+    }
+}
+
 /// A host as a SAN: an IP address, else a DNS name (checked as one).
 fn host_san(host: &str) -> std::io::Result<SanType> {
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Ok(SanType::IpAddress(ip));
     }
-    match rustls_pki_types::ServerName::try_from(host) {
-        Ok(rustls_pki_types::ServerName::DnsName(_)) => {}
-        _ => return Err(invalid(format!("host {host:?}: neither an IP address nor a DNS name"))),
-    }
+    check_host(host).map_err(invalid)?;
     Ia5String::try_from(host).map(SanType::DnsName).map_err(|e| invalid(format!("host {host:?}: {e}")))
 }
 

@@ -143,8 +143,22 @@ pub(crate) fn decode_entry<C: StoreConfig>(b: Bytes) -> Result<Entry<C>, FrameEr
     let term = u64::from_be_bytes(take(WHAT, &b, 2)?);
     let node = u64::from_be_bytes(take(WHAT, &b, 10)?);
     let index = u64::from_be_bytes(take(WHAT, &b, 18)?);
+    let rest = b.len() - ENTRY_HEADER;
     let payload = match kind {
+        // A blank entry has no payload: bytes after its header are refused, not dropped.
+        KIND_BLANK if rest > 0 => {
+            return Err(FrameError::Trailing { what: "blank log entry", at: ENTRY_HEADER, extra: rest });
+        }
         KIND_BLANK => EntryPayload::Blank,
+        // A command is never empty (its JSON is at least `{}`).
+        KIND_NORMAL if rest == 0 => {
+            return Err(FrameError::Truncated {
+                what: "normal log entry's command",
+                at: ENTRY_HEADER,
+                need: 1,
+                have: 0,
+            });
+        }
         KIND_NORMAL => EntryPayload::Normal(LogCommand::from_bytes(b.slice(ENTRY_HEADER..))),
         KIND_MEMBERSHIP => EntryPayload::Membership(json("membership entry", &b[ENTRY_HEADER..])?),
         k => return Err(FrameError::Kind(k)),
@@ -305,6 +319,17 @@ mod tests {
         assert!(matches!(decode_entry::<TypeConfig>(bad.into()), Err(FrameError::Kind(9))));
         let err = decode_entry::<TypeConfig>(Bytes::from_static(b"\x00abc")).expect_err("refused");
         assert!(err.to_string().contains("0x00"), "{err}");
+
+        // Found by fuzzing (fuzz/fuzz_targets/raft_frame.rs): a blank entry followed by bytes was
+        // read as blank and the bytes dropped; a normal entry with no command was read as one.
+        let mut blank = entry_frame(&entries()[0]).expect("ok");
+        blank.extend_from_slice(b"\x00\x00\x00\x03{}");
+        let err = decode_entry::<TypeConfig>(blank.into()).expect_err("refused");
+        assert!(matches!(err, FrameError::Trailing { at: ENTRY_HEADER, extra: 6, .. }), "{err}");
+        assert!(err.to_string().contains("blank log entry"), "{err}");
+        let empty = f[..ENTRY_HEADER].to_vec();
+        let err = decode_entry::<TypeConfig>(empty.into()).expect_err("refused");
+        assert!(err.to_string().contains("normal log entry's command is truncated"), "{err}");
 
         let rpc = AppendEntriesRequest::<TypeConfig> {
             vote: Vote::new_committed(1, 1),
