@@ -11,6 +11,9 @@ use std::time::Duration;
 /// Largest configuration file read (bytes).
 pub const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
 
+/// Most digests `plugin_sha256` may list.
+pub const MAX_PLUGIN_SHA256: usize = 256;
+
 /// A configuration the agent cannot run with.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -80,6 +83,11 @@ pub struct AgentConfig {
     pub plugins: Option<Vec<String>>,
     /// Per-plugin settings by file stem.
     pub plugin_config: BTreeMap<String, PluginSettings>,
+    /// The SHA-256 digests (64 hex digits) of the plugin libraries the agent may load. When
+    /// set, a library whose digest is not listed is refused before it is loaded, whatever its
+    /// name; unset (the default): any library that passes the ownership and permission checks.
+    /// At most 256 entries.
+    pub plugin_sha256: Option<Vec<String>>,
     /// Address the task log service (`AgentLogs`) listens on; port 0 picks a free one.
     pub listen: String,
     /// Address others reach the log service at (default: the bound address). Set it when
@@ -203,6 +211,7 @@ impl Default for AgentConfig {
             plugin_dir: PathBuf::from("/usr/lib/suanli/plugins"),
             plugins: None,
             plugin_config: BTreeMap::new(),
+            plugin_sha256: None,
             listen: "127.0.0.1:0".into(),
             advertise: None,
             cpu_milli: None,
@@ -353,6 +362,20 @@ impl AgentConfig {
                 return Err(invalid(format!("plugin_config.{k}.options"), "at most 256 entries"));
             }
         }
+        if let Some(list) = &self.plugin_sha256 {
+            if list.len() > MAX_PLUGIN_SHA256 {
+                return Err(invalid("plugin_sha256", format!("{} entries; at most {MAX_PLUGIN_SHA256}", list.len())));
+            }
+            for (i, d) in list.iter().enumerate() {
+                if d.len() != 64 || !d.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    let shown: String = d.chars().take(80).collect();
+                    return Err(invalid(
+                        format!("plugin_sha256[{i}]"),
+                        format!("{shown:?} is not a SHA-256 digest: 64 hex digits (`sha256sum FILE` prints it)"),
+                    ));
+                }
+            }
+        }
         self.listen
             .parse::<SocketAddr>()
             .map_err(|e| invalid("listen", format!("{:?} is not IP:PORT: {e}", self.listen)))?;
@@ -495,6 +518,10 @@ mod tests {
         assert!(e.contains("nodeid"), "{e}");
         let e = AgentConfig::from_toml("plugins = [\"../x\"]").unwrap_err().to_string();
         assert!(e.contains("plugins[0]"), "{e}");
+        let e = AgentConfig::from_toml("plugin_sha256 = [\"abc\"]").unwrap_err().to_string();
+        assert!(e.contains("plugin_sha256[0]") && e.contains("64 hex digits"), "{e}");
+        let ok = format!("plugin_sha256 = [{:?}, {:?}]", "ab".repeat(32), "CD".repeat(32));
+        assert_eq!(AgentConfig::from_toml(&ok).unwrap().plugin_sha256.map(|l| l.len()), Some(2));
         let e = AgentConfig::from_toml("stop_grace_min_ms = 10\nstop_grace_max_ms = 5").unwrap_err().to_string();
         assert!(e.contains("stop_grace_max_ms"), "{e}");
         let e = AgentConfig::from_toml("fence_after_ms = 5").unwrap_err().to_string();

@@ -168,6 +168,25 @@ impl Servers {
     }
 }
 
+impl Servers {
+    /// Who the servers take a bearer token's holder to be (`Access.WhoAmI` with that token):
+    /// how the log service checks a caller that came with a token.
+    pub async fn whoami(&self, token: &str) -> Result<pb::WhoAmIResponse, tonic::Status> {
+        let value: tonic::metadata::MetadataValue<tonic::metadata::Ascii> = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| tonic::Status::unauthenticated("authorization: not a valid metadata value"))?;
+        self.unary
+            .call(|ch| {
+                let mut c = suanli_proto::v1::access_client::AccessClient::new(ch);
+                let mut req = tonic::Request::new(pb::WhoAmIRequest {});
+                req.metadata_mut().insert(suanli_security::token::METADATA_KEY, value.clone());
+                async move { c.who_am_i(req).await }
+            })
+            .await
+            .map_err(|e| tonic::Status::new(e.code(), e.to_string()))
+    }
+}
+
 /// F and G for a TTL, with a warning (once per TTL) when they break the fencing promise.
 fn fence_timing(cfg: &AgentConfig, ttl_ms: u64, interval_ms: u64, warned: &mut u64) -> (u64, u64) {
     let (f, g) = crate::lease::timing(cfg.fence_after_ms, cfg.fence_kill_grace_ms, ttl_ms);

@@ -45,6 +45,7 @@ mod tasks;
 pub use config::{AgentConfig, ConfigError, PluginSettings};
 pub use journal::{JournalDevice, JournalEntry, JournalEvent, read_journal};
 pub use lease::Lease;
+pub use plugins::{PluginCheck, Refused, check_plugins, file_sha256};
 pub use shim::{ExitRecord, ShimArgs};
 pub use tasks::TaskRecord;
 
@@ -280,6 +281,13 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
     let svc = logs::LogsService {
         allocs_dir: agent.cfg.allocs_dir(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
+        auth: logs::LogsAuth::new(false, {
+            let agent = agent.clone();
+            Box::new(move |token| {
+                let agent = agent.clone();
+                Box::pin(async move { agent.servers.whoami(&token).await })
+            })
+        }),
     };
     let mut stop_logs = stop_rx.clone();
     let handshake = AgentConfig::ms(agent.cfg.tls_handshake_timeout_ms);

@@ -1,5 +1,10 @@
 //! The `AgentLogs` service: a task's stdout or stderr for `suanli job logs`, read from its
 //! allocation directory, optionally followed until the task ends or the client goes away.
+//!
+//! Who may read what is the access matrix's `/suanli.v1.AgentLogs/Logs` row
+//! (docs/security.md): the caller is a bearer token's user (asked of the servers'
+//! `Access.WhoAmI`, answers cached) or the identity of its TLS certificate; a member reads only
+//! its team's tasks (the team kept in `task.json`).
 
 use crate::tasks::{finished, parse_dir_name};
 use std::io::{Read, Seek, SeekFrom};
@@ -8,6 +13,10 @@ use std::sync::Arc;
 use std::time::Duration;
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_logs_server::AgentLogs;
+use suanli_security::policy::{self, Decision};
+use suanli_security::principal::Credential;
+use suanli_security::tls::PeerInfo;
+use suanli_security::{Principal, token};
 use tokio::sync::Semaphore;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -21,6 +30,143 @@ const FOLLOW_POLL: Duration = Duration::from_millis(200);
 pub(crate) struct LogsService {
     pub allocs_dir: PathBuf,
     pub streams: Arc<Semaphore>,
+    /// Who may read.
+    pub auth: LogsAuth,
+}
+
+/// The method's path in the access matrix.
+const METHOD: &str = "/suanli.v1.AgentLogs/Logs";
+/// Longest a token's answer is trusted without asking the servers again.
+const TOKEN_CACHE_TTL: Duration = Duration::from_secs(60);
+/// Most tokens whose answers are kept.
+const TOKEN_CACHE_MAX: usize = 1024;
+
+/// Asks the servers who holds a token (`Access.WhoAmI` with it).
+pub(crate) type WhoAmI = Box<
+    dyn Fn(String) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<pb::WhoAmIResponse, Status>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// The log service's authorization: who the caller is, and whether it may read a task.
+pub(crate) struct LogsAuth {
+    /// Plaintext, no identities: everyone may read (the agent warned at start).
+    insecure: bool,
+    whoami: WhoAmI,
+    /// Definitive answers per token (a user, or a refusal), with when they were given.
+    cache: std::sync::Mutex<std::collections::HashMap<String, (tokio::time::Instant, Result<Principal, Status>)>>,
+}
+
+impl LogsAuth {
+    /// `insecure`: the agent serves plaintext; `whoami`: how a token is checked.
+    pub fn new(insecure: bool, whoami: WhoAmI) -> LogsAuth {
+        LogsAuth { insecure, whoami, cache: Default::default() }
+    }
+
+    /// The caller: the token's user when the call carries one, else the certificate's identity,
+    /// else anonymous.
+    async fn principal<T>(&self, req: &Request<T>) -> Result<Principal, Status> {
+        if self.insecure {
+            return Ok(Principal::Insecure);
+        }
+        let Some(v) = req.metadata().get(token::METADATA_KEY) else {
+            let peer = req.extensions().get::<PeerInfo>();
+            return Ok(peer.and_then(|p| p.principal.clone()).unwrap_or(Principal::Anonymous));
+        };
+        if v.len() > token::MAX_TOKEN_BYTES + "Bearer ".len() {
+            return Err(Status::unauthenticated(format!(
+                "authorization: {} bytes is over the limit of {} bytes for a token",
+                v.len(),
+                token::MAX_TOKEN_BYTES
+            )));
+        }
+        let tok = v
+            .to_str()
+            .ok()
+            .and_then(|s| s.strip_prefix("Bearer ").or_else(|| s.strip_prefix("bearer ")))
+            .map(str::trim)
+            .ok_or_else(|| Status::unauthenticated("authorization: not `Bearer <token>`"))?
+            .to_owned();
+        let now = tokio::time::Instant::now();
+        {
+            let cache = self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some((at, answer)) = cache.get(&tok)
+                && now.duration_since(*at) < TOKEN_CACHE_TTL
+            {
+                return answer.clone();
+            }
+        }
+        let answer = match (self.whoami)(tok.clone()).await {
+            Ok(r) => Ok(principal_of(&r)),
+            Err(s) if s.code() == tonic::Code::Unauthenticated => Err(s),
+            // Not an answer about the token (no server reachable, ...): not kept.
+            Err(s) => {
+                return Err(Status::unavailable(format!("checking the token with the servers: {}", s.message())));
+            }
+        };
+        let mut cache = self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if cache.len() >= TOKEN_CACHE_MAX {
+            cache.retain(|_, (at, _)| now.duration_since(*at) < TOKEN_CACHE_TTL);
+            if cache.len() >= TOKEN_CACHE_MAX {
+                cache.clear();
+            }
+        }
+        cache.insert(tok, (now, answer.clone()));
+        answer
+    }
+}
+
+/// The principal a `WhoAmI` answer names. Only users hold tokens; anything else names nobody.
+fn principal_of(r: &pb::WhoAmIResponse) -> Principal {
+    let role = r.role.parse::<suanli_security::Role>();
+    match (r.kind.as_str(), role) {
+        ("user", Ok(role)) => Principal::User {
+            name: r.name.clone(),
+            role,
+            team: (!r.team.is_empty()).then(|| r.team.clone()),
+            credential: if r.token_id.is_empty() {
+                Credential::Certificate
+            } else {
+                Credential::Token { id: r.token_id.clone() }
+            },
+        },
+        _ => Principal::Anonymous,
+    }
+}
+
+/// Whether `who` may read task logs at all: `Ok(None)` any task's, `Ok(Some(team))` only the
+/// tasks of `team`.
+fn may_read(who: &Principal) -> Result<Option<String>, Status> {
+    let rule = policy::rule(METHOD).ok_or_else(|| Status::permission_denied(format!("{METHOD}: no rule")))?;
+    match policy::decide(rule, who) {
+        Decision::Allow => Ok(None),
+        Decision::AllowIfTeam(t) => Ok(Some(t)),
+        Decision::AllowIfNode(_) => Err(Status::permission_denied(format!("{who} may not call {METHOD}"))),
+        Decision::Unauthenticated => Err(Status::unauthenticated(format!(
+            "{METHOD} needs a credential: a client certificate signed by the cluster's CA, or a bearer token"
+        ))),
+        Decision::Deny(why) => Err(Status::permission_denied(why)),
+    }
+}
+
+/// Whether a member of `team` may read a task of `owner` (empty: no team known).
+fn same_team(who: &Principal, team: &str, owner: &str) -> Result<(), Status> {
+    if team == owner {
+        return Ok(());
+    }
+    let owner = if owner.is_empty() { "no known team".to_owned() } else { format!("team {owner}") };
+    Err(Status::permission_denied(format!(
+        "{who} may not read the logs of a task of {owner} (only of team {team}'s tasks)"
+    )))
+}
+
+/// The team recorded for the task in `dir` (empty when none is).
+fn task_team(dir: &Path) -> String {
+    std::fs::read(dir.join("task.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<crate::tasks::TaskRecord>(&b).ok())
+        .map(|r| r.team)
+        .unwrap_or_default()
 }
 
 /// The newest attempt's directory of allocation `alloc`.
@@ -130,6 +276,10 @@ impl AgentLogs for LogsService {
     type LogsStream = ReceiverStream<Result<pb::LogChunk, Status>>;
 
     async fn logs(&self, req: Request<pb::LogsRequest>) -> Result<Response<Self::LogsStream>, Status> {
+        let who = self.auth.principal(&req).await?;
+        // Refused before anything about the allocation is looked at.
+        let team =
+            may_read(&who).inspect_err(|s| tracing::info!(caller = %who, error = %s.message(), "log read denied"))?;
         let r = req.into_inner();
         let file = match r.stream.as_str() {
             "" | "stdout" => "stdout.log",
@@ -148,6 +298,11 @@ impl AgentLogs for LogsService {
                 r.alloc_id
             ))
         })?;
+        if let Some(team) = team {
+            same_team(&who, &team, &task_team(&dir)).inspect_err(|s| {
+                tracing::info!(caller = %who, alloc = r.alloc_id, error = %s.message(), "log read denied");
+            })?;
+        }
         let files = stream_files(&dir, file);
         let mut cursor = Cursor::start(&files, r.offset);
         let (tx, rx) = tokio::sync::mpsc::channel(4);
@@ -236,5 +391,108 @@ mod tests {
             rest.extend(d);
         }
         assert_eq!(rest, b"efghijkl");
+    }
+
+    fn svc(dir: &Path, auth: LogsAuth) -> LogsService {
+        LogsService { allocs_dir: dir.to_owned(), streams: Arc::new(Semaphore::new(4)), auth }
+    }
+
+    /// A task directory of allocation 7 owned by `team`, with some output.
+    fn task(dir: &Path, team: &str) {
+        let d = dir.join(crate::tasks::dir_name((7, 1)));
+        std::fs::create_dir_all(&d).expect("mkdir");
+        std::fs::write(d.join("stdout.log"), b"hello\n").expect("write");
+        let rec = serde_json::json!({
+            "alloc_id": 7, "epoch": 1, "job_id": 1, "task": "0-0",
+            "shim": {"pid": 1, "start_time": 0}, "started_at": 0, "team": team
+        });
+        std::fs::write(d.join("task.json"), rec.to_string()).expect("write");
+    }
+
+    fn request(who: Option<Principal>, token: Option<&str>) -> Request<pb::LogsRequest> {
+        let mut r = Request::new(pb::LogsRequest { alloc_id: 7, ..Default::default() });
+        r.extensions_mut().insert(PeerInfo { remote: None, principal: who });
+        if let Some(t) = token {
+            r.metadata_mut().insert("authorization", format!("Bearer {t}").parse().expect("ascii"));
+        }
+        r
+    }
+
+    fn user(role: suanli_security::Role, team: Option<&str>) -> Principal {
+        Principal::User { name: "u".into(), role, team: team.map(Into::into), credential: Credential::Certificate }
+    }
+
+    fn no_tokens() -> WhoAmI {
+        Box::new(|_| Box::pin(async { Err(Status::unauthenticated("no tokens here")) }))
+    }
+
+    #[tokio::test]
+    async fn members_read_their_teams_tasks_only_and_strangers_nothing() {
+        use suanli_security::Role;
+        let dir = tempfile::tempdir().expect("tempdir");
+        task(dir.path(), "nlp");
+        let s = svc(dir.path(), LogsAuth::new(false, no_tokens()));
+        let code = |r: Result<_, Status>| r.map(|_| ()).map_err(|s| s.code());
+        assert_eq!(code(s.logs(request(Some(user(Role::Member, Some("nlp"))), None)).await), Ok(()));
+        assert_eq!(code(s.logs(request(Some(user(Role::Operator, None)), None)).await), Ok(()));
+        assert_eq!(code(s.logs(request(Some(user(Role::Admin, None)), None)).await), Ok(()));
+        assert_eq!(
+            code(s.logs(request(Some(user(Role::Member, Some("cv"))), None)).await),
+            Err(tonic::Code::PermissionDenied)
+        );
+        assert_eq!(
+            code(s.logs(request(Some(user(Role::Viewer, None)), None)).await),
+            Err(tonic::Code::PermissionDenied)
+        );
+        let node = Principal::Node { name: "n1".into() };
+        assert_eq!(code(s.logs(request(Some(node), None)).await), Err(tonic::Code::PermissionDenied));
+        assert_eq!(code(s.logs(request(None, None)).await), Err(tonic::Code::Unauthenticated));
+        assert_eq!(code(s.logs(request(None, Some("bad"))).await), Err(tonic::Code::Unauthenticated));
+        // A task with no team recorded: not a member's.
+        let old = tempfile::tempdir().expect("tempdir");
+        task(old.path(), "");
+        let s = svc(old.path(), LogsAuth::new(false, no_tokens()));
+        assert_eq!(
+            code(s.logs(request(Some(user(Role::Member, Some("nlp"))), None)).await),
+            Err(tonic::Code::PermissionDenied)
+        );
+        let s = svc(old.path(), LogsAuth::new(true, no_tokens()));
+        assert_eq!(code(s.logs(request(None, None)).await), Ok(()), "insecure: anyone");
+    }
+
+    #[tokio::test]
+    async fn a_token_is_its_users_and_the_answer_is_cached_for_a_minute() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        task(dir.path(), "nlp");
+        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let n = asked.clone();
+        let whoami: WhoAmI = Box::new(move |t| {
+            n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Box::pin(async move {
+                Ok(pb::WhoAmIResponse {
+                    kind: "user".into(),
+                    name: "bob".into(),
+                    role: "member".into(),
+                    team: if t == "cv-token" { "cv".into() } else { "nlp".into() },
+                    token_id: "t1".into(),
+                    ..Default::default()
+                })
+            })
+        });
+        let s = svc(dir.path(), LogsAuth::new(false, whoami));
+        // The token decides, not the certificate (an admin's here).
+        let admin = user(suanli_security::Role::Admin, None);
+        let denied = s.logs(request(Some(admin.clone()), Some("cv-token"))).await.map(|_| ()).expect_err("cv");
+        assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+        assert!(denied.message().contains("token:t1:bob(member,cv)"), "{denied:?}");
+        s.logs(request(Some(admin.clone()), Some("nlp-token"))).await.expect("nlp reads nlp");
+        s.logs(request(None, Some("nlp-token"))).await.expect("cached");
+        assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // A minute later (the answers are backdated).
+        for (at, _) in s.auth.cache.lock().expect("not poisoned").values_mut() {
+            *at = at.checked_sub(TOKEN_CACHE_TTL).expect("the clock runs longer than a minute");
+        }
+        s.logs(request(None, Some("nlp-token"))).await.expect("asked again");
+        assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 3);
     }
 }

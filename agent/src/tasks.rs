@@ -74,6 +74,10 @@ pub struct TaskRecord {
     /// The task's cgroup, when limits are enforced.
     #[serde(default)]
     pub cgroup: Option<String>,
+    /// The team of the job's queue: whose members may read the task's logs (empty: none
+    /// known; only admins and operators may).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub team: String,
 }
 
 /// `stop.json`.
@@ -956,6 +960,7 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
         shim: proc_id,
         started_at: sys::now_s(),
         cgroup: cgroup.as_ref().map(|p| p.display().to_string()),
+        team: a.team.clone(),
     };
     if let Err(e) = sys::write_atomic(&dir.join("task.json"), &serde_json::to_vec_pretty(&rec).unwrap_or_default()) {
         tracing::error!(error = %e, "writing task.json; the task runs but cannot be adopted after an agent restart");

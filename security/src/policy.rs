@@ -264,6 +264,23 @@ mod tests {
         assert_eq!(rule("/grpc.health.v1.Health/Check").map(|r| r.allow), Some(Allow::Anyone));
     }
 
+    /// docs/security.md holds the matrix between these markers.
+    const BEGIN: &str = "<!-- access-matrix:begin (policy::markdown_table; a test keeps it equal) -->\n";
+    const END: &str = "<!-- access-matrix:end -->";
+
+    #[test]
+    fn docs_hold_the_matrix_as_the_code_decides_it() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/security.md");
+        let doc = std::fs::read_to_string(path).expect("docs/security.md is readable");
+        let start = doc.find(BEGIN).expect("docs/security.md has the begin marker") + BEGIN.len();
+        let len = doc[start..].find(END).expect("docs/security.md has the end marker");
+        let want = markdown_table();
+        assert!(
+            doc[start..start + len] == want,
+            "docs/security.md's access matrix differs from the code; paste this between the markers:\n{want}"
+        );
+    }
+
     #[test]
     fn members_are_scoped_to_their_team_and_agents_to_their_node() {
         let submit = rule("/suanli.v1.Jobs/Submit").expect("rule");

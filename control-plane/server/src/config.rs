@@ -8,6 +8,9 @@ use suanli_raft::RaftSettings;
 use suanli_security::tls::TlsFiles;
 use thiserror::Error;
 
+/// Default of [`ServerConfig::max_token_ttl_s`]: 90 days.
+pub const DEFAULT_MAX_TOKEN_TTL_S: u64 = 90 * 24 * 3_600;
+
 /// Default of [`ServerConfig::max_list_bytes`]: 4 MiB less 64 KiB, so a page with its framing
 /// fits the 4 MiB receive limit of gRPC clients left at their defaults.
 pub const DEFAULT_MAX_LIST_BYTES: usize = 4 * 1024 * 1024 - 64 * 1024;
@@ -180,6 +183,15 @@ pub struct ServerConfig {
     /// Longest TLS handshake a listener waits for (a connection still handshaking then is
     /// dropped); handshakes run concurrently, so a slow one holds no other.
     pub tls_handshake_timeout_ms: u64,
+    /// Longest lifetime of a bearer token `Access.CreateToken` signs, in seconds (default 90
+    /// days; at most 10 years).
+    pub max_token_ttl_s: u64,
+    /// Calls per second one user (by identity) or one anonymous address may make on the client
+    /// listener, sustained; above it a call answers RESOURCE_EXHAUSTED. Nodes, servers and
+    /// callers of an `insecure` server are not limited. 0: no limit (docs/security.md).
+    pub rate_limit_per_s: u32,
+    /// Calls one caller may make at once above `rate_limit_per_s` (the token bucket's size).
+    pub rate_limit_burst: u32,
 }
 
 impl Default for ServerConfig {
@@ -220,6 +232,9 @@ impl Default for ServerConfig {
             insecure: false,
             tls_reload_interval_ms: 5_000,
             tls_handshake_timeout_ms: 10_000,
+            max_token_ttl_s: DEFAULT_MAX_TOKEN_TTL_S,
+            rate_limit_per_s: 200,
+            rate_limit_burst: 400,
         }
     }
 }
@@ -442,6 +457,11 @@ impl ServerConfig {
         range("clock_check_interval_ms", self.clock_check_interval_ms, 10, 60_000)?;
         range("tls_reload_interval_ms", self.tls_reload_interval_ms, 100, 3_600_000)?;
         range("tls_handshake_timeout_ms", self.tls_handshake_timeout_ms, 100, 600_000)?;
+        range("max_token_ttl_s", self.max_token_ttl_s, 1, 10 * 366 * 24 * 3_600)?;
+        range("rate_limit_per_s", self.rate_limit_per_s.into(), 0, 1_000_000)?;
+        if self.rate_limit_per_s > 0 {
+            range("rate_limit_burst", self.rate_limit_burst.into(), 1, 10_000_000)?;
+        }
         Ok(())
     }
 }
@@ -449,6 +469,17 @@ impl ServerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_lifetimes_are_bounded() {
+        assert_eq!(ServerConfig::default().max_token_ttl_s, 90 * 24 * 3600);
+        let c = ServerConfig::from_toml("max_token_ttl_s = 3600\n").expect("a valid ttl");
+        assert_eq!(c.max_token_ttl_s, 3600);
+        for bad in [0, 11 * 366 * 24 * 3600] {
+            let c = ServerConfig { max_token_ttl_s: bad, ..ServerConfig::default() };
+            assert_eq!(c.validate().expect_err("out of range").field, "max_token_ttl_s");
+        }
+    }
 
     #[test]
     fn unknown_keys_in_any_table_are_named() {
@@ -487,7 +518,8 @@ mod tests {
         let c = ServerConfig::from_toml("[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\n").expect("[tls]");
         assert_eq!(c.tls.as_ref().map(|t| t.key.as_path()), Some(Path::new("c")));
         c.validate().expect("valid");
-        let e = ServerConfig::from_toml("[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\ncrl = \"d\"\n").expect_err("unknown");
+        let e = ServerConfig::from_toml("[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\ncrl = \"d\"\n")
+            .expect_err("unknown");
         assert_eq!(e.field, "tls.crl", "{e}");
         let c = ServerConfig::from_toml("insecure = true\n").expect("insecure key");
         c.validate().expect("valid");
@@ -503,10 +535,7 @@ mod tests {
         let c = ServerConfig { heartbeat_ttl_ms: 10, ..insecure() };
         let e = c.validate().expect_err("ttl below twice the interval");
         assert_eq!(e.field, "heartbeat_ttl_ms", "{e}");
-        let c = ServerConfig {
-            peers: vec![Peer { id: 2, addr: "x:1".into(), peer_addr: None }],
-            ..insecure()
-        };
+        let c = ServerConfig { peers: vec![Peer { id: 2, addr: "x:1".into(), peer_addr: None }], ..insecure() };
         assert_eq!(c.validate().expect_err("self missing").field, "peers");
         let c = ServerConfig { bootstrap: true, join: Some("10.0.0.1:7400".into()), ..insecure() };
         assert_eq!(c.validate().expect_err("bootstrap and join").field, "bootstrap");

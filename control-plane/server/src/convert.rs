@@ -73,8 +73,7 @@ fn alloc_view(s: &State, a: &Alloc, job: Option<&Job>, view: JobView) -> pb::All
         checkpoint_signal: policy.map(|p| p.signal.as_str().to_owned()).unwrap_or_default(),
         checkpoint_interval_s: policy.map_or(0, |p| p.interval_s),
         checkpoint_store: if view == JobView::Full { s.config().checkpoint_store.clone() } else { String::new() },
-        // h-authz: the team of the job's queue.
-        team: String::new(),
+        team: crate::access::queue_team(s, job.map_or(&x.queue, |j| &j.spec.queue)).unwrap_or_default(),
         job_name: job.map(|j| j.spec.name.clone()).unwrap_or_default(),
         group_name: group.map(|g| g.name.clone()).unwrap_or_default(),
         command: task.map(|t| t.command.clone()).unwrap_or_default(),

@@ -18,6 +18,8 @@
 //! liveness on a follower, acknowledge a write before raft committed it, or keep heartbeats
 //! anywhere but in the leader's memory.
 
+mod access;
+mod access_api;
 mod agent;
 mod api;
 pub mod backup;
@@ -55,6 +57,7 @@ use crate::core::Core;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+use suanli_proto::v1::access_server::AccessServer;
 use suanli_proto::v1::agent_server::AgentServer;
 use suanli_proto::v1::cluster_server::ClusterServer;
 use suanli_proto::v1::internal_server::InternalServer;
@@ -183,10 +186,12 @@ pub async fn serve(
     let api = Api(core.clone(), batch::Batcher::start(core.clone()));
     let (health, health_server) = health::HealthServices::serving().await;
     let (reflection_v1, reflection_v1alpha) = health::reflection();
+    let access = access::Access::start(core.clone(), cfg.insecure);
     let clients = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .concurrency_limit_per_connection(cfg.max_concurrent_per_connection)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .layer(access.layer(suanli_security::policy::Listener::Client))
         .layer(oversize::layer())
         .add_service(bounded!(JobsServer, api.clone(), max))
         .add_service(bounded!(QueuesServer, api.clone(), max))
@@ -194,12 +199,14 @@ pub async fn serve(
         .add_service(bounded!(NodesServer, api.clone(), max))
         .add_service(bounded!(ClusterServer, api.clone(), max))
         .add_service(bounded!(AgentServer, AgentApi(core.clone()), max))
+        .add_service(bounded!(AccessServer, access_api::AccessApi(core.clone()), max))
         .add_service(health_server)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
     let peers = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .layer(access.layer(suanli_security::policy::Listener::Peer))
         .add_service(RaftService::new(raft.clone(), &settings).into_server(&settings))
         .add_service(bounded!(InternalServer, api.clone(), settings.max_message_bytes));
 
