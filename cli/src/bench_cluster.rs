@@ -348,7 +348,8 @@ async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Connection) -> R
     }
     let took = t.elapsed();
     let placed_during = placed(ch).await.saturating_sub(placed_before);
-    let fig = report(&format!("{} clients x {} jobs per call", a.batch_clients.max(1), a.batch_size), a.jobs, took, &mut lat);
+    let fig =
+        report(&format!("{} clients x {} jobs per call", a.batch_clients.max(1), a.batch_size), a.jobs, took, &mut lat);
     Ok((fig, placed_during))
 }
 

@@ -1,13 +1,13 @@
 //! Typed calls: one method per request the tools make, each through [`Connection::call`].
 
 use crate::backoff;
+use crate::conn::CallChannel as Channel;
 use crate::conn::Connection;
 use crate::error::ClientError;
 use std::future::Future;
 use std::time::Duration;
 use suanli_proto::v1 as pb;
 use tonic::Status;
-use crate::conn::CallChannel as Channel;
 
 /// Largest page the list calls ask for (the server may answer fewer, bounded in bytes).
 pub const PAGE: u32 = 500;

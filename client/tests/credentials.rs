@@ -5,17 +5,20 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use suanli_client::{ClientError, Connection, ConnectionConfig, pb};
+use suanli_security::Principal;
 use suanli_security::certs::{self, Leaf};
 use suanli_security::tls::{ClientAuth, PeerInfo, Tls};
-use suanli_security::Principal;
 use tonic::{Request, Response, Status};
 
-/// What the fake saw of each `Leader` call: the `authorization` header and the peer's identity.
+/// One `Leader` call as the fake saw it: the `authorization` header and the peer's identity.
+type Call = (Option<String>, Option<String>);
+
+/// What the fake saw of each `Leader` call.
 #[derive(Default, Clone)]
-struct Seen(Arc<Mutex<Vec<(Option<String>, Option<String>)>>>);
+struct Seen(Arc<Mutex<Vec<Call>>>);
 
 impl Seen {
-    fn all(&self) -> Vec<(Option<String>, Option<String>)> {
+    fn all(&self) -> Vec<Call> {
         self.0.lock().expect("the fake's lock").clone()
     }
 }
@@ -101,23 +104,17 @@ fn pki() -> tempfile::TempDir {
     let hosts: Vec<String> = certs::DEFAULT_HOSTS.iter().map(|h| (*h).to_owned()).collect();
     let admin = Principal::from_uri("suanli://user/admin?role=admin").expect("the admin's URI");
     let alice = Principal::from_uri("suanli://user/alice?role=member&team=nlp").expect("a member's URI");
-    certs::init(
-        &pki,
-        &[Leaf::server("server", &hosts), Leaf::user(admin), Leaf::user(alice)],
-        certs::DEFAULT_VALIDITY,
-    )
-    .expect("certs::init");
+    certs::init(&pki, &[Leaf::server("server", &hosts), Leaf::user(admin), Leaf::user(alice)], certs::DEFAULT_VALIDITY)
+        .expect("certs::init");
     dir
 }
 
 #[tokio::test]
 async fn a_token_travels_with_every_call_and_only_when_configured() {
     let (addr, seen) = serve(None).await;
-    let with = Connection::new(
-        std::slice::from_ref(&addr),
-        ConnectionConfig { token: Some("sl1.abc.def".into()), ..quick() },
-    )
-    .expect("a connection with a token");
+    let with =
+        Connection::new(std::slice::from_ref(&addr), ConnectionConfig { token: Some("sl1.abc.def".into()), ..quick() })
+            .expect("a connection with a token");
     with.leader().await.expect("a call with the token");
     // A stream's configuration (another ConnectionConfig) keeps the token.
     with.streaming().leader().await.expect("a call on the streaming connection");
@@ -129,11 +126,7 @@ async fn a_token_travels_with_every_call_and_only_when_configured() {
 
 #[test]
 fn a_bad_token_is_a_config_error_naming_the_field() {
-    for (token, why) in [
-        ("", "is empty"),
-        ("sl1.a b.c", "printable ASCII"),
-        ("sl1.ü.c", "printable ASCII"),
-    ] {
+    for (token, why) in [("", "is empty"), ("sl1.a b.c", "printable ASCII"), ("sl1.ü.c", "printable ASCII")] {
         let e = Connection::new(&["127.0.0.1:1".into()], ConnectionConfig { token: Some(token.into()), ..quick() })
             .expect_err("a bad token is refused");
         assert!(matches!(e, ClientError::Config { ref field, .. } if field == "token"), "{e}");
@@ -198,8 +191,9 @@ async fn mismatched_ends_fail_clearly_and_quickly() {
     let e = plain.leader().await.expect_err("plaintext to a TLS server fails");
     assert!(matches!(e, ClientError::NoServer { .. } | ClientError::Status(_)), "{e}");
     // A TLS client to a plaintext server.
-    let tls = Connection::new(std::slice::from_ref(&plain_addr), ConnectionConfig { tls: Some(admin.clone()), ..quick() })
-        .expect("a TLS connection");
+    let tls =
+        Connection::new(std::slice::from_ref(&plain_addr), ConnectionConfig { tls: Some(admin.clone()), ..quick() })
+            .expect("a TLS connection");
     let e = tls.leader().await.expect_err("TLS to a plaintext server fails");
     assert!(matches!(e, ClientError::NoServer { .. }), "{e}");
     // A client trusting another CA refuses the server's certificate, naming why.

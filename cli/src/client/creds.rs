@@ -69,7 +69,9 @@ impl CredArgs {
         let token = self.token.as_deref().map(str::trim).filter(|t| !t.is_empty()).map(str::to_owned);
         if self.insecure {
             if self.ca.is_some() || self.cert.is_some() {
-                bail!("--insecure: plaintext has no use for --ca, --cert or --key (SUANLI_CA, SUANLI_CERT, SUANLI_KEY); drop one or the other");
+                bail!(
+                    "--insecure: plaintext has no use for --ca, --cert or --key (SUANLI_CA, SUANLI_CERT, SUANLI_KEY); drop one or the other"
+                );
             }
             return Ok(Credentials { tls: None, token });
         }
@@ -137,12 +139,19 @@ mod tests {
         assert!(e.contains("need --ca"), "{e}");
         let e = err(CredArgs { ca: p("/x/ca.pem"), cert: p("/x/c.pem"), ..CredArgs::default() });
         assert!(e.contains("--cert and --key come together"), "{e}");
-        let e = err(CredArgs { ca: p("/nonexistent/ca.pem"), cert: p("/x/c.pem"), key: p("/x/k.pem"), ..CredArgs::default() });
+        let e = err(CredArgs {
+            ca: p("/nonexistent/ca.pem"),
+            cert: p("/x/c.pem"),
+            key: p("/x/k.pem"),
+            ..CredArgs::default()
+        });
         assert!(e.contains("--ca, --cert, --key") && e.contains("/nonexistent/ca.pem"), "names the file: {e}");
         let e = err(CredArgs { ca: p("/nonexistent/ca.pem"), token: Some("sl1.a.b".into()), ..CredArgs::default() });
         assert!(e.contains("--ca (SUANLI_CA)") && e.contains("/nonexistent/ca.pem"), "{e}");
         // Plaintext needs no file; a token still travels.
-        let c = CredArgs { insecure: true, token: Some(" sl1.a.b ".into()), ..CredArgs::default() }.load().expect("insecure");
+        let c = CredArgs { insecure: true, token: Some(" sl1.a.b ".into()), ..CredArgs::default() }
+            .load()
+            .expect("insecure");
         assert!(c.tls.is_none() && c.token.as_deref() == Some("sl1.a.b"));
     }
 

@@ -60,7 +60,10 @@ impl ConnArgs {
     /// library's defaults.
     fn connect(&self) -> anyhow::Result<Connection> {
         let c = self.creds.load()?;
-        Ok(Connection::new(&self.servers, ConnectionConfig { tls: c.tls, token: c.token, ..ConnectionConfig::default() })?)
+        Ok(Connection::new(
+            &self.servers,
+            ConnectionConfig { tls: c.tls, token: c.token, ..ConnectionConfig::default() },
+        )?)
     }
 }
 
