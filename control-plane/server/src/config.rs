@@ -499,7 +499,8 @@ mod tests {
         let c = ServerConfig::from_toml("[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\n").expect("[tls]");
         assert_eq!(c.tls.as_ref().map(|t| t.key.as_path()), Some(Path::new("c")));
         c.validate().expect("valid");
-        let e = ServerConfig::from_toml("[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\ncrl = \"d\"\n").expect_err("unknown");
+        let e = ServerConfig::from_toml("[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\ncrl = \"d\"\n")
+            .expect_err("unknown");
         assert_eq!(e.field, "tls.crl", "{e}");
         let c = ServerConfig::from_toml("insecure = true\n").expect("insecure key");
         c.validate().expect("valid");
@@ -515,10 +516,7 @@ mod tests {
         let c = ServerConfig { heartbeat_ttl_ms: 10, ..insecure() };
         let e = c.validate().expect_err("ttl below twice the interval");
         assert_eq!(e.field, "heartbeat_ttl_ms", "{e}");
-        let c = ServerConfig {
-            peers: vec![Peer { id: 2, addr: "x:1".into(), peer_addr: None }],
-            ..insecure()
-        };
+        let c = ServerConfig { peers: vec![Peer { id: 2, addr: "x:1".into(), peer_addr: None }], ..insecure() };
         assert_eq!(c.validate().expect_err("self missing").field, "peers");
         let c = ServerConfig { bootstrap: true, join: Some("10.0.0.1:7400".into()), ..insecure() };
         assert_eq!(c.validate().expect_err("bootstrap and join").field, "bootstrap");
