@@ -11,6 +11,9 @@ use std::time::Duration;
 /// Largest configuration file read (bytes).
 pub const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
 
+/// Most digests `plugin_sha256` may list.
+pub const MAX_PLUGIN_SHA256: usize = 256;
+
 /// A configuration the agent cannot run with.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -80,6 +83,11 @@ pub struct AgentConfig {
     pub plugins: Option<Vec<String>>,
     /// Per-plugin settings by file stem.
     pub plugin_config: BTreeMap<String, PluginSettings>,
+    /// The SHA-256 digests (64 hex digits) of the plugin libraries the agent may load. When
+    /// set, a library whose digest is not listed is refused before it is loaded, whatever its
+    /// name; unset (the default): any library that passes the ownership and permission checks.
+    /// At most 256 entries.
+    pub plugin_sha256: Option<Vec<String>>,
     /// Address the task log service (`AgentLogs`) listens on; port 0 picks a free one.
     pub listen: String,
     /// Address others reach the log service at (default: the bound address). Set it when
@@ -169,6 +177,19 @@ pub struct AgentConfig {
     pub disk_pressure_free_percent: u64,
     /// How often the free space of `data_dir` is measured.
     pub disk_check_interval_ms: u64,
+    /// Plaintext to the servers and on the log service, with no identities: only for a cluster
+    /// whose servers run `--insecure` (a warning at every start). Without it, `[tls]` is
+    /// required.
+    pub insecure: bool,
+    /// How often the `[tls]` files are checked for a change (a new certificate is used for new
+    /// connections; SIGHUP reloads at once).
+    pub tls_reload_interval_ms: u64,
+    /// Deadline of one TLS handshake on the log service.
+    pub tls_handshake_timeout_ms: u64,
+    /// The node's TLS files (`[tls]`: `ca`, `cert`, `key`): the cluster's CA, the node's
+    /// certificate (`suanli://node/<node_id>`, e.g. `suanli tls issue DIR --node ID`) and its
+    /// key. It is presented to the servers and on the log service.
+    pub tls: Option<suanli_security::tls::TlsFiles>,
 }
 
 fn default_node_id() -> String {
@@ -190,6 +211,7 @@ impl Default for AgentConfig {
             plugin_dir: PathBuf::from("/usr/lib/suanli/plugins"),
             plugins: None,
             plugin_config: BTreeMap::new(),
+            plugin_sha256: None,
             listen: "127.0.0.1:0".into(),
             advertise: None,
             cpu_milli: None,
@@ -226,6 +248,10 @@ impl Default for AgentConfig {
             disk_pressure_free_bytes: 1 << 30,
             disk_pressure_free_percent: 0,
             disk_check_interval_ms: 1_000,
+            insecure: false,
+            tls_reload_interval_ms: 5_000,
+            tls_handshake_timeout_ms: 10_000,
+            tls: None,
         }
     }
 }
@@ -336,6 +362,20 @@ impl AgentConfig {
                 return Err(invalid(format!("plugin_config.{k}.options"), "at most 256 entries"));
             }
         }
+        if let Some(list) = &self.plugin_sha256 {
+            if list.len() > MAX_PLUGIN_SHA256 {
+                return Err(invalid("plugin_sha256", format!("{} entries; at most {MAX_PLUGIN_SHA256}", list.len())));
+            }
+            for (i, d) in list.iter().enumerate() {
+                if d.len() != 64 || !d.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    let shown: String = d.chars().take(80).collect();
+                    return Err(invalid(
+                        format!("plugin_sha256[{i}]"),
+                        format!("{shown:?} is not a SHA-256 digest: 64 hex digits (`sha256sum FILE` prints it)"),
+                    ));
+                }
+            }
+        }
         self.listen
             .parse::<SocketAddr>()
             .map_err(|e| invalid("listen", format!("{:?} is not IP:PORT: {e}", self.listen)))?;
@@ -393,7 +433,36 @@ impl AgentConfig {
         check_ms("disk_pressure_free_bytes", self.disk_pressure_free_bytes, 0, 1 << 50)?;
         check_ms("disk_pressure_free_percent", self.disk_pressure_free_percent, 0, 99)?;
         check_ms("disk_check_interval_ms", self.disk_check_interval_ms, 100, 600_000)?;
+        check_ms("tls_reload_interval_ms", self.tls_reload_interval_ms, 100, 86_400_000)?;
+        check_ms("tls_handshake_timeout_ms", self.tls_handshake_timeout_ms, 100, 600_000)?;
+        match (&self.tls, self.insecure) {
+            (None, false) => {
+                return Err(invalid(
+                    "tls",
+                    "no [tls] table (ca, cert, key: the cluster's CA and this node's certificate, e.g. from \
+                     `suanli tls issue DIR --node ID`, or `suanli agent --tls-dir DIR`); set `insecure = true` \
+                     (`--insecure`) only for servers started --insecure",
+                ));
+            }
+            (Some(_), true) => {
+                return Err(invalid("tls", "[tls] and insecure = true are both set; choose one"));
+            }
+            (Some(t), false) => {
+                for (field, path) in [("tls.ca", &t.ca), ("tls.cert", &t.cert), ("tls.key", &t.key)] {
+                    if path.as_os_str().is_empty() {
+                        return Err(invalid(field, "must not be empty"));
+                    }
+                }
+            }
+            (None, true) => {}
+        }
         Ok(())
+    }
+
+    /// The files of a `suanli tls init` directory for node `node_id`: `DIR/ca.pem`,
+    /// `DIR/node-<node_id>.pem`, `DIR/node-<node_id>-key.pem`.
+    pub fn tls_dir_files(dir: &Path, node_id: &str) -> suanli_security::tls::TlsFiles {
+        suanli_security::certs::paths(dir, &format!("node-{node_id}"))
     }
 
     pub(crate) fn ms(v: u64) -> Duration {
@@ -411,14 +480,36 @@ impl AgentConfig {
 mod tests {
     use super::*;
 
+    /// A config with TLS files (not read by `validate`).
+    fn with_tls(extra: &str) -> String {
+        format!("{extra}\n[tls]\nca = \"/p/ca.pem\"\ncert = \"/p/node-n1.pem\"\nkey = \"/p/node-n1-key.pem\"\n")
+    }
+
     #[test]
-    fn defaults_are_valid() {
-        AgentConfig::default().validate().unwrap();
+    fn defaults_are_valid_once_tls_or_insecure_is_chosen() {
+        let e = AgentConfig::default().validate().unwrap_err().to_string();
+        assert!(e.starts_with("agent config: tls: no [tls] table") && e.contains("insecure = true"), "{e}");
+        AgentConfig { insecure: true, ..AgentConfig::default() }.validate().unwrap();
+        let c = AgentConfig::from_toml(&with_tls("")).unwrap();
+        assert_eq!(c.tls.unwrap().cert, PathBuf::from("/p/node-n1.pem"));
+        AgentConfig::from_toml("insecure = true").unwrap();
+        let e = AgentConfig::from_toml(&with_tls("insecure = true")).unwrap_err().to_string();
+        assert!(e.contains("tls: [tls] and insecure = true are both set"), "{e}");
+        let e = AgentConfig::from_toml("[tls]\nca = \"/c\"\ncert = \"/c\"").unwrap_err().to_string();
+        assert!(e.contains("key"), "a missing key is named: {e}");
+        let e = AgentConfig::from_toml("[tls]\nca = \"\"\ncert = \"/c\"\nkey = \"/k\"").unwrap_err().to_string();
+        assert!(e.contains("tls.ca: must not be empty"), "{e}");
+        let e = AgentConfig::from_toml(&with_tls("tls_handshake_timeout_ms = 0")).unwrap_err().to_string();
+        assert!(e.contains("tls_handshake_timeout_ms"), "{e}");
+        assert_eq!(
+            AgentConfig::tls_dir_files(Path::new("/d"), "gpu-1").key,
+            PathBuf::from("/d/node-gpu-1-key.pem")
+        );
     }
 
     #[test]
     fn errors_name_the_field() {
-        let e = AgentConfig::from_toml("servers = []").unwrap_err().to_string();
+        let e = AgentConfig::from_toml("insecure = true\nservers = []").unwrap_err().to_string();
         assert!(e.contains("servers") && e.contains("1 to 16"), "{e}");
         let e = AgentConfig::from_toml("servers = [\"nohost\"]").unwrap_err().to_string();
         assert!(e.contains("servers[0]"), "{e}");
@@ -430,6 +521,10 @@ mod tests {
         assert!(e.contains("nodeid"), "{e}");
         let e = AgentConfig::from_toml("plugins = [\"../x\"]").unwrap_err().to_string();
         assert!(e.contains("plugins[0]"), "{e}");
+        let e = AgentConfig::from_toml("plugin_sha256 = [\"abc\"]").unwrap_err().to_string();
+        assert!(e.contains("plugin_sha256[0]") && e.contains("64 hex digits"), "{e}");
+        let ok = format!("plugin_sha256 = [{:?}, {:?}]", "ab".repeat(32), "CD".repeat(32));
+        assert_eq!(AgentConfig::from_toml(&ok).unwrap().plugin_sha256.map(|l| l.len()), Some(2));
         let e = AgentConfig::from_toml("stop_grace_min_ms = 10\nstop_grace_max_ms = 5").unwrap_err().to_string();
         assert!(e.contains("stop_grace_max_ms"), "{e}");
         let e = AgentConfig::from_toml("fence_after_ms = 5").unwrap_err().to_string();
@@ -442,9 +537,9 @@ mod tests {
         assert!(e.contains("disk_pressure_free_percent") && e.contains("between 0 and 99"), "{e}");
         let e = AgentConfig::from_toml("disk_check_interval_ms = 1").unwrap_err().to_string();
         assert!(e.contains("disk_check_interval_ms"), "{e}");
-        let c = AgentConfig::from_toml("disk_pressure_free_bytes = 0\ntask_disk_max_bytes = 0").unwrap();
+        let c = AgentConfig::from_toml("insecure = true\ndisk_pressure_free_bytes = 0\ntask_disk_max_bytes = 0").unwrap();
         assert_eq!((c.disk_pressure_free_bytes, c.task_disk_max_bytes), (0, 0), "0: off");
-        let c = AgentConfig::from_toml("fence = false\nfollow_leader_hints = false\nfence_after_ms = 0").unwrap();
+        let c = AgentConfig::from_toml("insecure = true\nfence = false\nfollow_leader_hints = false\nfence_after_ms = 0").unwrap();
         assert!(!c.fence && !c.follow_leader_hints && c.fence_after_ms == 0);
     }
 
@@ -463,6 +558,10 @@ plugins = ["libsuanli_plugin_fake"]
 [plugin_config.libsuanli_plugin_fake]
 config_path = "/etc/fake.toml"
 options = { seed = "1" }
+[tls]
+ca = "/etc/suanli/tls/ca.pem"
+cert = "/etc/suanli/tls/node-gpu-a-001.pem"
+key = "/etc/suanli/tls/node-gpu-a-001-key.pem"
 "#,
         )
         .unwrap();

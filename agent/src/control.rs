@@ -29,7 +29,7 @@ use suanli_client::{ClientError, Connection, ConnectionConfig, LeaderHints};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_client::AgentClient;
 use tonic::Code;
-use tonic::transport::Channel;
+use suanli_client::CallChannel;
 
 /// The retry delays of the agent's loops (registration, the watch, reports): from
 /// `retry_backoff_min_ms` doubling to `retry_backoff_max_ms`, as long as the agent runs.
@@ -67,7 +67,9 @@ fn retriable(c: Code) -> bool {
 }
 
 impl Servers {
-    pub fn new(cfg: &AgentConfig) -> anyhow::Result<Servers> {
+    /// Connections to `cfg.servers`, over `tls` (the node's certificate) unless the agent runs
+    /// insecure.
+    pub fn new(cfg: &AgentConfig, tls: Option<suanli_security::tls::Tls>) -> anyhow::Result<Servers> {
         let conn = ConnectionConfig {
             connect_timeout: AgentConfig::ms(cfg.connect_timeout_ms),
             request_timeout: Some(AgentConfig::ms(cfg.rpc_timeout_ms)),
@@ -77,6 +79,7 @@ impl Servers {
             // balancer: only a listed one is dialed.
             hints: if cfg.follow_leader_hints { LeaderHints::KnownOnly } else { LeaderHints::Ignore },
             move_on: retriable,
+            tls,
             ..ConnectionConfig::default()
         };
         let unary = Connection::new(&cfg.servers, conn).map_err(|e| anyhow::anyhow!("servers: {e}"))?;
@@ -144,7 +147,7 @@ impl Servers {
     /// and past a hung server (no answer within `first_answer_ms`, nor to a probe).
     pub async fn call<T, F, Fut>(&self, f: F) -> Result<T, ClientError>
     where
-        F: Fn(AgentClient<Channel>) -> Fut,
+        F: Fn(AgentClient<CallChannel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         self.unary.call(|ch| f(self.unary.agent(ch))).await
@@ -648,18 +651,18 @@ mod tests {
             data_dir: dir.path().to_owned(),
             ..AgentConfig::default()
         };
-        let s = Servers::new(&cfg).unwrap();
+        let s = Servers::new(&cfg, None).unwrap();
         assert_eq!(s.addrs(), ["127.0.0.1:7400"]);
         // A member list naming the configured server, two others, and garbage.
         s.learn(&["127.0.0.1:7402".into(), "127.0.0.1:7400".into(), "127.0.0.1:7401".into(), "no port".into()]);
         assert_eq!(s.addrs(), ["127.0.0.1:7400", "127.0.0.1:7401", "127.0.0.1:7402"]);
         // Kept across a restart.
-        let again = Servers::new(&cfg).unwrap();
+        let again = Servers::new(&cfg, None).unwrap();
         assert_eq!(again.addrs(), s.addrs());
         // A member removed from the cluster is dropped; the configured one never is.
         s.learn(&["127.0.0.1:7401".into()]);
         assert_eq!(s.addrs(), ["127.0.0.1:7400", "127.0.0.1:7401"]);
-        assert_eq!(Servers::new(&cfg).unwrap().addrs(), ["127.0.0.1:7400", "127.0.0.1:7401"]);
+        assert_eq!(Servers::new(&cfg, None).unwrap().addrs(), ["127.0.0.1:7400", "127.0.0.1:7401"]);
     }
 
     fn rep(status: pb::AllocReport) -> Report {

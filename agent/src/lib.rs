@@ -45,6 +45,7 @@ mod tasks;
 pub use config::{AgentConfig, ConfigError, PluginSettings};
 pub use journal::{JournalDevice, JournalEntry, JournalEvent, read_journal};
 pub use lease::Lease;
+pub use plugins::{PluginCheck, Refused, check_plugins, file_sha256};
 pub use shim::{ExitRecord, ShimArgs};
 pub use tasks::TaskRecord;
 
@@ -53,6 +54,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use suanli_model::{Node, NodeId, PoolId};
+use suanli_security::tls::ClientAuth;
 use tokio::sync::{Notify, watch};
 
 /// Everything the agent's loops share.
@@ -162,7 +164,7 @@ pub(crate) async fn test_agent(mut cfg: AgentConfig) -> Arc<Agent> {
         node_id: "n1".into(),
         agent_addr: String::new(),
         plugins,
-        servers: control::Servers::new(&cfg).expect("test servers"),
+        servers: control::Servers::new(&cfg, None).expect("test servers"),
         cgroups: None,
         reporter: control::Reporter::default(),
         tasks: Mutex::new(tasks::Tasks::default()),
@@ -187,6 +189,29 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
         .with_context(|| format!("data_dir: creating {}", cfg.allocs_dir().display()))?;
     let _lock = lock_data_dir(&cfg.data_dir)?;
     reserve_lease(&cfg.data_dir.join(lease::LEASE_FILE));
+    let tls = match &cfg.tls {
+        Some(files) => {
+            let tls = suanli_security::tls::Tls::load(files.clone()).context("tls")?;
+            match tls.own_identity() {
+                Some(suanli_security::Principal::Node { name }) if name == cfg.node_id => {}
+                other => tracing::warn!(
+                    cert = %files.cert.display(),
+                    names = ?other.as_ref().and_then(suanli_security::Principal::to_uri),
+                    node = %cfg.node_id,
+                    "the node certificate does not name this node (suanli://node/<node_id>): the servers will refuse its calls"
+                ),
+            }
+            Some(tls)
+        }
+        None => {
+            tracing::warn!(
+                "insecure = true: plaintext to the servers and on the log service, no identities; only for servers started --insecure"
+            );
+            None
+        }
+    };
+    // New connections pick up a rotated certificate; SIGHUP reloads at once.
+    let reloader = tls.as_ref().map(|t| t.spawn_reloader(AgentConfig::ms(cfg.tls_reload_interval_ms)));
     let listener =
         tokio::net::TcpListener::bind(&cfg.listen).await.with_context(|| format!("listen: binding {}", cfg.listen))?;
     let bound = listener.local_addr().context("listen: local address")?;
@@ -225,7 +250,7 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
     let plugins = Arc::new(plugins::Plugins::load(&cfg, &node_id).await);
     tracing::info!(node = %node_id, plugins = ?plugins.names(), devices = plugins.devices().len(), "plugins loaded");
     let (stop_tx, stop_rx) = watch::channel(false);
-    let servers = control::Servers::new(&cfg)?;
+    let servers = control::Servers::new(&cfg, tls.clone())?;
     let agent = Arc::new(Agent {
         node_id,
         agent_addr,
@@ -265,14 +290,23 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
         }),
     };
     let mut stop_logs = stop_rx.clone();
+    let handshake = AgentConfig::ms(agent.cfg.tls_handshake_timeout_ms);
     loops.spawn(async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-        let r = tonic::transport::Server::builder()
-            .add_service(suanli_proto::v1::agent_logs_server::AgentLogsServer::new(svc))
-            .serve_with_incoming_shutdown(incoming, async move {
-                let _ = stop_logs.changed().await;
-            })
-            .await;
+        let svc = suanli_proto::v1::agent_logs_server::AgentLogsServer::new(svc);
+        let stopped = async move {
+            let _ = stop_logs.changed().await;
+        };
+        let r = match tls {
+            // Users without a certificate may read logs with a token (logs.rs checks who).
+            Some(tls) => {
+                let incoming = suanli_security::tls::incoming(listener, tls, ClientAuth::Optional, handshake);
+                tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(incoming, stopped).await
+            }
+            None => {
+                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(incoming, stopped).await
+            }
+        };
         if let Err(e) = r {
             tracing::error!(error = %e, "the log service stopped");
         }
@@ -286,6 +320,9 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
     let _ = stop_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(5), async { while loops.join_next().await.is_some() {} }).await;
     loops.abort_all();
+    if let Some(r) = reloader {
+        r.abort();
+    }
     plugins.shutdown().await;
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! node's device table built from their inventories, device health, stats, and reservations.
 //!
 //! ```text
-//!  plugin_dir/*.so ─check_file_permissions─▶ PluginProcess::start ─▶ fingerprint ─▶ devices
+//!  plugin_dir/*.so ─check_file_permissions─▶ plugin_sha256 (when set) ─▶ PluginProcess::start ─▶ fingerprint ─▶ devices
 //!        monitor (per plugin): state changes, health events ~1/s, stats, fingerprint ~30 s
 //!        Down ─▶ its devices unhealthy ("plugin X is down: …") ─▶ heartbeat now
 //!        Up again + fingerprint ok ─▶ healthy again (re-register if the inventory changed)
@@ -13,7 +13,8 @@
 
 use crate::config::AgentConfig;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::io::Read as _;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -62,9 +63,76 @@ pub(crate) struct LocalDevice {
     pub owner: usize,
 }
 
+/// A plugin library the agent did not load, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    /// The library's file stem.
+    pub stem: String,
+    /// The library.
+    pub path: PathBuf,
+    /// Why (names the file and the check it failed).
+    pub reason: String,
+}
+
+/// What loading the configured plugins gave ([`check_plugins`]).
+#[derive(Debug, Clone, Default)]
+pub struct PluginCheck {
+    /// File stems of the plugins whose plugin-host child loaded the library and said hello, in
+    /// load order.
+    pub loaded: Vec<String>,
+    /// The libraries refused (permissions, `plugin_sha256`, a failed start).
+    pub refused: Vec<Refused>,
+}
+
+/// Loads the plugins `cfg` names exactly as `suanli agent` does at start (permission and
+/// `plugin_sha256` checks, a supervised plugin-host child each, one fingerprint), says which
+/// loaded and which were refused, and stops them again.
+pub async fn check_plugins(cfg: &AgentConfig) -> PluginCheck {
+    let p = Plugins::load(cfg, &cfg.node_id).await;
+    let check = PluginCheck { loaded: p.names(), refused: p.refused.clone() };
+    p.shutdown().await;
+    check
+}
+
+/// The SHA-256 of a file as 64 lowercase hex digits, read in 64 KiB chunks.
+pub fn file_sha256(path: &Path) -> std::io::Result<String> {
+    let mut f = std::fs::File::open(path)?;
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => ctx.update(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(ctx.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Refuses a library whose SHA-256 is not in `allowed` (the `plugin_sha256` allow-list;
+/// compared without regard to case). Checked before the library is loaded anywhere.
+fn check_sha256(path: &Path, allowed: &[String]) -> Result<(), String> {
+    let digest = file_sha256(path).map_err(|e| {
+        format!("{}: cannot read it to check its SHA-256 against the agent config's plugin_sha256: {e}", path.display())
+    })?;
+    if allowed.iter().any(|a| a.eq_ignore_ascii_case(&digest)) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: its SHA-256 {digest} is not listed in the agent config's plugin_sha256 ({} digests); \
+             add it there to allow this library",
+            path.display(),
+            allowed.len()
+        ))
+    }
+}
+
 /// The loaded plugins and the node's devices.
 pub(crate) struct Plugins {
     list: Vec<Arc<Plugin>>,
+    /// The libraries refused at load.
+    refused: Vec<Refused>,
     /// Health or inventory changed: heartbeat (or re-register) now.
     pub changed: Arc<Notify>,
     /// Set when an inventory changed shape (devices added, removed or changed).
@@ -163,9 +231,18 @@ impl Plugins {
     pub async fn load(cfg: &AgentConfig, node_id: &str) -> Plugins {
         let opts = options(cfg);
         let mut list = Vec::new();
+        let mut refused = Vec::new();
         for (stem, path) in candidates(cfg) {
             if let Err(e) = suanli_device_host::host::check_file_permissions(&path) {
                 tracing::error!(plugin = %stem, path = %path.display(), error = %e, "REFUSING device plugin: unsafe file permissions");
+                refused.push(Refused { stem, path, reason: e.to_string() });
+                continue;
+            }
+            if let Some(allowed) = &cfg.plugin_sha256
+                && let Err(reason) = check_sha256(&path, allowed)
+            {
+                tracing::error!(plugin = %stem, path = %path.display(), error = %reason, "REFUSING device plugin: not in plugin_sha256");
+                refused.push(Refused { stem, path, reason });
                 continue;
             }
             let s = settings(cfg, &stem);
@@ -186,11 +263,13 @@ impl Plugins {
                 }
                 Err(e) => {
                     tracing::error!(plugin = %stem, path = %path.display(), error = %e, "REFUSING device plugin: it did not start");
+                    refused.push(Refused { stem, path, reason: e.to_string() });
                 }
             }
         }
         let p = Plugins {
             list,
+            refused,
             changed: Arc::new(Notify::new()),
             inventory_changed: Arc::new(AtomicBool::new(false)),
             stats_every_ms: Arc::new(AtomicU64::new(1000)),

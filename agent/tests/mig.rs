@@ -26,8 +26,9 @@ fn fake_so() -> PathBuf {
     if so.exists() { so } else { target_dir().join("deps/libsuanli_plugin_fake.so") }
 }
 
+/// A channel as the local PKI's admin (the cluster runs mutual TLS).
 async fn channel(addr: &str) -> tonic::transport::Channel {
-    tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap()
+    suanli_server::local::channel(addr).await.unwrap()
 }
 
 const MIG_NODE: &str = r#"
@@ -62,14 +63,19 @@ async fn a_gpu_and_its_mig_partitions_are_never_booked_at_once() {
     std::fs::set_permissions(plugins.join("libsuanli_plugin_fake.so"), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(&plugins, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::write(dir.path().join("fake.toml"), MIG_NODE).unwrap();
+    let node = suanli_server::local::LocalPki::get().node("mig-node");
     let toml = format!(
         "servers = [{addr:?}]\nnode_id = \"mig-node\"\ndata_dir = {data:?}\nplugin_dir = {plugins:?}\nplugins = [\"fake\"]\n\
          cpu_milli = 64000\nmemory_mib = 65536\nstop_grace_min_ms = 1000\ncgroups = false\nshim_cmd = [{bin:?}, \"task-shim\"]\nhost_cmd = [{bin:?}, \"plugin-host\"]\n\
-         [plugin_config.fake]\nconfig_path = {fake:?}\n",
+         [plugin_config.fake]\nconfig_path = {fake:?}\n\
+         [tls]\nca = {ca:?}\ncert = {cert:?}\nkey = {key:?}\n",
         data = dir.path().join("data").display().to_string(),
         plugins = plugins.display().to_string(),
         bin = bin().display().to_string(),
         fake = dir.path().join("fake.toml").display().to_string(),
+        ca = node.ca.display().to_string(),
+        cert = node.cert.display().to_string(),
+        key = node.key.display().to_string(),
     );
     let cfg = suanli_agent::AgentConfig::from_toml(&toml).unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

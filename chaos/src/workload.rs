@@ -19,7 +19,7 @@ use suanli_proto::v1::jobs_client::JobsClient;
 use suanli_proto::v1::queues_client::QueuesClient;
 use suanli_scheduler::DetRng;
 use tonic::Code;
-use tonic::transport::Channel;
+use suanli_client::CallChannel;
 
 /// What each client does.
 #[derive(Debug, Clone)]
@@ -151,7 +151,7 @@ impl Client {
     /// server asked, in order, and the final result.
     async fn attempt<T, F, Fut>(&mut self, f: F) -> (Vec<usize>, Result<T, ClientError>)
     where
-        F: FnMut(Channel) -> Fut,
+        F: FnMut(CallChannel) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let first = self.pick_server();

@@ -30,6 +30,13 @@ pub struct AgentArgs {
     /// Address of the task log service (IP:PORT; port 0 picks one).
     #[arg(long, env = "SUANLI_AGENT_LISTEN")]
     pub listen: Option<String>,
+    /// TLS files from a `suanli tls init` directory: DIR/ca.pem, DIR/node-<node id>.pem and
+    /// DIR/node-<node id>-key.pem (replaces the config's `[tls]`).
+    #[arg(long, env = "SUANLI_AGENT_TLS_DIR", conflicts_with = "insecure")]
+    pub tls_dir: Option<PathBuf>,
+    /// Plaintext, no identities: only for servers started --insecure (a warning at every start).
+    #[arg(long, env = "SUANLI_AGENT_INSECURE")]
+    pub insecure: bool,
 }
 
 impl AgentArgs {
@@ -57,6 +64,14 @@ impl AgentArgs {
         }
         if let Some(v) = &self.listen {
             c.listen = v.clone();
+        }
+        if let Some(d) = &self.tls_dir {
+            c.tls = Some(AgentConfig::tls_dir_files(d, &c.node_id));
+            c.insecure = false;
+        }
+        if self.insecure {
+            c.tls = None;
+            c.insecure = true;
         }
         c.validate()?;
         Ok(c)

@@ -1,5 +1,7 @@
 //! `suanli bench submit` and `suanli bench failover`: real `suanli server` processes on
-//! loopback (this same binary), RocksDB with fsync before every acknowledgement.
+//! loopback (this same binary), RocksDB with fsync before every acknowledgement, over mutual
+//! TLS (the local PKI's admin certificate; `--compare-insecure` measures the same load on a
+//! plaintext `--insecure` cluster in the same run).
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
@@ -7,9 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use suanli_client::backoff::Backoff;
-use suanli_client::{Connection, ConnectionConfig, pb};
-use suanli_server::local::ProcessCluster;
-use tonic::transport::Channel;
+use suanli_client::{CallChannel as Channel, Connection, ConnectionConfig, pb};
+use suanli_server::local::{LocalPki, ProcessCluster};
 
 /// Flags of `suanli bench submit`.
 #[derive(Args, Debug)]
@@ -45,6 +46,10 @@ pub struct SubmitArgs {
     /// instead of connecting them all to the leader.
     #[arg(long)]
     pub spread: bool,
+    /// Run the same load twice in this command, on a TLS cluster and on an `--insecure`
+    /// (plaintext) one, and print both with the ratio TLS / insecure (throughput, p50, p99).
+    #[arg(long)]
+    pub compare_insecure: bool,
 }
 
 /// Flags of `suanli bench failover`.
@@ -80,16 +85,44 @@ fn job(i: usize) -> String {
     )
 }
 
-async fn start(servers: usize, extra: &[&str]) -> Result<(ProcessCluster, usize)> {
+/// How the benchmark's cluster runs: mutual TLS with the local PKI, or plaintext.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wire {
+    Tls,
+    Insecure,
+}
+
+impl Wire {
+    fn name(self) -> &'static str {
+        match self {
+            Wire::Tls => "TLS",
+            Wire::Insecure => "insecure",
+        }
+    }
+
+    /// The client side: the local PKI's admin, or plaintext.
+    fn config(self, cfg: ConnectionConfig) -> ConnectionConfig {
+        match self {
+            Wire::Tls => ConnectionConfig { tls: Some(LocalPki::get().admin_tls()), ..cfg },
+            Wire::Insecure => ConnectionConfig { tls: None, ..cfg },
+        }
+    }
+}
+
+async fn start(servers: usize, extra: &[&str], wire: Wire) -> Result<(ProcessCluster, usize)> {
     let exe = std::env::current_exe().context("locating the suanli binary")?;
-    let c = ProcessCluster::start(&exe, servers, extra).context("starting servers")?;
+    let mut flags = extra.to_vec();
+    if wire == Wire::Insecure {
+        flags.push("--insecure");
+    }
+    let c = ProcessCluster::start(&exe, servers, &flags).context("starting servers")?;
     let leader = c.wait_leader(Duration::from_secs(60)).await.map_err(|e| anyhow!(e))?;
     Ok((c, leader))
 }
 
 /// A connection to one server (the benchmark chooses where each client's calls go).
-fn connect(addr: &str) -> Result<Arc<Connection>> {
-    Ok(Arc::new(Connection::new(&[addr.to_owned()], ConnectionConfig::default())?))
+fn connect(addr: &str, wire: Wire) -> Result<Arc<Connection>> {
+    Ok(Arc::new(Connection::new(&[addr.to_owned()], wire.config(ConnectionConfig::default()))?))
 }
 
 async fn create_queue(conn: &Connection) -> Result<()> {
@@ -120,15 +153,31 @@ async fn placed(conn: &Connection) -> u64 {
     }
 }
 
-fn report(what: &str, n: usize, took: Duration, lat: &mut [Duration]) {
+/// One phase's figures: acknowledgements per second and call latencies.
+#[derive(Debug, Clone, Copy, Default)]
+struct Figure {
+    rate: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+fn report(what: &str, n: usize, took: Duration, lat: &mut [Duration]) -> Figure {
     lat.sort();
+    let f = Figure { rate: n as f64 / took.as_secs_f64(), p50: pct(lat, 0.5), p99: pct(lat, 0.99) };
     println!(
         "{what:<34} {n:>7} acks in {:>6.2} s = {:>8.0}/s   latency p50 {:>6.2} ms  p99 {:>6.2} ms",
         took.as_secs_f64(),
-        n as f64 / took.as_secs_f64(),
-        ms(pct(lat, 0.5)),
-        ms(pct(lat, 0.99))
+        f.rate,
+        ms(f.p50),
+        ms(f.p99)
     );
+    f
+}
+
+/// The figures of one run of `bench submit`, by phase.
+#[derive(Debug, Clone, Default)]
+struct Run {
+    phases: Vec<(&'static str, Figure)>,
 }
 
 /// `suanli bench submit`.
@@ -137,10 +186,40 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         bail!("--clients, --connections and --servers must be at least 1");
     }
     rt()?.block_on(async move {
-        let (c, leader) = start(a.servers, &["--heartbeat-ttl-ms", "3600000"]).await?;
+        println!("== over mutual TLS (the local PKI's admin certificate)");
+        let tls = submit_run(&a, Wire::Tls).await?;
+        if !a.compare_insecure {
+            return Ok(());
+        }
+        println!("== the same load, plaintext (servers --insecure)");
+        let plain = submit_run(&a, Wire::Insecure).await?;
+        println!("== TLS / insecure, same run");
+        for ((what, t), (_, p)) in tls.phases.iter().zip(&plain.phases) {
+            println!(
+                "{what:<14} throughput {:>8.0}/s vs {:>8.0}/s = {:.2}x   p50 {:>6.2} vs {:>6.2} ms = {:.2}x   p99 {:>6.2} vs {:>6.2} ms = {:.2}x",
+                t.rate,
+                p.rate,
+                t.rate / p.rate.max(1e-9),
+                ms(t.p50),
+                ms(p.p50),
+                ms(t.p50) / ms(p.p50).max(1e-9),
+                ms(t.p99),
+                ms(p.p99),
+                ms(t.p99) / ms(p.p99).max(1e-9),
+            );
+        }
+        Ok(())
+    })
+}
+
+/// One run of `bench submit` on a new cluster over `wire`.
+async fn submit_run(a: &SubmitArgs, wire: Wire) -> Result<Run> {
+    let mut run = Run::default();
+    {
+        let (c, leader) = start(a.servers, &["--heartbeat-ttl-ms", "3600000"], wire).await?;
         let addr = c.addrs[leader].clone();
-        println!("{} servers on loopback, RocksDB fsync before every ack; leader {addr}", a.servers);
-        let ch = connect(&addr)?;
+        println!("{} servers on loopback ({}), RocksDB fsync before every ack; leader {addr}", a.servers, wire.name());
+        let ch = connect(&addr, wire)?;
         create_queue(&ch).await?;
         for n in 0..a.nodes {
             let node = serde_json::json!({"id": format!("bench-node-{n}"), "pool": "bench",
@@ -160,14 +239,14 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
             lat.push(submit_one(&ch, format!("sync-{i}"), i).await?);
         }
         let sync_took = t.elapsed();
-        report("1 synchronous client", a.sync_jobs, sync_took, &mut lat);
+        run.phases.push(("synchronous", report("1 synchronous client", a.sync_jobs, sync_took, &mut lat)));
         let sync_rate = a.sync_jobs as f64 / sync_took.as_secs_f64();
 
         // Many concurrent clients over a few connections.
         let mut chans = Vec::new();
         for k in 0..a.connections {
             let to = if a.spread { &c.addrs[(leader + k) % c.addrs.len()] } else { &addr };
-            chans.push(ch.direct(to).await?);
+            chans.push(ch.direct(to)?);
         }
         if a.spread {
             println!("clients spread over all {} servers ({} connections)", c.addrs.len(), a.connections);
@@ -179,7 +258,7 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         for k in 0..a.clients {
             let mut jc = pb::jobs_client::JobsClient::new(chans[k % chans.len()].clone());
             let next = next.clone();
-            let total = a.jobs;
+            let (total, sync_jobs) = (a.jobs, a.sync_jobs);
             tasks.push(tokio::spawn(async move {
                 let mut lat = Vec::new();
                 loop {
@@ -187,7 +266,7 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
                     if i >= total {
                         return Ok::<_, anyhow::Error>(lat);
                     }
-                    lat.push(submit_on(&mut jc, format!("conc-{i}"), a.sync_jobs + i).await?);
+                    lat.push(submit_on(&mut jc, format!("conc-{i}"), sync_jobs + i).await?);
                 }
             }));
         }
@@ -197,7 +276,7 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         }
         let took = t.elapsed();
         let placed_during = placed(&ch).await.saturating_sub(placed_before);
-        report(&format!("{} concurrent clients", a.clients), a.jobs, took, &mut lat);
+        run.phases.push(("concurrent", report(&format!("{} concurrent clients", a.clients), a.jobs, took, &mut lat)));
         let rate = a.jobs as f64 / took.as_secs_f64();
         println!("ratio concurrent/synchronous: {:.1}x", rate / sync_rate);
         println!(
@@ -208,8 +287,9 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         let mut batched = 0;
         if a.batch_size > 0 {
             batched = a.jobs;
-            let (rate_b, placed_b) = submit_batched(&a, &chans, &ch).await?;
-            println!("ratio batched/synchronous: {:.1}x", rate_b / sync_rate);
+            let (fig, placed_b) = submit_batched(a, &chans, &ch).await?;
+            run.phases.push(("batched", fig));
+            println!("ratio batched/synchronous: {:.1}x", fig.rate / sync_rate);
             println!("scheduling loop: {placed_b} placements committed during the batched run");
         }
         let t2 = Instant::now();
@@ -225,12 +305,13 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
             t2.elapsed().as_secs_f64(),
             placed(&ch).await
         );
-        Ok(())
-    })
+    }
+    // The cluster was dropped (its servers killed) before the next run starts.
+    Ok(run)
 }
 
-/// The batched phase of `bench submit`: acknowledged jobs per second and placements made.
-async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Connection) -> Result<(f64, u64)> {
+/// The batched phase of `bench submit`: its figures and the placements made meanwhile.
+async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Connection) -> Result<(Figure, u64)> {
     let next = Arc::new(AtomicUsize::new(0));
     let placed_before = placed(ch).await;
     let t = Instant::now();
@@ -267,8 +348,8 @@ async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Connection) -> R
     }
     let took = t.elapsed();
     let placed_during = placed(ch).await.saturating_sub(placed_before);
-    report(&format!("{} clients x {} jobs per call", a.batch_clients.max(1), a.batch_size), a.jobs, took, &mut lat);
-    Ok((a.jobs as f64 / took.as_secs_f64(), placed_during))
+    let fig = report(&format!("{} clients x {} jobs per call", a.batch_clients.max(1), a.batch_size), a.jobs, took, &mut lat);
+    Ok((fig, placed_during))
 }
 
 /// How `bench failover` retries its write after a kill: every 5 ms (the measurement's
@@ -282,14 +363,14 @@ pub fn failover(a: FailoverArgs) -> Result<()> {
         bail!("--servers must be at least 3 (a leader kill must leave a majority)");
     }
     rt()?.block_on(async move {
-        let (mut c, leader) = start(a.servers, &[]).await?;
-        create_queue(&*connect(&c.addrs[leader])?).await?;
+        let (mut c, leader) = start(a.servers, &[], Wire::Tls).await?;
+        create_queue(&*connect(&c.addrs[leader], Wire::Tls)?).await?;
         let mut times = Vec::new();
         let mut seq = 0usize;
         for k in 0..a.kills {
             let leader = c.wait_leader(Duration::from_secs(30)).await.map_err(|e| anyhow!(e))?;
             // A write succeeds before the kill (the cluster is healthy).
-            submit_one(&*connect(&c.addrs[leader])?, format!("warm-{k}"), seq).await?;
+            submit_one(&*connect(&c.addrs[leader], Wire::Tls)?, format!("warm-{k}"), seq).await?;
             seq += 1;
             let t = Instant::now();
             c.kill(leader);
@@ -298,7 +379,10 @@ pub fn failover(a: FailoverArgs) -> Result<()> {
             // acknowledged, for at most 30 s.
             let conn = Connection::new(
                 &c.alive_addrs(),
-                ConnectionConfig { request_timeout: Some(Duration::from_millis(500)), ..ConnectionConfig::default() },
+                Wire::Tls.config(ConnectionConfig {
+                    request_timeout: Some(Duration::from_millis(500)),
+                    ..ConnectionConfig::default()
+                }),
             )?;
             let req = pb::SubmitJobRequest { client_request_id: format!("failover-{k}"), spec_json: job(seq), retry: None };
             FAILOVER_RETRY

@@ -215,15 +215,60 @@ pub struct DevArgs {
 const FAKE_8GPU: &str = include_str!("../../examples/plugins/fake-8gpu.toml");
 const FAKE_4NPU: &str = include_str!("../../examples/plugins/fake-4npu.toml");
 
+/// The dev nodes' ids.
+const DEV_NODES: [&str; 2] = ["dev-gpu", "dev-npu"];
+
+/// The dev cluster's certificates in `dir` (`suanli tls init`'s layout): made on the first run
+/// (a CA, the server's certificate for the loopback names and `listen`'s host, the admin's, and
+/// each dev node's); a later run keeps them and only issues the leaves that are missing.
+fn dev_pki(dir: &std::path::Path, listen: &str) -> Result<()> {
+    use suanli_security::certs::{self, Leaf};
+    let mut hosts: Vec<String> = certs::DEFAULT_HOSTS.iter().map(|h| (*h).to_owned()).collect();
+    if let Some((host, _)) = listen.rsplit_once(':') {
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let unspecified = host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_unspecified());
+        if !host.is_empty() && !unspecified && !hosts.iter().any(|h| h == host) {
+            hosts.push(host.to_owned());
+        }
+    }
+    let admin = suanli_security::Principal::User {
+        name: "admin".into(),
+        role: suanli_security::Role::Admin,
+        team: None,
+        credential: suanli_security::principal::Credential::Certificate,
+    };
+    let mut leaves = vec![Leaf::server("server", &hosts), Leaf::user(admin)];
+    leaves.extend(DEV_NODES.iter().map(|n| Leaf::node(n, &hosts)));
+    if !dir.join("ca.pem").exists() {
+        certs::init(dir, &leaves, certs::DEFAULT_VALIDITY)
+            .with_context(|| format!("creating the dev certificates in {}", dir.display()))?;
+        eprintln!("suanli dev: made a development CA and certificates in {}", dir.display());
+        return Ok(());
+    }
+    for leaf in &leaves {
+        let files = certs::paths(dir, &leaf.stem);
+        if !files.cert.exists() || !files.key.exists() {
+            certs::issue(dir, leaf, certs::DEFAULT_VALIDITY)
+                .with_context(|| format!("issuing {} in {}", leaf.stem, dir.display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// `suanli dev`: one server on an embedded default data directory with a `default` queue, and
 /// two agents with fake devices: `dev-gpu` (8 fake 80 GB GPUs in two NVLink islands) and
 /// `dev-npu` (4 fake NPUs), both with the cpu plugin. Checkpoints go to one directory both
-/// agents share (`<data dir>/checkpoints`), so a job restores on either node.
+/// agents share (`<data dir>/checkpoints`), so a job restores on either node. Every link is
+/// mutual TLS with the certificates in `<data dir>/tls` (made on the first run); the CLI finds
+/// them there when run from the same directory.
 pub fn dev(args: DevArgs) -> Result<()> {
+    let tls_dir = args.data_dir.join("tls");
+    dev_pki(&tls_dir, &args.listen)?;
     let cfg = ServerConfig {
         data_dir: args.data_dir.join("server"),
         listen: args.listen.clone(),
         bootstrap: true,
+        tls: Some(suanli_security::certs::paths(&tls_dir, "server")),
         ..ServerConfig::default()
     };
     cfg.validate()?;
@@ -233,7 +278,7 @@ pub fn dev(args: DevArgs) -> Result<()> {
         // A port in use ends `suanli dev` at once, naming the field and the address.
         let listeners = suanli_server::Listeners::bind(&cfg).await?;
         let l = announce(&listeners)?.client.to_string();
-        let agents = if args.no_agents { Vec::new() } else { dev_agents(&args, &l)? };
+        let agents = if args.no_agents { Vec::new() } else { dev_agents(&args, &l, &tls_dir)? };
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|s| *s).await;
@@ -245,7 +290,7 @@ pub fn dev(args: DevArgs) -> Result<()> {
                 r.context("server task")??;
                 anyhow::bail!("the dev server stopped before it was ready");
             }
-            r = ensure_dev_setup(&l, &args.data_dir) => {
+            r = ensure_dev_setup(&l, &args.data_dir, &tls_dir) => {
                 if let Err(e) = r {
                     tracing::warn!(error = %format!("{e:#}"), "could not set up the dev cluster (default queue, checkpoint store)");
                 }
@@ -257,10 +302,17 @@ pub fn dev(args: DevArgs) -> Result<()> {
             let h = tokio::spawn(suanli_agent::run(a, stopped(stop_rx.clone())));
             handles.push((id, h));
         }
+        // From the directory `suanli dev` runs in, the CLI finds ./.suanli/dev/tls by itself.
+        let creds = if tls_dir == std::path::Path::new(crate::client::creds::DEV_TLS_DIR) {
+            format!("the CLI run from this directory finds them; elsewhere: export SUANLI_TLS_DIR={}", abs(&tls_dir))
+        } else {
+            format!("export SUANLI_TLS_DIR={} for the CLI", abs(&tls_dir))
+        };
         eprintln!(
-            "suanli dev: server on {l}, agents {:?} (data in {}). Try:\n  suanli job submit examples/dev/hello-gpu.toml --server {l}\n  suanli job list --server {l}\n  suanli job logs <id> --server {l}\nCtrl-C stops it (running tasks are left to the agents' next start).",
+            "suanli dev: server on {l}, agents {:?} (data in {}), mutual TLS with the certificates in {} ({creds}). Try:\n  suanli job submit examples/dev/hello-gpu.toml --server {l}\n  suanli job list --server {l}\n  suanli job logs <id> --server {l}\nCtrl-C stops it (running tasks are left to the agents' next start).",
             handles.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(),
-            args.data_dir.display()
+            args.data_dir.display(),
+            tls_dir.display(),
         );
         let mut ended = None;
         tokio::select! {
@@ -288,7 +340,7 @@ pub fn dev(args: DevArgs) -> Result<()> {
 
 /// The two dev agents' configurations; copies the plugin libraries into the dev directory
 /// (the agent refuses plugin files others can write) and writes the fake device files.
-fn dev_agents(args: &DevArgs, server: &str) -> Result<Vec<suanli_agent::AgentConfig>> {
+fn dev_agents(args: &DevArgs, server: &str, tls_dir: &std::path::Path) -> Result<Vec<suanli_agent::AgentConfig>> {
     use std::os::unix::fs::PermissionsExt as _;
     let src = match &args.plugin_dir {
         Some(d) => d.clone(),
@@ -314,8 +366,8 @@ fn dev_agents(args: &DevArgs, server: &str) -> Result<Vec<suanli_agent::AgentCon
     }
     let mut out = Vec::new();
     for (node, fake, text, cpu_milli, memory_mib) in [
-        ("dev-gpu", "fake-8gpu.toml", FAKE_8GPU, 32_000, 256 * 1024),
-        ("dev-npu", "fake-4npu.toml", FAKE_4NPU, 16_000, 128 * 1024),
+        (DEV_NODES[0], "fake-8gpu.toml", FAKE_8GPU, 32_000, 256 * 1024),
+        (DEV_NODES[1], "fake-4npu.toml", FAKE_4NPU, 16_000, 128 * 1024),
     ] {
         let dir = args.data_dir.join("agents").join(node);
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -342,6 +394,7 @@ fn dev_agents(args: &DevArgs, server: &str) -> Result<Vec<suanli_agent::AgentCon
             // Two nodes share this machine: each claims a fixed slice instead of all of it.
             cpu_milli: Some(cpu_milli),
             memory_mib: Some(memory_mib),
+            tls: Some(suanli_agent::AgentConfig::tls_dir_files(tls_dir, node)),
             ..suanli_agent::AgentConfig::default()
         });
     }
@@ -364,8 +417,8 @@ fn dev_checkpoint_store(data_dir: &std::path::Path) -> Result<String> {
 
 /// The dev cluster's `default` queue, and its checkpoint store unless one is set already (an
 /// operator's `cluster config set checkpoint_store=...` is kept across restarts).
-async fn ensure_dev_setup(addr: &str, data_dir: &std::path::Path) -> Result<()> {
-    let conn = ensure_default_queue(addr).await?;
+async fn ensure_dev_setup(addr: &str, data_dir: &std::path::Path, tls_dir: &std::path::Path) -> Result<()> {
+    let conn = ensure_default_queue(addr, tls_dir).await?;
     let current: serde_json::Value = serde_json::from_str(&conn.get_config(false).await?.config_json)?;
     if current["checkpoint_store"].as_str().is_none_or(str::is_empty) {
         let store = dev_checkpoint_store(data_dir)?;
@@ -374,8 +427,18 @@ async fn ensure_dev_setup(addr: &str, data_dir: &std::path::Path) -> Result<()> 
     Ok(())
 }
 
-async fn ensure_default_queue(addr: &str) -> Result<suanli_client::Connection> {
-    let conn = suanli_client::Connection::new(&[addr.to_owned()], suanli_client::ConnectionConfig::default())?;
+/// `p` made absolute (as given when that fails), for a hint.
+fn abs(p: &std::path::Path) -> String {
+    std::path::absolute(p).unwrap_or_else(|_| p.to_owned()).display().to_string()
+}
+
+async fn ensure_default_queue(addr: &str, tls_dir: &std::path::Path) -> Result<suanli_client::Connection> {
+    let admin = suanli_security::tls::Tls::load(suanli_security::certs::paths(tls_dir, "admin"))
+        .context("the dev admin certificate")?;
+    let conn = suanli_client::Connection::new(
+        &[addr.to_owned()],
+        suanli_client::ConnectionConfig { tls: Some(admin), ..suanli_client::ConnectionConfig::default() },
+    )?;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     // Wait until the server is up and has elected itself.
     while !conn.leader().await.is_ok_and(|r| r.leader_id != 0) {

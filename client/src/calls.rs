@@ -7,7 +7,7 @@ use std::future::Future;
 use std::time::Duration;
 use suanli_proto::v1 as pb;
 use tonic::Status;
-use tonic::transport::Channel;
+use crate::conn::CallChannel as Channel;
 
 /// Largest page the list calls ask for (the server may answer fewer, bounded in bytes).
 pub const PAGE: u32 = 500;
@@ -364,7 +364,7 @@ impl Connection {
                 message: "the node's agent did not register a log address".into(),
             });
         }
-        let ch = self.direct(agent_addr).await?;
+        let ch = self.direct(agent_addr)?;
         Ok(pb::agent_logs_client::AgentLogsClient::new(ch).logs(req).await?.into_inner())
     }
 
@@ -464,7 +464,7 @@ impl Connection {
 
     /// One member's digest of its applied log at `index`, asked at `addr` directly.
     pub async fn digest_at(&self, addr: &str, index: u64, wait_ms: u64) -> Result<pb::DigestResponse, ClientError> {
-        let ch = self.direct(addr).await?;
+        let ch = self.direct(addr)?;
         Ok(self.cluster(ch).digest(pb::DigestRequest { index, wait_ms }).await?.into_inner())
     }
 

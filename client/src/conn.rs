@@ -6,8 +6,74 @@ use std::future::Future;
 use std::sync::{Mutex, PoisonError, RwLock};
 use std::time::Duration;
 use suanli_proto::v1 as pb;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
+
+/// What [`Connection::call`] hands its closure: the channel to one server (over TLS when the
+/// configuration has it), with the configuration's bearer token added to every request.
+pub type CallChannel = InterceptedService<Channel, Bearer>;
+
+/// Adds `authorization: Bearer <token>` to every request, when there is a token.
+#[derive(Clone, Default)]
+pub struct Bearer {
+    value: Option<MetadataValue<Ascii>>,
+    /// Why the configured token is unusable: every call fails with it (never sent without it).
+    refused: Option<std::sync::Arc<str>>,
+}
+
+impl std::fmt::Debug for Bearer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token itself: it is a credential.
+        f.write_str(if self.value.is_some() { "Bearer(..)" } else { "Bearer(none)" })
+    }
+}
+
+impl Bearer {
+    /// The header of `token` (`None`: no header). A token must be printable ASCII without
+    /// spaces and at most [`suanli_security::token::MAX_TOKEN_BYTES`] long; an error names
+    /// `token` and what is wrong.
+    pub fn new(token: Option<&str>) -> Result<Bearer, ClientError> {
+        let Some(t) = token.map(str::trim) else { return Ok(Bearer::default()) };
+        let bad = |message: String| ClientError::Config { field: "token".into(), message };
+        if t.is_empty() {
+            return Err(bad("is empty".into()));
+        }
+        let max = suanli_security::token::MAX_TOKEN_BYTES;
+        if t.len() > max {
+            return Err(bad(format!("is {} bytes, more than the limit of {max}", t.len())));
+        }
+        if !t.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(bad("holds characters other than printable ASCII (is it a token?)".into()));
+        }
+        let v = format!("Bearer {t}").parse().map_err(|e| bad(format!("not a header value: {e}")))?;
+        Ok(Bearer { value: Some(v), refused: None })
+    }
+
+    /// [`Bearer::new`], or one that fails every call with its error.
+    fn or_refusing(token: Option<&str>) -> Bearer {
+        Bearer::new(token).unwrap_or_else(|e| Bearer { value: None, refused: Some(e.to_string().into()) })
+    }
+
+    /// Whether it adds a header.
+    pub fn is_set(&self) -> bool {
+        self.value.is_some()
+    }
+}
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if let Some(e) = &self.refused {
+            return Err(Status::invalid_argument(e.to_string()));
+        }
+        if let Some(v) = &self.value {
+            req.metadata_mut().insert(suanli_security::token::METADATA_KEY, v.clone());
+        }
+        Ok(req)
+    }
+}
 
 /// What to do with a `suanli-leader` hint on an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,10 +150,11 @@ impl Default for ConnectionConfig {
 /// every method takes `&self`.
 pub struct Connection {
     cfg: ConnectionConfig,
+    bearer: Bearer,
     configured: Vec<String>,
     learned: RwLock<Vec<String>>,
     /// The server that answered last, with its channel.
-    current: Mutex<Option<(String, Channel)>>,
+    current: Mutex<Option<(String, CallChannel)>>,
     /// Where the next call starts when there is no current server: after the last one that
     /// failed, so a loop of calls goes round the list.
     next_start: Mutex<usize>,
@@ -122,7 +189,9 @@ impl Connection {
         for a in &configured {
             endpoint(a)?;
         }
+        let bearer = Bearer::new(cfg.token.as_deref())?;
         Ok(Connection {
+            bearer,
             cfg,
             configured,
             learned: RwLock::new(Vec::new()),
@@ -138,7 +207,10 @@ impl Connection {
 
     /// The same servers with another configuration (e.g. no request timeout for streams).
     pub fn with_config(&self, cfg: ConnectionConfig) -> Connection {
+        let bearer =
+            if cfg.token == self.cfg.token { self.bearer.clone() } else { Bearer::or_refusing(cfg.token.as_deref()) };
         Connection {
+            bearer,
             cfg,
             configured: self.configured.clone(),
             learned: RwLock::new(self.learned()),
@@ -230,13 +302,13 @@ impl Connection {
         order
     }
 
-    async fn channel(&self, addr: &str) -> Result<Channel, String> {
+    fn channel(&self, addr: &str) -> Result<CallChannel, String> {
         if let Some((a, ch)) = lock(&self.current).as_ref()
             && a == addr
         {
             return Ok(ch.clone());
         }
-        connect(addr, &self.cfg).await
+        connect(addr, &self.cfg, &self.bearer).map_err(|e| e.to_string())
     }
 
     /// Calls `f` on the first server that answers: connection failures, the `move_on` codes
@@ -245,7 +317,7 @@ impl Connection {
     /// is the answer.
     pub async fn call<T, F, Fut>(&self, f: F) -> Result<T, ClientError>
     where
-        F: FnMut(Channel) -> Fut,
+        F: FnMut(CallChannel) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         self.call_traced(f, &mut Vec::new()).await
@@ -255,7 +327,7 @@ impl Connection {
     /// history of which servers saw a request whose outcome may be unknown).
     pub async fn call_traced<T, F, Fut>(&self, mut f: F, asked: &mut Vec<String>) -> Result<T, ClientError>
     where
-        F: FnMut(Channel) -> Fut,
+        F: FnMut(CallChannel) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let mut order = self.order();
@@ -265,7 +337,7 @@ impl Connection {
         while i < order.len() {
             let addr = order[i].clone();
             i += 1;
-            let ch = match self.channel(&addr).await {
+            let ch = match self.channel(&addr) {
                 Ok(ch) => ch,
                 Err(e) => {
                     failures.push(format!("{addr}: {e}"));
@@ -308,7 +380,7 @@ impl Connection {
                         continue;
                     }
                     if (self.cfg.move_on)(st.code()) {
-                        failures.push(format!("{addr}: {}", st.message()));
+                        failures.push(format!("{addr}: {}", status_text(&st)));
                         self.forget(&addr);
                         continue;
                     }
@@ -328,13 +400,30 @@ impl Connection {
     }
 
     /// A connection to one address only (a member asked directly, an agent), with this
-    /// connection's configuration; no following.
-    pub async fn direct(&self, addr: &str) -> Result<Channel, ClientError> {
-        connect(addr, &self.cfg).await.map_err(|message| ClientError::Connect { addr: addr.to_owned(), message })
+    /// connection's configuration (TLS, token); no following. It connects lazily: a server that
+    /// cannot be reached fails the first call on it with UNAVAILABLE, naming why.
+    pub fn direct(&self, addr: &str) -> Result<CallChannel, ClientError> {
+        connect(addr, &self.cfg, &self.bearer)
     }
 }
 
-/// The endpoint of `addr`: `host:port` is `http://host:port`.
+/// A status's message and the causes under it (a transport error's cause names the refused
+/// connection or the TLS failure).
+fn status_text(st: &Status) -> String {
+    let mut msg = st.message().to_owned();
+    let mut src = std::error::Error::source(st);
+    while let Some(s) = src {
+        let part = s.to_string();
+        if !msg.contains(&part) {
+            msg = format!("{msg}: {part}");
+        }
+        src = s.source();
+    }
+    msg
+}
+
+/// The endpoint of `addr`: `host:port` is `http://host:port` (TLS, when configured, runs over
+/// it: the host is the name checked in the server's certificate).
 fn endpoint(addr: &str) -> Result<Endpoint, ClientError> {
     let uri = if addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") };
     Endpoint::from_shared(uri).map_err(|e| ClientError::Config {
@@ -343,38 +432,24 @@ fn endpoint(addr: &str) -> Result<Endpoint, ClientError> {
     })
 }
 
-/// Opens a channel to `addr` within `cfg.connect_timeout`; the error walks the causes.
-async fn connect(addr: &str, cfg: &ConnectionConfig) -> Result<Channel, String> {
-    let mut ep = endpoint(addr).map_err(|e| e.to_string())?.connect_timeout(cfg.connect_timeout).tcp_nodelay(true);
+/// A lazily connected channel to `addr` (connecting within `cfg.connect_timeout`, over TLS when
+/// `cfg.tls` is set), carrying `bearer`.
+fn connect(addr: &str, cfg: &ConnectionConfig, bearer: &Bearer) -> Result<CallChannel, ClientError> {
+    let mut ep = endpoint(addr)?.connect_timeout(cfg.connect_timeout).tcp_nodelay(true);
     if let Some(t) = cfg.request_timeout {
         ep = ep.timeout(t);
     }
     if let Some(k) = cfg.keepalive {
         ep = ep.http2_keep_alive_interval(k).keep_alive_timeout(k).keep_alive_while_idle(true);
     }
-    match tokio::time::timeout(cfg.connect_timeout + Duration::from_millis(500), ep.connect()).await {
-        Ok(Ok(ch)) => Ok(ch),
-        Ok(Err(e)) => {
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                let part = s.to_string();
-                if !msg.contains(&part) {
-                    msg = format!("{msg}: {part}");
-                }
-                src = s.source();
-            }
-            Err(msg)
-        }
-        Err(_) => Err("connect timed out".into()),
-    }
+    Ok(InterceptedService::new(suanli_security::tls::channel(ep, cfg.tls.as_ref()), bearer.clone()))
 }
 
 /// `call`'s answer, or `None` when its server is hung: no answer within `wait`, and none to a
 /// `Cluster.Leader` probe on the same channel within `probe`. A server that answers the probe
 /// (even with an error) is alive and only slow: the call keeps its own deadline.
 pub async fn answer_unless_hung<T>(
-    ch: Channel,
+    ch: CallChannel,
     wait: Duration,
     probe: Duration,
     call: impl Future<Output = T>,

@@ -26,7 +26,7 @@ mod conn;
 mod error;
 
 pub use calls::{JobFilter, PAGE};
-pub use conn::{Connection, ConnectionConfig, LeaderHints, answer_unless_hung, leader_hint};
+pub use conn::{Bearer, CallChannel, Connection, ConnectionConfig, LeaderHints, answer_unless_hung, leader_hint};
 pub use error::{ClientError, code_name};
 pub use suanli_proto::v1 as pb;
 

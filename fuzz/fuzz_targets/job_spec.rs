@@ -27,8 +27,10 @@ where
 fn decode<T: DeserializeOwned>(toml_syntax: bool, text: &str) -> Result<T, InputError> {
     if toml_syntax {
         // cli/src/spec.rs: a TOML file is parsed into a table, then into a JSON value.
-        let table: toml::Table = toml::from_str(text).map_err(|e| InputError { field: String::new(), message: e.to_string() })?;
-        let value = serde_json::to_value(table).map_err(|e| InputError { field: String::new(), message: e.to_string() })?;
+        let table: toml::Table =
+            toml::from_str(text).map_err(|e| InputError { field: String::new(), message: e.to_string() })?;
+        let value =
+            serde_json::to_value(table).map_err(|e| InputError { field: String::new(), message: e.to_string() })?;
         input::from_json_value(value)
     } else {
         input::from_json_str(text)

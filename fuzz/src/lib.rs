@@ -26,7 +26,13 @@ pub mod store {
 
     /// Copy of `suanli_raft::StoreConfig`.
     pub trait StoreConfig:
-        RaftTypeConfig<D = LogCommand, NodeId = u64, Node = ServerNode, Entry = Entry<Self>, SnapshotData = Cursor<Vec<u8>>>
+        RaftTypeConfig<
+            D = LogCommand,
+            NodeId = u64,
+            Node = ServerNode,
+            Entry = Entry<Self>,
+            SnapshotData = Cursor<Vec<u8>>,
+        >
     {
     }
 
@@ -63,9 +69,7 @@ openraft::declare_raft_types!(
 );
 
 /// `frame::decode_append` for the targets (it is `pub(crate)` in suanli-raft).
-pub fn decode_append(
-    b: bytes::Bytes,
-) -> Result<openraft::raft::AppendEntriesRequest<TypeConfig>, frame::FrameError> {
+pub fn decode_append(b: bytes::Bytes) -> Result<openraft::raft::AppendEntriesRequest<TypeConfig>, frame::FrameError> {
     frame::decode_append(b)
 }
 

@@ -161,8 +161,69 @@ fn certs_of(what: &'static str, path: &Path, pem: &[u8]) -> Result<Vec<Certifica
     Ok(certs)
 }
 
+/// Serves no certificate: the server side of a CA-only [`Tls`] (every handshake fails).
+#[derive(Debug)]
+struct NoServerCert;
+
+impl rustls::server::ResolvesServerCert for NoServerCert {
+    fn resolve(&self, _: rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        None
+    }
+}
+
 impl Material {
+    /// A client that verifies servers against the CA and presents no certificate (its caller
+    /// is identified by a bearer token): `cert` and `key` are empty paths.
+    fn load_ca_only(files: &TlsFiles) -> Result<Material, TlsError> {
+        let stamps = stamps(files);
+        let ca_pem = read_file("ca", &files.ca)?;
+        let mut h = ring::digest::Context::new(&ring::digest::SHA256);
+        h.update(&ca_pem);
+        let mut digest = [0u8; 32];
+        digest.copy_from_slice(h.finish().as_ref());
+        let invalid = |message: String| TlsError::Invalid { what: "ca", path: files.ca.clone(), message };
+        let provider = provider();
+        let mut roots = RootCertStore::empty();
+        for ca in certs_of("ca", &files.ca, &ca_pem)? {
+            roots.add(ca).map_err(|e| invalid(format!("not a usable CA certificate: {e}")))?;
+        }
+        let roots = Arc::new(roots);
+        let server = |auth: ClientAuth| -> Result<Arc<ServerConfig>, TlsError> {
+            let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone());
+            let verifier = match auth {
+                ClientAuth::Required => verifier,
+                ClientAuth::Optional => verifier.allow_unauthenticated(),
+            }
+            .build()
+            .map_err(|e| invalid(format!("no client verifier from it: {e}")))?;
+            let mut cfg = ServerConfig::builder_with_provider(provider.clone())
+                .with_safe_default_protocol_versions()
+                .map_err(|e| invalid(e.to_string()))?
+                .with_client_cert_verifier(verifier)
+                .with_cert_resolver(Arc::new(NoServerCert));
+            cfg.alpn_protocols = vec![ALPN_H2.to_vec()];
+            Ok(Arc::new(cfg))
+        };
+        let mut client = ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| invalid(e.to_string()))?
+            .with_root_certificates(roots.clone())
+            .with_no_client_auth();
+        client.alpn_protocols = vec![ALPN_H2.to_vec()];
+        Ok(Material {
+            digest,
+            stamps,
+            server_required: server(ClientAuth::Required)?,
+            server_optional: server(ClientAuth::Optional)?,
+            client: Arc::new(client),
+            identity: None,
+        })
+    }
+
     fn load(files: &TlsFiles) -> Result<Material, TlsError> {
+        if files.cert.as_os_str().is_empty() && files.key.as_os_str().is_empty() {
+            return Material::load_ca_only(files);
+        }
         let stamps = stamps(files);
         let ca_pem = read_file("ca", &files.ca)?;
         let cert_pem = read_file("cert", &files.cert)?;
@@ -241,6 +302,13 @@ impl Tls {
                 reloading: std::sync::Mutex::new(()),
             }),
         })
+    }
+
+    /// TLS for a client that verifies the servers against `ca` and presents no certificate
+    /// (its identity is a bearer token): its files' `cert` and `key` are empty, it names no
+    /// identity, and serving with it fails every handshake. Reloaded like [`Tls::load`]'s.
+    pub fn load_ca_only(ca: PathBuf) -> Result<Tls, TlsError> {
+        Tls::load(TlsFiles { ca, cert: PathBuf::new(), key: PathBuf::new() })
     }
 
     /// The files it was loaded from.

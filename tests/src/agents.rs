@@ -11,7 +11,7 @@ use suanli_proto::v1 as pb;
 use suanli_proto::v1::jobs_client::JobsClient;
 use suanli_proto::v1::nodes_client::NodesClient;
 use suanli_proto::v1::queues_client::QueuesClient;
-use suanli_server::local::{ProcessCluster, channel};
+use suanli_server::local::{LocalPki, ProcessCluster, channel};
 
 /// The fake plugin built by cargo beside the `suanli` binary ([`crate::target_dir`]).
 pub fn fake_so() -> PathBuf {
@@ -88,7 +88,9 @@ pub struct AgentProc {
 
 impl AgentProc {
     /// Prepares (does not start) an agent for `node_id` against `servers`, with the fake
-    /// devices of `fake` and extra TOML lines for the agent config.
+    /// devices of `fake` and extra TOML lines for the agent config. It dials with node
+    /// `node_id`'s certificate from the local PKI (`[tls]`), unless `extra` says
+    /// `insecure = true` (for servers started `--insecure`).
     pub fn new(node_id: &str, servers: &[String], fake: &str, extra: &str) -> AgentProc {
         AgentProc::with_data_dir(node_id, servers, fake, extra, None)
     }
@@ -112,6 +114,18 @@ impl AgentProc {
         std::fs::write(&fake_path, fake).unwrap();
         let servers: Vec<String> = servers.iter().map(|s| format!("{s:?}")).collect();
         let data = data.map_or_else(|| dir.path().join("data"), Path::to_path_buf);
+        let insecure = extra.lines().any(|l| l.split_whitespace().collect::<String>() == "insecure=true");
+        let tls = if insecure {
+            String::new()
+        } else {
+            let f = LocalPki::get().node(node_id);
+            format!(
+                "[tls]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+                f.ca.display().to_string(),
+                f.cert.display().to_string(),
+                f.key.display().to_string()
+            )
+        };
         let toml = format!(
             r#"servers = [{servers}]
 node_id = "{node_id}"
@@ -127,7 +141,7 @@ cgroups = false
 {extra}
 [plugin_config.fake]
 config_path = "{fake}"
-"#,
+{tls}"#,
             servers = servers.join(", "),
             data = data.display(),
             plugins = plugins.display(),

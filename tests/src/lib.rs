@@ -15,6 +15,11 @@
 //! crate's own unit, property and conformance tests stay in that crate; only suites that need
 //! several crates' artifacts at once live here.
 //!
+//! Every link is mutual TLS with the process's local PKI (`suanli_server::local::LocalPki`):
+//! servers get the server certificate, agents their node's ([`AgentProc`] writes `[tls]`),
+//! gRPC helpers dial as its admin ([`channel`]), and CLI commands get the admin's files through
+//! `SUANLI_CA`/`SUANLI_CERT`/`SUANLI_KEY` ([`cli`], [`admin_env`]).
+//!
 //! This is test code: a helper that cannot do its job panics with what it was doing, which
 //! fails the test that called it.
 
@@ -29,6 +34,28 @@ pub use checkpoints::*;
 pub use servers::*;
 
 use std::path::PathBuf;
+use std::process::Command;
+pub use suanli_server::local::LocalPki;
+
+/// Gives `cmd` (a CLI command of the binary under test) the local PKI's admin credentials
+/// (`SUANLI_CA`, `SUANLI_CERT`, `SUANLI_KEY`), and removes the other credential variables the
+/// test's own environment may hold.
+pub fn admin_env(cmd: &mut Command) -> &mut Command {
+    let admin = LocalPki::get().admin();
+    cmd.env("SUANLI_CA", &admin.ca)
+        .env("SUANLI_CERT", &admin.cert)
+        .env("SUANLI_KEY", &admin.key)
+        .env_remove("SUANLI_TOKEN")
+        .env_remove("SUANLI_INSECURE")
+        .env_remove("SUANLI_TLS_DIR")
+}
+
+/// A CLI command of the binary under test, as the local PKI's admin ([`admin_env`]).
+pub fn cli() -> Command {
+    let mut c = Command::new(bin());
+    admin_env(&mut c);
+    c
+}
 
 /// The directory holding the workspace's build outputs for the test executable that runs
 /// (`target/debug`; test executables live in `target/debug/deps`).

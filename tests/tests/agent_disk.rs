@@ -97,7 +97,7 @@ fn pressure(n: &[pb::NodeInfo]) -> String {
 }
 
 fn cli(args: &[&str]) -> String {
-    let o = Command::new(support::bin()).args(args).output().unwrap();
+    let o = support::cli().args(args).output().unwrap();
     assert!(o.status.success(), "suanli {args:?}: {}", String::from_utf8_lossy(&o.stderr));
     String::from_utf8_lossy(&o.stdout).into_owned()
 }

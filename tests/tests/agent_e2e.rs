@@ -182,7 +182,7 @@ async fn fifty_mixed_jobs_on_two_agents() {
     assert_journals(&agents, &jobs, t0_ms);
     // Gang replicas of one job ran on their own devices, and the logs reach `suanli job logs`.
     let some = ids[0];
-    let out = std::process::Command::new(support::bin())
+    let out = support::cli()
         .args(["job", "logs", &some.to_string(), "--server", &addr])
         .output()
         .unwrap();

@@ -11,7 +11,7 @@ use suanli_proto::v1 as pb;
 use support::*;
 
 fn suanli(addr: &str, args: &[&str]) -> std::process::Output {
-    std::process::Command::new(bin()).args(args).args(["--server", addr]).env_remove("SUANLI_ADDR").output().unwrap()
+    suanli_tests::cli().args(args).args(["--server", addr]).env_remove("SUANLI_ADDR").output().unwrap()
 }
 
 fn ok(addr: &str, args: &[&str]) -> String {

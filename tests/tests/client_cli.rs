@@ -21,7 +21,7 @@ fn example(rel: &str) -> String {
 }
 
 fn cmd(args: &[&str]) -> Command {
-    let mut c = Command::new(suanli_tests::bin());
+    let mut c = suanli_tests::cli();
     c.args(args).env_remove("SUANLI_ADDR");
     c
 }

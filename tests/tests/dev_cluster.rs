@@ -1,6 +1,8 @@
 //! The README's first command: `suanli dev` starts a server and two agents with fake devices,
 //! and an example job from `examples/dev/` runs as a real process on "GPUs" right away; its
-//! output comes back through `suanli job logs`.
+//! output comes back through `suanli job logs`. Every link is mutual TLS with the certificates
+//! `suanli dev` made on its first run; the CLI, run from the same directory with no credential
+//! given, finds them in `./.suanli/dev/tls`.
 
 #![allow(clippy::unwrap_used)]
 
@@ -30,8 +32,13 @@ fn bin() -> PathBuf {
     suanli_tests::bin()
 }
 
-fn suanli(addr: &str, args: &[&str]) -> Output {
-    Command::new(bin()).args(args).args(["--server", addr]).output().unwrap()
+/// The CLI as a shell in `cwd` runs it: no credential in the environment.
+fn suanli_in(cwd: &Path, addr: &str, args: &[&str]) -> Output {
+    let mut c = Command::new(bin());
+    for v in ["SUANLI_CA", "SUANLI_CERT", "SUANLI_KEY", "SUANLI_TOKEN", "SUANLI_INSECURE", "SUANLI_TLS_DIR", "SUANLI_ADDR"] {
+        c.env_remove(v);
+    }
+    c.current_dir(cwd).args(args).args(["--server", addr]).output().unwrap()
 }
 
 fn json(o: &Output) -> serde_json::Value {
@@ -61,9 +68,11 @@ fn dev_runs_an_example_job_on_fake_gpus() {
     let plugin_dir = bin().parent().unwrap().to_path_buf();
     let log = std::fs::File::create(dir.path().join("dev.log")).unwrap();
     // Port 0: `suanli dev` prints the address it bound on stdout.
+    // As from the repository root: the default data directory, ./.suanli/dev.
     let mut child = Command::new(bin())
-        .args(["dev", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(dir.path().join("dev"))
+        .current_dir(dir.path())
+        .env_remove("SUANLI_DEV_DIR")
+        .args(["dev", "--listen", "127.0.0.1:0"])
         .arg("--plugin-dir")
         .arg(&plugin_dir)
         .stdout(Stdio::piped())
@@ -74,6 +83,29 @@ fn dev_runs_an_example_job_on_fake_gpus() {
     let _dev = Dev(child);
     let addr = suanli_server::listeners::await_line(stdout, Duration::from_secs(60)).unwrap().client.to_string();
     let dev_log = || std::fs::read_to_string(dir.path().join("dev.log")).unwrap_or_default();
+    let suanli = |addr: &str, args: &[&str]| suanli_in(dir.path(), addr, args);
+    let tls = dir.path().join(".suanli/dev/tls");
+    for f in ["ca.pem", "server.pem", "admin.pem", "node-dev-gpu.pem", "node-dev-npu-key.pem"] {
+        assert!(tls.join(f).is_file(), "suanli dev made {f} in {}: {}", tls.display(), dev_log());
+    }
+    // Elsewhere, with no credential, the CLI says what to pass; with SUANLI_TLS_DIR it works.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let o = suanli_in(elsewhere.path(), &addr, &["node", "list"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("no credentials") && err.contains("SUANLI_TLS_DIR"), "{err}");
+    let o = Command::new(bin())
+        .current_dir(elsewhere.path())
+        .env("SUANLI_TLS_DIR", &tls)
+        .env_remove("SUANLI_CA")
+        .env_remove("SUANLI_CERT")
+        .env_remove("SUANLI_KEY")
+        .args(["cluster", "leader", "--server", &addr])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "SUANLI_TLS_DIR: {}", String::from_utf8_lossy(&o.stderr));
+    // Plaintext is refused by a TLS server, with an error rather than a hang.
+    let o = suanli_in(dir.path(), &addr, &["cluster", "leader", "--insecure"]);
+    assert!(!o.status.success(), "a plaintext client reached the TLS dev server");
 
     // Both agents register their fake devices.
     let nodes = wait_for(Duration::from_secs(60), "two dev nodes", || {

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn suanli(args: &[&str]) -> Output {
-    Command::new(suanli_tests::bin()).args(args).output().expect("run suanli")
+    suanli_tests::cli().args(args).output().expect("run suanli")
 }
 
 fn examples() -> PathBuf {
@@ -288,17 +288,25 @@ fn plugin_dir() -> PathBuf {
     suanli_tests::bin().parent().expect("bin dir").to_path_buf()
 }
 
-fn cli_at(addr: &str, args: &[&str]) -> Output {
+/// The CLI from the repository root, with the admin certificate of the `suanli tls init`
+/// directory `tls` (`SUANLI_TLS_DIR`, as a shell would export it).
+fn cli_at(tls: &Path, addr: &str, args: &[&str]) -> Output {
     Command::new(suanli_tests::bin())
         .current_dir(repo_root())
+        .env("SUANLI_TLS_DIR", tls)
+        .env_remove("SUANLI_CA")
+        .env_remove("SUANLI_CERT")
+        .env_remove("SUANLI_KEY")
+        .env_remove("SUANLI_TOKEN")
+        .env_remove("SUANLI_INSECURE")
         .args(args)
         .args(["--server", addr])
         .output()
         .expect("run suanli")
 }
 
-fn cli_json(addr: &str, args: &[&str]) -> serde_json::Value {
-    let o = cli_at(addr, &[args, &["--output", "json"]].concat());
+fn cli_json(tls: &Path, addr: &str, args: &[&str]) -> serde_json::Value {
+    let o = cli_at(tls, addr, &[args, &["--output", "json"]].concat());
     assert!(o.status.success(), "suanli {args:?}: {}", String::from_utf8_lossy(&o.stderr));
     serde_json::from_slice(&o.stdout).expect("json")
 }
@@ -332,15 +340,15 @@ fn spawn_logged(cmd: &mut Command, log: &Path) -> Proc {
 /// Submits every job file of `dir` in turn with `suanli job submit`: each must be placed with
 /// every listed task running (or already succeeded); then it is cancelled and must end before
 /// the next (the example jobs fit the cluster one at a time). `logs` is shown on failure.
-fn run_every_job(addr: &str, dir: &Path, logs: &dyn Fn() -> String) {
+fn run_every_job(tls: &Path, addr: &str, dir: &Path, logs: &dyn Fn() -> String) {
     let found = files(dir);
     assert!(!found.is_empty(), "no examples in {}", dir.display());
     for f in found {
         let path = f.display().to_string();
-        let v = cli_json(addr, &["job", "submit", &path]);
+        let v = cli_json(tls, addr, &["job", "submit", &path]);
         let id = v["job_id"].as_u64().unwrap_or_else(|| panic!("{path}: no job id: {v}")).to_string();
         wait_for(Duration::from_secs(90), &format!("{path} (job {id}) placed and its tasks started"), || {
-            let j = cli_json(addr, &["job", "status", &id]);
+            let j = cli_json(tls, addr, &["job", "status", &id]);
             let allocs = j["allocs"].as_array().cloned().unwrap_or_default();
             let state = j["state"].as_str().unwrap_or_default();
             let started = |a: &serde_json::Value| matches!(a["state"].as_str(), Some("running" | "succeeded"));
@@ -354,28 +362,28 @@ fn run_every_job(addr: &str, dir: &Path, logs: &dyn Fn() -> String) {
             }
         });
         // The tasks really run: every one has written to its stdout (served by its agent).
-        let j = cli_json(addr, &["job", "status", &id]);
+        let j = cli_json(tls, addr, &["job", "status", &id]);
         for a in j["allocs"].as_array().cloned().unwrap_or_default() {
             let alloc = a["id"].as_u64().expect("alloc id").to_string();
             wait_for(Duration::from_secs(30), &format!("{path}: output of allocation {alloc}"), || {
-                let o = cli_at(addr, &["job", "logs", &id, "--alloc", &alloc]);
+                let o = cli_at(tls, addr, &["job", "logs", &id, "--alloc", &alloc]);
                 let out = String::from_utf8_lossy(&o.stdout).into_owned();
                 if o.status.success() && !out.trim().is_empty() {
                     Ok(())
                 } else {
-                    let err = cli_at(addr, &["job", "logs", &id, "--alloc", &alloc, "--stderr"]);
+                    let err = cli_at(tls, addr, &["job", "logs", &id, "--alloc", &alloc, "--stderr"]);
                     Err(format!("stdout {out:?}, stderr {:?}", String::from_utf8_lossy(&err.stdout)))
                 }
             });
         }
-        let j = cli_json(addr, &["job", "status", &id]);
+        let j = cli_json(tls, addr, &["job", "status", &id]);
         assert_ne!(j["state"], "failed", "{path}: {j:#}");
         if j["state"] != "succeeded" {
-            let o = cli_at(addr, &["job", "cancel", &id, "--reason", "example checked"]);
+            let o = cli_at(tls, addr, &["job", "cancel", &id, "--reason", "example checked"]);
             assert!(o.status.success(), "cancel {path}: {}", String::from_utf8_lossy(&o.stderr));
         }
         wait_for(Duration::from_secs(60), &format!("{path} (job {id}) ended and its tasks stopped"), || {
-            let j = cli_json(addr, &["job", "status", &id]);
+            let j = cli_json(tls, addr, &["job", "status", &id]);
             let ended = matches!(j["state"].as_str(), Some("succeeded" | "cancelled"));
             let live = j["allocs"]
                 .as_array()
@@ -406,13 +414,15 @@ fn every_dev_example_runs_on_suanli_dev() {
     let bound = suanli_server::listeners::await_line(stdout, Duration::from_secs(60));
     let addr = bound.unwrap_or_else(|e| panic!("suanli dev: {e}\n{}", tail(&log))).client.to_string();
     let logs = || tail(&log);
+    // The certificates `suanli dev` made on its first run.
+    let tls = dir.path().join("dev").join("tls");
     wait_for(Duration::from_secs(60), "the two dev nodes", || {
-        let o = cli_at(&addr, &["node", "list", "--output", "json"]);
+        let o = cli_at(&tls, &addr, &["node", "list", "--output", "json"]);
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
         let ready = v.as_array().map_or(0, |n| n.iter().filter(|n| n["status"] == "ready").count());
         if ready == 2 { Ok(()) } else { Err(format!("{v}\n{}", logs())) }
     });
-    run_every_job(&addr, &examples().join("dev"), &logs);
+    run_every_job(&tls, &addr, &examples().join("dev"), &logs);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -425,9 +435,11 @@ async fn every_job_example_runs_on_the_example_cluster() {
     let dir = tempfile::tempdir().expect("tempdir");
     tokio::task::spawn_blocking(move || {
         let _reaper = TaskReaper(dir.path().to_path_buf());
+        // The cluster's `suanli tls init` directory (the local PKI of the test process).
+        let tls = suanli_tests::LocalPki::get().dir();
         // 2. The teams' queues.
         for q in toml_files(&examples().join("queues")) {
-            let o = cli_at(&addr, &["queue", "apply", &q.display().to_string()]);
+            let o = cli_at(tls, &addr, &["queue", "apply", &q.display().to_string()]);
             assert!(o.status.success(), "{}: {}", q.display(), String::from_utf8_lossy(&o.stderr));
         }
         // 3. Every agent of examples/nodes, from the repository root, with the fake and cpu
@@ -437,6 +449,9 @@ async fn every_job_example_runs_on_the_example_cluster() {
         let mut logs_of = Vec::new();
         for f in toml_files(&examples().join("nodes")) {
             let cfg = suanli_agent::AgentConfig::from_file(&f).expect("agent config");
+            // Its certificate in the cluster's directory (`suanli tls init --node ID` did it in
+            // examples/README.md).
+            suanli_tests::LocalPki::get().node(&cfg.node_id);
             let log = dir.path().join(format!("{}.log", cfg.node_id));
             agents.push(spawn_logged(
                 Command::new(suanli_tests::bin())
@@ -447,6 +462,8 @@ async fn every_job_example_runs_on_the_example_cluster() {
                     .arg(dir.path().join(&cfg.node_id))
                     .arg("--plugin-dir")
                     .arg(plugin_dir())
+                    .arg("--tls-dir")
+                    .arg(tls)
                     .env_remove("SUANLI_AGENT_CONFIG"),
                 &log,
             ));
@@ -455,7 +472,7 @@ async fn every_job_example_runs_on_the_example_cluster() {
         }
         let logs = || logs_of.iter().map(|l| tail(l)).collect::<String>();
         wait_for(Duration::from_secs(60), "every example node ready with its fake devices", || {
-            let v = cli_json(&addr, &["node", "list"]);
+            let v = cli_json(tls, &addr, &["node", "list"]);
             let n = v.as_array().cloned().unwrap_or_default();
             let ok = ids.iter().all(|id| {
                 n.iter().any(|x| {
@@ -467,7 +484,7 @@ async fn every_job_example_runs_on_the_example_cluster() {
             if ok { Ok(()) } else { Err(format!("{v:#}\n{}", logs())) }
         });
         // 4. Every job file.
-        run_every_job(&addr, &examples().join("jobs"), &logs);
+        run_every_job(tls, &addr, &examples().join("jobs"), &logs);
         drop(agents);
     })
     .await

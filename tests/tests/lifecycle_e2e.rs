@@ -50,11 +50,12 @@ impl Writer {
             let chans: Vec<Channel> = addrs
                 .iter()
                 .map(|a| {
-                    Endpoint::from_shared(format!("http://{a}"))
+                    let ep = Endpoint::from_shared(format!("http://{a}"))
                         .unwrap()
                         .connect_timeout(Duration::from_millis(300))
-                        .timeout(Duration::from_millis(1_000))
-                        .connect_lazy()
+                        .timeout(Duration::from_millis(1_000));
+                    // Over TLS as the local PKI's admin, as every harness channel.
+                    suanli_security::tls::channel(ep, Some(&suanli_tests::LocalPki::get().admin_tls()))
                 })
                 .collect();
             let mut last_ok = Instant::now();

@@ -25,7 +25,7 @@ const DEFAULT_CLIENT_LIMIT: usize = 4 * 1024 * 1024;
 
 /// Runs `suanli ARGS --server ADDR --output json`, which must succeed; the printed array.
 fn cli_list(addr: &str, args: &[&str]) -> Vec<serde_json::Value> {
-    let o = std::process::Command::new(suanli_tests::bin())
+    let o = suanli_tests::cli()
         .args(args)
         .args(["--server", addr, "--output", "json"])
         .env_remove("SUANLI_ADDR")

@@ -177,7 +177,7 @@ async fn a_client_moves_past_a_hung_first_server() {
     });
     let servers = format!("{hung_addr},{}", c.addrs[0]);
     let t = Instant::now();
-    let out = std::process::Command::new(bin())
+    let out = suanli_tests::cli()
         .args(["cluster", "members", "--server", &servers])
         .env_remove("SUANLI_ADDR")
         .output()

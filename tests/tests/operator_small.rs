@@ -9,8 +9,9 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+/// The binary under test, with the local PKI's admin credentials for its client commands.
 fn bin() -> Command {
-    let mut c = Command::new(suanli_tests::bin());
+    let mut c = suanli_tests::cli();
     c.env_remove("SUANLI_ADDR").env_remove("SUANLI_LOG_FORMAT").env_remove("SUANLI_CONFIG");
     c
 }

@@ -34,7 +34,7 @@ fn bin() -> PathBuf {
 
 /// Runs `suanli ARGS`; its stdout, or a panic with its stderr.
 fn cli(args: &[&str]) -> String {
-    let out = std::process::Command::new(bin()).args(args).output().unwrap();
+    let out = suanli_tests::cli().args(args).output().unwrap();
     assert!(out.status.success(), "suanli {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }

@@ -4,7 +4,8 @@
 //!
 //! ```text
 //!   --server a:7400,b:7400,c:7400 (env SUANLI_ADDR)
-//!      │ suanli_client::Connection (2 s connect, 2 s first answer + 1 s probe, leader hints)
+//!   --ca/--cert/--key/--token/--insecure, or SUANLI_TLS_DIR, or ./.suanli/dev/tls (creds.rs)
+//!      │ suanli_client::Connection (TLS, 2 s connect, 2 s first answer + 1 s probe, leader hints)
 //!      ▼
 //!   job.rs | queue.rs (queues, pools) | node.rs | cluster.rs  ──▶  render.rs (tables, JSON)
 //! ```
@@ -13,6 +14,7 @@
 //! commands do only that and need no server.
 
 mod cluster;
+pub mod creds;
 mod job;
 mod node;
 mod queue;
@@ -48,12 +50,17 @@ pub struct ConnArgs {
     /// Output format.
     #[arg(long, global = true, value_enum, default_value_t = Output::Table)]
     pub output: Output,
+    /// Credentials.
+    #[command(flatten)]
+    pub creds: creds::CredArgs,
 }
 
 impl ConnArgs {
-    /// The connection to the listed servers, with the client library's defaults.
+    /// The connection to the listed servers with the credentials given, and the client
+    /// library's defaults.
     fn connect(&self) -> anyhow::Result<Connection> {
-        Ok(Connection::new(&self.servers, ConnectionConfig::default())?)
+        let c = self.creds.load()?;
+        Ok(Connection::new(&self.servers, ConnectionConfig { tls: c.tls, token: c.token, ..ConnectionConfig::default() })?)
     }
 }
 

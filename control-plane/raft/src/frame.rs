@@ -152,7 +152,12 @@ pub(crate) fn decode_entry<C: StoreConfig>(b: Bytes) -> Result<Entry<C>, FrameEr
         KIND_BLANK => EntryPayload::Blank,
         // A command is never empty (its JSON is at least `{}`).
         KIND_NORMAL if rest == 0 => {
-            return Err(FrameError::Truncated { what: "normal log entry's command", at: ENTRY_HEADER, need: 1, have: 0 });
+            return Err(FrameError::Truncated {
+                what: "normal log entry's command",
+                at: ENTRY_HEADER,
+                need: 1,
+                have: 0,
+            });
         }
         KIND_NORMAL => EntryPayload::Normal(LogCommand::from_bytes(b.slice(ENTRY_HEADER..))),
         KIND_MEMBERSHIP => EntryPayload::Membership(json("membership entry", &b[ENTRY_HEADER..])?),

@@ -30,10 +30,10 @@ use serde::de::DeserializeOwned;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::time::Duration;
-use suanli_security::tls::Tls;
 use suanli_proto::v1::raft_transport_client::RaftTransportClient;
 use suanli_proto::v1::raft_transport_server::{RaftTransport, RaftTransportServer};
 use suanli_proto::v1::{RaftMessage, SnapshotChunk};
+use suanli_security::tls::Tls;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
 

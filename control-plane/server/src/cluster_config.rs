@@ -141,4 +141,20 @@ mod tests {
         assert!(m.starts_with("set.checkpoint_store: "), "{m}");
         assert!(refused(&[]).starts_with("set: "));
     }
+
+    #[test]
+    fn the_security_bounds_are_shown_and_set_like_the_others() {
+        let shown = serde_json::to_value(StateConfig::default()).expect("encodes");
+        assert_eq!(shown["audit_retention"], 100_000);
+        assert_eq!(shown["max_tokens"], 10_000);
+        let c =
+            merge(&StateConfig::default(), &set(&[("audit_retention", "500"), ("max_tokens", "20")])).expect("merged");
+        assert_eq!((c.audit_retention, c.max_tokens), (500, 20));
+        let m = refused(&[("audit_retention", "0")]);
+        assert!(m.starts_with("set.audit_retention: 0 is invalid; must be between 1 and 10000000"), "{m}");
+        let m = refused(&[("max_tokens", "1000001")]);
+        assert!(m.starts_with("set.max_tokens: 1000001 is invalid; must be between 1 and 1000000"), "{m}");
+        let m = refused(&[("max_tokens", "-1")]);
+        assert!(m.starts_with("set.max_tokens: invalid value"), "{m}");
+    }
 }

@@ -8,6 +8,9 @@ use suanli_raft::RaftSettings;
 use suanli_security::tls::TlsFiles;
 use thiserror::Error;
 
+/// Default of [`ServerConfig::max_token_ttl_s`]: 90 days.
+pub const DEFAULT_MAX_TOKEN_TTL_S: u64 = 90 * 24 * 3_600;
+
 /// Default of [`ServerConfig::max_list_bytes`]: 4 MiB less 64 KiB, so a page with its framing
 /// fits the 4 MiB receive limit of gRPC clients left at their defaults.
 pub const DEFAULT_MAX_LIST_BYTES: usize = 4 * 1024 * 1024 - 64 * 1024;
@@ -180,6 +183,9 @@ pub struct ServerConfig {
     /// Longest TLS handshake a listener waits for (a connection still handshaking then is
     /// dropped); handshakes run concurrently, so a slow one holds no other.
     pub tls_handshake_timeout_ms: u64,
+    /// Longest lifetime of a bearer token `Access.CreateToken` signs, in seconds (default 90
+    /// days; at most 10 years).
+    pub max_token_ttl_s: u64,
     /// Calls per second one user (by identity) or one anonymous address may make on the client
     /// listener, sustained; above it a call answers RESOURCE_EXHAUSTED. Nodes, servers and
     /// callers of an `insecure` server are not limited. 0: no limit (docs/security.md).
@@ -226,6 +232,7 @@ impl Default for ServerConfig {
             insecure: false,
             tls_reload_interval_ms: 5_000,
             tls_handshake_timeout_ms: 10_000,
+            max_token_ttl_s: DEFAULT_MAX_TOKEN_TTL_S,
             rate_limit_per_s: 200,
             rate_limit_burst: 400,
         }
@@ -450,6 +457,7 @@ impl ServerConfig {
         range("clock_check_interval_ms", self.clock_check_interval_ms, 10, 60_000)?;
         range("tls_reload_interval_ms", self.tls_reload_interval_ms, 100, 3_600_000)?;
         range("tls_handshake_timeout_ms", self.tls_handshake_timeout_ms, 100, 600_000)?;
+        range("max_token_ttl_s", self.max_token_ttl_s, 1, 10 * 366 * 24 * 3_600)?;
         range("rate_limit_per_s", self.rate_limit_per_s.into(), 0, 1_000_000)?;
         if self.rate_limit_per_s > 0 {
             range("rate_limit_burst", self.rate_limit_burst.into(), 1, 10_000_000)?;
@@ -461,6 +469,17 @@ impl ServerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_lifetimes_are_bounded() {
+        assert_eq!(ServerConfig::default().max_token_ttl_s, 90 * 24 * 3600);
+        let c = ServerConfig::from_toml("max_token_ttl_s = 3600\n").expect("a valid ttl");
+        assert_eq!(c.max_token_ttl_s, 3600);
+        for bad in [0, 11 * 366 * 24 * 3600] {
+            let c = ServerConfig { max_token_ttl_s: bad, ..ServerConfig::default() };
+            assert_eq!(c.validate().expect_err("out of range").field, "max_token_ttl_s");
+        }
+    }
 
     #[test]
     fn unknown_keys_in_any_table_are_named() {

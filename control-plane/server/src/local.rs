@@ -588,3 +588,36 @@ impl Drop for ProcessCluster {
 fn or_port_zero(addr: &str) -> String {
     if addr.is_empty() { "127.0.0.1:0".to_owned() } else { addr.to_owned() }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_local_pki_issues_each_certificate_once_and_they_name_their_holders() {
+        let pki = LocalPki::get();
+        assert!(std::ptr::eq(pki, LocalPki::get()), "one PKI per process");
+        for f in [pki.server(), pki.admin()] {
+            assert!(f.ca.exists() && f.cert.exists() && f.key.exists(), "{f:?}");
+        }
+        let server = Tls::load(pki.server()).expect("server loads");
+        assert_eq!(server.own_identity(), Some(Principal::Server { name: "server".into() }));
+        assert_eq!(pki.admin_tls().own_identity().and_then(|p| p.role()), Some(Role::Admin));
+        let n1 = pki.node("n1");
+        let modified = std::fs::metadata(&n1.cert).and_then(|m| m.modified()).expect("node cert");
+        assert_eq!(pki.node("n1"), n1, "cached");
+        assert_eq!(
+            std::fs::metadata(&n1.cert).and_then(|m| m.modified()).expect("node cert"),
+            modified,
+            "not reissued"
+        );
+        assert_eq!(Tls::load(n1).expect("node loads").own_identity(), Some(Principal::Node { name: "n1".into() }));
+        let alice = pki.user("alice", Role::Member, Some("nlp"));
+        let viewer = pki.user("alice", Role::Viewer, None);
+        assert_ne!(alice.cert, viewer.cert, "one file pair per name, role and team");
+        let p = Tls::load(alice).expect("user loads").own_identity().expect("names alice");
+        assert_eq!((p.role(), p.team()), (Some(Role::Member), Some("nlp")));
+        // A second PKI in the same directory is refused (an existing CA is never overwritten).
+        assert!(LocalPki::create(pki.dir()).is_err());
+    }
+}

@@ -183,9 +183,9 @@ fn audit_records_get_increasing_seqs_cut_texts_and_bounded_retention() {
 #[test]
 fn audit_pages_follow_seqs_and_filter_by_principal_and_method() {
     let mut s = State::default();
-    let entries: Vec<AuditEntry> = (0..10)
+    let entries: Vec<AuditEntry> = (0..10u64)
         .map(|i| {
-            if i % 2 == 0 {
+            if i.is_multiple_of(2) {
                 entry(i, "token:t1:alice(member,nlp)", "/suanli.v1.Jobs/Submit")
             } else {
                 entry(i, "user:root(admin)", "/suanli.v1.Nodes/Drain")
