@@ -16,7 +16,7 @@ mod cluster;
 mod job;
 mod node;
 mod queue;
-mod render;
+pub(crate) mod render;
 
 pub use cluster::ClusterArgs;
 pub use job::JobArgs;
@@ -52,7 +52,7 @@ pub struct ConnArgs {
 
 impl ConnArgs {
     /// The connection to the listed servers, with the client library's defaults.
-    fn connect(&self) -> anyhow::Result<Connection> {
+    pub(crate) fn connect(&self) -> anyhow::Result<Connection> {
         Ok(Connection::new(&self.servers, ConnectionConfig::default())?)
     }
 }
@@ -96,7 +96,7 @@ pub fn run(cmd: ClientCmd) -> anyhow::Result<()> {
 }
 
 /// A duration for a flag: `90`, `90s`, `10m`, `2h`, `1d`, in seconds.
-fn parse_duration_s(s: &str) -> Result<u64, String> {
+pub(crate) fn parse_duration_s(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
         Some(i) => s.split_at(i),
