@@ -501,10 +501,7 @@ mod tests {
         assert!(e.contains("tls.ca: must not be empty"), "{e}");
         let e = AgentConfig::from_toml(&with_tls("tls_handshake_timeout_ms = 0")).unwrap_err().to_string();
         assert!(e.contains("tls_handshake_timeout_ms"), "{e}");
-        assert_eq!(
-            AgentConfig::tls_dir_files(Path::new("/d"), "gpu-1").key,
-            PathBuf::from("/d/node-gpu-1-key.pem")
-        );
+        assert_eq!(AgentConfig::tls_dir_files(Path::new("/d"), "gpu-1").key, PathBuf::from("/d/node-gpu-1-key.pem"));
     }
 
     #[test]
@@ -537,9 +534,12 @@ mod tests {
         assert!(e.contains("disk_pressure_free_percent") && e.contains("between 0 and 99"), "{e}");
         let e = AgentConfig::from_toml("disk_check_interval_ms = 1").unwrap_err().to_string();
         assert!(e.contains("disk_check_interval_ms"), "{e}");
-        let c = AgentConfig::from_toml("insecure = true\ndisk_pressure_free_bytes = 0\ntask_disk_max_bytes = 0").unwrap();
+        let c =
+            AgentConfig::from_toml("insecure = true\ndisk_pressure_free_bytes = 0\ntask_disk_max_bytes = 0").unwrap();
         assert_eq!((c.disk_pressure_free_bytes, c.task_disk_max_bytes), (0, 0), "0: off");
-        let c = AgentConfig::from_toml("insecure = true\nfence = false\nfollow_leader_hints = false\nfence_after_ms = 0").unwrap();
+        let c =
+            AgentConfig::from_toml("insecure = true\nfence = false\nfollow_leader_hints = false\nfence_after_ms = 0")
+                .unwrap();
         assert!(!c.fence && !c.follow_leader_hints && c.fence_after_ms == 0);
     }
 

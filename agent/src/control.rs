@@ -24,12 +24,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
+use suanli_client::CallChannel;
 use suanli_client::backoff::{Backoff, Delays};
 use suanli_client::{ClientError, Connection, ConnectionConfig, LeaderHints};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_client::AgentClient;
 use tonic::Code;
-use suanli_client::CallChannel;
 
 /// The retry delays of the agent's loops (registration, the watch, reports): from
 /// `retry_backoff_min_ms` doubling to `retry_backoff_max_ms`, as long as the agent runs.

@@ -300,11 +300,17 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
             // Users without a certificate may read logs with a token (logs.rs checks who).
             Some(tls) => {
                 let incoming = suanli_security::tls::incoming(listener, tls, ClientAuth::Optional, handshake);
-                tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(incoming, stopped).await
+                tonic::transport::Server::builder()
+                    .add_service(svc)
+                    .serve_with_incoming_shutdown(incoming, stopped)
+                    .await
             }
             None => {
                 let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-                tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(incoming, stopped).await
+                tonic::transport::Server::builder()
+                    .add_service(svc)
+                    .serve_with_incoming_shutdown(incoming, stopped)
+                    .await
             }
         };
         if let Err(e) = r {

@@ -182,10 +182,7 @@ async fn fifty_mixed_jobs_on_two_agents() {
     assert_journals(&agents, &jobs, t0_ms);
     // Gang replicas of one job ran on their own devices, and the logs reach `suanli job logs`.
     let some = ids[0];
-    let out = support::cli()
-        .args(["job", "logs", &some.to_string(), "--server", &addr])
-        .output()
-        .unwrap();
+    let out = support::cli().args(["job", "logs", &some.to_string(), "--server", &addr]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && text.contains(&format!("hello from job {some} task main-0")),

@@ -35,7 +35,9 @@ fn bin() -> PathBuf {
 /// The CLI as a shell in `cwd` runs it: no credential in the environment.
 fn suanli_in(cwd: &Path, addr: &str, args: &[&str]) -> Output {
     let mut c = Command::new(bin());
-    for v in ["SUANLI_CA", "SUANLI_CERT", "SUANLI_KEY", "SUANLI_TOKEN", "SUANLI_INSECURE", "SUANLI_TLS_DIR", "SUANLI_ADDR"] {
+    for v in
+        ["SUANLI_CA", "SUANLI_CERT", "SUANLI_KEY", "SUANLI_TOKEN", "SUANLI_INSECURE", "SUANLI_TLS_DIR", "SUANLI_ADDR"]
+    {
         c.env_remove(v);
     }
     c.current_dir(cwd).args(args).args(["--server", addr]).output().unwrap()
