@@ -53,6 +53,11 @@ pub struct ServerArgs {
     /// Declare a node down after this long without a heartbeat.
     #[arg(long, env = "SUANLI_HEARTBEAT_TTL_MS")]
     pub heartbeat_ttl_ms: Option<u64>,
+    /// Calls per second one user (or one anonymous address) may make, sustained (the config's
+    /// `rate_limit_per_s`; 0: no limit). Local test clusters run with 0: every harness call is
+    /// the one admin.
+    #[arg(long, env = "SUANLI_RATE_LIMIT_PER_S")]
+    pub rate_limit_per_s: Option<u32>,
     /// Serve TLS with the files of DIR (`suanli tls init DIR`'s layout): DIR/ca.pem,
     /// DIR/server.pem, DIR/server-key.pem (the configuration file's `[tls]` otherwise).
     #[arg(long, value_name = "DIR", conflicts_with = "insecure")]
@@ -103,6 +108,9 @@ impl ServerArgs {
         }
         if let Some(v) = &self.policy {
             c.policy = v.clone();
+        }
+        if let Some(v) = self.rate_limit_per_s {
+            c.rate_limit_per_s = v;
         }
         if let Some(v) = self.heartbeat_ttl_ms {
             c.heartbeat_ttl_ms = v;

@@ -479,6 +479,9 @@ impl ProcessCluster {
             .args(&self.extra)
             .env("SUANLI_LOG", std::env::var("SUANLI_LOG").unwrap_or_else(|_| "warn,suanli_server=info".into()))
             .env_remove("SUANLI_CONFIG")
+            // Every harness call is the local PKI's one admin: no per-caller rate limit (a test
+            // that wants one passes --rate-limit-per-s among its flags, or this variable).
+            .env("SUANLI_RATE_LIMIT_PER_S", "0")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
