@@ -222,14 +222,20 @@ async fn submit_run(a: &SubmitArgs, wire: Wire) -> Result<Run> {
         let ch = connect(&addr, wire)?;
         create_queue(&ch).await?;
         for n in 0..a.nodes {
-            let node = serde_json::json!({"id": format!("bench-node-{n}"), "pool": "bench",
+            let id = format!("bench-node-{n}");
+            let node = serde_json::json!({"id": id, "pool": "bench",
                 "cpu_milli": 64_000u64, "memory_mib": 512_000u64});
-            ch.register_node(&pb::RegisterNodeRequest {
-                node_json: node.to_string(),
-                agent_version: "bench".into(),
-                ..Default::default()
-            })
-            .await?;
+            let req =
+                pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "bench".into(), ..Default::default() };
+            match wire {
+                Wire::Insecure => ch.register_node(&req).await?,
+                // Registering is a node's own call: with that node's certificate.
+                Wire::Tls => {
+                    let tls = suanli_security::tls::Tls::load(LocalPki::get().node(&id))?;
+                    let cfg = ConnectionConfig { tls: Some(tls), ..ConnectionConfig::default() };
+                    Connection::new(std::slice::from_ref(&addr), cfg)?.register_node(&req).await?
+                }
+            };
         }
 
         // Baseline: one synchronous client, one request in flight.
