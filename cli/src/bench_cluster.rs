@@ -225,8 +225,11 @@ async fn submit_run(a: &SubmitArgs, wire: Wire) -> Result<Run> {
             let id = format!("bench-node-{n}");
             let node = serde_json::json!({"id": id, "pool": "bench",
                 "cpu_milli": 64_000u64, "memory_mib": 512_000u64});
-            let req =
-                pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "bench".into(), ..Default::default() };
+            let req = pb::RegisterNodeRequest {
+                node_json: node.to_string(),
+                agent_version: "bench".into(),
+                ..Default::default()
+            };
             match wire {
                 Wire::Insecure => ch.register_node(&req).await?,
                 // Registering is a node's own call: with that node's certificate.
