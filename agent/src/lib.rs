@@ -281,7 +281,7 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
     let svc = logs::LogsService {
         allocs_dir: agent.cfg.allocs_dir(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
-        auth: logs::LogsAuth::new(false, {
+        auth: logs::LogsAuth::new(agent.cfg.insecure, {
             let agent = agent.clone();
             Box::new(move |token| {
                 let agent = agent.clone();

@@ -48,13 +48,16 @@ pub(crate) type WhoAmI = Box<
         + Sync,
 >;
 
+/// A token's answer and when it was given.
+type Answer = (tokio::time::Instant, Result<Principal, Status>);
+
 /// The log service's authorization: who the caller is, and whether it may read a task.
 pub(crate) struct LogsAuth {
     /// Plaintext, no identities: everyone may read (the agent warned at start).
     insecure: bool,
     whoami: WhoAmI,
     /// Definitive answers per token (a user, or a refusal), with when they were given.
-    cache: std::sync::Mutex<std::collections::HashMap<String, (tokio::time::Instant, Result<Principal, Status>)>>,
+    cache: std::sync::Mutex<std::collections::HashMap<String, Answer>>,
 }
 
 impl LogsAuth {

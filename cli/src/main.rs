@@ -2,6 +2,7 @@
 //! commands (`job`, `queue`, `pool`, `node`, `cluster`), `plugin check`, `sim` (trace-driven
 //! simulation) and `bench`; `plugin-host` and `task-shim` are started by the agent itself.
 
+mod access_cmd;
 mod agent_cmd;
 mod bench;
 mod bench_cluster;
@@ -56,6 +57,12 @@ enum Cmd {
     Node(client::NodeArgs),
     /// Raft membership: members, leader, add or remove servers, snapshots.
     Cluster(client::ClusterArgs),
+    /// Who the servers take this caller to be (certificate or token).
+    Whoami(access_cmd::WhoamiArgs),
+    /// Bearer tokens: create, revoke, list.
+    Token(access_cmd::TokenArgs),
+    /// The audit log of mutating calls (who, what, when, result).
+    Audit(access_cmd::AuditArgs),
     /// Run the node agent: device plugins, registration, heartbeats, tasks.
     Agent(agent_cmd::AgentArgs),
     /// Device plugins: `plugin check LIB.so` is the vendor's conformance kit.
@@ -111,7 +118,16 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     if matches!(
         cli.cmd,
-        Cmd::Sim(_) | Cmd::Bench(_) | Cmd::Job(_) | Cmd::Queue(_) | Cmd::Pool(_) | Cmd::Node(_) | Cmd::Cluster(_)
+        Cmd::Sim(_)
+            | Cmd::Bench(_)
+            | Cmd::Job(_)
+            | Cmd::Queue(_)
+            | Cmd::Pool(_)
+            | Cmd::Node(_)
+            | Cmd::Cluster(_)
+            | Cmd::Whoami(_)
+            | Cmd::Token(_)
+            | Cmd::Audit(_)
     ) {
         quiet_on_closed_stdout();
     }
@@ -131,6 +147,9 @@ fn main() -> std::process::ExitCode {
         Cmd::Pool(c) => client::run(client::ClientCmd::Pool(c)),
         Cmd::Node(c) => client::run(client::ClientCmd::Node(c)),
         Cmd::Cluster(c) => client::run(client::ClientCmd::Cluster(c)),
+        Cmd::Whoami(a) => a.run(),
+        Cmd::Token(a) => a.run(),
+        Cmd::Audit(a) => a.run(),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -163,5 +182,20 @@ mod tests {
         assert!(parses(&["cluster", "config", "set", "checkpoint_store=file:///c", "avoid_failed_node_s=60"]));
         assert!(!parses(&["cluster", "config", "set"]), "at least one FIELD=VALUE");
         assert!(!parses(&["cluster", "config", "set", "novalue"]));
+    }
+
+    #[test]
+    fn access_commands_parse() {
+        assert!(parses(&["whoami"]));
+        assert!(parses(&["whoami", "--output", "json"]));
+        assert!(parses(&["token", "create", "--name", "ci", "--role", "member", "--team", "nlp", "--ttl", "30d"]));
+        assert!(parses(&["token", "create", "--name", "ci", "--role", "viewer"]), "ttl defaults to 30d");
+        assert!(!parses(&["token", "create", "--name", "ci", "--role", "viewer", "--ttl", "3w"]));
+        assert!(!parses(&["token", "create", "--role", "viewer"]), "a name is required");
+        assert!(parses(&["token", "revoke", "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b"]));
+        assert!(parses(&["token", "list", "--output", "json"]));
+        assert!(parses(&["audit"]));
+        assert!(parses(&["audit", "--principal", "alice", "--method", "Jobs/", "--after", "10", "--limit", "5"]));
+        assert!(!parses(&["audit", "--limit", "0"]));
     }
 }

@@ -490,4 +490,108 @@ impl Connection {
         }
         Ok(bytes)
     }
+
+    // ---- access --------------------------------------------------------------------------
+
+    fn access(&self, ch: Channel) -> pb::access_client::AccessClient<Channel> {
+        pb::access_client::AccessClient::new(ch).max_decoding_message_size(self.config().max_reply_bytes)
+    }
+
+    /// Who the answering server takes this caller to be.
+    pub async fn whoami(&self) -> Result<pb::WhoAmIResponse, ClientError> {
+        self.call(|ch| {
+            let mut c = self.access(ch);
+            async move { c.who_am_i(pb::WhoAmIRequest {}).await }
+        })
+        .await
+    }
+
+    /// Creates a bearer token for `name` with `role` (and `team`, required for members) valid
+    /// `ttl_s` seconds. Answers the token (shown once: the cluster keeps only its id and
+    /// claims), its id and expiry. Not retried after an answer is lost: a lost answer leaves
+    /// at most an unused token behind, which expires (or `revoke_token` it).
+    pub async fn create_token(
+        &self,
+        name: &str,
+        role: &str,
+        team: &str,
+        ttl_s: u64,
+    ) -> Result<pb::CreateTokenResponse, ClientError> {
+        self.call(|ch| {
+            let req =
+                pb::CreateTokenRequest { name: name.to_owned(), role: role.to_owned(), team: team.to_owned(), ttl_s };
+            let mut c = self.access(ch);
+            async move { c.create_token(req).await }
+        })
+        .await
+    }
+
+    /// Revokes a token by id; answers the log index of the revocation. Safe to retry.
+    pub async fn revoke_token(&self, id: &str) -> Result<u64, ClientError> {
+        let r = self
+            .call(|ch| {
+                let req = pb::RevokeTokenRequest { id: id.to_owned() };
+                let mut c = self.access(ch);
+                async move { c.revoke_token(req).await }
+            })
+            .await?;
+        Ok(r.index)
+    }
+
+    /// Every token issued and not yet expired, revoked ones included, by id (all pages).
+    pub async fn list_tokens(&self) -> Result<Vec<pb::TokenInfo>, ClientError> {
+        self.pages(None, |ch, after, limit| {
+            let mut c = self.access(ch);
+            async move {
+                let r = c.list_tokens(pb::ListTokensRequest { limit, after }).await?;
+                Ok(r.map(|r| (r.tokens, r.next_after)))
+            }
+        })
+        .await
+    }
+
+    /// One page of the audit log: records after `req.after_seq` matching its filters.
+    pub async fn audit_page(&self, req: pb::AuditRequest) -> Result<pb::AuditResponse, ClientError> {
+        self.call(|ch| {
+            let req = req.clone();
+            let mut c = self.access(ch);
+            async move { c.audit(req).await }
+        })
+        .await
+    }
+
+    /// Up to `cap` audit records after `after_seq` whose caller and method contain the given
+    /// texts (empty: any), oldest first, following pages. Answers them and the seq to pass as
+    /// `after_seq` for more (0 when the log held no more).
+    pub async fn audit(
+        &self,
+        after_seq: u64,
+        principal: &str,
+        method: &str,
+        cap: u32,
+    ) -> Result<(Vec<pb::AuditRecord>, u64), ClientError> {
+        let mut out: Vec<pb::AuditRecord> = Vec::new();
+        let mut after = after_seq;
+        loop {
+            let want = (cap as usize).saturating_sub(out.len()).min(PAGE as usize) as u32;
+            if want == 0 {
+                return Ok((out, after));
+            }
+            let req = pb::AuditRequest {
+                after_seq: after,
+                limit: want,
+                principal: principal.to_owned(),
+                method: method.to_owned(),
+            };
+            let p = self.audit_page(req).await?;
+            out.extend(p.records);
+            if p.next_after_seq == 0 {
+                return Ok((out, 0));
+            }
+            if p.next_after_seq <= after {
+                return Err(ClientError::Protocol("an audit page token that does not advance".into()));
+            }
+            after = p.next_after_seq;
+        }
+    }
 }

@@ -182,7 +182,11 @@ pub fn decide(rule: &Rule, who: &Principal) -> Decision {
     let m = rule.method;
     match (who, rule.allow) {
         (Principal::Anonymous, _) => Decision::Unauthenticated,
-        (Principal::Server { .. }, Allow::Server) => Decision::Allow,
+        // A server may call anything: it forwards calls its own listener already authorized
+        // (an agent's heartbeat, a membership change reaching a follower), joins, and checks
+        // its peers' membership on their client listeners; and it can propose to the raft log
+        // in any case.
+        (Principal::Server { .. }, _) => Decision::Allow,
         (Principal::Node { name }, Allow::Node) => match rule.scope {
             Scope::OwnNode => Decision::AllowIfNode(name.clone()),
             _ => Decision::Allow,

@@ -18,7 +18,7 @@ pub mod creds;
 mod job;
 mod node;
 mod queue;
-mod render;
+pub(crate) mod render;
 
 pub use cluster::ClusterArgs;
 pub use job::JobArgs;
@@ -58,7 +58,7 @@ pub struct ConnArgs {
 impl ConnArgs {
     /// The connection to the listed servers with the credentials given, and the client
     /// library's defaults.
-    fn connect(&self) -> anyhow::Result<Connection> {
+    pub(crate) fn connect(&self) -> anyhow::Result<Connection> {
         let c = self.creds.load()?;
         Ok(Connection::new(
             &self.servers,
@@ -106,7 +106,7 @@ pub fn run(cmd: ClientCmd) -> anyhow::Result<()> {
 }
 
 /// A duration for a flag: `90`, `90s`, `10m`, `2h`, `1d`, in seconds.
-fn parse_duration_s(s: &str) -> Result<u64, String> {
+pub(crate) fn parse_duration_s(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
         Some(i) => s.split_at(i),
