@@ -111,7 +111,12 @@ impl Wire {
 
 async fn start(servers: usize, extra: &[&str], wire: Wire) -> Result<(ProcessCluster, usize)> {
     let exe = std::env::current_exe().context("locating the suanli binary")?;
+    // The benchmark is one caller sending as fast as it can: no per-caller rate limit.
+    let cfg = std::env::temp_dir().join(format!("suanli-bench-{}.toml", std::process::id()));
+    std::fs::write(&cfg, "rate_limit_per_s = 0\n").with_context(|| format!("writing {}", cfg.display()))?;
+    let cfg = cfg.display().to_string();
     let mut flags = extra.to_vec();
+    flags.extend(["--config", cfg.as_str()]);
     if wire == Wire::Insecure {
         flags.push("--insecure");
     }
