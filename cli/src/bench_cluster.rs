@@ -111,7 +111,12 @@ impl Wire {
 
 async fn start(servers: usize, extra: &[&str], wire: Wire) -> Result<(ProcessCluster, usize)> {
     let exe = std::env::current_exe().context("locating the suanli binary")?;
+    // The benchmark is one caller sending as fast as it can: no per-caller rate limit.
+    let cfg = std::env::temp_dir().join(format!("suanli-bench-{}.toml", std::process::id()));
+    std::fs::write(&cfg, "rate_limit_per_s = 0\n").with_context(|| format!("writing {}", cfg.display()))?;
+    let cfg = cfg.display().to_string();
     let mut flags = extra.to_vec();
+    flags.extend(["--config", cfg.as_str()]);
     if wire == Wire::Insecure {
         flags.push("--insecure");
     }
@@ -222,14 +227,23 @@ async fn submit_run(a: &SubmitArgs, wire: Wire) -> Result<Run> {
         let ch = connect(&addr, wire)?;
         create_queue(&ch).await?;
         for n in 0..a.nodes {
-            let node = serde_json::json!({"id": format!("bench-node-{n}"), "pool": "bench",
+            let id = format!("bench-node-{n}");
+            let node = serde_json::json!({"id": id, "pool": "bench",
                 "cpu_milli": 64_000u64, "memory_mib": 512_000u64});
-            ch.register_node(&pb::RegisterNodeRequest {
+            let req = pb::RegisterNodeRequest {
                 node_json: node.to_string(),
                 agent_version: "bench".into(),
                 ..Default::default()
-            })
-            .await?;
+            };
+            match wire {
+                Wire::Insecure => ch.register_node(&req).await?,
+                // Registering is a node's own call: with that node's certificate.
+                Wire::Tls => {
+                    let tls = suanli_security::tls::Tls::load(LocalPki::get().node(&id))?;
+                    let cfg = ConnectionConfig { tls: Some(tls), ..ConnectionConfig::default() };
+                    Connection::new(std::slice::from_ref(&addr), cfg)?.register_node(&req).await?
+                }
+            };
         }
 
         // Baseline: one synchronous client, one request in flight.

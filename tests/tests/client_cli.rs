@@ -120,7 +120,15 @@ fn client_commands_against_a_real_cluster() {
 
     // Nodes, registered through a follower.
     let node_file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/gpu-node.toml").display().to_string();
-    let out = ok(&["node", "register", &node_file, "--server", &fol]);
+    // Registering is the node's own call: with its certificate (docs/security.md).
+    let node = common::LocalPki::get().node("gpu-a-001");
+    let o = cmd(&["node", "register", &node_file, "--server", &fol])
+        .env("SUANLI_CERT", &node.cert)
+        .env("SUANLI_KEY", &node.key)
+        .output()
+        .expect("run suanli");
+    assert!(o.status.success(), "node register: {}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(out.starts_with("node gpu-a-001 registered"), "{out}");
     assert!(out.contains("down after 600000 ms"), "{out}");
     let out = ok(&["node", "list", "--server", &all]);
