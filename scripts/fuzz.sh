@@ -73,19 +73,20 @@ done
 wait
 
 failed=0
-printf '   %-20s %12s %10s %8s  %s\n' target execs execs/s corpus result
+printf '   %-20s %12s %10s %12s  %s\n' target execs execs/s corpus result
 for t in "${targets[@]}"; do
   log="$logs/$t.log"
-  execs="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)"
-  rate="$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)"
-  corpus="$(find "$fuzz_dir/corpus/$t" -type f | wc -l)"
+  execs="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" 2>/dev/null | tail -1 || true)"
+  rate="$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" 2>/dev/null | tail -1 || true)"
+  # The corpus the run ended with (libFuzzer's `corp: UNITS/SIZE`).
+  corpus="$(grep -o 'corp: [0-9]*/[0-9]*[a-zA-Z]*' "$log" | tail -1 | sed 's/^corp: //' || true)"
   status="$(cat "$logs/$t.status" 2>/dev/null || echo 'no status')"
   if [ "$status" = ok ]; then
-    printf '   %-20s %12s %10s %8s  %s\n' "$t" "${execs:-?}" "${rate:-?}" "$corpus" ok
+    printf '   %-20s %12s %10s %12s  %s\n' "$t" "${execs:-?}" "${rate:-?}" "${corpus:-?}" ok
   else
     failed=1
-    repro="$(grep -o 'Test unit written to [^ ]*' "$log" | tail -1 | sed 's/^Test unit written to //')"
-    printf '   %-20s %12s %10s %8s  %s\n' "$t" "${execs:-?}" "${rate:-?}" "$corpus" "CRASH ($status)"
+    repro="$(grep -o 'Test unit written to [^ ]*' "$log" | tail -1 | sed 's/^Test unit written to //' || true)"
+    printf '   %-20s %12s %10s %12s  %s\n' "$t" "${execs:-?}" "${rate:-?}" "${corpus:-?}" "CRASH ($status)"
     echo "   $t: reproducer ${repro:-(none written)}; log $log; replay: $bin_dir/$t ${repro:-FILE}"
     grep -E -m 5 "panicked at|ERROR: libFuzzer|SUMMARY" "$log" | sed 's/^/      /' || true
   fi

@@ -293,7 +293,10 @@ macro_rules! commands {
                 ignorable: bool,
                 /// Envelope version it was written with.
                 version: u32,
-                /// Its body, kept verbatim so re-encoding loses nothing.
+                /// Its body as a JSON value, so re-encoding keeps every field. A number is
+                /// kept as serde_json reads it: an integer beyond 64 bits or a float as the
+                /// nearest f64 its default (not correctly rounded) parser finds, which a round
+                /// trip may move by one ULP (fuzz/fuzz_targets/state_command.rs found one).
                 body: serde_json::Value,
             },
         }
@@ -760,6 +763,26 @@ mod tests {
         let again = serde_json::to_value(&cmd).expect("encodes");
         let orig: serde_json::Value = serde_json::from_str(text).expect("json");
         assert_eq!(again, orig, "re-encoding an unknown command must lose nothing");
+    }
+
+    #[test]
+    fn an_unknown_body_with_a_huge_number_round_trips_but_for_its_last_bit() {
+        // Found by fuzzing (fuzz/fuzz_targets/state_command.rs): the 84-digit integer is read as
+        // an f64 and written back as 1.1111111111111108e81, which reads as 1.111111111111111e81.
+        let text = format!(
+            r#"{{"v": 1, "kind": "alloc_slltus", "ignorable": false, "body": {{"alloc": {}, "ep": 15}}}}"#,
+            "1".repeat(84)
+        );
+        let cmd: Command = serde_json::from_str(&text).expect("an unknown kind decodes");
+        assert_eq!(cmd.unsupported_kind(), Some("alloc_slltus"));
+        let back: Command = serde_json::from_slice(&encode_command(&cmd).expect("encodes")).expect("decodes");
+        let (Command::Unknown { kind, version, body, .. }, Command::Unknown { body: body2, .. }) = (&cmd, &back) else {
+            panic!("both unknown: {cmd:?} {back:?}");
+        };
+        assert_eq!((kind.as_str(), *version), ("alloc_slltus", 1));
+        assert_eq!(body["ep"], body2["ep"]);
+        let (a, b) = (body["alloc"].as_f64().expect("a number"), body2["alloc"].as_f64().expect("a number"));
+        assert!((a - b).abs() <= a.abs() * 4.0 * f64::EPSILON, "{a} vs {b}");
     }
 
     #[test]
