@@ -90,8 +90,11 @@ async fn serves_before_and_after_a_full_restart(c: &mut ProcessCluster, tag: &st
     }
 }
 
-async fn propose(addr: &str, json: &str) -> Result<pb::ProposeResponse, tonic::Status> {
-    let ch = channel(addr).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+/// `Internal.Propose` at `addr`: on a peer listener with the servers' own certificate (so the
+/// server's checks answer, not the listener's), on a client listener as the admin.
+async fn propose(c: &ProcessCluster, addr: &str, json: &str) -> Result<pb::ProposeResponse, tonic::Status> {
+    let ch = if c.peer_addrs.iter().any(|p| p == addr) { c.peer_channel_to(addr) } else { c.channel_to(addr) };
+    let ch = ch.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
     let req = pb::ProposeRequest { group: "region".into(), command_json: json.as_bytes().to_vec().into() };
     InternalClient::new(ch).propose(req).await.map(tonic::Response::into_inner)
 }
@@ -103,17 +106,17 @@ async fn a_poison_command_never_reaches_the_log() {
     let mut c = ProcessCluster::start(&bin(), 3, &["--config", &cfg]).expect("cluster");
     let l = c.wait_leader(Duration::from_secs(30)).await.expect("leader");
     // The client port does not serve the server-to-server service at all.
-    let e = propose(&c.addrs[l], POISON).await.expect_err("Internal is not on the client listener");
+    let e = propose(&c, &c.addrs[l], POISON).await.expect_err("Internal is not on the client listener");
     assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
     // The peer port refuses what no server would forward: an unknown kind, a leader-only kind.
-    let e = propose(&c.peer_addrs[l], POISON).await.expect_err("unknown kinds are refused");
+    let e = propose(&c, &c.peer_addrs[l], POISON).await.expect_err("unknown kinds are refused");
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("from_the_future"), "{e:?}");
     let plan = r#"{"v":1,"kind":"apply_plan","ignorable":false,"body":{"plan":{},"now":1}}"#;
-    let e = propose(&c.peer_addrs[l], plan).await.expect_err("leader-only kinds are refused");
+    let e = propose(&c, &c.peer_addrs[l], plan).await.expect_err("leader-only kinds are refused");
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     let batch = format!(r#"{{"v":1,"kind":"batch","ignorable":false,"body":{{"commands":[{POISON}]}}}}"#);
-    let e = propose(&c.peer_addrs[l], &batch).await.expect_err("inside a batch too");
+    let e = propose(&c, &c.peer_addrs[l], &batch).await.expect_err("inside a batch too");
     assert!(e.message().contains("commands[0]"), "{e:?}");
     serves_before_and_after_a_full_restart(&mut c, "poison").await;
 }
@@ -133,7 +136,7 @@ async fn an_entry_no_server_can_apply_halts_read_only_and_an_operator_skips_it()
     let mut c = ProcessCluster::start_env(&bin(), 3, &["--config", &cfg], &env).expect("cluster");
     let l = c.wait_leader(Duration::from_secs(30)).await.expect("leader");
     writes(&c, l, "before").await.expect("writes before");
-    let r = propose(&c.peer_addrs[l], POISON).await.expect("committed (the failpoint lets it through)");
+    let r = propose(&c, &c.peer_addrs[l], POISON).await.expect("committed (the failpoint lets it through)");
     let halted: serde_json::Value = serde_json::from_slice(&r.response_json).expect("json");
     assert_eq!(halted["result"], "halted", "{halted}");
     let at = r.index;
