@@ -393,7 +393,8 @@ impl Hostile {
 /// certificate, so the poison meets the server's checks and not only the listener's; a client
 /// listener as the admin.
 async fn propose(addr: &str, peer: bool, bytes: Vec<u8>) -> Result<(), tonic::Status> {
-    let ch = if peer { lazy_peer_channel(addr, Duration::from_secs(5)) } else { lazy_channel(addr, Duration::from_secs(5)) };
+    let ch =
+        if peer { lazy_peer_channel(addr, Duration::from_secs(5)) } else { lazy_channel(addr, Duration::from_secs(5)) };
     match ch {
         Ok(ch) => InternalClient::new(ch)
             .propose(pb::ProposeRequest { group: "region".into(), command_json: bytes.into() })

@@ -13,13 +13,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+use suanli_client::CallChannel;
 use suanli_client::{ClientError, Connection, ConnectionConfig, LeaderHints};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::jobs_client::JobsClient;
 use suanli_proto::v1::queues_client::QueuesClient;
 use suanli_scheduler::DetRng;
 use tonic::Code;
-use suanli_client::CallChannel;
 
 /// What each client does.
 #[derive(Debug, Clone)]
