@@ -463,13 +463,8 @@ mod inproc {
         // A 1 KiB page bound: each ~300-byte record takes a third of it.
         let mut cfg = core.cfg.clone();
         cfg.max_list_bytes = 1024;
-        let small = AccessApi(Arc::new(crate::core::Core::new(
-            cfg,
-            core.raft.clone(),
-            core.state.clone(),
-            core.log.clone(),
-            None,
-        )));
+        let small =
+            AccessApi(Arc::new(crate::core::Core::new(cfg, core.raft.clone(), core.state.clone(), core.log.clone(), None)));
         let entries: Vec<AuditEntry> = (1..=10)
             .map(|i| AuditEntry {
                 at_ms: i,
