@@ -12,6 +12,13 @@
 //! address → the proxy of that directed link); agents only know their proxies and never
 //! follow leader hints; the harness's own observer connects directly so it can always look.
 //!
+//! Every link runs mutual TLS with the process's development PKI
+//! ([`suanli_server::local::LocalPki`]): the servers with its server certificate (valid for
+//! 127.0.0.1, the address every dial rewrite and proxy has), each agent with its node's
+//! certificate, the workload clients and the harness's observer as its admin, and the
+//! harness's calls on peer listeners (`Internal`) with the server certificate. The proxies
+//! forward bytes, so a handshake crosses them as any other traffic does.
+//!
 //! Nothing here looks for a free port. Every server listens on port 0 at its first start and
 //! the harness reads the ports back (the `suanli server listening` line on its stdout); a
 //! restart reuses them. A server advertises a peer *name* (`server-N.peer.chaos:7401`) that
@@ -29,6 +36,7 @@ use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
 use suanli_proto::v1::internal_client::InternalClient;
+use suanli_server::local::LocalPki;
 use tonic::transport::{Channel, Endpoint};
 
 /// One end of a link (the dialing side); the other end is always a server.
@@ -144,22 +152,50 @@ pub struct Cluster {
     shape: Shape,
 }
 
-/// A connected channel with short timeouts (the harness must not hang on a paused server).
+/// A channel to a server's client listener as the PKI's admin, with short timeouts (the
+/// harness must not hang on a paused server): connected at the first call, within 500 ms
+/// (TCP and the TLS handshake), each call within `timeout`.
 pub async fn channel(addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
-    let ep = Endpoint::from_shared(format!("http://{addr}"))?
-        .connect_timeout(Duration::from_millis(500))
-        .timeout(timeout)
-        .tcp_nodelay(true);
-    Ok(tokio::time::timeout(Duration::from_secs(1), ep.connect()).await.context("connect timed out")??)
+    lazy_channel(addr, timeout)
 }
 
-/// A lazily connected channel (never blocks; fails at the first request).
+/// A channel to a server's peer listener with the servers' certificate (`Internal` answers
+/// servers only); connected like [`channel`].
+pub async fn peer_channel(addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
+    lazy_peer_channel(addr, timeout)
+}
+
+/// A lazily connected channel to a client listener, as the PKI's admin (never blocks; fails at
+/// the first request).
 pub fn lazy_channel(addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
+    Ok(suanli_security::tls::channel(endpoint(addr, timeout)?, Some(&pki().admin_tls())))
+}
+
+/// A lazily connected channel to a peer listener, with the servers' certificate.
+pub fn lazy_peer_channel(addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
+    Ok(suanli_security::tls::channel(endpoint(addr, timeout)?, Some(&server_tls()?)))
+}
+
+/// The PKI every cluster of this process runs with (made on first use).
+pub fn pki() -> &'static LocalPki {
+    LocalPki::get()
+}
+
+/// The servers' certificate, loaded once.
+fn server_tls() -> anyhow::Result<suanli_security::tls::Tls> {
+    static TLS: std::sync::OnceLock<suanli_security::tls::Tls> = std::sync::OnceLock::new();
+    if let Some(t) = TLS.get() {
+        return Ok(t.clone());
+    }
+    let t = suanli_security::tls::Tls::load(pki().server()).context("the local PKI's server certificate")?;
+    Ok(TLS.get_or_init(|| t).clone())
+}
+
+fn endpoint(addr: &str, timeout: Duration) -> anyhow::Result<Endpoint> {
     Ok(Endpoint::from_shared(format!("http://{addr}"))?
         .connect_timeout(Duration::from_millis(500))
         .timeout(timeout)
-        .tcp_nodelay(true)
-        .connect_lazy())
+        .tcp_nodelay(true))
 }
 
 /// The `suanli` binary: `$SUANLI_BIN`, or next to this executable (`target/debug/suanli`).
@@ -342,6 +378,7 @@ impl Cluster {
             heartbeat_interval_ms: (self.shape.heartbeat_ttl_ms / 10).max(50),
             heartbeat_ttl_ms: self.shape.heartbeat_ttl_ms,
             request_timeout_ms: 3_000,
+            tls: Some(pki().server()),
             ..suanli_server::ServerConfig::default()
         };
         match join_via {
@@ -453,7 +490,7 @@ impl Cluster {
         self.write_clock(i, f)?;
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if let Ok(ch) = channel(&self.servers[i].peer_addr, Duration::from_secs(1)).await {
+            if let Ok(ch) = peer_channel(&self.servers[i].peer_addr, Duration::from_secs(1)).await {
                 let req = pb::ClockRequest { group: "region".into() };
                 if let Ok(r) = InternalClient::new(ch).clock(req).await {
                     let ahead_ms = i128::from(r.into_inner().wall_ms) - i128::from(crate::history::now_ms());
@@ -599,6 +636,8 @@ impl Cluster {
             cgroups: false,
             // Agents talk only through their own proxies, so a partition cuts them for real.
             follow_leader_hints: false,
+            // The node's own certificate: it may report for this node only.
+            tls: Some(pki().node(&ag.node)),
             ..suanli_agent::AgentConfig::default()
         };
         let toml = toml::to_string(&cfg).context("encoding an agent config")?;
@@ -770,7 +809,7 @@ impl Cluster {
 
     /// `Internal.Inspect` of server `i`, directly (its peer listener).
     pub async fn inspect(&self, i: usize, from: u64, to: u64) -> anyhow::Result<pb::InspectResponse> {
-        let ch = channel(&self.servers[i].peer_addr, Duration::from_secs(5)).await?;
+        let ch = peer_channel(&self.servers[i].peer_addr, Duration::from_secs(5)).await?;
         let mut c = InternalClient::new(ch).max_decoding_message_size(64 << 20);
         let r = c.inspect(pb::InspectRequest { group: "region".into(), log_from: from, log_to: to }).await?;
         Ok(r.into_inner())

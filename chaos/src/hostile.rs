@@ -13,13 +13,17 @@
 //!                                                      Jobs.Watch floods on one connection
 //! ```
 //!
+//! It holds the cluster's strongest credentials (the harness's PKI): the admin's certificate on
+//! client listeners, the servers' own certificate on peer listeners, so what refuses its calls
+//! is each server's checks, not only the authorization layer.
+//!
 //! Every call it makes must be refused; one answered OK is a violation. The calls come in
 //! rounds, each round every kind once (the poison first, the rest in an order drawn from the
 //! run's seed), so every run exercises every kind. It never removes a real member and never
 //! sends a command that would change the state if a correct server accepted it.
 
 use crate::checker::Verdict;
-use crate::cluster::{Cluster, channel, lazy_channel};
+use crate::cluster::{Cluster, channel, lazy_channel, lazy_peer_channel};
 use serde::Serialize;
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -207,14 +211,14 @@ impl Hostile {
                 // Every poison to every server: the leader is always among them.
                 for (what, bytes) in self.poisons() {
                     for i in 0..self.t.peer_addrs.len() {
-                        let r = propose(&self.t.peer_addrs[i], bytes.clone()).await;
+                        let r = propose(&self.t.peer_addrs[i], true, bytes.clone()).await;
                         self.refused(&format!("Internal.Propose on the peer port of {what}"), i, r);
                     }
                 }
             }
             Call::ProposeOnClientPort => {
                 let cmd = br#"{"v":1,"kind":"delete_queue","ignorable":false,"body":{"id":"hostile"}}"#;
-                let r = propose(&self.t.addrs[via], cmd.to_vec()).await;
+                let r = propose(&self.t.addrs[via], false, cmd.to_vec()).await;
                 self.refused("Internal.Propose on the client port", via, r);
             }
             Call::AddUnreachable => {
@@ -385,8 +389,13 @@ impl Hostile {
     }
 }
 
-async fn propose(addr: &str, bytes: Vec<u8>) -> Result<(), tonic::Status> {
-    match lazy_channel(addr, Duration::from_secs(5)) {
+/// `Internal.Propose` of `bytes` at `addr`: a peer listener (`peer`) with the servers' own
+/// certificate, so the poison meets the server's checks and not only the listener's; a client
+/// listener as the admin.
+async fn propose(addr: &str, peer: bool, bytes: Vec<u8>) -> Result<(), tonic::Status> {
+    let ch =
+        if peer { lazy_peer_channel(addr, Duration::from_secs(5)) } else { lazy_channel(addr, Duration::from_secs(5)) };
+    match ch {
         Ok(ch) => InternalClient::new(ch)
             .propose(pb::ProposeRequest { group: "region".into(), command_json: bytes.into() })
             .await

@@ -84,6 +84,7 @@ impl Client {
             hints: LeaderHints::KnownOnly,
             move_on: unknown,
             aliases: advertised.iter().cloned().zip(links.iter().cloned()).collect(),
+            tls: Some(crate::cluster::pki().admin_tls()),
             ..ConnectionConfig::default()
         };
         let conn = Connection::new(links, cfg)?;

@@ -295,12 +295,17 @@ fn case() -> impl Strategy<Value = Case> {
     })
 }
 
-fn lazy(addr: &str) -> Channel {
-    Endpoint::from_shared(format!("http://{addr}"))
+/// A channel to `addr` over TLS with the process's PKI (the cluster's): a peer listener
+/// (`peer`) with the servers' own certificate, so a proposal meets the server's checks and not
+/// only the listener's; a client listener as the admin.
+fn lazy(addr: &str, peer: bool) -> Channel {
+    let pki = suanli_server::local::LocalPki::get();
+    let tls = suanli_security::tls::Tls::load(if peer { pki.server() } else { pki.admin() }).expect("the local PKI");
+    let ep = Endpoint::from_shared(format!("http://{addr}"))
         .expect("a loopback address")
         .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(5))
-        .connect_lazy()
+        .timeout(Duration::from_secs(5));
+    suanli_security::tls::channel(ep, Some(&tls))
 }
 
 /// Makes the call; returns its status code (any is fine).
@@ -311,7 +316,7 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
         Ok(l) if k.rpc == Rpc::Propose && k.n.1.is_multiple_of(2) => l,
         _ => k.server,
     };
-    let ch = lazy(if k.rpc == Rpc::Propose { &c.peer_addrs[server] } else { &c.addrs[server] });
+    let ch = if k.rpc == Rpc::Propose { lazy(&c.peer_addrs[server], true) } else { lazy(&c.addrs[server], false) };
     let retry =
         k.flag.then_some(pb::RetryPolicy { max_attempts: k.n.0 as u32, backoff_base_s: k.n.1, backoff_max_s: k.n.0 });
     let submit =
@@ -391,7 +396,7 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
 /// Every server answers and none reports a halt (after every case).
 async fn applying(c: &ProcessCluster) -> Result<(), String> {
     for i in 0..c.addrs.len() {
-        let v = ClusterClient::new(lazy(&c.addrs[i]))
+        let v = ClusterClient::new(lazy(&c.addrs[i], false))
             .version(pb::VersionRequest {})
             .await
             .map_err(|e| format!("server {i} does not answer Version: {e:?}"))?
@@ -411,7 +416,7 @@ async fn applying(c: &ProcessCluster) -> Result<(), String> {
 async fn converges_and_writes(c: &ProcessCluster, tag: &str) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(20);
     for i in 0..c.addrs.len() {
-        let ch = lazy(&c.addrs[i]);
+        let ch = lazy(&c.addrs[i], false);
         let q = json!({"id": "fz-check", "nominal": {"cpu_milli": 100000, "memory_mib": 100000}}).to_string();
         let spec = json!({"name": "fz-check", "queue": "fz-check",
             "groups": [{"name": "main", "replicas": 1, "resources": {"cpu_milli": 100, "memory_mib": 64}}]})
@@ -444,7 +449,7 @@ async fn converges_and_writes(c: &ProcessCluster, tag: &str) -> Result<(), Strin
         let mut errors = Vec::new();
         for p in &c.peer_addrs {
             let req = pb::InspectRequest { group: "region".into(), log_from: 0, log_to: 0 };
-            match InternalClient::new(lazy(p)).inspect(req).await {
+            match InternalClient::new(lazy(p, true)).inspect(req).await {
                 Ok(r) => {
                     let r = r.into_inner();
                     seen.push((r.applied_index, r.state_hash));

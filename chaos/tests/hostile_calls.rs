@@ -90,8 +90,11 @@ async fn serves_before_and_after_a_full_restart(c: &mut ProcessCluster, tag: &st
     }
 }
 
-async fn propose(addr: &str, json: &str) -> Result<pb::ProposeResponse, tonic::Status> {
-    let ch = channel(addr).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+/// `Internal.Propose` at `addr`: on a peer listener with the servers' own certificate (so the
+/// server's checks answer, not the listener's), on a client listener as the admin.
+async fn propose(c: &ProcessCluster, addr: &str, json: &str) -> Result<pb::ProposeResponse, tonic::Status> {
+    let ch = if c.peer_addrs.iter().any(|p| p == addr) { c.peer_channel_to(addr) } else { c.channel_to(addr) };
+    let ch = ch.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
     let req = pb::ProposeRequest { group: "region".into(), command_json: json.as_bytes().to_vec().into() };
     InternalClient::new(ch).propose(req).await.map(tonic::Response::into_inner)
 }
@@ -103,17 +106,18 @@ async fn a_poison_command_never_reaches_the_log() {
     let mut c = ProcessCluster::start(&bin(), 3, &["--config", &cfg]).expect("cluster");
     let l = c.wait_leader(Duration::from_secs(30)).await.expect("leader");
     // The client port does not serve the server-to-server service at all.
-    let e = propose(&c.addrs[l], POISON).await.expect_err("Internal is not on the client listener");
-    assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
+    let e = propose(&c, &c.addrs[l], POISON).await.expect_err("Internal is not on the client listener");
+    // The authorization layer refuses a method the listener does not serve before routing.
+    assert!(matches!(e.code(), Code::Unimplemented | Code::PermissionDenied), "{e:?}");
     // The peer port refuses what no server would forward: an unknown kind, a leader-only kind.
-    let e = propose(&c.peer_addrs[l], POISON).await.expect_err("unknown kinds are refused");
+    let e = propose(&c, &c.peer_addrs[l], POISON).await.expect_err("unknown kinds are refused");
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("from_the_future"), "{e:?}");
     let plan = r#"{"v":1,"kind":"apply_plan","ignorable":false,"body":{"plan":{},"now":1}}"#;
-    let e = propose(&c.peer_addrs[l], plan).await.expect_err("leader-only kinds are refused");
+    let e = propose(&c, &c.peer_addrs[l], plan).await.expect_err("leader-only kinds are refused");
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     let batch = format!(r#"{{"v":1,"kind":"batch","ignorable":false,"body":{{"commands":[{POISON}]}}}}"#);
-    let e = propose(&c.peer_addrs[l], &batch).await.expect_err("inside a batch too");
+    let e = propose(&c, &c.peer_addrs[l], &batch).await.expect_err("inside a batch too");
     assert!(e.message().contains("commands[0]"), "{e:?}");
     serves_before_and_after_a_full_restart(&mut c, "poison").await;
 }
@@ -133,7 +137,7 @@ async fn an_entry_no_server_can_apply_halts_read_only_and_an_operator_skips_it()
     let mut c = ProcessCluster::start_env(&bin(), 3, &["--config", &cfg], &env).expect("cluster");
     let l = c.wait_leader(Duration::from_secs(30)).await.expect("leader");
     writes(&c, l, "before").await.expect("writes before");
-    let r = propose(&c.peer_addrs[l], POISON).await.expect("committed (the failpoint lets it through)");
+    let r = propose(&c, &c.peer_addrs[l], POISON).await.expect("committed (the failpoint lets it through)");
     let halted: serde_json::Value = serde_json::from_slice(&r.response_json).expect("json");
     assert_eq!(halted["result"], "halted", "{halted}");
     let at = r.index;
@@ -311,7 +315,9 @@ async fn a_client_holding_every_watch_slot_leaves_agents_theirs() {
     let node = serde_json::json!({"id": "n1", "pool": "cpu", "cpu_milli": 8000, "memory_mib": 16000});
     let req =
         pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into(), ..Default::default() };
-    let ch = channel(&c.addrs[l]).await.expect("connect");
+    // As node n1's agent (its certificate): an agent reports for its own node only.
+    let n1 = suanli_server::local::LocalPki::get().node("n1");
+    let ch = suanli_server::local::channel_as(&c.addrs[l], &n1).await.expect("connect");
     suanli_proto::v1::agent_client::AgentClient::new(ch).register(req).await.expect("register");
     for i in 0..3 {
         // A foreign client takes every client slot of server i, connection after connection.
@@ -330,7 +336,8 @@ async fn a_client_holding_every_watch_slot_leaves_agents_theirs() {
         }
         assert_eq!(held.len(), 6, "the client pool of server {i} is full");
         // An agent's watch of its node still opens on that server, and the server serves.
-        let mut agent = suanli_proto::v1::agent_client::AgentClient::new(channel(&c.addrs[i]).await.expect("connect"));
+        let ch = suanli_server::local::channel_as(&c.addrs[i], &n1).await.expect("connect");
+        let mut agent = suanli_proto::v1::agent_client::AgentClient::new(ch);
         // (A follower may not have applied the node's registration yet: NOT_FOUND until it has.)
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let mut s = loop {

@@ -181,7 +181,9 @@ async fn plaintext_and_tls_never_talk_and_say_so_at_once() {
     let _one = ONE_AT_A_TIME.lock().await;
     let leader = |ch| async move {
         let mut client = ClusterClient::new(ch);
-        tokio::time::timeout(REFUSED_WITHIN, client.leader(pb::LeaderRequest {})).await.expect("an answer or an error, not a hang")
+        tokio::time::timeout(REFUSED_WITHIN, client.leader(pb::LeaderRequest {}))
+            .await
+            .expect("an answer or an error, not a hang")
     };
     let tls = ProcessCluster::start(&bin(), 1, &[]).expect("a TLS server");
     let plain = ProcessCluster::start(&bin(), 1, &["--insecure"]).expect("an --insecure server");
@@ -231,9 +233,6 @@ async fn plaintext_and_tls_never_talk_and_say_so_at_once() {
         eprintln!("a certificate of another CA at {addr}: {:?} {:?}", e.code(), e.message());
         // TLS 1.3: the client's side of the handshake is done before the server checks its
         // certificate; the server's alert and close reach it as a closed connection.
-        assert!(
-            matches!(e.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled),
-            "{e:?}"
-        );
+        assert!(matches!(e.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled), "{e:?}");
     }
 }
