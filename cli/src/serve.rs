@@ -454,7 +454,9 @@ async fn ensure_default_queue(addr: &str, tls_dir: &std::path::Path) -> Result<s
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     if conn.get_queue("default", false).await.is_err() {
-        let queue = suanli_model::Queue::new("default", suanli_model::ResVec::MAX);
+        // Team `default`: a member token of that team may submit to it (README).
+        let mut queue = suanli_model::Queue::new("default", suanli_model::ResVec::MAX);
+        queue.team = "default".into();
         conn.upsert_queue(&serde_json::to_string(&queue)?).await?;
     }
     Ok(conn)
