@@ -76,20 +76,7 @@ impl LogsAuth {
             let peer = req.extensions().get::<PeerInfo>();
             return Ok(peer.and_then(|p| p.principal.clone()).unwrap_or(Principal::Anonymous));
         };
-        if v.len() > token::MAX_TOKEN_BYTES + "Bearer ".len() {
-            return Err(Status::unauthenticated(format!(
-                "authorization: {} bytes is over the limit of {} bytes for a token",
-                v.len(),
-                token::MAX_TOKEN_BYTES
-            )));
-        }
-        let tok = v
-            .to_str()
-            .ok()
-            .and_then(|s| s.strip_prefix("Bearer ").or_else(|| s.strip_prefix("bearer ")))
-            .map(str::trim)
-            .ok_or_else(|| Status::unauthenticated("authorization: not `Bearer <token>`"))?
-            .to_owned();
+        let tok = token::bearer(v.as_bytes()).map_err(Status::unauthenticated)?.to_owned();
         let now = tokio::time::Instant::now();
         {
             let cache = self.cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -88,6 +88,23 @@ fn mac(key: &[u8], input: &[u8]) -> hmac::Tag {
     hmac::sign(&hmac::Key::new(hmac::HMAC_SHA256, key), input)
 }
 
+/// The token in an `authorization` metadata value (`Bearer <token>`, the scheme in either
+/// case), refusing a value longer than a token allows before looking at it; the error names the
+/// metadata key.
+pub fn bearer(value: &[u8]) -> Result<&str, String> {
+    if value.len() > MAX_TOKEN_BYTES + "Bearer ".len() {
+        return Err(format!(
+            "{METADATA_KEY}: {} bytes is over the limit of {MAX_TOKEN_BYTES} bytes for a token",
+            value.len()
+        ));
+    }
+    std::str::from_utf8(value)
+        .ok()
+        .and_then(|s| s.strip_prefix("Bearer ").or_else(|| s.strip_prefix("bearer ")))
+        .map(str::trim)
+        .ok_or_else(|| format!("{METADATA_KEY}: not `Bearer <token>`"))
+}
+
 /// Signs `claims` with `key`: `sl1.<base64url(JSON claims)>.<base64url(HMAC-SHA256)>`, the MAC
 /// taken over `sl1.<claims part>`.
 pub fn sign(key: &[u8], claims: &Claims) -> String {
@@ -135,6 +152,16 @@ mod tests {
     use super::*;
 
     const KEY: [u8; KEY_BYTES] = [7; KEY_BYTES];
+
+    #[test]
+    fn bearer_values_are_read_and_bounded() {
+        assert_eq!(bearer(b"Bearer sl1.a.b"), Ok("sl1.a.b"));
+        assert_eq!(bearer(b"bearer  sl1.a.b "), Ok("sl1.a.b"));
+        assert!(bearer(b"Basic eA==").expect_err("not bearer").contains("not `Bearer"));
+        let long = format!("Bearer {}", "x".repeat(MAX_TOKEN_BYTES + 1));
+        assert!(bearer(long.as_bytes()).expect_err("too long").contains("over the limit"));
+        assert!(bearer(&[0xff, 0xfe]).is_err());
+    }
 
     fn claims() -> Claims {
         Claims {

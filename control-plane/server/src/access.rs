@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use suanli_client::code_name;
 use suanli_model::{AllocId, JobId, JobSpec, Node, QueueId};
 use suanli_proto::v1 as pb;
 use suanli_security::policy::{self, Decision, Listener};
@@ -280,19 +281,7 @@ impl Shared {
             return Ok(Principal::Insecure);
         }
         if let Some(v) = headers.get(token::METADATA_KEY) {
-            if v.len() > token::MAX_TOKEN_BYTES + "Bearer ".len() {
-                return Err(Status::unauthenticated(format!(
-                    "authorization: {} bytes is over the limit of {} bytes for a token",
-                    v.len(),
-                    token::MAX_TOKEN_BYTES
-                )));
-            }
-            let tok = v
-                .to_str()
-                .ok()
-                .and_then(|s| s.strip_prefix("Bearer ").or_else(|| s.strip_prefix("bearer ")))
-                .map(str::trim)
-                .ok_or_else(|| Status::unauthenticated("authorization: not `Bearer <token>`"))?;
+            let tok = token::bearer(v.as_bytes()).map_err(Status::unauthenticated)?;
             let key = match self.key.get() {
                 Some(k) => k.clone(),
                 None => match self.core.state.read(State::token_key) {
@@ -620,29 +609,6 @@ fn cut(s: &str) -> String {
         end -= 1;
     }
     s[..end].to_owned()
-}
-
-/// A status code's name as gRPC writes it (`PERMISSION_DENIED`).
-pub(crate) fn code_name(c: Code) -> &'static str {
-    match c {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
-    }
 }
 
 /// A response body that records its call in the audit log once its status is known (the
