@@ -1,6 +1,8 @@
 //! The access matrix against a real TLS server: every method of `policy::RULES` on the client
 //! and peer listeners, called by every kind of caller, is allowed or refused exactly as
-//! `policy::decide` (and docs/security.md, which a unit test keeps equal to it) says. Plus: an
+//! `policy::decide` (and docs/security.md, which a unit test keeps equal to it) says; callers
+//! without a certificate too (none at all, member tokens of the job's team and of another, an
+//! expired and a revoked token), refused at the handshake on the peer listener. Plus: an
 //! agent with node n1's certificate cannot report for node n2, a user's certificate cannot
 //! reach raft, and a certificate from another CA gets no connection at all.
 //!
@@ -56,11 +58,26 @@ impl tonic::codec::Decoder for Raw {
 /// Calls `path` with `msg` (an encoded request); the answer's code once its headers are in
 /// (a stream that opened is OK). A connection that fails is `Err` with why.
 async fn call(ch: &tonic::transport::Channel, path: &str, msg: Vec<u8>) -> Result<Code, String> {
+    call_with(ch, path, msg, None).await
+}
+
+/// [`call`] with a bearer token in the call's metadata.
+async fn call_with(
+    ch: &tonic::transport::Channel,
+    path: &str,
+    msg: Vec<u8>,
+    token: Option<&str>,
+) -> Result<Code, String> {
+    let mut req = tonic::Request::new(msg);
+    if let Some(t) = token {
+        let v = format!("Bearer {t}").parse().map_err(|e| format!("token metadata: {e}"))?;
+        req.metadata_mut().insert("authorization", v);
+    }
     let mut grpc = tonic::client::Grpc::new(ch.clone());
     let go = async {
         grpc.ready().await.map_err(|e| format!("not ready: {e}"))?;
         let path = tonic::codegen::http::uri::PathAndQuery::try_from(path).map_err(|e| e.to_string())?;
-        match grpc.server_streaming(tonic::Request::new(msg), path, Raw).await {
+        match grpc.server_streaming(req, path, Raw).await {
             Ok(_) => Ok(Code::Ok),
             // A refused connection is not an answer of the server.
             Err(s) if s.code() == Code::Unavailable && s.source_chain_is_transport() => Err(s.to_string()),
@@ -130,6 +147,17 @@ fn request(path: &str, job: u64) -> Vec<u8> {
         // Health names a service; reflection and the rest take their defaults.
         _ => Vec::new(),
     }
+}
+
+/// A member's bearer token, made by the admin.
+async fn member_token(
+    access: &mut pb::access_client::AccessClient<tonic::transport::Channel>,
+    name: &str,
+    team: &str,
+    ttl_s: u64,
+) -> pb::CreateTokenResponse {
+    let req = pb::CreateTokenRequest { name: name.into(), role: "member".into(), team: team.into(), ttl_s };
+    access.create_token(req).await.expect("a token").into_inner()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,6 +250,67 @@ async fn every_method_times_every_caller_is_decided_as_the_matrix_says() {
     }
     // An unknown method is denied, even to an admin.
     assert_eq!(call(&admin, "/suanli.v1.Jobs/Nope", Vec::new()).await, Ok(Code::PermissionDenied));
+
+    // Callers without a certificate: none at all, and bearer tokens (a member of the job's team,
+    // one of another team, an expired one, a revoked one), over TLS that verifies the server
+    // only. The peer listener refuses them all at the handshake.
+    let ca_only = TlsFiles { ca: pki.admin().ca, cert: Default::default(), key: Default::default() };
+    let mut access = pb::access_client::AccessClient::new(admin.clone());
+    let t1 = member_token(&mut access, "tm1", "t1", 3600).await;
+    let t2 = member_token(&mut access, "tm2", "t2", 3600).await;
+    let expired = member_token(&mut access, "tx", "t1", 1).await;
+    let revoked = member_token(&mut access, "tr", "t1", 3600).await;
+    access.revoke_token(pb::RevokeTokenRequest { id: revoked.id.clone() }).await.expect("revoked");
+    // The 1 s token's expiry is judged at the server's clock in whole seconds.
+    while std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_secs()
+        <= expired.expires_at
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let token_user = |name: &str, team: &str, id: &str| Principal::User {
+        name: name.into(),
+        role: Role::Member,
+        team: Some(team.into()),
+        credential: Credential::Token { id: id.into() },
+    };
+    let bearers: [(&str, Option<&str>, Option<Principal>); 5] = [
+        ("no credential", None, Some(Principal::Anonymous)),
+        ("token of the job's team", Some(&t1.token), Some(token_user("tm1", "t1", &t1.id))),
+        ("token of another team", Some(&t2.token), Some(token_user("tm2", "t2", &t2.id))),
+        ("expired token", Some(&expired.token), None),
+        ("revoked token", Some(&revoked.token), None),
+    ];
+    let client = channel_as(&c.addrs[0], &ca_only).await.expect("channel without a certificate");
+    let peer = channel_as(&c.peer_addrs[0], &ca_only).await.expect("peer channel");
+    for (name, tok, principal) in &bearers {
+        for rule in policy::RULES.iter().filter(|r| r.listener != Listener::AgentLogs) {
+            if rule.listener == Listener::Peer {
+                let got = call_with(&peer, rule.method, Vec::new(), *tok).await;
+                checked += 1;
+                if got.is_ok() {
+                    wrong.push(format!("{name} {} on the peer listener: got {got:?}, no connection", rule.method));
+                }
+                continue;
+            }
+            let got = call_with(&client, rule.method, request(rule.method, job), *tok).await;
+            // A bad token is refused before anything else, whatever the method.
+            let decision = principal.as_ref().map_or(Decision::Unauthenticated, |p| policy::decide(rule, p));
+            let ok = match (&got, &decision) {
+                (Ok(code), Decision::Allow) => !matches!(code, Code::PermissionDenied | Code::Unauthenticated),
+                (Ok(code), Decision::AllowIfTeam(t)) if t == "t1" => {
+                    !matches!(code, Code::PermissionDenied | Code::Unauthenticated)
+                }
+                (Ok(code), Decision::Unauthenticated) => *code == Code::Unauthenticated,
+                (Ok(code), _) => *code == Code::PermissionDenied,
+                (Err(_), _) => false,
+            };
+            checked += 1;
+            if !ok {
+                wrong.push(format!("{name} {}: got {got:?}, matrix says {decision:?}", rule.method));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{} of {checked} calls decided against the matrix:\n{}", wrong.len(), wrong.join("\n"));
 
     // A certificate from another CA: no connection, refused at once (no hang).
     let other_dir = tempfile::tempdir().expect("tempdir");
