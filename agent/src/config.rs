@@ -520,7 +520,7 @@ mod tests {
         assert!(e.contains("plugins[0]"), "{e}");
         let e = AgentConfig::from_toml("plugin_sha256 = [\"abc\"]").unwrap_err().to_string();
         assert!(e.contains("plugin_sha256[0]") && e.contains("64 hex digits"), "{e}");
-        let ok = format!("plugin_sha256 = [{:?}, {:?}]", "ab".repeat(32), "CD".repeat(32));
+        let ok = format!("insecure = true\nplugin_sha256 = [{:?}, {:?}]", "ab".repeat(32), "CD".repeat(32));
         assert_eq!(AgentConfig::from_toml(&ok).unwrap().plugin_sha256.map(|l| l.len()), Some(2));
         let e = AgentConfig::from_toml("stop_grace_min_ms = 10\nstop_grace_max_ms = 5").unwrap_err().to_string();
         assert!(e.contains("stop_grace_max_ms"), "{e}");
