@@ -28,7 +28,7 @@ fn host() -> PathBuf {
 fn config(plugins: &Path, extra: &str) -> AgentConfig {
     let fake_cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/plugins/fake-8gpu.toml");
     let toml = format!(
-        "node_id = \"allowlist\"\nplugin_dir = {plugins:?}\nplugins = [\"fake\"]\nhost_cmd = [{host:?}]\n{extra}\n\
+        "insecure = true\nnode_id = \"allowlist\"\nplugin_dir = {plugins:?}\nplugins = [\"fake\"]\nhost_cmd = [{host:?}]\n{extra}\n\
          [plugin_config.fake]\nconfig_path = {fake_cfg:?}\n",
         plugins = plugins.display().to_string(),
         host = host().display().to_string(),

@@ -313,7 +313,9 @@ async fn a_stale_attempts_checkpoint_report_is_refused() {
         .wait_job(id, Duration::from_secs(40), "the next attempt runs", |j| support::running_elsewhere(j, &["s1"]))
         .await;
     assert!(j2.attempt > j1.attempt);
-    let mut agent = AgentClient::new(channel(&c.addr).await.unwrap());
+    // Agent calls need an agent's (or a server's) certificate: the admin's is refused.
+    let server_cert = suanli_server::local::LocalPki::get().server();
+    let mut agent = AgentClient::new(suanli_server::local::channel_as(&c.addr, &server_cert).await.unwrap());
     let stale_step = j2.latest_checkpoint_step + 1_000;
     let report = |alloc_id: u64, epoch: u64| pb::ReportCheckpointRequest {
         alloc_id,

@@ -77,11 +77,15 @@ async fn leader_killed_mid_stream_then_full_restart() {
         "gpu_milli": u64::MAX, "npu_milli": u64::MAX}});
     QueuesClient::new(ch.clone()).upsert(pb::UpsertQueueRequest { queue_json: queue.to_string() }).await.unwrap();
     for n in 0..2 {
-        let node = serde_json::json!({"id": format!("node-{n}"), "pool": "cpu", "cpu_milli": 1_000_000u64,
+        let id = format!("node-{n}");
+        let node = serde_json::json!({"id": id, "pool": "cpu", "cpu_milli": 1_000_000u64,
             "memory_mib": 4_000_000u64});
         let req =
             pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "e2e".into(), ..Default::default() };
-        AgentClient::new(ch.clone()).register(req).await.unwrap();
+        // Registration is for the node's own agent (its certificate), not the admin.
+        let files = suanli_server::local::LocalPki::get().node(&id);
+        let as_node = suanli_server::local::channel_as(&c.addrs[leader], &files);
+        AgentClient::new(as_node.await.unwrap()).register(req).await.unwrap();
     }
 
     // 1,000 submissions from 16 concurrent clients that retry with the same request id.

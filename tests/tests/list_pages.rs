@@ -178,7 +178,10 @@ async fn queues_pools_nodes_and_jobs_come_back_once_across_small_pages() {
             "memory_mib": 256000, "labels": {"rack": format!("r{i}")}});
         let req =
             pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into(), ..Default::default() };
-        AgentClient::new(ch.clone()).register(req).await.unwrap();
+        // Registration is for the node's own agent (its certificate), not the admin.
+        let files = suanli_server::local::LocalPki::get().node(&id);
+        let as_node = suanli_server::local::channel_as(&addr, &files);
+        AgentClient::new(as_node.await.unwrap()).register(req).await.unwrap();
         nodes.push(id);
     }
     let pools: Vec<String> = (0..6).map(|p| format!("pool-{p}")).collect();
