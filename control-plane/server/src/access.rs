@@ -326,7 +326,9 @@ impl Shared {
     /// by the request timeout.
     async fn buffer(&self, body: Body) -> Result<Bytes, Status> {
         let max = self.core.cfg.max_request_bytes;
-        let limited = http_body_util::Limited::new(body, max.saturating_add(5));
+        // The services decode up to `max_request_bytes` + 64 KiB (so a handler can name the
+        // field that is over the limit, e.g. `spec_json`); buffer as much, plus the frame header.
+        let limited = http_body_util::Limited::new(body, max.saturating_add(64 * 1024 + 5));
         match tokio::time::timeout(self.core.timeout(), limited.collect()).await {
             Err(_) => Err(Status::deadline_exceeded("the request's body did not arrive within the request timeout")),
             Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
