@@ -101,7 +101,10 @@ async fn bad_requests_name_the_field_and_change_nothing() {
         .await
         .expect_err("bad mode");
     assert!(s.message().starts_with("mode"), "{s:?}");
-    let s = AgentClient::new(ch.clone())
+    // Agent calls need an agent's certificate (here the server's, which may call anything).
+    let server_cert = suanli_server::local::LocalPki::get().server();
+    let as_server = suanli_server::local::channel_as(&addr, &server_cert).await.unwrap();
+    let s = AgentClient::new(as_server)
         .register(pb::RegisterNodeRequest {
             node_json: r#"{"id":"n","pool":"p","cpu_milli":-1}"#.into(),
             ..Default::default()

@@ -69,11 +69,13 @@ async fn jobs_on_new_connection(addr: &str) -> JobsClient<tonic::transport::Chan
     JobsClient::new(channel(addr).await.unwrap())
 }
 
-async fn register(addr: &str, node: &str) {
-    let node = serde_json::json!({"id": node, "pool": "cpu", "cpu_milli": 8000, "memory_mib": 16000});
+async fn register(addr: &str, node_id: &str) {
+    let node = serde_json::json!({"id": node_id, "pool": "cpu", "cpu_milli": 8000, "memory_mib": 16000});
     let req =
         pb::RegisterNodeRequest { node_json: node.to_string(), agent_version: "test".into(), ..Default::default() };
-    AgentClient::new(channel(addr).await.unwrap()).register(req).await.unwrap();
+    // Registration is for the node's own agent (its certificate), not the admin.
+    let files = suanli_server::local::LocalPki::get().node(node_id);
+    AgentClient::new(suanli_server::local::channel_as(addr, &files).await.unwrap()).register(req).await.unwrap();
 }
 
 /// An agent's allocation watch of `node`, opened on a fresh connection (as a restarted agent
