@@ -81,7 +81,8 @@ async fn register(addr: &str, node_id: &str) {
 /// An agent's allocation watch of `node`, opened on a fresh connection (as a restarted agent
 /// would), with its first update.
 async fn agent_watch(addr: &str, node: &str) -> Result<tonic::Streaming<pb::AllocationsUpdate>, tonic::Status> {
-    let mut agent = AgentClient::new(channel(addr).await.unwrap());
+    let files = suanli_server::local::LocalPki::get().node(node);
+    let mut agent = AgentClient::new(suanli_server::local::channel_as(addr, &files).await.unwrap());
     let req = pb::WatchAllocationsRequest { node_id: node.into(), from_revision: 0 };
     let mut s = agent.watch_allocations(req).await?.into_inner();
     let first = tokio::time::timeout(Duration::from_secs(10), s.message()).await.unwrap().unwrap();
