@@ -18,6 +18,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ".suanli.v1.SnapshotChunk.data",
         ".suanli.v1.ProposeRequest.command_json",
         ".suanli.v1.ProposeResponse.response_json",
+        ".suanli.v1.FedProposeRequest.command_json",
+        ".suanli.v1.FedProposeResponse.response_json",
     ]);
     // device.proto's messages are generated once, by `suanli-device-proto` (prost alone, so a
     // device plugin links no tonic); the code generated here refers to them there, and lib.rs
@@ -37,10 +39,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ".suanli.v1.SnapshotChunk.data",
         ".suanli.v1.ProposeRequest.command_json",
         ".suanli.v1.ProposeResponse.response_json",
+        ".suanli.v1.FedProposeRequest.command_json",
+        ".suanli.v1.FedProposeResponse.response_json",
     ] {
         config.field_attribute(f, "#[serde(skip)]");
     }
     config.field_attribute(".suanli.v1.NodeInfo.mode", "#[serde(serialize_with = \"crate::json::node_mode\")]");
+    config.field_attribute(
+        ".suanli.v1.FedJobInfo.spec_json",
+        "#[serde(rename = \"spec\", serialize_with = \"crate::json::embedded\")]",
+    );
     config.field_attribute(
         ".suanli.v1.JobInfo.spec_json",
         "#[serde(rename = \"spec\", serialize_with = \"crate::json::embedded\")]",
@@ -61,6 +69,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "proto/suanli/v1/raft.proto",
                 "proto/suanli/v1/internal.proto",
                 "proto/suanli/v1/device.proto",
+                "proto/suanli/v1/federation.proto",
             ],
             &["proto"],
         )?;

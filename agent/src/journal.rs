@@ -72,6 +72,17 @@ pub struct JournalEntry {
     pub devices: Vec<JournalDevice>,
     /// Wall clock, milliseconds since the Unix epoch.
     pub at_ms: u64,
+    /// A federated job's global id (`g-<n>`; empty for a region-local job): what ties its runs
+    /// in different regions together (docs/federation.md).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub global_id: String,
+    /// The federation epoch it ran under (0 for a region-local job).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub fed_epoch: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 impl JournalEntry {
@@ -186,6 +197,8 @@ mod tests {
             task: "main-0".into(),
             devices: vec![JournalDevice { device: "gpu0".into(), milli: 500 }],
             at_ms,
+            global_id: String::new(),
+            fed_epoch: 0,
         }
     }
 

@@ -160,6 +160,9 @@ impl Identity {
             task: self.task.clone(),
             devices: self.devices.clone(),
             at_ms,
+            // Filled by h-agent (the task's federation binding).
+            global_id: String::new(),
+            fed_epoch: 0,
         }
     }
 }

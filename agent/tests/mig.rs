@@ -100,8 +100,13 @@ async fn a_gpu_and_its_mig_partitions_are_never_booked_at_once() {
         let spec = serde_json::json!({"name": format!("mig-{i}"), "queue": "default", "groups": [{"name": "main",
             "resources": {"cpu_milli": 100, "memory_mib": 64, "devices": {"kind": "gpu", "count": 1, "milli": 1000}},
             "task": {"command": "/bin/sh", "args": ["-c", "sleep 2"]}}]});
-        let req =
-            pb::SubmitJobRequest { client_request_id: format!("mig-{i}"), spec_json: spec.to_string(), retry: None };
+        let req = pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
+            client_request_id: format!("mig-{i}"),
+            spec_json: spec.to_string(),
+            retry: None,
+        };
         jobs.submit(req).await.unwrap();
     }
     // Until every job has started and stopped.

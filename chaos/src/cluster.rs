@@ -787,7 +787,13 @@ impl Cluster {
     pub async fn submit(&mut self, rid: &str, spec: &serde_json::Value) -> anyhow::Result<u64> {
         let l = self.wait_leader(Duration::from_secs(10)).await?;
         let ch = channel(&self.servers[l].addr, Duration::from_secs(5)).await?;
-        let req = pb::SubmitJobRequest { client_request_id: rid.into(), spec_json: spec.to_string(), retry: None };
+        let req = pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
+            client_request_id: rid.into(),
+            spec_json: spec.to_string(),
+            retry: None,
+        };
         Ok(suanli_proto::v1::jobs_client::JobsClient::new(ch).submit(req).await?.into_inner().job_id)
     }
 

@@ -273,6 +273,8 @@ impl Hostile {
                     (Ok(ch), 0) => {
                         let spec = format!(r#"{{"name":"{pad}","queue":"default","groups":[]}}"#);
                         let req = pb::SubmitJobRequest {
+                            global: false,
+                            team: String::new(),
                             client_request_id: "hostile-big".into(),
                             spec_json: spec,
                             retry: None,
@@ -303,6 +305,8 @@ impl Hostile {
                 let group = r#"{"name":"main","replicas":1,"resources":{"cpu_milli":100,"memory_mib":64}}"#;
                 let submit = |spec: String| {
                     let req = pb::SubmitJobRequest {
+                        global: false,
+                        team: String::new(),
                         client_request_id: format!("hostile-{which}"),
                         spec_json: spec,
                         retry: None,
@@ -490,6 +494,8 @@ async fn submit_commits(addr: &str, request_id: &str, bound: Duration) -> Result
         let r = match channel(addr, Duration::from_secs(5)).await {
             Ok(ch) => JobsClient::new(ch)
                 .submit(pb::SubmitJobRequest {
+                    global: false,
+                    team: String::new(),
                     client_request_id: request_id.into(),
                     spec_json: spec.clone(),
                     retry: None,

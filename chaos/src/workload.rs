@@ -175,8 +175,13 @@ impl Client {
         let invoked = now_ms();
         let (asked, r) = self
             .attempt(|ch| {
-                let req =
-                    pb::SubmitJobRequest { client_request_id: request_id.clone(), spec_json: spec_json.clone(), retry };
+                let req = pb::SubmitJobRequest {
+                    global: false,
+                    team: String::new(),
+                    client_request_id: request_id.clone(),
+                    spec_json: spec_json.clone(),
+                    retry,
+                };
                 async move { JobsClient::new(ch).submit(req).await }
             })
             .await;

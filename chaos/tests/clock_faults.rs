@@ -59,7 +59,13 @@ fn job(name: &str, script: &str, gpu: bool) -> String {
 
 async fn submit(addr: &str, name: &str, spec: String, retry: pb::RetryPolicy) -> anyhow::Result<u64> {
     let ch = cluster::channel(addr, Duration::from_secs(3)).await?;
-    let req = pb::SubmitJobRequest { client_request_id: name.to_owned(), spec_json: spec, retry: Some(retry) };
+    let req = pb::SubmitJobRequest {
+        global: false,
+        team: String::new(),
+        client_request_id: name.to_owned(),
+        spec_json: spec,
+        retry: Some(retry),
+    };
     Ok(JobsClient::new(ch).submit(req).await?.into_inner().job_id)
 }
 

@@ -319,8 +319,13 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
     let ch = if k.rpc == Rpc::Propose { lazy(&c.peer_addrs[server], true) } else { lazy(&c.addrs[server], false) };
     let retry =
         k.flag.then_some(pb::RetryPolicy { max_attempts: k.n.0 as u32, backoff_base_s: k.n.1, backoff_max_s: k.n.0 });
-    let submit =
-        |i: u64| pb::SubmitJobRequest { client_request_id: format!("{}-{i}", k.text), spec_json: text.clone(), retry };
+    let submit = |i: u64| pb::SubmitJobRequest {
+        global: false,
+        team: String::new(),
+        client_request_id: format!("{}-{i}", k.text),
+        spec_json: text.clone(),
+        retry,
+    };
     let r: Result<(), tonic::Status> = match k.rpc {
         Rpc::Propose => {
             // Now and then a group no server serves.
@@ -425,6 +430,8 @@ async fn converges_and_writes(c: &ProcessCluster, tag: &str) -> Result<(), Strin
             let r = async {
                 QueuesClient::new(ch.clone()).upsert(pb::UpsertQueueRequest { queue_json: q.clone() }).await?;
                 let req = pb::SubmitJobRequest {
+                    global: false,
+                    team: String::new(),
                     client_request_id: format!("{tag}-{i}"),
                     spec_json: spec.clone(),
                     retry: None,

@@ -44,7 +44,13 @@ async fn writes(c: &ProcessCluster, i: usize, id: &str) -> Result<u64, tonic::St
                 "name": id, "queue": "q",
                 "groups": [{"name": "main", "replicas": 1, "resources": {"cpu_milli": 100, "memory_mib": 64}}],
             });
-            let req = pb::SubmitJobRequest { client_request_id: id.into(), spec_json: spec.to_string(), retry: None };
+            let req = pb::SubmitJobRequest {
+                global: false,
+                team: String::new(),
+                client_request_id: id.into(),
+                spec_json: spec.to_string(),
+                retry: None,
+            };
             Ok::<_, tonic::Status>(JobsClient::new(ch).submit(req).await?.into_inner().job_id)
         }
         .await;
@@ -289,8 +295,13 @@ async fn five_jobs_at_the_limits_never_break_listing() {
     let ch = channel(&c.addrs[l]).await.expect("connect");
     let mut jobs = JobsClient::new(ch);
     for i in 0..5 {
-        let req =
-            pb::SubmitJobRequest { client_request_id: format!("large-{i}"), spec_json: large_job(i), retry: None };
+        let req = pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
+            client_request_id: format!("large-{i}"),
+            spec_json: large_job(i),
+            retry: None,
+        };
         jobs.submit(req).await.unwrap_or_else(|s| panic!("large job {i} is within the limits: {s:?}"));
     }
     for i in 0..3 {
@@ -371,6 +382,8 @@ async fn what_the_user_wrote_is_never_silently_dropped() {
             ("gpus", r#"{"name":"x","queue":"q","groups":[{"name":"g","resources":{"cpu_milli":1,"gpus":4}}]}"#),
         ] {
             let req = pb::SubmitJobRequest {
+                global: false,
+                team: String::new(),
                 client_request_id: format!("typo-{i}-{field}"),
                 spec_json: spec.into(),
                 retry: None,

@@ -138,7 +138,13 @@ async fn create_queue(conn: &Connection) -> Result<()> {
 
 async fn submit_one(conn: &Connection, rid: String, i: usize) -> Result<Duration> {
     let t = Instant::now();
-    let req = pb::SubmitJobRequest { client_request_id: rid, spec_json: job(i), retry: None };
+    let req = pb::SubmitJobRequest {
+        global: false,
+        team: String::new(),
+        client_request_id: rid,
+        spec_json: job(i),
+        retry: None,
+    };
     conn.submit_job(req, |_, _| {}).await?;
     Ok(t.elapsed())
 }
@@ -147,7 +153,14 @@ async fn submit_one(conn: &Connection, rid: String, i: usize) -> Result<Duration
 /// not the client library's choice of server for each call).
 async fn submit_on(c: &mut pb::jobs_client::JobsClient<Channel>, rid: String, i: usize) -> Result<Duration> {
     let t = Instant::now();
-    c.submit(pb::SubmitJobRequest { client_request_id: rid, spec_json: job(i), retry: None }).await?;
+    c.submit(pb::SubmitJobRequest {
+        global: false,
+        team: String::new(),
+        client_request_id: rid,
+        spec_json: job(i),
+        retry: None,
+    })
+    .await?;
     Ok(t.elapsed())
 }
 
@@ -342,6 +355,8 @@ async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Connection) -> R
                 }
                 let jobs: Vec<pb::SubmitJobRequest> = (from..(from + size).min(total))
                     .map(|i| pb::SubmitJobRequest {
+                        global: false,
+                        team: String::new(),
                         client_request_id: format!("batch-{i}"),
                         spec_json: job(base + i),
                         retry: None,
@@ -399,7 +414,7 @@ pub fn failover(a: FailoverArgs) -> Result<()> {
                     ..ConnectionConfig::default()
                 }),
             )?;
-            let req = pb::SubmitJobRequest { client_request_id: format!("failover-{k}"), spec_json: job(seq), retry: None };
+            let req = pb::SubmitJobRequest { global: false, team: String::new(), client_request_id: format!("failover-{k}"), spec_json: job(seq), retry: None };
             FAILOVER_RETRY
                 .retry(
                     || conn.call(|ch| {

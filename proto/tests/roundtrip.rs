@@ -6,6 +6,8 @@ use suanli_proto::v1;
 #[test]
 fn messages_round_trip() {
     let req = v1::SubmitJobRequest {
+        global: false,
+        team: String::new(),
         client_request_id: "r-1".into(),
         spec_json: "{}".into(),
         retry: Some(v1::RetryPolicy { max_attempts: 3, backoff_base_s: 10, backoff_max_s: 60 }),

@@ -27,6 +27,10 @@ pub enum Listener {
     Peer,
     /// An agent's log service.
     AgentLogs,
+    /// A federation server's client listener (`Federation`; docs/federation.md).
+    Federation,
+    /// A federation server's peer listener (its raft group, `FederationPeer`): servers only.
+    FederationPeer,
 }
 
 /// Who may call a method.
@@ -81,7 +85,7 @@ const fn r(method: &'static str, listener: Listener, allow: Allow, scope: Scope,
 }
 
 use Allow::{Anyone, Node, Roles, Server};
-use Listener::{AgentLogs, Client, Peer};
+use Listener::{AgentLogs, Client, Federation, FederationPeer, Peer};
 
 /// Every method of every listener. Health and reflection are matched by service prefix
 /// ([`rule`]).
@@ -140,6 +144,20 @@ pub static RULES: &[Rule] = &[
     r("/suanli.v1.Internal/Clock", Peer, Server, Scope::None, false),
     // An agent's log service
     r("/suanli.v1.AgentLogs/Logs", AgentLogs, Roles(TEAM_AND_OPERATORS), Scope::Team, false),
+    // A federation server's client listener. Submit and Cancel: a member for its own team (the
+    // request's team, or the job's); a region server forwarding a `--global` submit may call
+    // them too (servers may call any method) and names the user it acts for.
+    r("/suanli.v1.Federation/Submit", Federation, Roles(TEAM), Scope::Team, true),
+    r("/suanli.v1.Federation/Cancel", Federation, Roles(TEAM), Scope::Team, true),
+    r("/suanli.v1.Federation/Sync", Federation, Server, Scope::None, true),
+    r("/suanli.v1.Federation/Status", Federation, Roles(READERS), Scope::None, false),
+    r("/suanli.v1.Federation/Regions", Federation, Roles(READERS), Scope::None, false),
+    r("/suanli.v1.Federation/Jobs", Federation, Roles(READERS), Scope::None, false),
+    r("/suanli.v1.Federation/GetJob", Federation, Roles(READERS), Scope::None, false),
+    r("/suanli.v1.Federation/SetQuota", Federation, Roles(ADMIN), Scope::None, true),
+    // A federation server's peer listener (its raft group uses RaftTransport, whose rules
+    // above apply there as on a region's peer listener).
+    r("/suanli.v1.FederationPeer/Propose", FederationPeer, Server, Scope::None, false),
 ];
 
 /// Health checks, on every listener: anyone.

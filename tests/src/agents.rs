@@ -300,7 +300,13 @@ pub fn ready_healthy(n: &[pb::NodeInfo], id: &str, devices: usize) -> bool {
 /// Submits a job spec (JSON); its id.
 pub async fn submit(addr: &str, rid: &str, spec: &serde_json::Value) -> u64 {
     let mut c = JobsClient::new(channel(addr).await.unwrap());
-    let req = pb::SubmitJobRequest { client_request_id: rid.into(), spec_json: spec.to_string(), retry: None };
+    let req = pb::SubmitJobRequest {
+        global: false,
+        team: String::new(),
+        client_request_id: rid.into(),
+        spec_json: spec.to_string(),
+        retry: None,
+    };
     c.submit(req).await.unwrap_or_else(|e| panic!("submitting {spec}: {e:?}")).into_inner().job_id
 }
 

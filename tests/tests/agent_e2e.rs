@@ -287,6 +287,8 @@ async fn agent_survives_a_leader_change() {
         let id = loop {
             let mut jc = suanli_proto::v1::jobs_client::JobsClient::new(support::channel(&other).await.unwrap());
             let req = suanli_proto::v1::SubmitJobRequest {
+                global: false,
+                team: String::new(),
                 client_request_id: format!("after-{i}"),
                 spec_json: spec.to_string(),
                 retry: None,

@@ -115,6 +115,8 @@ async fn a_frozen_agent_has_its_tasks_fenced() {
         "resources": {"cpu_milli": 100, "memory_mib": 64, "devices": {"kind": "gpu", "count": 1, "milli": 1000}},
         "task": {"command": "/bin/sh", "args": ["-c", "sleep 600"]}}]});
     let req = pb::SubmitJobRequest {
+        global: false,
+        team: String::new(),
         client_request_id: "long".into(),
         spec_json: spec.to_string(),
         retry: Some(pb::RetryPolicy { max_attempts: 1, backoff_base_s: 0, backoff_max_s: 0 }),

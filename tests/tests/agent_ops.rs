@@ -43,6 +43,8 @@ async fn failed_attempts_are_listed_and_rotated_logs_are_read() {
     });
     let mut jc = pb::jobs_client::JobsClient::new(channel(&addr).await.unwrap());
     let req = pb::SubmitJobRequest {
+        global: false,
+        team: String::new(),
         client_request_id: "noisy".into(),
         spec_json: spec.to_string(),
         retry: Some(pb::RetryPolicy { max_attempts: 2, backoff_base_s: 1, backoff_max_s: 1 }),

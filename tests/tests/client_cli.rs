@@ -269,6 +269,8 @@ fn client_commands_against_a_real_cluster() {
         let ch = common::channel(&fol).await.unwrap();
         let jobs = (0..20)
             .map(|i| pb::SubmitJobRequest {
+                global: false,
+                team: String::new(),
                 client_request_id: format!("fwd-{i}"),
                 spec_json: common::cpu_job(&format!("fwd-{i}"), "team-nlp", 100),
                 retry: None,

@@ -29,7 +29,13 @@ async fn submit_until_acked(addrs: &[String], start: usize, rid: &str, spec: &st
         let addr = &addrs[k % addrs.len()];
         k += 1;
         if let Ok(mut c) = jobs_client(addr).await {
-            let req = pb::SubmitJobRequest { client_request_id: rid.into(), spec_json: spec.into(), retry: None };
+            let req = pb::SubmitJobRequest {
+                global: false,
+                team: String::new(),
+                client_request_id: rid.into(),
+                spec_json: spec.into(),
+                retry: None,
+            };
             match c.submit(req).await {
                 Ok(r) => {
                     let r = r.into_inner();

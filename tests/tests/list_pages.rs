@@ -110,7 +110,13 @@ async fn five_jobs_at_the_spec_limits_list_in_pages_a_default_client_accepts() {
     for i in 0..5 {
         let (spec, args) = large_job(i);
         assert!((3_600_000..4_000_000).contains(&spec.len()), "{} bytes", spec.len());
-        let req = pb::SubmitJobRequest { client_request_id: format!("large-{i}"), spec_json: spec, retry: None };
+        let req = pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
+            client_request_id: format!("large-{i}"),
+            spec_json: spec,
+            retry: None,
+        };
         let r = jobs.submit(req).await.unwrap().into_inner();
         submitted.push((r.job_id, args));
     }
@@ -188,6 +194,8 @@ async fn queues_pools_nodes_and_jobs_come_back_once_across_small_pages() {
     let mut jobs = Vec::new();
     for i in 0..20 {
         let req = pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
             client_request_id: format!("small-{i}"),
             spec_json: cpu_job(&format!("small-{i}-{}", "n".repeat(100)), "q", 100),
             retry: None,

@@ -42,6 +42,8 @@ async fn servers_join_from_a_snapshot_and_are_removed_online() {
     let mut jobs = JobsClient::new(ch.clone());
     for i in 0..50 {
         let req = pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
             client_request_id: format!("m-{i}"),
             spec_json: cpu_job(&format!("m{i}"), "q", 100),
             retry: None,
@@ -74,8 +76,13 @@ async fn servers_join_from_a_snapshot_and_are_removed_online() {
         .unwrap();
     wait_for("server 3 is gone from the membership", &c, async || members(&a0).await.len() == 2).await;
     c.kill(2);
-    let req =
-        pb::SubmitJobRequest { client_request_id: "after".into(), spec_json: cpu_job("after", "q", 100), retry: None };
+    let req = pb::SubmitJobRequest {
+        global: false,
+        team: String::new(),
+        client_request_id: "after".into(),
+        spec_json: cpu_job("after", "q", 100),
+        retry: None,
+    };
     JobsClient::new(channel(&c.addrs[1]).await.unwrap()).submit(req).await.unwrap();
     assert_eq!(all_jobs(&a0, false).await.unwrap().len(), 51);
 }

@@ -127,11 +127,17 @@ fn request(path: &str, job: u64) -> Vec<u8> {
     })
     .to_string();
     match path {
-        "/suanli.v1.Jobs/Submit" => {
-            encode(&pb::SubmitJobRequest { client_request_id: "authz-1".into(), spec_json: spec("q1"), retry: None })
-        }
+        "/suanli.v1.Jobs/Submit" => encode(&pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
+            client_request_id: "authz-1".into(),
+            spec_json: spec("q1"),
+            retry: None,
+        }),
         "/suanli.v1.Jobs/SubmitMany" => encode(&pb::SubmitJobsRequest {
             jobs: vec![pb::SubmitJobRequest {
+                global: false,
+                team: String::new(),
                 client_request_id: "authz-2".into(),
                 spec_json: spec("q1"),
                 retry: None,
@@ -174,7 +180,13 @@ async fn every_method_times_every_caller_is_decided_as_the_matrix_says() {
         .await
         .expect("queue q1");
     let job = suanli_proto::v1::jobs_client::JobsClient::new(admin.clone())
-        .submit(pb::SubmitJobRequest { client_request_id: "authz-0".into(), spec_json: spec("q1"), retry: None })
+        .submit(pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
+            client_request_id: "authz-0".into(),
+            spec_json: spec("q1"),
+            retry: None,
+        })
         .await
         .expect("a job in q1")
         .into_inner()
@@ -207,7 +219,7 @@ async fn every_method_times_every_caller_is_decided_as_the_matrix_says() {
     for caller in &callers {
         let client = channel_as(&c.addrs[0], &caller.files).await.expect("channel");
         let peer = channel_as(&c.peer_addrs[0], &caller.files).await.expect("peer channel");
-        for rule in policy::RULES.iter().filter(|r| r.listener != Listener::AgentLogs) {
+        for rule in policy::RULES.iter().filter(|r| matches!(r.listener, Listener::Client | Listener::Peer)) {
             let ch = if rule.listener == Listener::Peer { &peer } else { &client };
             let got = call(ch, rule.method, request(rule.method, job)).await;
             let decision = policy::decide(rule, &caller.principal);
@@ -283,7 +295,7 @@ async fn every_method_times_every_caller_is_decided_as_the_matrix_says() {
     let client = channel_as(&c.addrs[0], &ca_only).await.expect("channel without a certificate");
     let peer = channel_as(&c.peer_addrs[0], &ca_only).await.expect("peer channel");
     for (name, tok, principal) in &bearers {
-        for rule in policy::RULES.iter().filter(|r| r.listener != Listener::AgentLogs) {
+        for rule in policy::RULES.iter().filter(|r| matches!(r.listener, Listener::Client | Listener::Peer)) {
             if rule.listener == Listener::Peer {
                 let got = call_with(&peer, rule.method, Vec::new(), *tok).await;
                 checked += 1;

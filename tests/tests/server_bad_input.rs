@@ -17,7 +17,13 @@ use tonic::Code;
 use tonic::transport::Channel;
 
 fn submit(rid: &str, spec: String) -> pb::SubmitJobRequest {
-    pb::SubmitJobRequest { client_request_id: rid.into(), spec_json: spec, retry: None }
+    pb::SubmitJobRequest {
+        global: false,
+        team: String::new(),
+        client_request_id: rid.into(),
+        spec_json: spec,
+        retry: None,
+    }
 }
 
 async fn state_of(addr: &str) -> (Vec<pb::JobInfo>, Vec<pb::QueueInfo>) {

@@ -152,7 +152,13 @@ async fn a_client_filling_its_watch_slots_leaves_agents_theirs() {
 
     // Reads and writes are served.
     let mut jobs = JobsClient::new(ch.clone());
-    let req = pb::SubmitJobRequest { client_request_id: "w-1".into(), spec_json: cpu_job("w", "q", 100), retry: None };
+    let req = pb::SubmitJobRequest {
+        global: false,
+        team: String::new(),
+        client_request_id: "w-1".into(),
+        spec_json: cpu_job("w", "q", 100),
+        retry: None,
+    };
     jobs.submit(req).await.unwrap();
     let listed = jobs.list(pb::ListJobsRequest { limit: 10, ..Default::default() }).await.unwrap().into_inner();
     assert_eq!(listed.jobs.len(), 1);

@@ -53,6 +53,8 @@ async fn submit_range(addr: &str, tag: &str, from: usize, to: usize) -> Vec<u64>
     let mut ids = Vec::new();
     for i in from..to {
         let req = pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
             client_request_id: format!("{tag}-{i}"),
             spec_json: cpu_job(&format!("{tag}{i}"), "q", 10),
             retry: None,

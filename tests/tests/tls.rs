@@ -87,6 +87,8 @@ async fn certificates_rotate_while_a_cluster_serves_writes() {
                     "groups": [{"name": "main", "replicas": 1, "resources": {"cpu_milli": 1, "memory_mib": 1}}],
                 });
                 let req = pb::SubmitJobRequest {
+                    global: false,
+                    team: String::new(),
                     client_request_id: format!("rot-{k}"),
                     spec_json: spec.to_string(),
                     retry: None,

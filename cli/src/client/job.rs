@@ -245,6 +245,8 @@ async fn submit(conn: &Connection, out: Output, files: &[PathBuf], request_id: O
     if let [file] = files {
         let spec = spec::load_job(file)?;
         let req = pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
             client_request_id: base.clone(),
             spec_json: serde_json::to_string(&spec)?,
             retry: None,
@@ -270,6 +272,8 @@ async fn submit(conn: &Connection, out: Output, files: &[PathBuf], request_id: O
     for (k, f) in files.iter().enumerate() {
         let spec = spec::load_job(f)?;
         reqs.push(pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
             client_request_id: format!("{base}-{}", k + 1),
             spec_json: serde_json::to_string(&spec)?,
             retry: None,

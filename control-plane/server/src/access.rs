@@ -765,19 +765,45 @@ mod tests {
         let spec = |q: &str| format!(r#"{{"name":"j","queue":"{q}","groups":[]}}"#);
         let many = pb::SubmitJobsRequest {
             jobs: vec![
-                pb::SubmitJobRequest { client_request_id: "a".into(), spec_json: spec("q1"), retry: None },
-                pb::SubmitJobRequest { client_request_id: "b".into(), spec_json: spec("q2"), retry: None },
-                pb::SubmitJobRequest { client_request_id: "c".into(), spec_json: spec("q1"), retry: None },
+                pb::SubmitJobRequest {
+                    global: false,
+                    team: String::new(),
+                    client_request_id: "a".into(),
+                    spec_json: spec("q1"),
+                    retry: None,
+                },
+                pb::SubmitJobRequest {
+                    global: false,
+                    team: String::new(),
+                    client_request_id: "b".into(),
+                    spec_json: spec("q2"),
+                    retry: None,
+                },
+                pb::SubmitJobRequest {
+                    global: false,
+                    team: String::new(),
+                    client_request_id: "c".into(),
+                    spec_json: spec("q1"),
+                    retry: None,
+                },
             ],
         };
         let t = inspect("/suanli.v1.Jobs/SubmitMany", &many.encode_to_vec(), true).expect("decodes");
         assert_eq!(t.queues, vec![QueueId::from("q1"), QueueId::from("q2")]);
         assert_eq!(t.text, "3 jobs into queue q1, q2");
-        let bad = pb::SubmitJobRequest { client_request_id: "a".into(), spec_json: "{".into(), retry: None };
+        let bad = pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
+            client_request_id: "a".into(),
+            spec_json: "{".into(),
+            retry: None,
+        };
         let e = inspect("/suanli.v1.Jobs/Submit", &bad.encode_to_vec(), true).expect_err("unreadable");
         assert!(e.message().starts_with("spec_json"), "{e:?}");
         // Two `queue` keys: the strict reader refuses, never picks one the handler would not.
         let dup = pb::SubmitJobRequest {
+            global: false,
+            team: String::new(),
             client_request_id: "a".into(),
             spec_json: r#"{"name":"j","queue":"mine","queue":"theirs","groups":[]}"#.into(),
             retry: None,

@@ -98,6 +98,7 @@ impl Agent for AgentApi {
             return ok(pb::HeartbeatResponse {
                 heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
                 known: false,
+                leases: Vec::new(),
                 members: self.0.member_addrs(),
                 cluster_id: self.cluster_id(),
             });
@@ -133,6 +134,8 @@ impl Agent for AgentApi {
             known: true,
             members: self.0.member_addrs(),
             cluster_id: self.cluster_id(),
+            // The federation leases of this node's federated allocations (h-region).
+            leases: Vec::new(),
         })
     }
 

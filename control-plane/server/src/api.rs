@@ -62,7 +62,7 @@ fn submitted(resp: Response, index: u64) -> Result<pb::SubmitJobResponse, Status
     }
     match resp {
         Response::JobSubmitted { job, created } => {
-            Ok(pb::SubmitJobResponse { job_id: job.0, created, revision: index })
+            Ok(pb::SubmitJobResponse { job_id: job.0, created, revision: index, global_id: String::new() })
         }
         other => Err(Status::internal(format!("unexpected answer to a submission: {other:?}"))),
     }
@@ -835,7 +835,10 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
         | Command::NodeDown(_)
         | Command::UpdateConfig(_)
         | Command::SkipEntry(_)
-        | Command::SetClusterId(_) => Err(invalid(
+        | Command::SetClusterId(_)
+        | Command::FedAdopt(_)
+        | Command::FedRenew(_)
+        | Command::FedRelease(_) => Err(invalid(
             "command_json.kind",
             format!("{:?} is built by the leader only and is never forwarded", cmd.kind()),
         )),

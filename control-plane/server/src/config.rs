@@ -192,6 +192,37 @@ pub struct ServerConfig {
     pub rate_limit_per_s: u32,
     /// Calls one caller may make at once above `rate_limit_per_s` (the token bucket's size).
     pub rate_limit_burst: u32,
+    /// This region's link to a federation (`[federation]`; docs/federation.md). None: a
+    /// standalone region (every `--global` submit is refused).
+    pub federation: Option<FederationLink>,
+}
+
+/// `[federation]`: which region this server's cluster is, and where the federation is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FederationLink {
+    /// The region's name (1..=64 bytes of `[a-z0-9-]`), the same on all its servers.
+    pub region: String,
+    /// The federation servers' client addresses (`suanli federation serve`), at least one.
+    pub endpoints: Vec<String>,
+    /// The region's labels, for data-locality preferences (e.g. `data = "imagenet-eu"`).
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// Price per device-hour by device model, in micro-units (reported with the capacity).
+    pub prices_micros_per_device_hour: std::collections::BTreeMap<String, u64>,
+    /// Deadline of one call to the federation.
+    pub request_timeout_ms: u64,
+}
+
+impl Default for FederationLink {
+    fn default() -> Self {
+        Self {
+            region: String::new(),
+            endpoints: Vec::new(),
+            labels: Default::default(),
+            prices_micros_per_device_hour: Default::default(),
+            request_timeout_ms: 2_000,
+        }
+    }
 }
 
 impl Default for ServerConfig {
@@ -235,6 +266,7 @@ impl Default for ServerConfig {
             max_token_ttl_s: DEFAULT_MAX_TOKEN_TTL_S,
             rate_limit_per_s: 200,
             rate_limit_burst: 400,
+            federation: None,
         }
     }
 }

@@ -44,6 +44,7 @@ fn alloc_view(s: &State, a: &Alloc, job: Option<&Job>, view: JobView) -> pb::All
             ("stop", stop_reason(reason), *checkpoint_first, *grace_s)
         }
     };
+    let fed = job.and_then(|j| j.federation.as_ref());
     pb::AllocInfo {
         id: x.id.0,
         job_id: x.job.0,
@@ -80,6 +81,10 @@ fn alloc_view(s: &State, a: &Alloc, job: Option<&Job>, view: JobView) -> pb::All
         args: task.map(|t| t.args.clone()).unwrap_or_default(),
         env: task.map(|t| t.env.clone().into_iter().collect()).unwrap_or_default(),
         workdir: task.and_then(|t| t.workdir.clone()).unwrap_or_default(),
+        global_job_id: fed.map(|f| f.global_id.clone()).unwrap_or_default(),
+        fed_epoch: fed.map_or(0, |f| f.epoch),
+        lease_until_ms: fed.map_or(0, |f| f.lease_until_ms),
+        fed_stop_before_ms: fed.map_or(0, |f| f.stop_before_ms),
     }
 }
 
@@ -134,6 +139,9 @@ pub fn job(s: &State, j: &Job, queue_position: u64, view: JobView) -> pb::JobInf
         lost_device_s: j.lost_device_s,
         nominated_victims: j.nomination.as_ref().map(|n| n.victims.iter().map(|v| v.0).collect()).unwrap_or_default(),
         migrating_to: j.migration.as_ref().map(migrating_to).unwrap_or_default(),
+        global_id: j.federation.as_ref().map(|f| f.global_id.clone()).unwrap_or_default(),
+        fed_epoch: j.federation.as_ref().map_or(0, |f| f.epoch),
+        lease_until_ms: j.federation.as_ref().map_or(0, |f| f.lease_until_ms),
     }
 }
 

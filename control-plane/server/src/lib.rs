@@ -31,6 +31,7 @@ mod convert;
 mod core;
 mod decide;
 mod failpoints;
+mod federation_link;
 pub mod health;
 mod lifecycle;
 pub mod listeners;
@@ -218,6 +219,7 @@ pub async fn serve(
         tokio::spawn(loops::liveness(core.clone(), stop_rx.clone())),
         tokio::spawn(lifecycle::watch_membership(core.clone(), stop_rx.clone(), ending_tx)),
         tokio::spawn(loops::identity(core.clone(), stop_rx.clone())),
+        tokio::spawn(federation_link::link(core.clone(), stop_rx.clone())),
         tokio::spawn(clock::sampling(core.clone(), stop_rx.clone())),
     ];
     tracing::info!(id = cfg.id, listen = %cfg.listen, advertise = %cfg.advertised(), peer_listen = %peer_addr, peer_advertise = %cfg.peer_advertised(), data_dir = %cfg.data_dir.display(), tls = tls.is_some(), "suanli server listening");

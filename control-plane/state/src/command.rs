@@ -400,6 +400,12 @@ commands! {
     RevokeToken(crate::security::RevokeToken) = "revoke_token", ignorable: false;
     /// Append audit records. Ignorable: an older server only lacks the records.
     RecordAudit(crate::security::RecordAudit) = "record_audit", ignorable: true;
+    /// Take on a federated job the federation assigned to this region (docs/federation.md).
+    FedAdopt(Box<crate::federated::FedAdopt>) = "fed_adopt", ignorable: false;
+    /// Federation leases renewed. Not ignorable: a replica that skipped it would stop the job.
+    FedRenew(crate::federated::FedRenew) = "fed_renew", ignorable: false;
+    /// Give a federated job up (lease refused, expired, or cancelled by the federation).
+    FedRelease(crate::federated::FedRelease) = "fed_release", ignorable: false;
 }
 
 impl Command {
@@ -420,6 +426,9 @@ impl Command {
             Command::IssueToken(c) => c.now = now,
             Command::RevokeToken(c) => c.now = now,
             Command::NodeCondition(c) => c.now = now,
+            Command::FedAdopt(c) => c.now = now,
+            Command::FedRenew(c) => c.now = now,
+            Command::FedRelease(c) => c.now = now,
             Command::Batch(b) => b.commands.iter_mut().for_each(|c| c.stamp(now)),
             Command::ApplyPlan(_)
             | Command::UpsertQueue(_)

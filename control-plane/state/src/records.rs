@@ -251,6 +251,10 @@ pub struct Job {
     /// (or the start) at each end that was not a success (whole devices; shares weighted).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub lost_device_s: u64,
+    /// Set for a federated job (docs/federation.md): its global id, epoch and lease. Absent
+    /// for a region-local job and in snapshots of earlier builds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub federation: Option<crate::federated::FedBinding>,
 }
 
 /// How many ended allocations a job's [`Job::history`] keeps (the oldest go first).

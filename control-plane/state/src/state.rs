@@ -329,6 +329,9 @@ impl State {
             Command::IssueToken(c) => self.issue_token(*c),
             Command::RevokeToken(c) => self.revoke_token(c),
             Command::RecordAudit(c) => self.record_audit(c),
+            Command::FedAdopt(c) => self.fed_adopt(*c, rev),
+            Command::FedRenew(c) => self.fed_renew(c, rev),
+            Command::FedRelease(c) => self.fed_release(c, rev),
             Command::Batch(b) => return self.apply_batch(b),
             // Read only while halted, by the raft layer; met here, the entry was applied.
             Command::SkipEntry(c) => Err(CommandError::Conflict {
@@ -852,6 +855,7 @@ impl State {
                 avoid: None,
                 infra_requeues: 0,
                 lost_device_s: 0,
+                federation: None,
             },
         );
         self.requests.insert(c.client_request_id, id);
