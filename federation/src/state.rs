@@ -6,7 +6,7 @@
 use crate::command::{FedCommand, FedResponse};
 use crate::dispatch::{self, Decision, Room};
 use crate::model::{
-    Assignment, FedConfig, FedJob, FedJobState, FedPlacement, GlobalId, GlobalQuota, LEASE_KILL_GRACE_MS, LeaseGrant,
+    Assignment, FedConfig, FedJob, FedJobState, FedPlacement, GlobalQuota, LEASE_KILL_GRACE_MS, LeaseGrant,
     LeaseRefusal, RegionRecord, RegionSync, SyncAnswer,
 };
 use serde::{Deserialize, Serialize};
