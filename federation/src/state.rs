@@ -241,8 +241,9 @@ impl FedState {
         if let Err(e) = check_text("device_model", &device_model, limits.max_name_len) {
             return e;
         }
-        let at =
-            self.quotas.binary_search_by(|q| (q.team.as_str(), q.device_model.as_str()).cmp(&(&team, &device_model)));
+        let at = self.quotas.binary_search_by(|q| {
+            (q.team.as_str(), q.device_model.as_str()).cmp(&(team.as_str(), device_model.as_str()))
+        });
         match (at, limit_milli) {
             (Ok(i), 0) => {
                 self.quotas.remove(i);
