@@ -215,8 +215,9 @@ impl Shared {
         let Some(rule) = policy::rule(&path).filter(|r| served_on(r, listener)) else {
             let s = match policy::rule(&path) {
                 // A federation method at a region server's address: say what this address is.
-                Some(r) if matches!(r.listener, Listener::Federation | Listener::FederationPeer)
-                    && matches!(listener, Listener::Client | Listener::Peer) =>
+                Some(r)
+                    if matches!(r.listener, Listener::Federation | Listener::FederationPeer)
+                        && matches!(listener, Listener::Client | Listener::Peer) =>
                 {
                     let method = path.trim_start_matches('/').replace("suanli.v1.", "");
                     Status::permission_denied(format!(

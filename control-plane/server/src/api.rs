@@ -481,7 +481,11 @@ impl Api {
             match tokio::time::timeout(timeout, client.submit(request)).await {
                 Ok(Ok(a)) => {
                     let a = a.into_inner();
-                    return ok(pb::SubmitJobResponse { global_id: a.global_id, created: a.created, ..Default::default() });
+                    return ok(pb::SubmitJobResponse {
+                        global_id: a.global_id,
+                        created: a.created,
+                        ..Default::default()
+                    });
                 }
                 // Another federation server may lead or answer: try it.
                 Ok(Err(e)) if matches!(e.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded) => {

@@ -520,7 +520,11 @@ impl FederationLink {
         if self.endpoints.is_empty() || self.endpoints.len() > Self::MAX_ENDPOINTS {
             return Err(ConfigError::new(
                 "federation.endpoints",
-                format!("{} endpoints; give 1..={} federation server addresses", self.endpoints.len(), Self::MAX_ENDPOINTS),
+                format!(
+                    "{} endpoints; give 1..={} federation server addresses",
+                    self.endpoints.len(),
+                    Self::MAX_ENDPOINTS
+                ),
             ));
         }
         for (i, e) in self.endpoints.iter().enumerate() {

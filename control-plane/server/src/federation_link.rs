@@ -411,7 +411,8 @@ async fn call_sync(
                     }
                 }
                 Err(_) => {
-                    last = Some((addr.clone(), tonic::Status::deadline_exceeded("no answer within request_timeout_ms")));
+                    last =
+                        Some((addr.clone(), tonic::Status::deadline_exceeded("no answer within request_timeout_ms")));
                     break;
                 }
             }
@@ -529,10 +530,7 @@ pub async fn link(core: Arc<Core>, stop: watch::Receiver<bool>) {
         core.kick.notify_one();
         // Keep the memory bounded by what the state still holds.
         let held: BTreeSet<(String, u64)> = core.state.read(|s| {
-            s.jobs()
-                .values()
-                .filter_map(|j| j.federation.as_ref().map(|b| (b.global_id.clone(), b.epoch)))
-                .collect()
+            s.jobs().values().filter_map(|j| j.federation.as_ref().map(|b| (b.global_id.clone(), b.epoch))).collect()
         });
         mem.reported.retain(|k| held.contains(k));
     }
@@ -646,7 +644,13 @@ mod tests {
             retry: None,
             now: 4,
         })));
-        let r = build_request(&s, &link(), vec!["s:1".into()], &LinkMemory { last_sync_ms: Some(0), ..Default::default() }, 10_000);
+        let r = build_request(
+            &s,
+            &link(),
+            vec!["s:1".into()],
+            &LinkMemory { last_sync_ms: Some(0), ..Default::default() },
+            10_000,
+        );
         assert_eq!(r.region, "eu");
         assert_eq!(r.pools, vec!["a".to_owned(), "b".to_owned()]);
         let h100 = r.capacity.iter().find(|c| c.pool == "a" && c.device_model == "H100").expect("pool a H100");
@@ -667,7 +671,12 @@ mod tests {
     fn ended_jobs_are_reported_until_acknowledged() {
         let mut s = state();
         adopt(&mut s, "g-1", 60_000);
-        s.apply(Command::FedRelease(FedRelease { global_id: "g-1".into(), epoch: 1, reason: "lease_expired".into(), now: 3 }));
+        s.apply(Command::FedRelease(FedRelease {
+            global_id: "g-1".into(),
+            epoch: 1,
+            reason: "lease_expired".into(),
+            now: 3,
+        }));
         let mut mem = LinkMemory::default();
         let r = build_request(&s, &link(), vec![], &mem, 1);
         assert_eq!(r.held.len(), 1);
