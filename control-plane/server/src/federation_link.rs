@@ -512,7 +512,10 @@ pub async fn link(core: Arc<Core>, stop: watch::Receiver<bool>) {
         if answer.sync_interval_ms > 0 {
             SYNC_INTERVAL_MS.store(answer.sync_interval_ms.clamp(50, 60_000), Ordering::Relaxed);
         }
-        let Answer { mut commands, adopts, failed } = core.state.read(|s| answer_commands(s, &answer, core.now_s()));
+        let Answer { mut commands, adopts, failed } = {
+            let now_s = core.now_s();
+            core.state.read(|s| answer_commands(s, &answer, now_s))
+        };
         mem.failed.extend(failed);
         let first_adopt = commands.len();
         let keys: Vec<(String, u64)> = adopts.iter().map(|(k, _)| k.clone()).collect();
