@@ -104,7 +104,8 @@ enum QuotaCmd {
 }
 
 /// Flags of `suanli federation serve`: the same names as `suanli server` for membership and
-/// TLS, plus the federation's terms.
+/// TLS, plus the federation's terms. `--insecure` (plaintext, no identities: development only)
+/// is the command group's flag.
 #[derive(Args, Debug, Clone, Default)]
 pub struct FedServeArgs {
     /// TOML configuration file (unknown keys are refused; flags win over it).
@@ -130,11 +131,8 @@ pub struct FedServeArgs {
     #[arg(long)]
     pub bootstrap: bool,
     /// Serve TLS with DIR/ca.pem, DIR/server.pem, DIR/server-key.pem.
-    #[arg(long, value_name = "DIR", conflicts_with = "insecure")]
+    #[arg(long, value_name = "DIR")]
     pub tls_dir: Option<PathBuf>,
-    /// Plaintext with no identities (development only).
-    #[arg(long)]
-    pub insecure: bool,
     /// Lease length (terms written at bootstrap).
     #[arg(long)]
     pub lease_ms: Option<u64>,
@@ -153,8 +151,8 @@ pub struct FedServeArgs {
 }
 
 impl FedServeArgs {
-    /// The layered configuration: defaults, the file, the flags.
-    pub fn config(&self) -> Result<FederationServerConfig> {
+    /// The layered configuration: defaults, the file, the flags (`insecure`: `--insecure`).
+    pub fn config(&self, insecure: bool) -> Result<FederationServerConfig> {
         let mut c = match &self.config {
             Some(p) => FederationServerConfig::from_file(p).map_err(anyhow::Error::msg)?,
             None => FederationServerConfig::default(),
@@ -189,7 +187,7 @@ impl FedServeArgs {
         if let Some(v) = &self.tls_dir {
             c.tls_dir = Some(v.clone());
         }
-        if self.insecure {
+        if insecure {
             c.insecure = true;
         }
         let t = &mut c.terms;
@@ -227,14 +225,14 @@ impl FederationArgs {
 /// Runs `suanli federation ...`.
 pub fn run(args: FederationArgs) -> Result<()> {
     if let FedCmd::Serve(s) = &args.cmd {
-        return serve(s);
+        return serve(s, args.creds.insecure);
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting tokio")?;
     rt.block_on(client(args))
 }
 
-fn serve(args: &FedServeArgs) -> Result<()> {
-    let cfg = args.config()?;
+fn serve(args: &FedServeArgs, insecure: bool) -> Result<()> {
+    let cfg = args.config(insecure)?;
     crate::serve::init_logging("info,openraft=warn");
     let rt = crate::serve::runtime()?;
     let first = async {
@@ -538,11 +536,10 @@ mod tests {
             id: Some(2),
             listen: Some("127.0.0.1:7600".into()),
             peers: vec!["1=127.0.0.1:7500/127.0.0.1:7501".into(), "2=127.0.0.1:7600".into()],
-            insecure: true,
             lease_ms: Some(30_000),
             ..FedServeArgs::default()
         };
-        let c = a.config().expect("valid");
+        let c = a.config(true).expect("valid");
         assert_eq!(c.peer_listen, "127.0.0.1:7601");
         assert_eq!(c.peers[1], (2, "127.0.0.1:7600".into(), "127.0.0.1:7601".into()));
         assert_eq!(c.terms.lease_ms, 30_000);

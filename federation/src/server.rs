@@ -215,6 +215,7 @@ impl FederationServerConfig {
         if !self.peers.is_empty() && !ids.contains(&self.id) {
             return Err(format!("peers: this server's id {} is not among them", self.id));
         }
+        self.terms.validate().map_err(|e| format!("terms: {e}"))?;
         self.raft.validate().map_err(|e| e.to_string())?;
         Ok(())
     }
@@ -468,9 +469,13 @@ async fn bootstrap(node: Arc<Node>, mut stop: watch::Receiver<bool>) {
     loop {
         if node.is_leader() && node.state.read(|s| s.config.is_none()) {
             let cmd = crate::FedCommand::Init { config: cfg.terms.clone() };
-            match node.propose_local(cmd).await {
+            match node.propose_local(cmd).await.and_then(crate::node::answer) {
                 Ok(_) => {
                     tracing::info!("federation terms written (Init)");
+                    return;
+                }
+                Err(e) if e.code() == tonic::Code::InvalidArgument => {
+                    tracing::error!(error = %e.message(), "the federation's terms were refused; the defaults stay in force");
                     return;
                 }
                 Err(e) => tracing::warn!(error = %e.message(), "writing the federation terms; retrying"),
