@@ -7,6 +7,7 @@ mod agent_cmd;
 mod bench;
 mod bench_cluster;
 mod client;
+mod federation_cmd;
 mod logging;
 mod plugin;
 mod serve;
@@ -67,6 +68,9 @@ enum Cmd {
     Agent(agent_cmd::AgentArgs),
     /// Device plugins: `plugin check LIB.so` is the vendor's conformance kit.
     Plugin(plugin::PluginArgs),
+    /// The federation over regions: `federation serve` runs a federation server; status,
+    /// regions, jobs, job, submit, cancel and quota talk to one.
+    Federation(federation_cmd::FederationArgs),
     /// Development certificates: `tls init DIR` (a CA, server and admin), `tls issue` (one more, or a rotation).
     Tls(tls_cmd::TlsArgs),
     /// (internal) Host one device plugin library in this process for the agent, over stdin/stdout.
@@ -128,7 +132,8 @@ fn main() -> std::process::ExitCode {
             | Cmd::Whoami(_)
             | Cmd::Token(_)
             | Cmd::Audit(_)
-    ) {
+    ) || matches!(&cli.cmd, Cmd::Federation(f) if !f.is_serve())
+    {
         quiet_on_closed_stdout();
     }
     logging::set_format(cli.log_format);
@@ -150,6 +155,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Whoami(a) => a.run(),
         Cmd::Token(a) => a.run(),
         Cmd::Audit(a) => a.run(),
+        Cmd::Federation(a) => federation_cmd::run(a),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,

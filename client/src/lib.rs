@@ -24,6 +24,7 @@ pub mod backoff;
 mod calls;
 mod conn;
 mod error;
+pub mod federation;
 
 pub use calls::{JobFilter, PAGE};
 pub use conn::{Bearer, CallChannel, Connection, ConnectionConfig, LeaderHints, answer_unless_hung, leader_hint};

@@ -20,10 +20,14 @@
 //! the task `stop_before_ms` before the lease's end; the federation re-dispatches (epoch + 1,
 //! from the latest checkpoint) only after `lease_until + redispatch_margin_ms`.
 
+pub mod access;
 pub mod command;
 pub mod dispatch;
+pub mod loops;
+pub mod node;
 pub mod model;
 pub mod server;
+pub mod service;
 pub mod state;
 
 pub use command::{FedCommand, FedResponse};
