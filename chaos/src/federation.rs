@@ -1139,3 +1139,59 @@ async fn leader_kill(w: &mut World, seed: u64, duration_ms: u64) -> anyhow::Resu
         dir: None,
     })
 }
+
+/// `suanli-chaos bench-region-loss`: the time from a region's loss (every link of it to the
+/// federation cut) to its job running elsewhere (the new epoch's start in an agent's journal),
+/// over `trials` trials on one world. Returns the times (ms) and the lease + margin they must
+/// exceed.
+pub async fn region_loss_trials(bin: &Path, trials: usize, seed: u64) -> anyhow::Result<(Vec<u64>, u64)> {
+    let shape = WorldShape { servers_per_region: 1, ..WorldShape::default() };
+    let mut w = World::start(bin, shape, seed, false).await?;
+    let t = w.terms();
+    let mut times = Vec::new();
+    for k in 0..trials {
+        let rid = format!("loss-{seed}-{k}");
+        let g = submit_any(&mut w, &rid, &short_spec(&rid, 3_600)).await;
+        let g = g.global_id.with_context(|| format!("trial {k}: the submit was not acknowledged: {}", g.error))?;
+        // Running somewhere.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let (region, epoch) = loop {
+            let jobs = w.fed_jobs().await.unwrap_or_default();
+            if let Some(j) = jobs.iter().find(|j| j.global_id == g && j.state == "running") {
+                break (j.region.clone(), j.epoch);
+            }
+            if Instant::now() > deadline {
+                bail!("trial {k}: {g} did not run within 60 s");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let r = region_index(&region).with_context(|| format!("unknown region {region}"))?;
+        let cut = crate::history::now_ms();
+        w.cut_region(r, true);
+        // Until an agent's journal shows the next epoch started.
+        let deadline = Instant::now() + Duration::from_millis(t.lease_ms + t.redispatch_margin_ms + 60_000);
+        let started = loop {
+            let lines = w.journals();
+            if let Some(at) = lines
+                .iter()
+                .filter(|(_, l)| l.event == "start" && l.global_id == g && l.fed_epoch > epoch)
+                .map(|(_, l)| l.at_ms)
+                .min()
+            {
+                break at;
+            }
+            if Instant::now() > deadline {
+                bail!("trial {k}: {g} did not start elsewhere within the bound after {region} was cut");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        times.push(started.saturating_sub(cut));
+        println!("trial {:>3}: {g} from {region}: running elsewhere {:.2} s after the cut", k + 1, (started - cut.min(started)) as f64 / 1000.0);
+        w.heal_links();
+        w.wait_regions_healthy(&[0, 1, 2], Duration::from_secs(60)).await?;
+        // Frees its capacity for the next trials.
+        let l = w.fed_leader().await.unwrap_or(0);
+        let _ = w.fed_client(l, Duration::from_secs(3))?.cancel(pb::FedCancelRequest { global_id: g.clone() }).await;
+    }
+    Ok((times, t.lease_ms + t.redispatch_margin_ms))
+}
