@@ -147,9 +147,8 @@ fn await_listening(stdout: impl std::io::Read + Send + 'static, within: Duration
             }
         }
     });
-    rx.recv_timeout(within).map_err(|e| {
-        anyhow::anyhow!("no `suanli federation listening ...` line within {within:?} ({e}): did it exit?")
-    })
+    rx.recv_timeout(within)
+        .map_err(|e| anyhow::anyhow!("no `suanli federation listening ...` line within {within:?} ({e}): did it exit?"))
 }
 
 impl World {
@@ -358,7 +357,11 @@ impl World {
     }
 
     /// A Federation client of voter `v`, directly (the harness's observer).
-    pub fn fed_client(&self, v: usize, timeout: Duration) -> anyhow::Result<FederationClient<tonic::transport::Channel>> {
+    pub fn fed_client(
+        &self,
+        v: usize,
+        timeout: Duration,
+    ) -> anyhow::Result<FederationClient<tonic::transport::Channel>> {
         Ok(FederationClient::new(cluster::lazy_channel(&self.voters[v].addr, timeout)?)
             .max_decoding_message_size(64 << 20))
     }
@@ -425,7 +428,13 @@ impl World {
     }
 
     /// Submits a global job through voter `v` (a follower forwards it): its global id.
-    pub async fn submit_global(&self, v: usize, rid: &str, spec: &serde_json::Value, labels: &[(&str, &str)]) -> anyhow::Result<String> {
+    pub async fn submit_global(
+        &self,
+        v: usize,
+        rid: &str,
+        spec: &serde_json::Value,
+        labels: &[(&str, &str)],
+    ) -> anyhow::Result<String> {
         let mut c = self.fed_client(v, Duration::from_secs(3))?;
         let req = pb::FedSubmitRequest {
             spec_json: spec.to_string(),
@@ -624,11 +633,7 @@ pub fn acknowledged_global(submits: &[GlobalSubmit], jobs: &[pb::FedJobInfo]) ->
 /// Polls the federation's jobs every 200 ms while `stop` is unset, keeping the largest
 /// `lease_until_ms` seen per (global id, epoch, region): the lease ends the checks hold the
 /// journals against.
-pub async fn watch_leases(
-    w: &mut World,
-    until: Instant,
-    seen: &mut BTreeMap<(String, u64), (String, u64)>,
-) {
+pub async fn watch_leases(w: &mut World, until: Instant, seen: &mut BTreeMap<(String, u64), (String, u64)>) {
     while Instant::now() < until {
         if let Ok(jobs) = w.fed_jobs().await {
             record_leases(&jobs, seen);
@@ -656,10 +661,8 @@ pub fn region_index(name: &str) -> Option<usize> {
 /// Verdict: no two runs of one global job's task overlap in time, across every region and
 /// epoch ([`checker::no_overlap`]).
 pub fn no_overlap_verdict(lines: &[(usize, JournalLine)]) -> Verdict {
-    let tagged: Vec<JournalLine> = lines
-        .iter()
-        .map(|(r, l)| JournalLine { node: format!("{}/{}", REGIONS[*r], l.node), ..l.clone() })
-        .collect();
+    let tagged: Vec<JournalLine> =
+        lines.iter().map(|(r, l)| JournalLine { node: format!("{}/{}", REGIONS[*r], l.node), ..l.clone() }).collect();
     let runs = checker::runs(&tagged);
     let fed = runs.iter().filter(|r| !r.global_id.is_empty()).count();
     let ids: BTreeSet<&str> = runs.iter().filter(|r| !r.global_id.is_empty()).map(|r| r.global_id.as_str()).collect();
@@ -734,7 +737,8 @@ pub struct FedOutcome {
 /// Runs a multi-region scenario with one seed.
 pub async fn run(which: FedScenario, seed: u64, opts: &crate::Options) -> anyhow::Result<FedOutcome> {
     let shape = WorldShape { servers_per_region: 1, ..WorldShape::default() };
-    let mut w = World::start(&opts.bin, shape, seed, opts.keep).await.context("starting three regions and a federation")?;
+    let mut w =
+        World::start(&opts.bin, shape, seed, opts.keep).await.context("starting three regions and a federation")?;
     tracing::info!(?which, seed, dir = %w.dir().display(), "regions and federation up");
     let out = match which {
         FedScenario::RegionPartition => region_partition(&mut w, seed).await,
@@ -774,10 +778,19 @@ async fn region_partition(w: &mut World, seed: u64) -> anyhow::Result<FedOutcome
         let journal = w.dir().join(format!("trainer-{i}.jsonl"));
         let spec = fed_trainer_spec(&format!("fed-trainer-{i}"), &journal);
         let g = w
-            .submit_global(w.fed_leader().await.unwrap_or(0), &format!("fed-trainer-{seed}-{i}"), &spec, &[("data", "chaos")])
+            .submit_global(
+                w.fed_leader().await.unwrap_or(0),
+                &format!("fed-trainer-{seed}-{i}"),
+                &spec,
+                &[("data", "chaos")],
+            )
             .await
             .with_context(|| format!("submitting fed-trainer-{i}"))?;
-        submits.push(GlobalSubmit { rid: format!("fed-trainer-{seed}-{i}"), global_id: Some(g.clone()), error: String::new() });
+        submits.push(GlobalSubmit {
+            rid: format!("fed-trainer-{seed}-{i}"),
+            global_id: Some(g.clone()),
+            error: String::new(),
+        });
         trainers_.push((g, journal));
     }
     // Wait until both run and have checkpointed (and a sync carried the checkpoint).
@@ -790,16 +803,18 @@ async fn region_partition(w: &mut World, seed: u64) -> anyhow::Result<FedOutcome
             .filter(|j| j.state == "running" && trainers_.iter().any(|(g, _)| *g == j.global_id))
             .map(|j| (j.global_id.clone(), (j.region.clone(), j.epoch)))
             .collect();
-        let checkpointed = trainers_.iter().all(|(_, p)| {
-            trainers::read_trainer_journal(p).iter().any(|l| l.event == "checkpoint" && l.step > 0)
-        });
+        let checkpointed = trainers_
+            .iter()
+            .all(|(_, p)| trainers::read_trainer_journal(p).iter().any(|l| l.event == "checkpoint" && l.step > 0));
         if running.len() == trainers_.len() && checkpointed {
             break running;
         }
         if Instant::now() > deadline {
             bail!(
                 "the trainers did not all run and checkpoint within 40 s: {:?}",
-                jobs.iter().map(|j| format!("{} {} {} ({})", j.global_id, j.state, j.region, j.reason)).collect::<Vec<_>>()
+                jobs.iter()
+                    .map(|j| format!("{} {} {} ({})", j.global_id, j.state, j.region, j.reason))
+                    .collect::<Vec<_>>()
             );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -937,7 +952,9 @@ async fn region_partition(w: &mut World, seed: u64) -> anyhow::Result<FedOutcome
         name: "started after lease end + margin",
         ok: start_bad.is_empty(),
         detail: if start_bad.is_empty() {
-            format!("every later epoch started after lease end + margin; gaps between old end and new start {gaps:?} ms")
+            format!(
+                "every later epoch started after lease end + margin; gaps between old end and new start {gaps:?} ms"
+            )
         } else {
             start_bad.join("; ")
         },
@@ -1071,22 +1088,25 @@ async fn leader_kill(w: &mut World, seed: u64, duration_ms: u64) -> anyhow::Resu
     };
     let recovery_ms = unplaced.is_empty().then(|| healed.elapsed().as_millis() as u64);
     let mut verdicts = Vec::new();
-    let placed_after = jobs
-        .iter()
-        .filter(|j| j.submitted_at_ms > killed_ms && !j.region.is_empty())
-        .count();
+    let placed_after = jobs.iter().filter(|j| j.submitted_at_ms > killed_ms && !j.region.is_empty()).count();
     verdicts.push(Verdict {
         name: "dispatch after failover",
         ok: unplaced.is_empty() && placed_after > 0,
         detail: if unplaced.is_empty() {
             format!("{placed_after} global jobs submitted after the leader kill placed in a region; none left pending")
         } else {
-            format!("{} still pending {} s after the run: {}", unplaced.len(), bound.as_secs(), unplaced.iter().take(5).cloned().collect::<Vec<_>>().join("; "))
+            format!(
+                "{} still pending {} s after the run: {}",
+                unplaced.len(),
+                bound.as_secs(),
+                unplaced.iter().take(5).cloned().collect::<Vec<_>>().join("; ")
+            )
         },
     });
     // Local jobs submitted while the federation had no leader: placed in their region.
     let hold_end = killed_ms + hold.as_millis() as u64;
-    let during: Vec<&(usize, u64, u64)> = local.iter().filter(|(_, _, at)| *at >= killed_ms && *at <= hold_end).collect();
+    let during: Vec<&(usize, u64, u64)> =
+        local.iter().filter(|(_, _, at)| *at >= killed_ms && *at <= hold_end).collect();
     let mut stuck = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -1186,7 +1206,11 @@ pub async fn region_loss_trials(bin: &Path, trials: usize, seed: u64) -> anyhow:
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
         times.push(started.saturating_sub(cut));
-        println!("trial {:>3}: {g} from {region}: running elsewhere {:.2} s after the cut", k + 1, (started - cut.min(started)) as f64 / 1000.0);
+        println!(
+            "trial {:>3}: {g} from {region}: running elsewhere {:.2} s after the cut",
+            k + 1,
+            (started - cut.min(started)) as f64 / 1000.0
+        );
         w.heal_links();
         w.wait_regions_healthy(&[0, 1, 2], Duration::from_secs(60)).await?;
         // Frees its capacity for the next trials.

@@ -147,8 +147,7 @@ async fn main_async(cli: Cli) -> anyhow::Result<bool> {
                 Some(b) => b,
                 None => suanli_chaos::cluster::default_bin()?,
             };
-            let (mut times, floor) =
-                suanli_chaos::federation::region_loss_trials(&bin, trials as usize, seed).await?;
+            let (mut times, floor) = suanli_chaos::federation::region_loss_trials(&bin, trials as usize, seed).await?;
             times.sort_unstable();
             let pct = |p: f64| times[((times.len() as f64 - 1.0) * p).round() as usize];
             // One machine-readable line for `suanli bench federation`.

@@ -113,7 +113,8 @@ async fn start(servers: usize, extra: &[&str], wire: Wire, extra_toml: &str) -> 
     let exe = std::env::current_exe().context("locating the suanli binary")?;
     // The benchmark is one caller sending as fast as it can: no per-caller rate limit.
     let cfg = std::env::temp_dir().join(format!("suanli-bench-{}.toml", std::process::id()));
-    std::fs::write(&cfg, format!("rate_limit_per_s = 0\n{extra_toml}")).with_context(|| format!("writing {}", cfg.display()))?;
+    std::fs::write(&cfg, format!("rate_limit_per_s = 0\n{extra_toml}"))
+        .with_context(|| format!("writing {}", cfg.display()))?;
     let cfg = cfg.display().to_string();
     let mut flags = extra.to_vec();
     flags.extend(["--config", cfg.as_str()]);
