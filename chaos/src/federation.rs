@@ -777,13 +777,9 @@ async fn region_partition(w: &mut World, seed: u64) -> anyhow::Result<FedOutcome
     for i in 0..2 {
         let journal = w.dir().join(format!("trainer-{i}.jsonl"));
         let spec = fed_trainer_spec(&format!("fed-trainer-{i}"), &journal);
+        let leader = w.fed_leader().await.unwrap_or(0);
         let g = w
-            .submit_global(
-                w.fed_leader().await.unwrap_or(0),
-                &format!("fed-trainer-{seed}-{i}"),
-                &spec,
-                &[("data", "chaos")],
-            )
+            .submit_global(leader, &format!("fed-trainer-{seed}-{i}"), &spec, &[("data", "chaos")])
             .await
             .with_context(|| format!("submitting fed-trainer-{i}"))?;
         submits.push(GlobalSubmit {
