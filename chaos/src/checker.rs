@@ -60,6 +60,12 @@ pub struct JournalLine {
     /// Killed by the shim's fencing.
     #[serde(default)]
     pub fenced: bool,
+    /// The federated job's global id (empty for a region-local job).
+    #[serde(default)]
+    pub global_id: String,
+    /// The federation epoch it ran under (0 for a region-local job).
+    #[serde(default)]
+    pub fed_epoch: u64,
 }
 
 /// A device share in a journal line.
@@ -95,6 +101,10 @@ pub struct Run {
     pub until_ms: u64,
     /// Ended by fencing.
     pub fenced: bool,
+    /// The federated job's global id (empty for a region-local job).
+    pub global_id: String,
+    /// The federation epoch it ran under.
+    pub fed_epoch: u64,
 }
 
 /// Pairs starts and stops into runs.
@@ -116,6 +126,8 @@ pub fn runs(lines: &[JournalLine]) -> Vec<Run> {
                         from_ms: l.at_ms,
                         until_ms: u64::MAX,
                         fenced: false,
+                        global_id: l.global_id.clone(),
+                        fed_epoch: l.fed_epoch,
                     },
                 );
             }
@@ -186,6 +198,43 @@ pub fn double_runs(runs: &[Run]) -> Vec<String> {
                     w[1].node,
                     w[1].from_ms
                 ));
+            }
+        }
+    }
+    out
+}
+
+/// Federation (docs/federation.md): runs of one global job's task that overlap in time, in any
+/// region, node or epoch; keyed by (global id, task), since a job moved to another region
+/// has another local job id there. Region-local runs (no global id) are not compared here.
+pub fn no_overlap(runs: &[Run]) -> Vec<String> {
+    let mut by_task: BTreeMap<(&str, &str), Vec<&Run>> = BTreeMap::new();
+    for r in runs.iter().filter(|r| !r.global_id.is_empty()) {
+        by_task.entry((r.global_id.as_str(), r.task.as_str())).or_default().push(r);
+    }
+    let mut out = Vec::new();
+    for ((gid, task), mut rs) in by_task {
+        rs.sort_by_key(|r| (r.from_ms, r.until_ms));
+        // Against the latest end so far, not only the previous run: a long run may cover
+        // several later ones.
+        let mut latest: Option<&Run> = None;
+        for r in rs {
+            if let Some(p) = latest
+                && r.from_ms < p.until_ms
+            {
+                out.push(format!(
+                    "{gid} task {task}: epoch {} on {} ({}..{}) overlaps epoch {} on {} (from {})",
+                    p.fed_epoch,
+                    p.node,
+                    p.from_ms,
+                    if p.until_ms == u64::MAX { "running".into() } else { p.until_ms.to_string() },
+                    r.fed_epoch,
+                    r.node,
+                    r.from_ms
+                ));
+            }
+            if latest.is_none_or(|p| r.until_ms > p.until_ms) {
+                latest = Some(r);
             }
         }
     }
@@ -310,6 +359,8 @@ mod tests {
 
     fn line(event: &str, node: &str, alloc: u64, job: u64, dev: &str, milli: u64, at: u64) -> JournalLine {
         JournalLine {
+            global_id: String::new(),
+            fed_epoch: 0,
             event: event.into(),
             node: node.into(),
             alloc_id: alloc,
@@ -345,6 +396,39 @@ mod tests {
         assert!(double_runs(&runs(&ok)).is_empty());
         let bad = [line("start", "n1", 1, 7, "gpu0", 1000, 10), line("start", "n2", 2, 7, "gpu0", 1000, 21)];
         assert_eq!(double_runs(&runs(&bad)).len(), 1, "a run that never stopped overlaps the next");
+    }
+
+    #[test]
+    fn runs_of_one_global_id_in_two_regions_must_not_overlap() {
+        let fed = |event: &str, node: &str, alloc: u64, epoch: u64, at: u64| JournalLine {
+            global_id: "g-1".into(),
+            fed_epoch: epoch,
+            ..line(event, node, alloc, alloc, "gpu0", 1000, at)
+        };
+        // Different local job ids (regions), one global id: a gap passes, an overlap fails.
+        let ok = [
+            fed("start", "us-east/n1", 1, 1, 10),
+            fed("stop", "us-east/n1", 1, 1, 20),
+            fed("start", "eu-west/n1", 9, 2, 21),
+        ];
+        assert!(no_overlap(&runs(&ok)).is_empty());
+        let bad = [
+            fed("start", "us-east/n1", 1, 1, 10),
+            fed("start", "eu-west/n1", 9, 2, 21),
+            fed("stop", "us-east/n1", 1, 1, 22),
+        ];
+        assert_eq!(no_overlap(&runs(&bad)).len(), 1);
+        // A long run covering two later ones is caught for both.
+        let covered = [
+            fed("start", "a/n1", 1, 1, 10),
+            fed("start", "b/n1", 2, 2, 12),
+            fed("stop", "b/n1", 2, 2, 13),
+            fed("start", "c/n1", 3, 3, 14),
+        ];
+        assert_eq!(no_overlap(&runs(&covered)).len(), 2);
+        // Region-local runs are not compared by global id.
+        let local = [line("start", "n1", 1, 7, "gpu0", 1000, 10), line("start", "n2", 2, 7, "gpu0", 1000, 11)];
+        assert!(no_overlap(&runs(&local)).is_empty());
     }
 
     #[test]

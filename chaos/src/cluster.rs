@@ -67,6 +67,31 @@ pub struct Shape {
     pub server_env: Vec<(String, String)>,
     /// Servers run under libfaketime, their clocks settable with [`Cluster::set_clock`].
     pub fake_clocks: Option<FakeClocks>,
+    /// The region's `[federation]` (multi-region runs, [`crate::federation`]); None: standalone.
+    pub federation: Option<suanli_server::config::FederationLink>,
+    /// The pool every agent joins (a pool belongs to one region of a federation).
+    pub pool: String,
+    /// Node ids are `<node_prefix>-<n>` (distinct across the regions of one run).
+    pub node_prefix: String,
+}
+
+impl Shape {
+    /// A standalone cluster: `servers` servers, `agents` agents of `gpus_per_agent` GPUs,
+    /// `clients` clients, heartbeat TTL 3 s, real clocks, pool `default`, nodes `node-N`.
+    pub fn new(servers: usize, agents: usize, gpus_per_agent: u32, clients: usize) -> Shape {
+        Shape {
+            servers,
+            agents,
+            gpus_per_agent,
+            clients,
+            heartbeat_ttl_ms: 3_000,
+            server_env: Vec::new(),
+            fake_clocks: None,
+            federation: None,
+            pool: "default".to_owned(),
+            node_prefix: "node".to_owned(),
+        }
+    }
 }
 
 /// Which of a server's clocks libfaketime fakes.
@@ -262,7 +287,7 @@ impl Cluster {
         }
         let agents = (0..shape.agents)
             .map(|a| AgentProc {
-                node: format!("node-{}", a + 1),
+                node: format!("{}-{}", shape.node_prefix, a + 1),
                 dir: dir.path().join(format!("a{}", a + 1)),
                 child: None,
                 paused: false,
@@ -379,6 +404,7 @@ impl Cluster {
             heartbeat_ttl_ms: self.shape.heartbeat_ttl_ms,
             request_timeout_ms: 3_000,
             tls: Some(pki().server()),
+            federation: self.shape.federation.clone(),
             ..suanli_server::ServerConfig::default()
         };
         match join_via {
@@ -620,6 +646,7 @@ impl Cluster {
         let cfg = suanli_agent::AgentConfig {
             servers: (0..self.servers.len()).map(|j| self.link_addr(From::Agent(a), j)).collect(),
             node_id: ag.node.clone(),
+            pool: self.shape.pool.clone(),
             data_dir: ag.dir.join("data"),
             plugin_dir: self.dir.path().join("plugins"),
             plugins: Some(vec!["fake".to_owned()]),

@@ -20,6 +20,7 @@
 
 pub mod checker;
 pub mod cluster;
+pub mod federation;
 pub mod history;
 pub mod hostile;
 pub mod nemesis;
@@ -203,18 +204,35 @@ impl Report {
 
 /// Runs one scenario with one seed and checks every invariant.
 pub async fn run_scenario(scn: &Scenario, seed: u64, opts: &Options) -> anyhow::Result<Report> {
+    if let Some(which) = scn.federation {
+        let o = federation::run(which, seed, opts).await?;
+        return Ok(Report {
+            scenario: scn.name.to_owned(),
+            seed,
+            broken: opts.broken,
+            faults: o.faults,
+            ops: o.ops,
+            acked: o.acked,
+            lost: o.lost,
+            over_commits: 0,
+            double_runs: o.overlaps,
+            recovery_ms: o.recovery_ms,
+            writable_ms: None,
+            task_runs: o.task_runs,
+            isolations: 0,
+            isolated_writes: 0,
+            verdicts: o.verdicts,
+            dir: o.dir,
+        });
+    }
     let mut server_env = Vec::new();
     if let Some(b) = opts.broken {
         server_env.push(("SUANLI_FAILPOINTS".to_owned(), b.failpoints().to_owned()));
     }
     let shape = Shape {
-        servers: scn.servers,
-        agents: opts.agents,
-        gpus_per_agent: opts.gpus_per_agent,
-        clients: opts.clients,
-        heartbeat_ttl_ms: 3_000,
         server_env,
         fake_clocks: scn.clocks,
+        ..Shape::new(scn.servers, opts.agents, opts.gpus_per_agent, opts.clients)
     };
     let mut cluster = Cluster::start(&opts.bin, shape, seed, opts.keep).await.context("starting the cluster")?;
     tracing::info!(scenario = scn.name, seed, dir = %cluster.dir().display(), "cluster up");
@@ -499,7 +517,7 @@ async fn probe_write(cluster: &mut Cluster, healed: Instant, bound: Duration) ->
 }
 
 /// Every job, read linearizably from the leader (directly, not through the proxies).
-async fn list_jobs(cluster: &mut Cluster) -> anyhow::Result<Vec<pb::JobInfo>> {
+pub(crate) async fn list_jobs(cluster: &mut Cluster) -> anyhow::Result<Vec<pb::JobInfo>> {
     let l = cluster.wait_leader(Duration::from_secs(10)).await?;
     let ch = cluster::channel(&cluster.servers[l].addr, Duration::from_secs(5)).await?;
     let mut c = JobsClient::new(ch).max_decoding_message_size(64 << 20);

@@ -79,6 +79,19 @@ enum Cmd {
     },
     /// Lists the scenarios.
     List,
+    /// Region loss on three regions and a federation: the time until a job of the lost region
+    /// runs elsewhere, per trial (`suanli bench federation` runs it and prints p50/p99).
+    BenchRegionLoss {
+        /// Trials (one region cut and healed each).
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=1_000))]
+        trials: u64,
+        /// Seed of the proxies (default 1).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// The `suanli` binary (default: $SUANLI_BIN, else next to this executable).
+        #[arg(long)]
+        bin: Option<std::path::PathBuf>,
+    },
 }
 
 fn clock_seed() -> u64 {
@@ -129,6 +142,24 @@ async fn one(scn: &'static scenario::Scenario, seed: u64, o: &Options) -> anyhow
 
 async fn main_async(cli: Cli) -> anyhow::Result<bool> {
     match cli.cmd {
+        Some(Cmd::BenchRegionLoss { trials, seed, bin }) => {
+            let bin = match bin {
+                Some(b) => b,
+                None => suanli_chaos::cluster::default_bin()?,
+            };
+            let (mut times, floor) = suanli_chaos::federation::region_loss_trials(&bin, trials as usize, seed).await?;
+            times.sort_unstable();
+            let pct = |p: f64| times[((times.len() as f64 - 1.0) * p).round() as usize];
+            // One machine-readable line for `suanli bench federation`.
+            println!(
+                "region-loss trials={} p50_ms={} p99_ms={} max_ms={} lease_plus_margin_ms={floor}",
+                times.len(),
+                pct(0.5),
+                pct(0.99),
+                pct(1.0)
+            );
+            Ok(true)
+        }
         Some(Cmd::List) => {
             for s in scenario::SCENARIOS {
                 println!("{:<20} {} servers{}  {}", s.name, s.servers, if s.short { ", short" } else { "" }, s.about);

@@ -1,6 +1,7 @@
 //! The named scenarios (documented in chaos/README.md).
 
 use crate::cluster::FakeClocks;
+use crate::federation::FedScenario;
 use crate::nemesis::{Kind, Role};
 
 /// A scenario: a cluster shape and the faults its nemesis draws from.
@@ -27,6 +28,9 @@ pub struct Scenario {
     /// any, the trainer invariants (no job runs twice at once, steps never go back beyond the
     /// last committed checkpoint) are checked.
     pub trainers: usize,
+    /// A multi-region scenario ([`crate::federation`]): three regions and a federation instead
+    /// of one cluster; `servers`, `kinds` and `hold_ms` are not used.
+    pub federation: Option<FedScenario>,
 }
 
 /// Every scenario.
@@ -41,6 +45,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "follower-kill-pause",
@@ -52,6 +57,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "partition",
@@ -63,6 +69,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "leader-isolated",
@@ -74,6 +81,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "bridge",
@@ -85,6 +93,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "agents",
@@ -96,6 +105,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "plugin-faults",
@@ -107,6 +117,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "membership",
@@ -118,6 +129,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "disk",
@@ -129,6 +141,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "flaky-net",
@@ -140,6 +153,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "power-loss",
@@ -151,6 +165,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "rolling-restart",
@@ -162,6 +177,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "hostile-client",
@@ -173,6 +189,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: true,
         clocks: None,
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "clock-skew",
@@ -184,6 +201,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: Some(FakeClocks::Wall),
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "clock-rate",
@@ -195,6 +213,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: Some(FakeClocks::All),
         trainers: 0,
+        federation: None,
     },
     Scenario {
         name: "migrate",
@@ -207,6 +226,7 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 3,
+        federation: None,
     },
     Scenario {
         name: "mixed",
@@ -235,6 +255,31 @@ pub const SCENARIOS: &[Scenario] = &[
         hostile: false,
         clocks: None,
         trainers: 0,
+        federation: None,
+    },
+    Scenario {
+        name: "region-partition",
+        about: "three regions and a federation: region A cut from the federation (its servers and its voter) while its checkpointing jobs run; they stop in A before their lease ends and run elsewhere from their checkpoint; A rejoins and releases them",
+        servers: 1,
+        kinds: &[],
+        hold_ms: (0, 0),
+        short: true,
+        hostile: false,
+        clocks: None,
+        trainers: 2,
+        federation: Some(FedScenario::RegionPartition),
+    },
+    Scenario {
+        name: "federation-leader-kill",
+        about: "three regions and a federation: the federation leader SIGKILLed while global and local jobs are submitted",
+        servers: 1,
+        kinds: &[],
+        hold_ms: (0, 0),
+        short: false,
+        hostile: false,
+        clocks: None,
+        trainers: 0,
+        federation: Some(FedScenario::LeaderKill),
     },
 ];
 

@@ -32,15 +32,7 @@ fn block_on<F: std::future::Future<Output = anyhow::Result<()>>>(f: F) {
 
 async fn start(fake: FakeClocks, agents: usize) -> anyhow::Result<Cluster> {
     let bin = cluster::default_bin()?;
-    let shape = Shape {
-        servers: 3,
-        agents,
-        gpus_per_agent: 1,
-        clients: 0,
-        heartbeat_ttl_ms: 3_000,
-        server_env: Vec::new(),
-        fake_clocks: Some(fake),
-    };
+    let shape = Shape { fake_clocks: Some(fake), ..Shape::new(3, agents, 1, 0) };
     Cluster::start(&bin, shape, 7, false).await
 }
 

@@ -19,6 +19,9 @@ pub enum BenchCmd {
     Submit(crate::bench_cluster::SubmitArgs),
     /// Leader kills (SIGKILL) on a 3-server cluster: time until writes succeed again, p50/p99.
     Failover(crate::bench_cluster::FailoverArgs),
+    /// The federation: dispatch decisions per second, its cost on a region's submit
+    /// throughput (with and without `[federation]`), and region loss to running elsewhere.
+    Federation(crate::bench_federation::FederationArgs),
 }
 
 #[derive(Args, Debug)]
@@ -54,6 +57,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Engine(a) => engine(a),
         BenchCmd::Submit(a) => crate::bench_cluster::submit(a),
         BenchCmd::Failover(a) => crate::bench_cluster::failover(a),
+        BenchCmd::Federation(a) => crate::bench_federation::run(a),
     }
 }
 

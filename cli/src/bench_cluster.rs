@@ -87,7 +87,7 @@ fn job(i: usize) -> String {
 
 /// How the benchmark's cluster runs: mutual TLS with the local PKI, or plaintext.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Wire {
+pub(crate) enum Wire {
     Tls,
     Insecure,
 }
@@ -109,11 +109,12 @@ impl Wire {
     }
 }
 
-async fn start(servers: usize, extra: &[&str], wire: Wire) -> Result<(ProcessCluster, usize)> {
+async fn start(servers: usize, extra: &[&str], wire: Wire, extra_toml: &str) -> Result<(ProcessCluster, usize)> {
     let exe = std::env::current_exe().context("locating the suanli binary")?;
     // The benchmark is one caller sending as fast as it can: no per-caller rate limit.
     let cfg = std::env::temp_dir().join(format!("suanli-bench-{}.toml", std::process::id()));
-    std::fs::write(&cfg, "rate_limit_per_s = 0\n").with_context(|| format!("writing {}", cfg.display()))?;
+    std::fs::write(&cfg, format!("rate_limit_per_s = 0\n{extra_toml}"))
+        .with_context(|| format!("writing {}", cfg.display()))?;
     let cfg = cfg.display().to_string();
     let mut flags = extra.to_vec();
     flags.extend(["--config", cfg.as_str()]);
@@ -173,10 +174,10 @@ async fn placed(conn: &Connection) -> u64 {
 
 /// One phase's figures: acknowledgements per second and call latencies.
 #[derive(Debug, Clone, Copy, Default)]
-struct Figure {
-    rate: f64,
-    p50: Duration,
-    p99: Duration,
+pub(crate) struct Figure {
+    pub(crate) rate: f64,
+    pub(crate) p50: Duration,
+    pub(crate) p99: Duration,
 }
 
 fn report(what: &str, n: usize, took: Duration, lat: &mut [Duration]) -> Figure {
@@ -194,8 +195,8 @@ fn report(what: &str, n: usize, took: Duration, lat: &mut [Duration]) -> Figure 
 
 /// The figures of one run of `bench submit`, by phase.
 #[derive(Debug, Clone, Default)]
-struct Run {
-    phases: Vec<(&'static str, Figure)>,
+pub(crate) struct Run {
+    pub(crate) phases: Vec<(&'static str, Figure)>,
 }
 
 /// `suanli bench submit`.
@@ -205,12 +206,12 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
     }
     rt()?.block_on(async move {
         println!("== over mutual TLS (the local PKI's admin certificate)");
-        let tls = submit_run(&a, Wire::Tls).await?;
+        let tls = submit_run(&a, Wire::Tls, "").await?;
         if !a.compare_insecure {
             return Ok(());
         }
         println!("== the same load, plaintext (servers --insecure)");
-        let plain = submit_run(&a, Wire::Insecure).await?;
+        let plain = submit_run(&a, Wire::Insecure, "").await?;
         println!("== TLS / insecure, same run");
         for ((what, t), (_, p)) in tls.phases.iter().zip(&plain.phases) {
             println!(
@@ -230,11 +231,12 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
     })
 }
 
-/// One run of `bench submit` on a new cluster over `wire`.
-async fn submit_run(a: &SubmitArgs, wire: Wire) -> Result<Run> {
+/// One run of `bench submit` on a new cluster over `wire`, `extra_toml` appended to the
+/// servers' config file (`bench federation`: a `[federation]` table).
+pub(crate) async fn submit_run(a: &SubmitArgs, wire: Wire, extra_toml: &str) -> Result<Run> {
     let mut run = Run::default();
     {
-        let (c, leader) = start(a.servers, &["--heartbeat-ttl-ms", "3600000"], wire).await?;
+        let (c, leader) = start(a.servers, &["--heartbeat-ttl-ms", "3600000"], wire, extra_toml).await?;
         let addr = c.addrs[leader].clone();
         println!("{} servers on loopback ({}), RocksDB fsync before every ack; leader {addr}", a.servers, wire.name());
         let ch = connect(&addr, wire)?;
@@ -393,7 +395,7 @@ pub fn failover(a: FailoverArgs) -> Result<()> {
         bail!("--servers must be at least 3 (a leader kill must leave a majority)");
     }
     rt()?.block_on(async move {
-        let (mut c, leader) = start(a.servers, &[], Wire::Tls).await?;
+        let (mut c, leader) = start(a.servers, &[], Wire::Tls, "").await?;
         create_queue(&*connect(&c.addrs[leader], Wire::Tls)?).await?;
         let mut times = Vec::new();
         let mut seq = 0usize;

@@ -6,6 +6,7 @@ mod access_cmd;
 mod agent_cmd;
 mod bench;
 mod bench_cluster;
+mod bench_federation;
 mod client;
 mod federation_cmd;
 mod logging;
