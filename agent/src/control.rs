@@ -375,6 +375,10 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
                     let interval_ms = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX);
                     let (f, g) = fence_timing(&agent.cfg, ttl_ms, interval_ms, &mut warned_ttl);
                     renew_lease(&agent, sent_ms, f, g, &mut lease_failures);
+                    // Federation lease renewals: each federated task's `fed-lease` moves later.
+                    for l in &r.leases {
+                        crate::tasks::renew_fed(&agent, l.alloc_id, l.until_ms);
+                    }
                     for c in changes {
                         if c.healthy {
                             tracing::info!(device = %c.device, "device reported healthy");

@@ -79,6 +79,10 @@ pub struct JournalEntry {
     /// The federation epoch it ran under (0 for a region-local job).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub fed_epoch: u64,
+    /// Why the shim stopped the task, on the stop line of a task it stopped itself (e.g.
+    /// "federation lease of g-7 epoch 3 ended at …", with `fenced: true`); empty otherwise.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -199,6 +203,7 @@ mod tests {
             at_ms,
             global_id: String::new(),
             fed_epoch: 0,
+            reason: String::new(),
         }
     }
 
@@ -216,6 +221,14 @@ mod tests {
         assert_eq!(v["exit_code"], serde_json::Value::Null, "present, null");
         assert_eq!((v["signal"].as_i64(), v["fenced"].as_bool()), (Some(9), Some(true)));
         assert!(stop.fenced() && !stop.is_start());
+        // A federated task's lines carry its global id and federation epoch, a lease stop its reason;
+        // lines of older shims (without them) still read.
+        let fed = JournalEntry { global_id: "g-4".into(), fed_epoch: 2, reason: "federation lease".into(), ..stop };
+        let v = serde_json::to_value(&fed).unwrap();
+        assert_eq!((v["global_id"].as_str(), v["fed_epoch"].as_u64()), (Some("g-4"), Some(2)));
+        assert_eq!(v["reason"], "federation lease");
+        let old: JournalEntry = serde_json::from_value(start).unwrap();
+        assert_eq!((old.global_id.as_str(), old.fed_epoch, old.reason.as_str()), ("", 0, ""));
     }
 
     #[test]

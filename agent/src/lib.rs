@@ -34,6 +34,7 @@ mod ckpt;
 pub mod config;
 mod control;
 mod disk;
+pub mod fedlease;
 pub mod journal;
 pub mod lease;
 mod logs;

@@ -7,6 +7,8 @@
 //! With `--journal` it appends a start and a stop line to the node's task journal (identity
 //! from `D/alloc.json`, see [`crate::journal`]); with `--lease` it fences the task: it does not
 //! start it without a fresh lease, and signals it when the lease expires (see [`crate::lease`]).
+//! A federated task's directory holds its federation lease (`D/fed-lease`): the shim does not
+//! start it from the lease's deadline on, and stops it at that deadline (see [`crate::fedlease`]).
 //!
 //! ```text
 //!  agent ──spawn (setsid)──▶ task-shim --dir D [--journal J] [--lease L] ──spawn──▶ command args…
@@ -14,9 +16,11 @@
 //!                               │  started ──▶ J += start line
 //!                               │  stdout/stderr pipes ──▶ D/stdout.log, D/stderr.log (rotated)
 //!                               │  every 200 ms: L older than F ──▶ SIGTERM group; F + G ──▶ SIGKILL
+//!                               │  every 200 ms: D/fed-lease past its deadline ──▶ checkpoint signal, SIGTERM, SIGKILL
 //!                               └─ on exit ──▶ J += stop line ──▶ D/exit.json {exit_code, signal, fenced, …}
 //! ```
 
+use crate::fedlease::{FedAction, FedFence, FedLease};
 use crate::journal::{JournalDevice, JournalEntry, JournalEvent};
 use crate::lease::{Fence, FenceAction, Lease};
 use crate::sys;
@@ -90,6 +94,10 @@ pub struct ExitRecord {
     /// exit status.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub end: Option<String>,
+    /// The task's federation lease ran out: the shim did not start it, or stopped it; the
+    /// report's message ("federation lease ended at …"). The task is reported STOPPED.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fed_stop: Option<String>,
 }
 
 impl ExitRecord {
@@ -141,6 +149,12 @@ struct Identity {
     node: String,
     task: String,
     devices: Vec<JournalDevice>,
+    /// A federated job's global id (absent in files of older agents).
+    #[serde(default)]
+    global_id: String,
+    /// Its federation epoch.
+    #[serde(default)]
+    fed_epoch: u64,
 }
 
 impl Identity {
@@ -160,18 +174,18 @@ impl Identity {
             task: self.task.clone(),
             devices: self.devices.clone(),
             at_ms,
-            // Filled by h-agent (the task's federation binding).
-            global_id: String::new(),
-            fed_epoch: 0,
+            global_id: self.global_id.clone(),
+            fed_epoch: self.fed_epoch,
+            reason: String::new(),
         }
     }
 }
 
-/// Appends to the journal when there is one; a failure is logged (to `shim.log`), the task
-/// goes on.
-fn journal(path: Option<&PathBuf>, id: Option<&Identity>, event: JournalEvent, at_ms: u64) {
+/// Appends to the journal when there is one, with `reason` (empty: none); a failure is logged
+/// (to `shim.log`), the task goes on.
+fn journal(path: Option<&PathBuf>, id: Option<&Identity>, event: JournalEvent, at_ms: u64, reason: String) {
     if let (Some(p), Some(id)) = (path, id)
-        && let Err(e) = crate::journal::append(p, &id.entry(event, at_ms))
+        && let Err(e) = crate::journal::append(p, &JournalEntry { reason, ..id.entry(event, at_ms) })
     {
         say(format_args!("appending to the journal {}: {e}", p.display()));
     }
@@ -442,6 +456,30 @@ pub fn run(a: ShimArgs) -> ExitCode {
         }
         fence = Some((f, path.clone()));
     }
+    let fed_path = dir.join(crate::fedlease::FED_LEASE_FILE);
+    let mut fed = match FedLease::read(&fed_path) {
+        Ok(None) => None,
+        Ok(Some(l)) => match l.may_start(sys::now_ms()) {
+            Ok(()) => Some(FedFence::new(l)),
+            Err(why) => {
+                say(format_args!("{why}"));
+                return finish(
+                    &dir,
+                    &ExitRecord {
+                        exit_code: Some(127),
+                        finished_at: sys::now_s(),
+                        error: Some(why.clone()),
+                        finished_at_ms: Some(sys::now_ms()),
+                        fenced: true,
+                        fed_stop: Some(why),
+                        ..ExitRecord::default()
+                    },
+                );
+            }
+        },
+        // Unreadable: the task cannot be fenced by it, so it does not start.
+        Err(e) => return fail_as(&dir, format!("not started: {e}"), true),
+    };
     let workdir = a.workdir.clone().unwrap_or_else(|| dir.clone());
     // A relative `workdir` of the job spec lands inside the allocation directory: it is the
     // task's own, so it is made here. An absolute one must exist on the node.
@@ -468,7 +506,7 @@ pub fn run(a: ShimArgs) -> ExitCode {
     if pending != 0 {
         on_signal(pending);
     }
-    journal(a.journal.as_ref(), identity.as_ref(), JournalEvent::Start { pid }, started_at_ms);
+    journal(a.journal.as_ref(), identity.as_ref(), JournalEvent::Start { pid }, started_at_ms, String::new());
     let (tx, rx) = std::sync::mpsc::channel();
     let mut copiers = 0;
     if let Some(out) = child.stdout.take()
@@ -484,9 +522,9 @@ pub fn run(a: ShimArgs) -> ExitCode {
     drop(tx);
     let mut fenced_at_ms = None;
     let mut quota = (a.disk_max_bytes > 0).then(|| Quota::new(a.disk_max_bytes));
-    let waited = match (fence.as_mut(), quota.as_mut()) {
-        (None, None) => child.wait(),
-        (fence, quota) => supervise(&mut child, pid, &dir, fence, quota, &mut fenced_at_ms),
+    let waited = match (fence.as_mut(), quota.as_mut(), fed.as_mut()) {
+        (None, None, None) => child.wait(),
+        (fence, quota, fed) => supervise(&mut child, pid, &dir, Guards { fence, quota, fed }, &mut fenced_at_ms),
     };
     let status = match waited {
         Ok(s) => s,
@@ -494,6 +532,8 @@ pub fn run(a: ShimArgs) -> ExitCode {
     };
     let finished_at_ms = sys::now_ms();
     let fenced = fenced_at_ms.is_some();
+    // Stopped for its federation lease (and not fenced for the node's lease before).
+    let fed_stopped = fed.as_ref().filter(|f| f.stopping()).map(FedFence::lease);
     let over_quota = quota.and_then(|q| q.exceeded);
     if fenced || over_quota.is_some() {
         // No agent may be there to clean up: what the task left in its group goes now.
@@ -504,6 +544,7 @@ pub fn run(a: ShimArgs) -> ExitCode {
         identity.as_ref(),
         JournalEvent::Stop { exit_code: status.code(), signal: status.signal(), fenced },
         finished_at_ms,
+        fed_stopped.map(FedLease::journal_reason).unwrap_or_default(),
     );
     // A background process of the task may keep a pipe open: give the copiers a moment to
     // drain what was written, not forever.
@@ -527,6 +568,7 @@ pub fn run(a: ShimArgs) -> ExitCode {
             fenced_at_ms,
             oom_kills: a.cgroup.as_deref().and_then(oom_kills),
             end: None,
+            fed_stop: fed_stopped.map(FedLease::ended_message),
         },
     )
 }
@@ -592,17 +634,28 @@ impl Quota {
     }
 }
 
+/// What [`supervise`] watches besides the command.
+struct Guards<'a> {
+    /// The node lease, and its file.
+    fence: Option<&'a mut (Fence, PathBuf)>,
+    /// The task's disk quota.
+    quota: Option<&'a mut Quota>,
+    /// The task's federation lease (its file is `dir/fed-lease`).
+    fed: Option<&'a mut FedFence>,
+}
+
 /// Waits for the command while reading the lease every [`crate::lease::CHECK_EVERY`] (SIGTERM
-/// to the task's group once the lease is older than F, SIGKILL once older than F + G) and
-/// measuring its disk use against its quota.
+/// to the task's group once the lease is older than F, SIGKILL once older than F + G),
+/// measuring its disk use against its quota, and stopping it when its federation lease ends.
 fn supervise(
     child: &mut std::process::Child,
     pid: i32,
     dir: &Path,
-    mut fence: Option<&mut (Fence, PathBuf)>,
-    mut quota: Option<&mut Quota>,
+    guards: Guards<'_>,
     fenced_at_ms: &mut Option<u64>,
 ) -> std::io::Result<std::process::ExitStatus> {
+    let Guards { mut fence, mut quota, mut fed } = guards;
+    let fed_path = dir.join(crate::fedlease::FED_LEASE_FILE);
     let pidfd = sys::pidfd_open(pid);
     loop {
         if let Some(s) = child.try_wait()? {
@@ -624,6 +677,40 @@ fn supervise(
                 }
             }
             next = fence.next_check(sys::boottime_ms());
+        }
+        if let Some(f) = fed.as_deref_mut() {
+            // The wall clock, as the lease's end is a time of the federation's clock (see
+            // crate::fedlease); a renewal that cannot be read keeps the last lease.
+            let renewal = match FedLease::read(&fed_path) {
+                Ok(l) => l,
+                Err(e) => {
+                    say(format_args!("{e}; keeping the last federation lease"));
+                    None
+                }
+            };
+            let now = sys::now_ms();
+            match f.step(renewal, now) {
+                FedAction::Nothing => {}
+                FedAction::Checkpoint(sig) => {
+                    say(format_args!("{}: checkpoint signal {sig}", f.lease().journal_reason()));
+                    fenced_at_ms.get_or_insert(now);
+                    sys::signal_group_but_self(pid, sig);
+                }
+                FedAction::Term => {
+                    say(format_args!("{}: SIGTERM", f.lease().journal_reason()));
+                    fenced_at_ms.get_or_insert(now);
+                    sys::signal_group_but_self(pid, libc::SIGTERM);
+                }
+                FedAction::Kill => {
+                    say(format_args!("the task outlived its federation lease's kill grace: SIGKILL"));
+                    sys::signal_group_but_self(pid, libc::SIGKILL);
+                }
+            }
+            let n = f.next_check(sys::now_ms());
+            next = match (next, n) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
         }
         if let Some(q) = quota.as_deref_mut() {
             q.step(dir, pid);

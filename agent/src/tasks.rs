@@ -7,6 +7,7 @@
 //! | file | written by | meaning |
 //! | --- | --- | --- |
 //! | `alloc.json` | agent, before it spawns the shim | the allocation, the node, the task (the journal's identity) |
+//! | `fed-lease` | agent, before it spawns the shim and on every renewal | a federated task's lease (see [`crate::fedlease`]) |
 //! | `task.json` | agent, before it reports RUNNING | the shim's pid and start time, the job, when |
 //! | `shim.lock` | shim | locked for the shim's whole life: held means the task runs |
 //! | `shim.json` | shim, before the command starts | the shim's pid and start time |
@@ -153,6 +154,9 @@ pub(crate) struct Tasks {
     /// Set while switching to another cluster: its id, and its latest set (applied once the
     /// old cluster's tasks have stopped and their directories are moved aside).
     switching: Option<(String, Option<pb::AllocationsUpdate>)>,
+    /// The latest federation lease end heard of per allocation id (heartbeats, allocation
+    /// sets): a task that starts after a renewal starts under it.
+    fed_until: BTreeMap<u64, u64>,
 }
 
 fn lock(agent: &Agent) -> std::sync::MutexGuard<'_, Tasks> {
@@ -306,6 +310,28 @@ fn final_report(k: Key, dir: &Path, exit: Option<&ExitRecord>, lost: &str) -> Re
     let stop: Option<StopRecord> =
         std::fs::read(dir.join("stop.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
     let device_error = dir.join(crate::ckpt::DEVICE_ERROR_FILE).exists();
+    // Stopped (or not started) for its federation lease, unless the control plane asked for a
+    // stop first: STOPPED, the federation re-dispatches it.
+    if let Some(e) = exit
+        && let Some(msg) = &e.fed_stop
+    {
+        let fenced_at = e.fenced_at_ms.or(e.finished_at_ms).unwrap_or(e.finished_at.saturating_mul(1000));
+        let stop_first = stop.as_ref().is_some_and(|s| {
+            let at = if s.at_ms > 0 { s.at_ms } else { s.at.saturating_mul(1000) };
+            at <= fenced_at
+        });
+        if !stop_first {
+            return Report {
+                alloc: k.0,
+                epoch: k.1,
+                status: pb::AllocReport::Stopped,
+                message: msg.clone(),
+                exit_code: e.code(),
+                end: "stopped",
+                exit_code_set: false,
+            };
+        }
+    }
     if let Some(e) = exit.filter(|e| e.fenced) {
         let fenced_at = e.fenced_at_ms.or(e.finished_at_ms).unwrap_or(e.finished_at.saturating_mul(1000));
         let stop_first = stop.as_ref().is_some_and(|s| {
@@ -651,6 +677,9 @@ fn reconcile(agent: &Arc<Agent>, u: pb::AllocationsUpdate) {
         let k = (a.id, a.epoch);
         let dir = alloc_dir(agent, k);
         let handled = t.map.contains_key(&k);
+        if a.lease_until_ms > 0 {
+            renew_fed_locked(agent, &mut t, a.id, a.lease_until_ms);
+        }
         match alloc_action(&a, handled, !handled && dir.exists(), running, cfg.max_tasks) {
             AllocAction::Keep => {}
             AllocAction::Stop(why) => {
@@ -691,6 +720,7 @@ fn reconcile(agent: &Arc<Agent>, u: pb::AllocationsUpdate) {
         }
     }
     if fresh {
+        t.fed_until.retain(|id, _| in_set.iter().any(|k| k.0 == *id));
         for (k, forget) in unlisted(t.map.iter().map(|(k, e)| (*k, e.ended)), &in_set) {
             if forget {
                 // Finished and no longer listed: the directory remembers it from now on.
@@ -700,6 +730,53 @@ fn reconcile(agent: &Arc<Agent>, u: pb::AllocationsUpdate) {
             }
         }
     }
+}
+
+/// Renews the federation leases of allocation `alloc_id` (a heartbeat's `leases`): the
+/// `fed-lease` file of each of its running tasks moves to `until_ms` if that is later.
+pub(crate) fn renew_fed(agent: &Agent, alloc_id: u64, until_ms: u64) {
+    let mut t = lock(agent);
+    renew_fed_locked(agent, &mut t, alloc_id, until_ms);
+}
+
+fn renew_fed_locked(agent: &Agent, t: &mut Tasks, alloc_id: u64, until_ms: u64) {
+    let latest = t.fed_until.entry(alloc_id).or_insert(0);
+    if until_ms <= *latest {
+        return;
+    }
+    *latest = until_ms;
+    let keys: Vec<Key> = t.map.iter().filter(|(k, e)| k.0 == alloc_id && !e.ended).map(|(k, _)| *k).collect();
+    for k in keys {
+        let path = alloc_dir(agent, k).join(crate::fedlease::FED_LEASE_FILE);
+        match crate::fedlease::FedLease::read(&path) {
+            Ok(Some(l)) if until_ms > l.until_ms => {
+                if let Err(e) = l.renewed(until_ms).write(&path) {
+                    // The task stops at the lease it has: safe, only early.
+                    tracing::warn!(alloc = k.0, epoch = k.1, error = %e, "renewing the federation lease");
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(alloc = k.0, epoch = k.1, error = %e, "renewing the federation lease"),
+        }
+    }
+}
+
+/// A federated allocation's lease as its task starts: the allocation's, renewed by what
+/// heartbeats brought meanwhile; `None` for a region-local allocation.
+fn fed_lease_of(agent: &Agent, a: &pb::AllocInfo) -> Option<crate::fedlease::FedLease> {
+    if a.lease_until_ms == 0 && a.global_job_id.is_empty() {
+        return None;
+    }
+    let latest = lock(agent).fed_until.get(&a.id).copied().unwrap_or(0);
+    let ck = !a.checkpoint_signal.is_empty() && crate::fedlease::signal_number(&a.checkpoint_signal).is_some();
+    Some(crate::fedlease::FedLease {
+        until_ms: a.lease_until_ms.max(latest),
+        stop_before_ms: a.fed_stop_before_ms,
+        global_id: a.global_job_id.clone(),
+        fed_epoch: a.fed_epoch,
+        checkpoint_signal: if ck { a.checkpoint_signal.clone() } else { String::new() },
+        grace_ms: if ck { a.grace_s.saturating_mul(1000) } else { 0 },
+    })
 }
 
 /// The end class of an allocation the agent refused to start.
@@ -732,6 +809,26 @@ fn fail_start_as(agent: &Agent, k: Key, dir: &Path, msg: String, end: Option<&st
         finished_at_ms: Some(sys::now_ms()),
         error: Some(msg),
         end: end.map(str::to_owned),
+        ..ExitRecord::default()
+    };
+    if let Err(e) = sys::write_atomic(&dir.join(crate::shim::EXIT_FILE), &serde_json::to_vec(&rec).unwrap_or_default())
+    {
+        tracing::warn!(error = %e, "writing exit.json");
+    }
+    agent.reporter.enqueue(final_report(k, dir, Some(&rec), ""));
+    set_ended(agent, k);
+}
+
+/// Records that a federated task was not started because its lease ends too soon, and reports
+/// it STOPPED.
+fn fail_start_fed(agent: &Agent, k: Key, dir: &Path, msg: String) {
+    tracing::warn!(alloc = k.0, epoch = k.1, "{msg}");
+    let rec = ExitRecord {
+        finished_at: sys::now_s(),
+        finished_at_ms: Some(sys::now_ms()),
+        error: Some(msg.clone()),
+        fenced: true,
+        fed_stop: Some(msg),
         ..ExitRecord::default()
     };
     if let Err(e) = sys::write_atomic(&dir.join(crate::shim::EXIT_FILE), &serde_json::to_vec(&rec).unwrap_or_default())
@@ -917,6 +1014,16 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
         write_stop(&dir, &s.reason, None);
         return fail_start(&agent, k, &dir, "stopped before it started".into());
     }
+    // A federated task starts only before its lease's deadline, and its shim stops it there
+    // (from `fed-lease`, which renewals rewrite).
+    if let Some(l) = fed_lease_of(&agent, &a) {
+        if let Err(why) = l.may_start(sys::now_ms()) {
+            return fail_start_fed(&agent, k, &dir, why);
+        }
+        if let Err(e) = l.write(&dir.join(crate::fedlease::FED_LEASE_FILE)) {
+            return fail_start(&agent, k, &dir, format!("agent: writing the federation lease: {e}"));
+        }
+    }
     let env = task_env(&agent, &a, &dir, plugin_env, restore.as_ref(), &device_files);
     let shim = agent.shim_cmd();
     let mut cmd = tokio::process::Command::new(&shim[0]);
@@ -988,6 +1095,7 @@ fn alloc_json(
         "checkpoint_store": a.checkpoint_store, "checkpoint_signal": a.checkpoint_signal,
         "restore_from": a.restore_from, "restore_step": a.restore_step,
         "hardware": hardware, "device_files": device_files,
+        "global_id": a.global_job_id, "fed_epoch": a.fed_epoch,
     })
 }
 
@@ -1331,6 +1439,45 @@ mod tests {
         let later = ExitRecord { fenced_at_ms: Some(now + 60_000), ..fenced.clone() };
         let r = final_report((1, 1), d.path(), Some(&later), "");
         assert_eq!(r.status, pb::AllocReport::Stopped, "{}", r.message);
+    }
+
+    #[test]
+    fn federation_lease_stops_are_reported_stopped() {
+        let d = tempfile::tempdir().unwrap();
+        let now = sys::now_ms();
+        let msg = "federation lease ended at 5000 (g-3 epoch 2)";
+        let fed = ExitRecord {
+            signal: Some(15),
+            fenced: true,
+            fenced_at_ms: Some(now - 1000),
+            fed_stop: Some(msg.into()),
+            ..ExitRecord::default()
+        };
+        let r = final_report((1, 1), d.path(), Some(&fed), "");
+        assert_eq!((r.status, r.message.as_str(), r.end), (pb::AllocReport::Stopped, msg, "stopped"));
+        let not_started = "federation lease of g-3 epoch 2 ends at 5000: not started";
+        let early = ExitRecord {
+            exit_code: Some(127),
+            error: Some(not_started.into()),
+            fenced: true,
+            fed_stop: Some(not_started.into()),
+            ..ExitRecord::default()
+        };
+        let r = final_report((1, 1), d.path(), Some(&early), "");
+        assert_eq!((r.status, r.message.as_str()), (pb::AllocReport::Stopped, not_started));
+        // A stop the control plane asked for before the lease ran out wins.
+        write_stop(d.path(), "cancelled", None);
+        let later = ExitRecord { fenced_at_ms: Some(now + 60_000), ..fed };
+        let r = final_report((1, 1), d.path(), Some(&later), "");
+        assert!(r.message.starts_with("stopped: cancelled"), "{}", r.message);
+    }
+
+    #[test]
+    fn a_federated_alloc_carries_its_identity_to_the_journal() {
+        let a =
+            pb::AllocInfo { id: 4, epoch: 1, global_job_id: "g-9".into(), fed_epoch: 3, ..pb::AllocInfo::default() };
+        let v = alloc_json(&a, "n1", None, &[]);
+        assert_eq!((v["global_id"].as_str(), v["fed_epoch"].as_u64()), (Some("g-9"), Some(3)));
     }
 
     #[test]

@@ -5,9 +5,13 @@
 //! lease has more than `stop_before_ms` left; its allocations carry the lease to the agents, which
 //! stop the tasks by `lease_until_ms - stop_before_ms` unless a heartbeat brought a renewal.
 
-use crate::records::CheckpointRecord;
+use crate::command::{CommandError, Response, SubmitJob};
+use crate::records::{CheckpointRecord, Job, JobState, StopReason};
+use crate::state::{Effect, cut};
 use serde::{Deserialize, Serialize};
-use suanli_model::JobSpec;
+use std::collections::BTreeMap;
+use suanli_model::error::{check_value, quote};
+use suanli_model::{AllocId, JobId, JobSpec};
 
 /// A region job's tie to the federation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,19 +79,174 @@ pub struct FedRelease {
     pub now: u64,
 }
 
+/// The longest global id accepted (`g-<n>` in practice).
+pub const MAX_GLOBAL_ID_LEN: usize = 64;
+
+/// The region-side request id of a federated job's `(global_id, epoch)`: each epoch is its own
+/// region job.
+pub fn fed_request_id(global_id: &str, epoch: u64) -> String {
+    format!("fed:{global_id}:{epoch}")
+}
+
+fn check_global_id(global_id: &str) -> Result<(), CommandError> {
+    if global_id.is_empty() {
+        return Err(CommandError::Invalid { field: "global_id".into(), message: "must not be empty".into() });
+    }
+    check_value(|| "global_id".into(), global_id, MAX_GLOBAL_ID_LEN)?;
+    Ok(())
+}
+
 impl crate::State {
+    /// The region jobs of a global id (every epoch this region still retains), lowest id first.
+    pub fn fed_jobs(&self, global_id: &str) -> impl Iterator<Item = &Job> {
+        self.jobs.values().filter(move |j| j.federation.as_ref().is_some_and(|b| b.global_id == global_id))
+    }
+
     pub(crate) fn fed_adopt(&mut self, c: FedAdopt, rev: u64) -> crate::state::Applied {
-        let _ = (c, rev);
-        todo!("h-region")
+        check_global_id(&c.global_id)?;
+        if c.epoch == 0 {
+            return Err(CommandError::Invalid {
+                field: "epoch".into(),
+                message: "0; a federated job's epoch starts at 1".into(),
+            });
+        }
+        check_value(|| "team".into(), &c.team, MAX_GLOBAL_ID_LEN)?;
+        if let Some(r) = &c.restore {
+            check_value(|| "restore.uri".into(), &r.uri, self.config.max_message_len)?;
+            if r.uri.is_empty() {
+                return Err(CommandError::Invalid { field: "restore.uri".into(), message: "must not be empty".into() });
+            }
+            if let Some(h) = &r.hardware
+                && (h.model.is_empty() || h.count == 0)
+            {
+                return Err(CommandError::Invalid {
+                    field: "restore.hardware".into(),
+                    message: "a hardware-bound checkpoint names a model and at least 1 device".into(),
+                });
+            }
+        }
+        let mut held_max = 0;
+        for j in self.fed_jobs(&c.global_id) {
+            let e = j.federation.as_ref().map_or(0, |b| b.epoch);
+            if e == c.epoch {
+                // A repeat (a new leader, a retried batch): the job adopted first is the answer.
+                return Ok((Response::JobSubmitted { job: j.id, created: false }, Effect::Unchanged));
+            }
+            held_max = held_max.max(e);
+        }
+        if held_max > c.epoch {
+            return Err(CommandError::Conflict {
+                field: "epoch".into(),
+                message: format!(
+                    "{}: epoch {} is below epoch {held_max} this region already holds; stale assignment refused",
+                    quote(&c.global_id),
+                    c.epoch
+                ),
+            });
+        }
+        let older: Vec<JobId> = self.fed_jobs(&c.global_id).filter(|j| !j.state.is_terminal()).map(|j| j.id).collect();
+        let submitted = self.submit_job(
+            SubmitJob {
+                client_request_id: fed_request_id(&c.global_id, c.epoch),
+                spec: c.spec,
+                retry: None,
+                now: c.now,
+            },
+            rev,
+        )?;
+        let (Response::JobSubmitted { job, created }, _) = &submitted else {
+            return Ok(submitted);
+        };
+        let (job, created) = (*job, *created);
+        if !created {
+            return Ok(submitted);
+        }
+        let now = self.clock;
+        for id in older {
+            let reason = format!("released to the federation: superseded by epoch {}", c.epoch);
+            self.finish(id, JobState::Cancelled, StopReason::Cancelled, &reason, now, rev);
+            if let Some(b) = self.jobs.get_mut(&id).and_then(|j| j.federation.as_mut()) {
+                b.released = Some(format!("superseded by epoch {}", c.epoch));
+            }
+        }
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.federation = Some(FedBinding {
+                global_id: c.global_id,
+                epoch: c.epoch,
+                lease_until_ms: c.lease_until_ms,
+                stop_before_ms: c.stop_before_ms,
+                team: c.team,
+                released: None,
+            });
+            // Restored from another region's (or an earlier epoch's) checkpoint: no allocation
+            // of this region wrote it, so it carries no allocation or epoch of this region.
+            j.latest_checkpoint = c.restore.map(|r| CheckpointRecord { alloc: AllocId(0), epoch: 0, at: now, ..r });
+        }
+        Ok((Response::JobSubmitted { job, created: true }, Effect::Changed))
     }
 
     pub(crate) fn fed_renew(&mut self, c: FedRenew, rev: u64) -> crate::state::Applied {
-        let _ = (c, rev);
-        todo!("h-region")
+        if c.leases.len() > self.config.max_plan_entries {
+            return Err(CommandError::TooMany {
+                what: "leases in one renewal".into(),
+                limit: self.config.max_plan_entries,
+            });
+        }
+        let wanted: BTreeMap<(&str, u64), u64> =
+            c.leases.iter().map(|(g, e, until)| ((g.as_str(), *e), *until)).collect();
+        let mut changed = false;
+        for j in self.jobs.values_mut() {
+            let Some(b) = j.federation.as_mut() else {
+                continue;
+            };
+            if b.released.is_some() || j.state.is_terminal() {
+                continue;
+            }
+            if let Some(&until) = wanted.get(&(b.global_id.as_str(), b.epoch))
+                && until > b.lease_until_ms
+            {
+                b.lease_until_ms = until;
+                j.revision = rev;
+                changed = true;
+            }
+        }
+        if !changed {
+            return Ok((Response::Done, Effect::Unchanged));
+        }
+        self.tick(c.now);
+        Ok((Response::Done, Effect::Changed))
     }
 
     pub(crate) fn fed_release(&mut self, c: FedRelease, rev: u64) -> crate::state::Applied {
-        let _ = (c, rev);
-        todo!("h-region")
+        check_global_id(&c.global_id)?;
+        let Some(id) = self
+            .fed_jobs(&c.global_id)
+            .find(|j| j.federation.as_ref().is_some_and(|b| b.epoch == c.epoch))
+            .map(|j| j.id)
+        else {
+            return Ok((Response::Done, Effect::Unchanged));
+        };
+        let Some(job) = self.jobs.get(&id) else {
+            return Ok((Response::Done, Effect::Unchanged));
+        };
+        if job.federation.as_ref().is_some_and(|b| b.released.is_some()) {
+            return Ok((Response::Done, Effect::Unchanged));
+        }
+        let terminal = job.state.is_terminal();
+        let max = self.config.max_message_len;
+        let why = if c.reason.is_empty() { "released".to_owned() } else { cut(&c.reason, max) };
+        let now = self.tick(c.now);
+        if !terminal {
+            let reason = cut(&format!("released to the federation: {why}"), max);
+            self.finish(id, JobState::Cancelled, StopReason::Cancelled, &reason, now, rev);
+        }
+        if let Some(j) = self.jobs.get_mut(&id) {
+            j.revision = rev;
+            j.updated_at = now;
+            if let Some(b) = j.federation.as_mut() {
+                b.released = Some(why);
+            }
+        }
+        Ok((Response::Done, Effect::Changed))
     }
 }

@@ -186,6 +186,7 @@ impl State {
     /// - `end-class`: a live allocation has no end yet; an ended allocation's lost work is
     ///   counted in its job's `lost_device_s`; infrastructure requeues are requeues.
     /// - `checkpoint`: a hardware-bound checkpoint names a model and at least one device.
+    /// - `federation`: a federated job has a global id and an epoch of at least 1.
     fn checkpoint_invariants(&self) -> Result<(), Violation> {
         for j in self.jobs.values() {
             if let Some(n) = &j.nomination {
@@ -210,6 +211,14 @@ impl State {
                         );
                     }
                 }
+            }
+            if let Some(b) = &j.federation
+                && (b.epoch == 0 || b.global_id.is_empty())
+            {
+                return fail(
+                    "federation",
+                    format!("job {}: federated with epoch {} and global id {:?}", j.id, b.epoch, b.global_id),
+                );
             }
             if j.migration.is_some() && !matches!(j.state, JobState::Requeuing | JobState::Pending) {
                 return fail("migration", format!("job {} has a migration target but is {}", j.id, j.state.as_str()));

@@ -785,7 +785,7 @@ impl State {
 
     // ---- jobs ----------------------------------------------------------------------------
 
-    fn submit_job(&mut self, c: SubmitJob, rev: u64) -> Applied {
+    pub(crate) fn submit_job(&mut self, c: SubmitJob, rev: u64) -> Applied {
         let rid = &c.client_request_id;
         if rid.is_empty() {
             return Err(CommandError::Invalid {
@@ -885,7 +885,7 @@ impl State {
 
     /// Marks a job finished, tells its live allocations to stop, and forgets the oldest
     /// finished jobs beyond the retention limit.
-    fn finish(&mut self, id: JobId, state: JobState, why: StopReason, reason: &str, now: u64, rev: u64) {
+    pub(crate) fn finish(&mut self, id: JobId, state: JobState, why: StopReason, reason: &str, now: u64, rev: u64) {
         let Some(job) = self.jobs.get_mut(&id) else {
             return;
         };
