@@ -72,7 +72,57 @@ impl FedConfig {
     /// `Err("field: why, with the limit")` when the terms are unsafe or out of range
     /// (`sync_interval_ms` > `lease_ms / 3`, `redispatch_margin_ms` < 2 × drift, a zero limit).
     pub fn validate(&self) -> Result<(), String> {
-        todo!("h-fcore")
+        let limits: [(&str, u64); 14] = [
+            ("lease_ms", self.lease_ms),
+            ("sync_interval_ms", self.sync_interval_ms),
+            ("max_clock_drift_ms", self.max_clock_drift_ms),
+            ("redispatch_margin_ms", self.redispatch_margin_ms),
+            ("region_unhealthy_after_ms", self.region_unhealthy_after_ms),
+            ("max_regions", self.max_regions as u64),
+            ("max_jobs", self.max_jobs as u64),
+            ("max_ended_jobs", self.max_ended_jobs as u64),
+            ("max_pools_per_region", self.max_pools_per_region as u64),
+            ("max_capacity_entries", self.max_capacity_entries as u64),
+            ("max_held_per_sync", self.max_held_per_sync as u64),
+            ("max_history", self.max_history as u64),
+            ("max_quotas", self.max_quotas as u64),
+            ("max_dispatch_per_pass", self.max_dispatch_per_pass as u64),
+        ];
+        for (field, value) in limits {
+            if value == 0 {
+                return Err(format!("{field}: 0, every limit must be positive; must be at least 1"));
+            }
+        }
+        let third = self.lease_ms / 3;
+        if self.sync_interval_ms > third {
+            return Err(format!(
+                "sync_interval_ms: {}, a region must renew at least three times per lease; must be at most \
+                 lease_ms / 3 = {third}",
+                self.sync_interval_ms
+            ));
+        }
+        let twice_drift = self.max_clock_drift_ms.saturating_mul(2);
+        if self.redispatch_margin_ms < twice_drift {
+            return Err(format!(
+                "redispatch_margin_ms: {}, the margin must cover the clock drift both ways; must be at least \
+                 2 * max_clock_drift_ms = {twice_drift}",
+                self.redispatch_margin_ms
+            ));
+        }
+        let twice_sync = self.sync_interval_ms.saturating_mul(2);
+        if self.region_unhealthy_after_ms < twice_sync {
+            return Err(format!(
+                "region_unhealthy_after_ms: {}, one late sync must not mark a region unhealthy; must be at least \
+                 2 * sync_interval_ms = {twice_sync}",
+                self.region_unhealthy_after_ms
+            ));
+        }
+        Ok(())
+    }
+
+    /// The field a [`FedConfig::validate`] message names (the text before its first colon).
+    pub fn error_field(message: &str) -> &str {
+        message.split(':').next().unwrap_or(message)
     }
 
     /// How long before its lease ends a region must have a job's tasks gone: the drift bound,
