@@ -91,10 +91,7 @@ impl FedHarness {
         let cfg = cfg.display().to_string();
         let specs: Vec<RegionSpec> = regions
             .iter()
-            .map(|r| RegionSpec {
-                extra: vec!["--config".into(), cfg.clone()],
-                ..RegionSpec::new(&r.name, r.servers)
-            })
+            .map(|r| RegionSpec { extra: vec!["--config".into(), cfg.clone()], ..RegionSpec::new(&r.name, r.servers) })
             .collect();
         let cluster = FederatedCluster::start(&crate::bin(), &specs, 3, terms, LocalPki::get(), None)
             .unwrap_or_else(|e| panic!("starting the federated cluster: {e}"));
@@ -171,7 +168,9 @@ impl FedHarness {
     /// `Jobs.Submit{global}` on region `region`'s leader, charged to `team`: the global id.
     pub async fn submit_global(&self, region: &str, team: &str, rid: &str, spec: &serde_json::Value) -> String {
         let addr = self.region_addr(region).await;
-        submit_global_at(&addr, team, rid, spec).await.unwrap_or_else(|e| panic!("submitting {spec} via {region}: {e:?}"))
+        submit_global_at(&addr, team, rid, spec)
+            .await
+            .unwrap_or_else(|e| panic!("submitting {spec} via {region}: {e:?}"))
     }
 
     /// `Federation.GetJob`.

@@ -53,7 +53,10 @@ async fn dev_regions_start_and_stop() {
     let mut last = String::new();
     loop {
         if let Ok(Some(st)) = child.try_wait() {
-            panic!("suanli dev --regions 3 exited ({st}) before it was up:\n{}", std::fs::read_to_string(&log_path).unwrap());
+            panic!(
+                "suanli dev --regions 3 exited ({st}) before it was up:\n{}",
+                std::fs::read_to_string(&log_path).unwrap()
+            );
         }
         if let Ok(fed) = std::fs::read_to_string(&fed_file) {
             let fed = fed.trim().to_owned();
@@ -78,7 +81,10 @@ async fn dev_regions_start_and_stop() {
         }
         if Instant::now() >= deadline {
             let _ = child.kill();
-            panic!("the dev regions not healthy within 150 s; last: {last}\n{}", std::fs::read_to_string(&log_path).unwrap());
+            panic!(
+                "the dev regions not healthy within 150 s; last: {last}\n{}",
+                std::fs::read_to_string(&log_path).unwrap()
+            );
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
@@ -97,7 +103,11 @@ async fn dev_regions_start_and_stop() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert!(status.success(), "suanli dev exits 0 on SIGTERM: {status}\n{}", std::fs::read_to_string(&log_path).unwrap());
+    assert!(
+        status.success(),
+        "suanli dev exits 0 on SIGTERM: {status}\n{}",
+        std::fs::read_to_string(&log_path).unwrap()
+    );
     assert!(!fed_file.exists(), "the federation file is removed with the cluster");
 }
 
@@ -240,7 +250,11 @@ async fn a_stopped_region_fences_its_job_and_another_region_resumes_it() {
     for (region, e) in &all {
         if e.is_start() {
             if let Some((ep, r)) = &live {
-                assert!(*ep == e.fed_epoch, "epoch {} started in {region} while epoch {ep} ran in {r}: {all:#?}", e.fed_epoch);
+                assert!(
+                    *ep == e.fed_epoch,
+                    "epoch {} started in {region} while epoch {ep} ran in {r}: {all:#?}",
+                    e.fed_epoch
+                );
             }
             live = Some((e.fed_epoch, region.clone()));
         } else if live.as_ref().is_some_and(|(ep, _)| *ep == e.fed_epoch) {
@@ -330,7 +344,11 @@ async fn bad_input_is_refused_with_its_reason_and_nothing_is_lost() {
     let foreign = pb::HeldJob { global_id: g.clone(), epoch, status: "running".into(), ..Default::default() };
     let r = fed.sync(as_region(&info(other), vec![foreign])).await.unwrap().into_inner();
     let refusal = r.refused.iter().find(|x| x.global_id == g).unwrap_or_else(|| panic!("{g} refused: {r:#?}"));
-    assert!(refusal.reason.contains(&g) && refusal.reason.contains(other), "names the job and region: {}", refusal.reason);
+    assert!(
+        refusal.reason.contains(&g) && refusal.reason.contains(other),
+        "names the job and region: {}",
+        refusal.reason
+    );
     assert!(r.leases.iter().all(|l| l.global_id != g), "no lease to {other}: {r:#?}");
 
     // A region server given as `--federation`: its link says what that address is.
