@@ -20,7 +20,7 @@ fn maybe_be_shim() {
     let Ok(dir) = std::env::var(AS_SHIM) else { return };
     let dir = PathBuf::from(dir);
     let journal = dir.parent().unwrap().join(JOURNAL_FILE);
-    let code = suanli_agent::shim::run(ShimArgs {
+    let _code = suanli_agent::shim::run(ShimArgs {
         dir: dir.clone(),
         max_log_bytes: 1 << 20,
         cgroup: None,
@@ -31,7 +31,6 @@ fn maybe_be_shim() {
         command: "/bin/sh".into(),
         args: vec!["-c".into(), std::env::var("SUANLI_TEST_SCRIPT").unwrap()],
     });
-    drop(code);
     std::process::exit(0);
 }
 

@@ -66,9 +66,49 @@ pub struct ServerArgs {
     /// so at every start). Only for a trusted network or a throwaway cluster.
     #[arg(long)]
     pub insecure: bool,
+    /// This region's name in the federation (`[federation] region`: 1..=64 of `[a-z0-9-]`).
+    #[arg(long, env = "SUANLI_REGION", value_name = "NAME")]
+    pub region: Option<String>,
+    /// The federation servers' addresses (`[federation] endpoints`); with `--region`.
+    #[arg(long, env = "SUANLI_FEDERATION", value_name = "ADDR[,ADDR]", value_delimiter = ',')]
+    pub federation: Vec<String>,
+    /// A region label for data-locality preferences, `KEY=VALUE` (`[federation] labels`);
+    /// repeatable.
+    #[arg(long = "region-label", value_name = "KEY=VALUE")]
+    pub region_labels: Vec<String>,
 }
 
 impl ServerArgs {
+    /// Applies `--region`, `--federation` and `--region-label` over the file's `[federation]`.
+    fn federation_flags(&self, c: &mut ServerConfig) -> Result<()> {
+        let endpoints: Vec<String> =
+            self.federation.iter().map(|e| e.trim().to_owned()).filter(|e| !e.is_empty()).collect();
+        if self.region.is_none() && endpoints.is_empty() && self.region_labels.is_empty() {
+            return Ok(());
+        }
+        let mut f = c.federation.take().unwrap_or_default();
+        if let Some(r) = &self.region {
+            f.region = r.clone();
+        }
+        if !endpoints.is_empty() {
+            f.endpoints = endpoints;
+        }
+        for l in &self.region_labels {
+            let Some((k, v)) = l.split_once('=') else {
+                anyhow::bail!("--region-label: {l:?} is not KEY=VALUE");
+            };
+            f.labels.insert(k.trim().to_owned(), v.trim().to_owned());
+        }
+        if f.region.is_empty() {
+            anyhow::bail!("--federation and --region-label need --region NAME (or [federation] region in the config)");
+        }
+        if f.endpoints.is_empty() {
+            anyhow::bail!("--region needs --federation ADDR[,ADDR] (or [federation] endpoints in the config)");
+        }
+        c.federation = Some(f);
+        Ok(())
+    }
+
     /// The layered configuration, validated.
     pub fn config(&self) -> Result<ServerConfig> {
         let mut c = match &self.config {
@@ -121,6 +161,7 @@ impl ServerArgs {
         if self.insecure {
             c.insecure = true;
         }
+        self.federation_flags(&mut c)?;
         c.validate()?;
         Ok(c)
     }

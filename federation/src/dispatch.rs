@@ -608,8 +608,9 @@ pub(crate) fn region_view(state: &FedState, region: &RegionRecord, now_ms: u64) 
             continue;
         }
         let mut demand = job.demand_milli;
-        let mut cpu = job.spec.total().cpu_milli;
-        let mut mem = job.spec.total().memory_mib;
+        let total = job.spec.total();
+        let mut cpu = total.cpu_milli;
+        let mut mem = total.memory_mib;
         for e in capacity.iter_mut() {
             // CPU and memory are taken from the first pools that have them.
             let c = cpu.min(e.free_cpu_milli);

@@ -6,7 +6,7 @@
 use crate::command::{FedCommand, FedResponse};
 use crate::dispatch::{self, Decision, Room};
 use crate::model::{
-    Assignment, FedConfig, FedJob, FedJobState, FedPlacement, GlobalId, GlobalQuota, LEASE_KILL_GRACE_MS, LeaseGrant,
+    Assignment, FedConfig, FedJob, FedJobState, FedPlacement, GlobalQuota, LEASE_KILL_GRACE_MS, LeaseGrant,
     LeaseRefusal, RegionRecord, RegionSync, SyncAnswer,
 };
 use serde::{Deserialize, Serialize};
@@ -241,8 +241,9 @@ impl FedState {
         if let Err(e) = check_text("device_model", &device_model, limits.max_name_len) {
             return e;
         }
-        let at =
-            self.quotas.binary_search_by(|q| (q.team.as_str(), q.device_model.as_str()).cmp(&(&team, &device_model)));
+        let at = self.quotas.binary_search_by(|q| {
+            (q.team.as_str(), q.device_model.as_str()).cmp(&(team.as_str(), device_model.as_str()))
+        });
         match (at, limit_milli) {
             (Ok(i), 0) => {
                 self.quotas.remove(i);

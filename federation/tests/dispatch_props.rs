@@ -145,7 +145,7 @@ proptest! {
                 && (p.regions.is_empty() || p.regions.contains(&r.name))
                 && MODELS.iter().any(|m| {
                     let entries = r.capacity.iter().filter(|e| e.device_model == *m);
-                    let (free, node) = entries.fold((0, 0), |(f, n), e| (f + e.free_milli, n.max(e.max_node_free_milli)));
+                    let (free, node) = entries.fold((0u64, 0u64), |(f, n), e| (f + e.free_milli, n.max(e.max_node_free_milli)));
                     (p.device_models.is_empty() || p.device_models.iter().any(|x| x == m))
                         && free >= p.demand_milli
                         && node >= p.max_task_milli

@@ -390,7 +390,7 @@ fn two_jobs_racing_for_one_quota_only_one_placed() {
     let decisions = dispatch(&view_of(&s, 2_001), 1);
     match &decisions[..] {
         [Decision::Hold { reason, .. }] => {
-            assert_eq!(reason, "no region has 8 free H100: us-east 24 (quota 0 left)")
+            assert_eq!(reason, "no region has 8 free gpu: us-east 24 H100 (quota 0 left)")
         }
         other => panic!("{other:?}"),
     }

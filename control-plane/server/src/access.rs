@@ -166,6 +166,9 @@ struct Target {
     node: Option<String>,
     /// The allocation it reports on.
     alloc: Option<AllocId>,
+    /// The team a global submit is charged to (`Jobs.Submit{global}`), instead of a queue of
+    /// this region; empty: the caller's team.
+    team: Option<String>,
 }
 
 /// One call as the layer saw it, until its answer is known.
@@ -210,7 +213,20 @@ impl Shared {
             remote: remote_text.clone(),
         };
         let Some(rule) = policy::rule(&path).filter(|r| served_on(r, listener)) else {
-            let s = Status::permission_denied(format!("{path}: unknown method (not in the access matrix)"));
+            let s = match policy::rule(&path) {
+                // A federation method at a region server's address: say what this address is.
+                Some(r)
+                    if matches!(r.listener, Listener::Federation | Listener::FederationPeer)
+                        && matches!(listener, Listener::Client | Listener::Peer) =>
+                {
+                    let method = path.trim_start_matches('/').replace("suanli.v1.", "");
+                    Status::permission_denied(format!(
+                        "this address is a region server; {method} is served by a federation server \
+                         (suanli federation serve)"
+                    ))
+                }
+                _ => Status::permission_denied(format!("{path}: unknown method (not in the access matrix)")),
+            };
             self.denied(&who, pending(""), &s);
             return Ok(s.into_http());
         };
@@ -350,6 +366,11 @@ impl Shared {
     ) -> Result<(), Status> {
         match decision {
             Decision::AllowIfTeam(team) => {
+                if let Some(charged) = t.team.as_ref().filter(|c| !c.is_empty() && *c != team) {
+                    return Err(Status::permission_denied(format!(
+                        "{who} may not call {method} for team {charged} (only for team {team})"
+                    )));
+                }
                 let mut queues: Vec<QueueId> = t.queues.clone();
                 if let Some(job) = t.job.and_then(|j| s.job(j)) {
                     queues.push(job.spec.queue.clone());
@@ -486,9 +507,15 @@ fn inspect(path: &str, msg: &[u8], strict: bool) -> Result<Target, Status> {
     match (service, method) {
         ("suanli.v1.Jobs", "Submit") => {
             let r = pb::SubmitJobRequest::decode(msg).map_err(bad)?;
-            let q = spec_queue("spec_json", &r.spec_json, strict)?;
-            t.text = format!("queue {q}");
-            t.queues.push(q);
+            if r.global {
+                // Charged to a team worldwide, not to a queue of this region.
+                t.text = if r.team.is_empty() { "global".into() } else { format!("global, team {}", r.team) };
+                t.team = Some(r.team);
+            } else {
+                let q = spec_queue("spec_json", &r.spec_json, strict)?;
+                t.text = format!("queue {q}");
+                t.queues.push(q);
+            }
         }
         ("suanli.v1.Jobs", "SubmitMany") => {
             let r = pb::SubmitJobsRequest::decode(msg).map_err(bad)?;

@@ -134,8 +134,17 @@ impl Agent for AgentApi {
             known: true,
             members: self.0.member_addrs(),
             cluster_id: self.cluster_id(),
-            // The federation leases of this node's federated allocations (h-region).
-            leases: Vec::new(),
+            // The federation leases of this node's federated allocations: a renewal reaches
+            // the agent here even when its allocation watch is slow.
+            leases: self.0.state.read(|s| {
+                s.allocs_on(&id)
+                    .filter(|a| a.is_live())
+                    .filter_map(|a| {
+                        let b = s.job(a.alloc.job)?.federation.as_ref()?;
+                        Some(pb::AllocLease { alloc_id: a.alloc.id.0, until_ms: b.lease_until_ms })
+                    })
+                    .collect()
+            }),
         })
     }
 

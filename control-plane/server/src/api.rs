@@ -74,6 +74,10 @@ const JOB_STATES: [&str; 8] =
 #[tonic::async_trait]
 impl Jobs for Api {
     async fn submit(&self, req: Request<pb::SubmitJobRequest>) -> Resp<pb::SubmitJobResponse> {
+        if req.get_ref().global {
+            let who = crate::access_api::caller(&req);
+            return self.submit_global(&who, req.into_inner()).await;
+        }
         let cmd = self.submit_command(req.into_inner())?;
         let (resp, index) = self.1.propose(cmd).await?;
         let answer = submitted(resp, index)?;
@@ -435,6 +439,64 @@ impl Api {
     }
 
     /// Checks one submission and turns it into its command.
+
+    /// `Jobs.Submit{global}`: forwarded to the federation on the caller's behalf (this server's
+    /// certificate; the federation trusts `on_behalf_of` only from a server).
+    async fn submit_global(
+        &self,
+        who: &suanli_security::Principal,
+        r: pb::SubmitJobRequest,
+    ) -> Resp<pb::SubmitJobResponse> {
+        let Some(link) = self.0.cfg.federation.as_ref() else {
+            return Err(Status::failed_precondition("global: this region has no [federation] configured"));
+        };
+        if r.client_request_id.is_empty() {
+            return Err(invalid("client_request_id", "must not be empty"));
+        }
+        check_value(|| "client_request_id".into(), &r.client_request_id, 128).map_err(|e| invalid_model(&e))?;
+        check_value(|| "team".into(), &r.team, 64).map_err(|e| invalid_model(&e))?;
+        let (name, role, team) = match who {
+            suanli_security::Principal::User { name, role, team, .. } => {
+                (name.clone(), role.to_string(), team.clone().unwrap_or_default())
+            }
+            other => (other.to_string(), String::new(), String::new()),
+        };
+        let fwd = pb::FedSubmitRequest {
+            spec_json: r.spec_json,
+            team: if r.team.is_empty() { team.clone() } else { r.team },
+            client_request_id: r.client_request_id,
+            on_behalf_of: name,
+            on_behalf_of_team: team,
+            on_behalf_of_role: role,
+            data_labels: Default::default(),
+        };
+        let timeout = Duration::from_millis(link.request_timeout_ms);
+        let mut last = Status::unavailable("federation.endpoints: none configured");
+        for addr in &link.endpoints {
+            let mut client = suanli_proto::v1::federation_client::FederationClient::new(self.0.channel(addr)?)
+                .max_encoding_message_size(self.0.cfg.max_request_bytes)
+                .max_decoding_message_size(self.0.cfg.max_reply_bytes());
+            let mut request = Request::new(fwd.clone());
+            request.set_timeout(timeout);
+            match tokio::time::timeout(timeout, client.submit(request)).await {
+                Ok(Ok(a)) => {
+                    let a = a.into_inner();
+                    return ok(pb::SubmitJobResponse {
+                        global_id: a.global_id,
+                        created: a.created,
+                        ..Default::default()
+                    });
+                }
+                // Another federation server may lead or answer: try it.
+                Ok(Err(e)) if matches!(e.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded) => {
+                    last = Status::unavailable(format!("federation {addr}: {}", e.message()));
+                }
+                Ok(Err(e)) => return Err(Status::new(e.code(), format!("federation {addr}: {}", e.message()))),
+                Err(_) => last = Status::deadline_exceeded(format!("federation {addr}: no answer within {timeout:?}")),
+            }
+        }
+        Err(last)
+    }
     fn submit_command(&self, r: pb::SubmitJobRequest) -> Result<Command, Status> {
         if r.client_request_id.is_empty() {
             return Err(invalid("client_request_id", "must not be empty (reuse one id when retrying a submission)"));

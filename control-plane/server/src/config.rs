@@ -494,7 +494,70 @@ impl ServerConfig {
         if self.rate_limit_per_s > 0 {
             range("rate_limit_burst", self.rate_limit_burst.into(), 1, 10_000_000)?;
         }
+        if let Some(f) = &self.federation {
+            f.validate()?;
+        }
         Ok(())
+    }
+}
+
+impl FederationLink {
+    /// The most federation endpoints.
+    pub const MAX_ENDPOINTS: usize = 16;
+    /// The most region labels.
+    pub const MAX_LABELS: usize = 64;
+
+    /// Checks the table; errors name `federation.<key>`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let r = &self.region;
+        if r.is_empty() || r.len() > 64 || !r.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            return Err(ConfigError::new(
+                "federation.region",
+                format!("{r:?} is not a region name: 1..=64 bytes of [a-z0-9-]"),
+            ));
+        }
+        if self.endpoints.is_empty() || self.endpoints.len() > Self::MAX_ENDPOINTS {
+            return Err(ConfigError::new(
+                "federation.endpoints",
+                format!(
+                    "{} endpoints; give 1..={} federation server addresses",
+                    self.endpoints.len(),
+                    Self::MAX_ENDPOINTS
+                ),
+            ));
+        }
+        for (i, e) in self.endpoints.iter().enumerate() {
+            if e.trim().is_empty() || e.len() > 256 || e.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(ConfigError::new(
+                    &format!("federation.endpoints[{i}]"),
+                    format!("{e:?} is not an address (HOST:PORT, at most 256 bytes, no spaces)"),
+                ));
+            }
+        }
+        if self.labels.len() > Self::MAX_LABELS {
+            return Err(ConfigError::new(
+                "federation.labels",
+                format!("{} labels; at most {}", self.labels.len(), Self::MAX_LABELS),
+            ));
+        }
+        for (k, v) in &self.labels {
+            if k.is_empty() || k.len() > 63 || v.len() > 256 || k.chars().chain(v.chars()).any(char::is_control) {
+                return Err(ConfigError::new(
+                    &format!("federation.labels.{k}"),
+                    "a label key is 1..=63 bytes and its value at most 256, without control characters",
+                ));
+            }
+        }
+        for m in self.prices_micros_per_device_hour.keys() {
+            if m.is_empty() || m.len() > 128 || m.chars().any(char::is_control) {
+                return Err(ConfigError::new(
+                    "federation.prices_micros_per_device_hour",
+                    format!("{m:?} is not a device model name (1..=128 bytes)"),
+                ));
+            }
+        }
+        range("federation.request_timeout_ms", self.request_timeout_ms, 100, 60_000)
     }
 }
 
@@ -511,6 +574,40 @@ mod tests {
             let c = ServerConfig { max_token_ttl_s: bad, ..ServerConfig::default() };
             assert_eq!(c.validate().expect_err("out of range").field, "max_token_ttl_s");
         }
+    }
+
+    #[test]
+    fn the_federation_table_is_checked() {
+        let ok = FederationLink {
+            region: "eu-west-1".into(),
+            endpoints: vec!["127.0.0.1:7600".into()],
+            ..FederationLink::default()
+        };
+        let with = |f: FederationLink| ServerConfig { federation: Some(f), ..insecure() };
+        with(ok.clone()).validate().expect("valid");
+        let c = ServerConfig::from_toml(
+            "insecure = true\n[federation]\nregion = \"r1\"\nendpoints = [\"a:1\"]\nlabels = { data = \"x\" }\n",
+        )
+        .expect("parses");
+        c.validate().expect("valid");
+        for (bad, field) in [
+            (FederationLink { region: "EU".into(), ..ok.clone() }, "federation.region"),
+            (FederationLink { region: String::new(), ..ok.clone() }, "federation.region"),
+            (FederationLink { region: "a".repeat(65), ..ok.clone() }, "federation.region"),
+            (FederationLink { endpoints: vec![], ..ok.clone() }, "federation.endpoints"),
+            (FederationLink { endpoints: vec!["a:1".into(); 17], ..ok.clone() }, "federation.endpoints"),
+            (FederationLink { endpoints: vec![" ".into()], ..ok.clone() }, "federation.endpoints[0]"),
+            (FederationLink { request_timeout_ms: 99, ..ok.clone() }, "federation.request_timeout_ms"),
+            (FederationLink { request_timeout_ms: 60_001, ..ok.clone() }, "federation.request_timeout_ms"),
+            (
+                FederationLink { labels: (0..65).map(|i| (format!("k{i}"), "v".into())).collect(), ..ok.clone() },
+                "federation.labels",
+            ),
+        ] {
+            assert_eq!(with(bad).validate().expect_err(field).field, field);
+        }
+        let e = ServerConfig::from_toml("[federation]\nregion = \"r\"\nzone = 1\n").expect_err("unknown key");
+        assert_eq!(e.field, "federation.zone", "{e}");
     }
 
     #[test]

@@ -19,7 +19,7 @@ use suanli_state::{ApplyPlan, Command, NodeDown, NodeStatus, Response, SetNodeMo
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-async fn until_leader(core: &Core, stop: &mut watch::Receiver<bool>) -> bool {
+pub(crate) async fn until_leader(core: &Core, stop: &mut watch::Receiver<bool>) -> bool {
     let mut m = core.raft.metrics();
     tokio::select! {
         r = m.wait_for(|m| m.state == openraft::ServerState::Leader) => r.is_ok(),
@@ -88,14 +88,29 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             continue;
         }
         let now = core.now_s();
-        let view = core.state.read(|s| s.cluster_view(now));
-        if view.pending.is_empty() {
+        let mut view = core.state.read(|s| s.cluster_view(now));
+        // A federated job whose lease is about to run out waits for its renewal.
+        let held = if core.cfg.federation.is_some() {
+            let margin = crate::federation_link::placement_margin_ms();
+            core.state.read(|s| crate::federation_link::hold_short_leases(s, &mut view, wall_ms(), margin))
+        } else {
+            Vec::new()
+        };
+        if view.pending.is_empty() && held.is_empty() {
             continue;
         }
         let seed = core.cfg.scheduler_seed ^ core.state.applied_index();
         let c = cfg.clone();
-        let plan = match tokio::task::spawn_blocking(move || schedule(&view, now, seed, &c)).await {
-            Ok(Ok(p)) => p,
+        let planned = if view.pending.is_empty() {
+            Ok(Ok(suanli_model::Plan::default()))
+        } else {
+            tokio::task::spawn_blocking(move || schedule(&view, now, seed, &c)).await
+        };
+        let plan = match planned {
+            Ok(Ok(mut p)) => {
+                p.unplaced.extend(held);
+                p
+            }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "scheduling pass failed");
                 continue;
@@ -122,6 +137,13 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             Err(e) => tracing::info!(error = %e.message(), "plan not committed (leadership change?)"),
         }
     }
+}
+
+/// This server's wall clock, ms since the Unix epoch (federation leases are in wall time).
+pub(crate) fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// The node liveness loop.
