@@ -258,6 +258,12 @@ pub struct DevArgs {
     /// Where the device plugin libraries are (default: next to this binary, as cargo builds them).
     #[arg(long)]
     pub plugin_dir: Option<PathBuf>,
+    /// Start N regions (3 servers each, one fake-GPU agent each) under a federation of 3 voters
+    /// instead of the single server (1..=8; docs/federation.md). Their state starts fresh on
+    /// every run, under `<data dir>/regions`; the federation's addresses are written to
+    /// `<data dir>/federation` (the CLI's default `--federation`).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=8))]
+    pub regions: Option<u16>,
 }
 
 /// The fake devices of the two dev nodes.
@@ -270,7 +276,7 @@ const DEV_NODES: [&str; 2] = ["dev-gpu", "dev-npu"];
 /// The dev cluster's certificates in `dir` (`suanli tls init`'s layout): made on the first run
 /// (a CA, the server's certificate for the loopback names and `listen`'s host, the admin's, and
 /// each dev node's); a later run keeps them and only issues the leaves that are missing.
-fn dev_pki(dir: &std::path::Path, listen: &str) -> Result<()> {
+fn dev_pki(dir: &std::path::Path, listen: &str, more_nodes: &[String]) -> Result<()> {
     use suanli_security::certs::{self, Leaf};
     let mut hosts: Vec<String> = certs::DEFAULT_HOSTS.iter().map(|h| (*h).to_owned()).collect();
     if let Some((host, _)) = listen.rsplit_once(':') {
@@ -288,6 +294,7 @@ fn dev_pki(dir: &std::path::Path, listen: &str) -> Result<()> {
     };
     let mut leaves = vec![Leaf::server("server", &hosts), Leaf::user(admin)];
     leaves.extend(DEV_NODES.iter().map(|n| Leaf::node(n, &hosts)));
+    leaves.extend(more_nodes.iter().map(|n| Leaf::node(n, &hosts)));
     if !dir.join("ca.pem").exists() {
         certs::init(dir, &leaves, certs::DEFAULT_VALIDITY)
             .with_context(|| format!("creating the dev certificates in {}", dir.display()))?;
@@ -311,8 +318,11 @@ fn dev_pki(dir: &std::path::Path, listen: &str) -> Result<()> {
 /// mutual TLS with the certificates in `<data dir>/tls` (made on the first run); the CLI finds
 /// them there when run from the same directory.
 pub fn dev(args: DevArgs) -> Result<()> {
+    if let Some(n) = args.regions {
+        return dev_regions(&args, usize::from(n));
+    }
     let tls_dir = args.data_dir.join("tls");
-    dev_pki(&tls_dir, &args.listen)?;
+    dev_pki(&tls_dir, &args.listen, &[])?;
     let cfg = ServerConfig {
         data_dir: args.data_dir.join("server"),
         listen: args.listen.clone(),
@@ -390,6 +400,75 @@ pub fn dev(args: DevArgs) -> Result<()> {
 /// The two dev agents' configurations; copies the plugin libraries into the dev directory
 /// (the agent refuses plugin files others can write) and writes the fake device files.
 fn dev_agents(args: &DevArgs, server: &str, tls_dir: &std::path::Path) -> Result<Vec<suanli_agent::AgentConfig>> {
+    let plugins = dev_plugins(args)?;
+    let mut out = Vec::new();
+    for (node, fake, text, cpu_milli, memory_mib) in [
+        (DEV_NODES[0], "fake-8gpu.toml", FAKE_8GPU, 32_000, 256 * 1024),
+        (DEV_NODES[1], "fake-4npu.toml", FAKE_4NPU, 16_000, 128 * 1024),
+    ] {
+        let dir = args.data_dir.join("agents").join(node);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let fake_path = dir.join(fake);
+        if !fake_path.exists() {
+            // Kept between runs, so faults written next to it by hand stay in force.
+            std::fs::write(&fake_path, text)?;
+        }
+        out.push(dev_agent_config(
+            node,
+            "default",
+            "dev",
+            &[server.to_owned()],
+            &dir,
+            &plugins,
+            fake_path,
+            (cpu_milli, memory_mib),
+            tls_dir,
+        ));
+    }
+    Ok(out)
+}
+
+/// One dev agent's configuration: node `node` in `pool` and `region`, reaching `servers`,
+/// with the fake and cpu plugins of `plugins` (the fake one reading `fake_path`), a fixed
+/// slice of this machine's CPU and memory, and its certificate in `tls_dir`.
+#[allow(clippy::too_many_arguments)]
+fn dev_agent_config(
+    node: &str,
+    pool: &str,
+    region: &str,
+    servers: &[String],
+    dir: &std::path::Path,
+    plugins: &std::path::Path,
+    fake_path: PathBuf,
+    (cpu_milli, memory_mib): (u64, u64),
+    tls_dir: &std::path::Path,
+) -> suanli_agent::AgentConfig {
+    let mut plugin_config = std::collections::BTreeMap::new();
+    plugin_config.insert(
+        "libsuanli_plugin_fake".to_owned(),
+        suanli_agent::PluginSettings { config_path: Some(fake_path), ..Default::default() },
+    );
+    suanli_agent::AgentConfig {
+        servers: servers.to_vec(),
+        node_id: node.into(),
+        pool: pool.into(),
+        region: region.into(),
+        datacenter: format!("{region}-1"),
+        data_dir: dir.to_owned(),
+        plugin_dir: plugins.to_owned(),
+        plugins: Some(vec!["libsuanli_plugin_fake".into(), "libsuanli_plugin_cpu".into()]),
+        plugin_config,
+        // Several nodes share this machine: each claims a fixed slice instead of all of it.
+        cpu_milli: Some(cpu_milli),
+        memory_mib: Some(memory_mib),
+        tls: Some(suanli_agent::AgentConfig::tls_dir_files(tls_dir, node)),
+        ..suanli_agent::AgentConfig::default()
+    }
+}
+
+/// Copies the fake and cpu plugin libraries into `<data dir>/plugins` (the agent refuses
+/// plugin files others can write); that directory.
+fn dev_plugins(args: &DevArgs) -> Result<PathBuf> {
     use std::os::unix::fs::PermissionsExt as _;
     let src = match &args.plugin_dir {
         Some(d) => d.clone(),
@@ -413,41 +492,143 @@ fn dev_agents(args: &DevArgs, server: &str, tls_dir: &std::path::Path) -> Result
         std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
         std::fs::rename(&tmp, &to)?;
     }
-    let mut out = Vec::new();
-    for (node, fake, text, cpu_milli, memory_mib) in [
-        (DEV_NODES[0], "fake-8gpu.toml", FAKE_8GPU, 32_000, 256 * 1024),
-        (DEV_NODES[1], "fake-4npu.toml", FAKE_4NPU, 16_000, 128 * 1024),
-    ] {
-        let dir = args.data_dir.join("agents").join(node);
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let fake_path = dir.join(fake);
-        if !fake_path.exists() {
-            // Kept between runs, so faults written next to it by hand stay in force.
-            std::fs::write(&fake_path, text)?;
-        }
-        let mut plugin_config = std::collections::BTreeMap::new();
-        plugin_config.insert(
-            "libsuanli_plugin_fake".to_owned(),
-            suanli_agent::PluginSettings { config_path: Some(fake_path), ..Default::default() },
-        );
-        out.push(suanli_agent::AgentConfig {
-            servers: vec![server.to_owned()],
-            node_id: node.into(),
-            pool: "default".into(),
-            region: "dev".into(),
-            datacenter: "dev-1".into(),
-            data_dir: dir,
-            plugin_dir: plugins.clone(),
-            plugins: Some(vec!["libsuanli_plugin_fake".into(), "libsuanli_plugin_cpu".into()]),
-            plugin_config,
-            // Two nodes share this machine: each claims a fixed slice instead of all of it.
-            cpu_milli: Some(cpu_milli),
-            memory_mib: Some(memory_mib),
-            tls: Some(suanli_agent::AgentConfig::tls_dir_files(tls_dir, node)),
-            ..suanli_agent::AgentConfig::default()
-        });
+    Ok(plugins)
+}
+
+/// The fake GPUs of a dev region's node: 4 of `model`.
+fn dev_region_gpus(model: &str) -> String {
+    format!("[[groups]]\ncount = 4\nkind = \"gpu\"\nmodel = \"{model}\"\nmemory_mib = 81920\nid_prefix = \"gpu\"\n")
+}
+
+/// The device model of dev region `i`'s GPUs (H100, A100-80G, H100, ...).
+fn dev_region_model(i: usize) -> &'static str {
+    if i % 2 == 1 { "A100-80G" } else { "H100" }
+}
+
+/// The file holding the dev federation's addresses (comma-separated, one line), which the CLI
+/// reads as its default `--federation`.
+pub const DEV_FEDERATION_FILE: &str = "federation";
+
+/// `suanli dev --regions N`: N regions of 3 `suanli server` processes each (`us-east`,
+/// `eu-west`, `ap-south`, then `region-4`...), under a federation of 3 voters (`suanli
+/// federation serve`), with short lease terms; one in-process fake-GPU agent per region
+/// (`<region>-gpu`, 4 fake H100 or A100-80G in pool `<region>-gpu`); every region has the
+/// `default` queue and the shared checkpoint store `<data dir>/checkpoints`. All mutual TLS
+/// with the dev certificates. The processes' data lives under `<data dir>/regions`, made fresh
+/// on every run and removed at the end; Ctrl-C (or SIGTERM) stops the agents, then the servers.
+fn dev_regions(args: &DevArgs, n: usize) -> Result<()> {
+    use suanli_server::local::{FedTerms, FederatedCluster, LocalPki, RegionSpec, region_name};
+    let names: Vec<String> = (0..n).map(region_name).collect();
+    let nodes: Vec<String> = names.iter().map(|r| format!("{r}-gpu")).collect();
+    let tls_dir = args.data_dir.join("tls");
+    dev_pki(&tls_dir, &args.listen, &nodes)?;
+    let pki = LocalPki::open(&tls_dir).with_context(|| format!("the dev certificates in {}", tls_dir.display()))?;
+    let plugins = if args.no_agents { None } else { Some(dev_plugins(args)?) };
+    let run = args.data_dir.join("regions");
+    if run.exists() {
+        std::fs::remove_dir_all(&run).with_context(|| format!("removing the previous run's {}", run.display()))?;
     }
-    Ok(out)
+    std::fs::create_dir_all(&run).with_context(|| format!("creating {}", run.display()))?;
+    let bin = std::env::current_exe().context("locating the suanli binary")?;
+    let specs: Vec<RegionSpec> = names.iter().map(|r| RegionSpec::new(r, 3)).collect();
+    init_logging("info,openraft=warn");
+    eprintln!("suanli dev: starting {n} regions of 3 servers and a federation of 3 voters (data in {})", run.display());
+    let cluster = FederatedCluster::start(&bin, &specs, 3, FedTerms::SHORT, &pki, Some(&run))
+        .context("starting the dev regions and federation")?;
+    let fed = cluster.federation_addrs().join(",");
+    let fed_file = args.data_dir.join(DEV_FEDERATION_FILE);
+    std::fs::write(&fed_file, format!("{fed}\n")).with_context(|| format!("writing {}", fed_file.display()))?;
+    let rt = runtime()?;
+    let r = rt.block_on(async {
+        let within = std::time::Duration::from_secs(60);
+        cluster.default_queues(within).await.map_err(anyhow::Error::msg)?;
+        let mut leaders = Vec::new();
+        for (name, c) in &cluster.regions {
+            let l = c.wait_leader(within).await.map_err(anyhow::Error::msg)?;
+            ensure_dev_setup(&c.addrs[l], &args.data_dir, &tls_dir)
+                .await
+                .with_context(|| format!("setting up region {name} (default queue, checkpoint store)"))?;
+            leaders.push(c.addrs[l].clone());
+        }
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let mut handles = Vec::new();
+        if let Some(plugins) = &plugins {
+            for (i, (name, c)) in cluster.regions.iter().enumerate() {
+                let node = &nodes[i];
+                let dir = run.join("agents").join(node);
+                std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+                let fake_path = dir.join("fake-gpu.toml");
+                std::fs::write(&fake_path, dev_region_gpus(dev_region_model(i)))?;
+                let cfg = dev_agent_config(
+                    node,
+                    node,
+                    name,
+                    &c.addrs,
+                    &dir,
+                    plugins,
+                    fake_path,
+                    (16_000, 64 * 1024),
+                    &tls_dir,
+                );
+                let mut rx = stop_rx.clone();
+                let stopped = async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                };
+                handles.push((node.clone(), tokio::spawn(suanli_agent::run(cfg, stopped))));
+            }
+        }
+        // One signal future for the whole run: a SIGTERM while the regions come up is not lost.
+        let stop = shutdown_signal();
+        tokio::pin!(stop);
+        let healthy = tokio::select! {
+            r = cluster.wait_healthy(within) => Some(r.map_err(anyhow::Error::msg)),
+            () = &mut stop => None,
+        };
+        if let Some(Ok(dir)) = &healthy {
+            let mut lines = vec![format!(
+                "suanli dev: {n} regions under a federation, mutual TLS with the certificates in {} (export SUANLI_TLS_DIR={} for the CLI elsewhere)",
+                tls_dir.display(),
+                abs(&tls_dir)
+            )];
+            lines.push(format!("  federation: {fed} (in {}: the CLI's default --federation)", fed_file.display()));
+            for (i, (name, c)) in cluster.regions.iter().enumerate() {
+                let agent = if plugins.is_some() {
+                    format!("agent {} with 4 fake {}", nodes[i], dev_region_model(i))
+                } else {
+                    "no agent".to_owned()
+                };
+                let pools = dir.regions.iter().find(|r| &r.name == name).map(|r| r.pools.join(",")).unwrap_or_default();
+                lines.push(format!("  {name}: servers {} ({agent}; pools {pools})", c.addrs.join(",")));
+            }
+            lines.push("Try:".into());
+            lines.push("  suanli federation regions".into());
+            lines.push(format!(
+                "  suanli job submit examples/federation/train-h100.toml --global --team default --server {}",
+                leaders[0]
+            ));
+            lines.push("  suanli federation jobs".into());
+            lines.push("Ctrl-C stops it (the regions' state is not kept).".into());
+            eprintln!("{}", lines.join("\n"));
+            stop.await;
+        }
+        let _ = stop_tx.send(true);
+        for (id, h) in handles {
+            match h.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(agent = %id, error = %format!("{e:#}"), "agent stopped with an error"),
+                Err(e) => tracing::warn!(agent = %id, error = %e, "agent task failed"),
+            }
+        }
+        match healthy {
+            // Stopped (Ctrl-C, SIGTERM) before every region was up: a clean stop all the same.
+            None => Ok(()),
+            Some(r) => r.map(|_| ()),
+        }
+    });
+    drop(cluster);
+    let _ = std::fs::remove_file(&fed_file);
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    r
 }
 
 /// The dev cluster's shared checkpoint store: `file://` and the absolute path of

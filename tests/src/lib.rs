@@ -27,6 +27,7 @@
 
 pub mod agents;
 pub mod checkpoints;
+pub mod federation;
 pub mod servers;
 
 pub use agents::*;

@@ -53,7 +53,7 @@ fn every_example_validates() {
         assert!(!c.plugins.unwrap_or_default().is_empty(), "{}: names its plugins", f.display());
         seen += 1;
     }
-    for (sub, kind) in [("jobs", "job"), ("dev", "job"), ("queues", "queue")] {
+    for (sub, kind) in [("jobs", "job"), ("dev", "job"), ("federation", "job"), ("queues", "queue")] {
         let dir = root.join(sub);
         let found = files(&dir);
         assert!(!found.is_empty(), "no examples in {}", dir.display());
@@ -86,7 +86,7 @@ fn every_example_validates() {
     for d in files(&root).into_iter().filter(|d| d.is_dir()) {
         let name = d.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
         assert!(
-            ["jobs", "dev", "queues", "nodes", "plugins", "trainer"].contains(&name.as_str()),
+            ["jobs", "dev", "federation", "queues", "nodes", "plugins", "trainer"].contains(&name.as_str()),
             "unchecked examples entry {name}"
         );
     }

@@ -27,6 +27,8 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::cluster_client::ClusterClient;
+use suanli_proto::v1::federation_client::FederationClient;
+use suanli_proto::v1::queues_client::QueuesClient;
 use suanli_security::certs::{self, Leaf};
 use suanli_security::tls::{self, Tls, TlsFiles};
 use suanli_security::{Principal, Role};
@@ -96,6 +98,24 @@ impl LocalPki {
             credential: suanli_security::principal::Credential::Certificate,
         };
         certs::init(dir, &[Leaf::server("server", &hosts), Leaf::user(admin)], VALIDITY)?;
+        Ok(LocalPki { dir: dir.to_owned(), issued: Mutex::new(BTreeMap::new()), admin_tls: OnceLock::new() })
+    }
+
+    /// The PKI already in `dir` (`suanli tls init`'s layout, e.g. `suanli dev`'s): its CA issues
+    /// the node and user certificates asked for that are not there yet. An error names the
+    /// missing file.
+    pub fn open(dir: &Path) -> std::io::Result<LocalPki> {
+        for stem in ["server", "admin"] {
+            let f = certs::paths(dir, stem);
+            for p in [&f.ca, &f.cert, &f.key] {
+                if !p.is_file() {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        format!("{}: missing (make the PKI with `suanli tls init`)", p.display()),
+                    ));
+                }
+            }
+        }
         Ok(LocalPki { dir: dir.to_owned(), issued: Mutex::new(BTreeMap::new()), admin_tls: OnceLock::new() })
     }
 
@@ -222,6 +242,8 @@ pub struct ProcessCluster {
     /// Their peer addresses (raft, `Internal`), same order; empty until its first start.
     pub peer_addrs: Vec<String>,
     procs: Vec<Option<Child>>,
+    /// The subcommand each process runs (`server`, or `federation serve`).
+    command: Vec<String>,
     extra: Vec<String>,
     env: Vec<(String, String)>,
     /// `None`: the servers run `--insecure` (it is among `extra`).
@@ -256,6 +278,7 @@ impl ProcessCluster {
             addrs: vec![String::new(); n],
             peer_addrs: vec![String::new(); n],
             procs: (0..n).map(|_| None).collect(),
+            command: vec!["server".to_owned()],
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
             env: Vec::new(),
             tls: None,
@@ -274,6 +297,50 @@ impl ProcessCluster {
         let mut c = Self::reserve_with(bin, n, extra, pki)?;
         c.start_all()?;
         Ok(c)
+    }
+
+    /// Starts `n` processes of `bin command ...` (e.g. `command` = `["federation", "serve"]`):
+    /// a subcommand that takes `suanli server`'s membership and TLS flags (`--id`,
+    /// `--data-dir`, `--listen`, `--peer-listen`, `--peers`, `--bootstrap`, `--tls-dir`) and
+    /// prints the same listening line (`suanli server listening ...` or
+    /// `suanli federation listening ...`), with `extra` flags for each and `pki`'s certificates.
+    pub fn start_command(
+        bin: &Path,
+        command: &[&str],
+        n: usize,
+        extra: &[&str],
+        pki: &LocalPki,
+    ) -> std::io::Result<ProcessCluster> {
+        Self::start_command_in(bin, command, n, extra, pki, None)
+    }
+
+    /// As [`ProcessCluster::start_command`], with the data directories and logs in a new
+    /// directory under `parent` (`None`: the system's temp dir), removed when it is dropped.
+    pub fn start_command_in(
+        bin: &Path,
+        command: &[&str],
+        n: usize,
+        extra: &[&str],
+        pki: &LocalPki,
+        parent: Option<&Path>,
+    ) -> std::io::Result<ProcessCluster> {
+        if command.is_empty() {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "command: empty (e.g. [\"server\"])"));
+        }
+        let mut c = Self::reserve_with(bin, n, extra, pki)?;
+        if let Some(parent) = parent {
+            let keep = std::env::var_os("SUANLI_KEEP_CLUSTER_DIR").is_some();
+            let prefix = format!("{}-", command.join("-"));
+            c.dir = tempfile::Builder::new().prefix(&prefix).disable_cleanup(keep).tempdir_in(parent)?;
+        }
+        c.command = command.iter().map(|s| (*s).to_owned()).collect();
+        c.start_all()?;
+        Ok(c)
+    }
+
+    /// Whether these processes are federation servers (`suanli federation serve`).
+    pub fn is_federation(&self) -> bool {
+        self.command.first().is_some_and(|c| c == "federation")
     }
 
     /// The servers' `--tls-dir` (`None`: they run `--insecure`).
@@ -470,7 +537,7 @@ impl ProcessCluster {
             .open(self.dir.path().join(format!("s{}.log", i + 1)))?;
         let (listen, peer_listen) = (or_port_zero(&self.addrs[i]), or_port_zero(&self.peer_addrs[i]));
         let mut child = Command::new(&self.bin)
-            .arg("server")
+            .args(&self.command)
             .args(["--id", &id.to_string(), "--listen", &listen, "--peer-listen", &peer_listen])
             .arg("--data-dir")
             .arg(self.dir.path().join(format!("s{}", i + 1)))
@@ -488,7 +555,7 @@ impl ProcessCluster {
             .stderr(Stdio::from(log))
             .spawn()?;
         let stdout = child.stdout.take().ok_or_else(|| std::io::Error::other("the server's stdout"))?;
-        let bound = match crate::listeners::await_line(stdout, Duration::from_secs(60)) {
+        let bound = match await_bound(stdout, Duration::from_secs(60)) {
             Ok(b) => b,
             Err(e) => {
                 let _ = child.kill();
@@ -533,9 +600,9 @@ impl ProcessCluster {
         loop {
             for i in self.alive() {
                 if let Ok(ch) = self.channel_to(&self.addrs[i])
-                    && let Ok(r) = ClusterClient::new(ch).leader(pb::LeaderRequest {}).await
+                    && let Ok(id) = self.leader_of(ch).await
                 {
-                    let id = r.into_inner().leader_id as usize;
+                    let id = id as usize;
                     if id >= 1 && self.procs.get(id - 1).is_some_and(Option::is_some) {
                         return Ok(id - 1);
                     }
@@ -545,6 +612,17 @@ impl ProcessCluster {
                 return Err(format!("no leader within {within:?}; server 1 log:\n{}", self.log(0)));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The leader id a server names (`Cluster.Leader`, or `Federation.Status` for federation
+    /// servers; 0: none known).
+    async fn leader_of(&self, ch: Channel) -> Result<u64, tonic::Status> {
+        if self.is_federation() {
+            let r = FederationClient::new(ch).status(pb::FedStatusRequest {}).await?;
+            Ok(r.into_inner().leader_id)
+        } else {
+            Ok(ClusterClient::new(ch).leader(pb::LeaderRequest {}).await?.into_inner().leader_id)
         }
     }
 
@@ -587,6 +665,48 @@ impl Drop for ProcessCluster {
     }
 }
 
+/// What starts the line `suanli federation serve` prints once it listens (the rest is as
+/// `suanli server`'s: `client=A peer=B`).
+const FEDERATION_LINE_PREFIX: &str = "suanli federation listening";
+
+/// [`crate::listeners::await_line`] for either subcommand: the addresses from the first
+/// `suanli server listening ...` or `suanli federation listening ...` line on `stdout`.
+fn await_bound(stdout: impl std::io::Read + Send + 'static, within: Duration) -> std::io::Result<crate::Bound> {
+    use std::io::BufRead as _;
+    use std::sync::mpsc::RecvTimeoutError;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        // Read to the end, so the process never blocks on a full pipe.
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Some(b) = parse_bound(&line)
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(b);
+            }
+        }
+    });
+    rx.recv_timeout(within).map_err(|e| match e {
+        RecvTimeoutError::Timeout => std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no `suanli server|federation listening ...` line on the process's stdout within {within:?}"),
+        ),
+        RecvTimeoutError::Disconnected => {
+            std::io::Error::other("the process closed its stdout (it exited) before it listened")
+        }
+    })
+}
+
+/// A `suanli server listening ...` or `suanli federation listening ...` line's addresses.
+fn parse_bound(line: &str) -> Option<crate::Bound> {
+    let t = line.trim();
+    match t.strip_prefix(FEDERATION_LINE_PREFIX) {
+        Some(rest) => crate::Bound::parse_line(&format!("suanli server listening{rest}")),
+        None => crate::Bound::parse_line(t),
+    }
+}
+
 /// `addr`, or a loopback address with port 0 while it is not known.
 fn or_port_zero(addr: &str) -> String {
     if addr.is_empty() { "127.0.0.1:0".to_owned() } else { addr.to_owned() }
@@ -622,5 +742,216 @@ mod tests {
         assert_eq!((p.role(), p.team()), (Some(Role::Member), Some("nlp")));
         // A second PKI in the same directory is refused (an existing CA is never overwritten).
         assert!(LocalPki::create(pki.dir()).is_err());
+    }
+}
+
+/// The lease terms of a local federation (`suanli federation serve`'s flags of the same names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FedTerms {
+    /// `--lease-ms`.
+    pub lease_ms: u64,
+    /// `--sync-interval-ms`.
+    pub sync_interval_ms: u64,
+    /// `--max-clock-drift-ms`.
+    pub max_clock_drift_ms: u64,
+    /// `--redispatch-margin-ms`.
+    pub redispatch_margin_ms: u64,
+    /// `--region-unhealthy-after-ms`.
+    pub region_unhealthy_after_ms: u64,
+}
+
+impl FedTerms {
+    /// Short terms for tests and the dev cluster: a 6 s lease synced every second, 200 ms of
+    /// clock drift, a 1 s re-dispatch margin, a region unhealthy after 3 s without a sync.
+    pub const SHORT: FedTerms = FedTerms {
+        lease_ms: 6_000,
+        sync_interval_ms: 1_000,
+        max_clock_drift_ms: 200,
+        redispatch_margin_ms: 1_000,
+        region_unhealthy_after_ms: 3_000,
+    };
+
+    /// The flags that set them.
+    pub fn flags(&self) -> Vec<String> {
+        [
+            ("--lease-ms", self.lease_ms),
+            ("--sync-interval-ms", self.sync_interval_ms),
+            ("--max-clock-drift-ms", self.max_clock_drift_ms),
+            ("--redispatch-margin-ms", self.redispatch_margin_ms),
+            ("--region-unhealthy-after-ms", self.region_unhealthy_after_ms),
+        ]
+        .into_iter()
+        .flat_map(|(f, v)| [f.to_owned(), v.to_string()])
+        .collect()
+    }
+}
+
+/// One region of a [`FederatedCluster`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionSpec {
+    /// Its name (`--region`), e.g. `us-east`.
+    pub name: String,
+    /// How many servers its raft group has.
+    pub servers: usize,
+    /// Its labels (`--region-label k=v`).
+    pub labels: Vec<(String, String)>,
+    /// More flags for each of its servers (e.g. `--config FILE`).
+    pub extra: Vec<String>,
+}
+
+impl RegionSpec {
+    /// Region `name` of `servers` servers, no labels, no other flags.
+    pub fn new(name: &str, servers: usize) -> RegionSpec {
+        RegionSpec { name: name.to_owned(), servers, labels: Vec::new(), extra: Vec::new() }
+    }
+}
+
+/// The names of the regions of [`FederatedCluster`]s, in order (a fourth and later region is
+/// `region-4`, ...).
+pub const REGION_NAMES: [&str; 3] = ["us-east", "eu-west", "ap-south"];
+
+/// The name of region `i` (0-based) of a local federation.
+pub fn region_name(i: usize) -> String {
+    REGION_NAMES.get(i).map_or_else(|| format!("region-{}", i + 1), |n| (*n).to_owned())
+}
+
+/// Several regions and their federation, all real processes on loopback with one PKI: the
+/// federation's voters (`suanli federation serve`, one "in" each region) start first, then each
+/// region's servers (`suanli server --region NAME --federation A,B,C`). What `suanli dev
+/// --regions N` and the federation suites run; agents are the caller's.
+///
+/// ```text
+///   federation: ProcessCluster(federation serve) ×voters ◀──Sync── region leaders
+///   regions:    [ProcessCluster(server --region us-east --federation ...), eu-west, ap-south, ...]
+/// ```
+pub struct FederatedCluster {
+    /// The federation's voters.
+    pub federation: ProcessCluster,
+    /// The regions, in the order given, by name.
+    pub regions: Vec<(String, ProcessCluster)>,
+    /// The terms the federation runs with.
+    pub terms: FedTerms,
+}
+
+impl FederatedCluster {
+    /// Starts `voters` federation servers with `terms`, then every region of `regions`, all
+    /// with `pki`'s certificates; data directories under `parent` (`None`: temp dirs). Returns
+    /// once every process listens (not yet once regions have synced: see
+    /// [`FederatedCluster::wait_healthy`]).
+    pub fn start(
+        bin: &Path,
+        regions: &[RegionSpec],
+        voters: usize,
+        terms: FedTerms,
+        pki: &LocalPki,
+        parent: Option<&Path>,
+    ) -> std::io::Result<FederatedCluster> {
+        let flags = terms.flags();
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let federation = ProcessCluster::start_command_in(bin, &["federation", "serve"], voters, &flags, pki, parent)?;
+        let fed = federation.addrs.join(",");
+        let mut out = Vec::new();
+        for r in regions {
+            let mut extra = vec!["--region".to_owned(), r.name.clone(), "--federation".to_owned(), fed.clone()];
+            for (k, v) in &r.labels {
+                extra.extend(["--region-label".to_owned(), format!("{k}={v}")]);
+            }
+            extra.extend(r.extra.iter().cloned());
+            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+            let c = ProcessCluster::start_command_in(bin, &["server"], r.servers, &extra, pki, parent)?;
+            out.push((r.name.clone(), c));
+        }
+        Ok(FederatedCluster { federation, regions: out, terms })
+    }
+
+    /// The federation servers' client addresses.
+    pub fn federation_addrs(&self) -> Vec<String> {
+        self.federation.addrs.clone()
+    }
+
+    /// Region `name`'s servers; `None` when there is no such region.
+    pub fn region(&self, name: &str) -> Option<&ProcessCluster> {
+        self.regions.iter().find(|(n, _)| n == name).map(|(_, c)| c)
+    }
+
+    /// Region `name`'s servers, mutably.
+    pub fn region_mut(&mut self, name: &str) -> Option<&mut ProcessCluster> {
+        self.regions.iter_mut().find(|(n, _)| n == name).map(|(_, c)| c)
+    }
+
+    /// The region directory from a running federation server (`Federation.Regions`).
+    pub async fn regions_info(&self) -> Result<pb::FedRegionsResponse, String> {
+        let mut last = String::from("no federation server runs");
+        for addr in self.federation.alive_addrs() {
+            let ch = match self.federation.channel_to(&addr) {
+                Ok(ch) => ch,
+                Err(e) => {
+                    last = format!("{addr}: {e}");
+                    continue;
+                }
+            };
+            match FederationClient::new(ch).regions(pb::FedRegionsRequest {}).await {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(e) => last = format!("{addr}: {e}"),
+            }
+        }
+        Err(last)
+    }
+
+    /// Waits until the federation has a leader and every region shows healthy in
+    /// `Federation.Regions`; the directory then. The error names the regions still missing
+    /// or unhealthy, and the last answer.
+    pub async fn wait_healthy(&self, within: Duration) -> Result<pb::FedRegionsResponse, String> {
+        let deadline = Instant::now() + within;
+        self.federation.wait_leader(within).await?;
+        loop {
+            let last = self.regions_info().await;
+            if let Ok(r) = &last {
+                let missing: Vec<&str> = self
+                    .regions
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .filter(|n| !r.regions.iter().any(|x| x.name == *n && x.healthy))
+                    .collect();
+                if missing.is_empty() {
+                    return last;
+                }
+                if Instant::now() >= deadline {
+                    return Err(format!("regions {missing:?} not healthy within {within:?}; directory: {r:?}"));
+                }
+            } else if Instant::now() >= deadline {
+                return Err(format!("the federation's regions not readable within {within:?}: {last:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits for every region's leader, then makes (or replaces) its queue `default` with no
+    /// quota limit and team `default`: a federated job lands in the queue its spec names.
+    pub async fn default_queues(&self, within: Duration) -> Result<(), String> {
+        let q = serde_json::json!({"id": "default", "team": "default",
+            "nominal": {"cpu_milli": u64::MAX, "memory_mib": u64::MAX, "gpu_milli": u64::MAX, "npu_milli": u64::MAX}});
+        for (name, c) in &self.regions {
+            let deadline = Instant::now() + within;
+            loop {
+                let leader = c.wait_leader(within).await.map_err(|e| format!("region {name}: {e}"))?;
+                let r = match c.channel_to(&c.addrs[leader]) {
+                    Ok(ch) => QueuesClient::new(ch)
+                        .upsert(pb::UpsertQueueRequest { queue_json: q.to_string() })
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                match r {
+                    Ok(()) => break,
+                    Err(e) if Instant::now() >= deadline => {
+                        return Err(format!("region {name}: creating queue default: {e}"));
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+        }
+        Ok(())
     }
 }
