@@ -489,13 +489,12 @@ impl World {
     /// Waits until regions `rs` show healthy.
     pub async fn wait_regions_healthy(&mut self, rs: &[usize], within: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + within;
-        let mut last = String::new();
         loop {
-            match self.healthy_regions().await {
+            let last = match self.healthy_regions().await {
                 Ok(h) if rs.iter().all(|r| h.contains(REGIONS[*r])) => return Ok(()),
-                Ok(h) => last = format!("healthy: {h:?}"),
-                Err(e) => last = e.to_string(),
-            }
+                Ok(h) => format!("healthy: {h:?}"),
+                Err(e) => e.to_string(),
+            };
             if Instant::now() > deadline {
                 bail!(
                     "regions {:?} not all healthy within {within:?} ({last}); logs in {}",
@@ -854,7 +853,7 @@ async fn region_partition(w: &mut World, seed: u64) -> anyhow::Result<FedOutcome
     let rejoined = w.wait_regions_healthy(&[a], Duration::from_secs(30)).await;
     let recovery_ms = rejoined.as_ref().ok().map(|()| healed.elapsed().as_millis() as u64);
     // A few syncs for A's link to hear the refusals and release.
-    let mut released = Vec::new();
+    let mut released;
     let rel_deadline = Instant::now() + Duration::from_millis(10 * t.sync_interval_ms + 5_000);
     loop {
         let jobs = region_jobs(w, a).await.unwrap_or_default();

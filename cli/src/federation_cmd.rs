@@ -8,9 +8,9 @@
 //!      │ suanli_client::Connection (leader following)  ──▶  tables or --output json
 //! ```
 
+use crate::client::Output;
 use crate::client::creds::CredArgs;
 use crate::client::render::{fields, milli, print_json, table};
-use crate::client::Output;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use std::collections::BTreeMap;
@@ -286,7 +286,8 @@ fn devices_milli(s: &str) -> Result<u64> {
         bail!("DEVICES: {s:?} is not a number of devices with at most 3 decimals (e.g. 8, 0.5)");
     }
     let w: u64 = if whole.is_empty() { 0 } else { whole.parse().with_context(|| format!("DEVICES: {s:?}"))? };
-    let f: u64 = if frac.is_empty() { 0 } else { format!("{frac:0<3}").parse().with_context(|| format!("DEVICES: {s:?}"))? };
+    let f: u64 =
+        if frac.is_empty() { 0 } else { format!("{frac:0<3}").parse().with_context(|| format!("DEVICES: {s:?}"))? };
     w.checked_mul(1000).and_then(|m| m.checked_add(f)).with_context(|| format!("DEVICES: {s:?} is too large"))
 }
 
@@ -370,7 +371,9 @@ async fn client(args: FederationArgs) -> Result<()> {
                 .map(|g| {
                     let mut by_model: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
                     for c in &g.capacity {
-                        let e = by_model.entry(if c.device_model.is_empty() { "cpu" } else { &c.device_model }).or_default();
+                        let e = by_model
+                            .entry(if c.device_model.is_empty() { "cpu" } else { &c.device_model })
+                            .or_default();
                         e.0 += c.free_milli;
                         e.1 += c.total_milli;
                     }
@@ -390,7 +393,10 @@ async fn client(args: FederationArgs) -> Result<()> {
                     ]
                 })
                 .collect();
-            println!("{}", table(&["REGION", "HEALTH", "LAST SYNC", "FREE/TOTAL", "BACKLOG", "FED JOBS", "POOLS"], &rows));
+            println!(
+                "{}",
+                table(&["REGION", "HEALTH", "LAST SYNC", "FREE/TOTAL", "BACKLOG", "FED JOBS", "POOLS"], &rows)
+            );
             if !r.quotas.is_empty() {
                 println!();
                 print_quotas(&r.quotas);
@@ -464,9 +470,7 @@ async fn client(args: FederationArgs) -> Result<()> {
                 data_labels,
                 ..Default::default()
             };
-            let r = conn
-                .fed_submit(req, |e, d| eprintln!("retrying in {} ms: {e}", d.as_millis()))
-                .await?;
+            let r = conn.fed_submit(req, |e, d| eprintln!("retrying in {} ms: {e}", d.as_millis())).await?;
             if out == Output::Json {
                 return print_json(&r);
             }

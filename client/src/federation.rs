@@ -87,7 +87,12 @@ impl Connection {
     }
 
     /// `Federation.Jobs`, every page (up to `cap` jobs).
-    pub async fn fed_jobs(&self, state: &str, region: &str, cap: Option<u32>) -> Result<Vec<pb::FedJobInfo>, ClientError> {
+    pub async fn fed_jobs(
+        &self,
+        state: &str,
+        region: &str,
+        cap: Option<u32>,
+    ) -> Result<Vec<pb::FedJobInfo>, ClientError> {
         let (state, region) = (state.to_owned(), region.to_owned());
         // Pages by job number (`g-<n>`: n), so tokens compare as numbers.
         self.pages(cap, move |ch, after: u64, limit| {
@@ -122,8 +127,7 @@ impl Connection {
 
     /// `Federation.SetQuota` (0 removes it).
     pub async fn fed_set_quota(&self, team: &str, device_model: &str, limit_milli: u64) -> Result<(), ClientError> {
-        let req =
-            pb::FedSetQuotaRequest { team: team.to_owned(), device_model: device_model.to_owned(), limit_milli };
+        let req = pb::FedSetQuotaRequest { team: team.to_owned(), device_model: device_model.to_owned(), limit_milli };
         self.call(move |ch| {
             let req = req.clone();
             let mut c = self.federation(ch);

@@ -167,7 +167,9 @@ impl Node {
         }
         let r = tokio::time::timeout(self.timeout(), self.raft.client_write(enc)).await;
         match r {
-            Err(_) => Err(Forward::Failed(Status::deadline_exceeded("the write did not commit within the request timeout"))),
+            Err(_) => {
+                Err(Forward::Failed(Status::deadline_exceeded("the write did not commit within the request timeout")))
+            }
             Ok(Ok(w)) => {
                 if matches!(cmd, FedCommand::Submit { .. } | FedCommand::Sync { .. } | FedCommand::Expire { .. }) {
                     self.kick.notify_one();

@@ -282,7 +282,8 @@ pub async fn serve(
 ) -> Result<(), String> {
     cfg.validate()?;
     let client = TcpListener::bind(&cfg.listen).await.map_err(|e| format!("listen {}: {e}", cfg.listen))?;
-    let peer = TcpListener::bind(&cfg.peer_listen).await.map_err(|e| format!("peer_listen {}: {e}", cfg.peer_listen))?;
+    let peer =
+        TcpListener::bind(&cfg.peer_listen).await.map_err(|e| format!("peer_listen {}: {e}", cfg.peer_listen))?;
     serve_on(client, peer, cfg, shutdown).await
 }
 
@@ -305,7 +306,8 @@ pub async fn serve_on(
     std::fs::create_dir_all(&cfg.data_dir).map_err(|e| format!("data_dir {}: {e}", cfg.data_dir.display()))?;
     let tls = match &cfg.tls_dir {
         Some(dir) => Some(
-            Tls::load(suanli_security::certs::paths(dir, "server")).map_err(|e| format!("tls_dir {}: {e}", dir.display()))?,
+            Tls::load(suanli_security::certs::paths(dir, "server"))
+                .map_err(|e| format!("tls_dir {}: {e}", dir.display()))?,
         ),
         None => {
             tracing::warn!("--insecure: plaintext, no identities: anyone who reaches a port is admin");

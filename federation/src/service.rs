@@ -223,7 +223,10 @@ pub fn sync_from_pb(r: &pb::RegionSyncRequest, cfg: &model::FedConfig) -> Result
         check_len(&format!("capacity[{i}].pool"), &c.pool, MAX_NAME)?;
         check_len(&format!("capacity[{i}].device_model"), &c.device_model, MAX_NAME)?;
         if !matches!(c.device_kind.as_str(), "" | "gpu" | "npu") {
-            return Err(invalid(&format!("capacity[{i}].device_kind"), format!("{:?}: one of gpu, npu, or empty", c.device_kind)));
+            return Err(invalid(
+                &format!("capacity[{i}].device_kind"),
+                format!("{:?}: one of gpu, npu, or empty", c.device_kind),
+            ));
         }
         if c.free_milli > c.total_milli {
             return Err(invalid(
@@ -572,7 +575,10 @@ impl Federation for FedApi {
             .ok_or_else(|| Status::not_found(format!("global_id: job {id} not found")))
     }
 
-    async fn set_quota(&self, req: Request<pb::FedSetQuotaRequest>) -> Result<Response<pb::FedSetQuotaResponse>, Status> {
+    async fn set_quota(
+        &self,
+        req: Request<pb::FedSetQuotaRequest>,
+    ) -> Result<Response<pb::FedSetQuotaResponse>, Status> {
         let c = caller(&req);
         let r = req.into_inner();
         if !valid_name(&r.team) {
