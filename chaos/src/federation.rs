@@ -1107,13 +1107,13 @@ async fn leader_kill(w: &mut World, seed: u64, duration_ms: u64) -> anyhow::Resu
     loop {
         stuck.clear();
         let now_s = crate::history::now_ms() / 1000;
-        for r in 0..w.regions.len() {
+        for (r, name) in REGIONS.iter().enumerate().take(w.regions.len()) {
             let rj = region_jobs(w, r).await.unwrap_or_default();
             for (_, id, _) in during.iter().filter(|(x, _, _)| *x == r) {
                 match rj.iter().find(|j| j.id == *id) {
                     Some(j) if checker::settled(j, now_s) => {}
-                    Some(j) => stuck.push(format!("{} job {id} {} ({})", REGIONS[r], j.state, j.reason)),
-                    None => stuck.push(format!("{} job {id} missing", REGIONS[r])),
+                    Some(j) => stuck.push(format!("{name} job {id} {} ({})", j.state, j.reason)),
+                    None => stuck.push(format!("{name} job {id} missing")),
                 }
             }
         }

@@ -458,7 +458,7 @@ pub(crate) fn check_fit(
 
 /// Milli-devices as devices ("12", "0.5").
 fn devices(milli: u64) -> String {
-    if milli % 1000 == 0 {
+    if milli.is_multiple_of(1000) {
         format!("{}", milli / 1000)
     } else {
         let s = format!("{}.{:03}", milli / 1000, milli % 1000);

@@ -11,19 +11,20 @@ use suanli_federation::dispatch::{
 
 const MODELS: [&str; 2] = ["H100", "A100"];
 
-fn region() -> impl Strategy<Value = (bool, Vec<(usize, u64, u64, u64)>, u32)> {
+/// A region drawn: healthy, capacity entries (model, free, per-node slack, price), backlog.
+type RegionDraw = (bool, Vec<(usize, u64, u64, u64)>, u32);
+/// A job drawn: devices per task, tasks, cpu, model, allowed region, priority, label.
+type JobDraw = (u64, u64, u64, Option<usize>, Option<usize>, i32, u8);
+
+fn region() -> impl Strategy<Value = RegionDraw> {
     (any::<bool>(), prop::collection::vec((0..2usize, 0..40u64, 0..10u64, 1..5u64), 0..3), 0..5u32)
 }
 
-fn job() -> impl Strategy<Value = (u64, u64, u64, Option<usize>, Option<usize>, i32, u8)> {
+fn job() -> impl Strategy<Value = JobDraw> {
     (1..5u64, 1..3u64, 0..3u64, prop::option::of(0..2usize), prop::option::of(0..4usize), -2..3i32, 0..2u8)
 }
 
-fn build(
-    regions: Vec<(bool, Vec<(usize, u64, u64, u64)>, u32)>,
-    jobs: Vec<(u64, u64, u64, Option<usize>, Option<usize>, i32, u8)>,
-    quota: Option<u64>,
-) -> DispatchView {
+fn build(regions: Vec<RegionDraw>, jobs: Vec<JobDraw>, quota: Option<u64>) -> DispatchView {
     let mut view = DispatchView { now_ms: 1, ..DispatchView::default() };
     for (i, (healthy, caps, backlog)) in regions.into_iter().enumerate() {
         let capacity = caps

@@ -122,7 +122,10 @@ fn rejected(s: &mut FedState, cmd: FedCommand) -> (String, String) {
     }
 }
 
-fn run_dispatch(s: &mut FedState, now: u64) -> (Vec<(String, String)>, Vec<(String, String)>) {
+/// Jobs with their region (placed) or with why (refused).
+type Outcome = (Vec<(String, String)>, Vec<(String, String)>);
+
+fn run_dispatch(s: &mut FedState, now: u64) -> Outcome {
     let decisions = dispatch(&view_of(s, now), 7);
     match apply_ok(s, FedCommand::Dispatch { decisions, now_ms: now }) {
         FedResponse::Dispatched { placed, refused } => (placed, refused),

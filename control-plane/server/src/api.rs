@@ -438,8 +438,6 @@ impl Api {
         self.0.raft.metrics().borrow().membership_config.membership().voter_ids().collect()
     }
 
-    /// Checks one submission and turns it into its command.
-
     /// `Jobs.Submit{global}`: forwarded to the federation on the caller's behalf (this server's
     /// certificate; the federation trusts `on_behalf_of` only from a server).
     async fn submit_global(
@@ -497,6 +495,7 @@ impl Api {
         }
         Err(last)
     }
+    /// Checks one submission and turns it into its command.
     fn submit_command(&self, r: pb::SubmitJobRequest) -> Result<Command, Status> {
         if r.client_request_id.is_empty() {
             return Err(invalid("client_request_id", "must not be empty (reuse one id when retrying a submission)"));
