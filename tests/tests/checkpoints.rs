@@ -279,7 +279,9 @@ async fn hardware_bound_checkpoints_restore_only_on_the_same_model() {
         Ok(_) => {
             let w = c
                 .wait_job(bound, Duration::from_secs(30), "the hardware-bound trainer waits", |j| {
-                    j.state == "pending" && !j.reason.is_empty()
+                    // "moving: migrated" is the reason between the stop and the next pass that
+                    // finds no node; the scheduler's reason replaces it.
+                    j.state == "pending" && !j.reason.is_empty() && !j.reason.starts_with("moving")
                 })
                 .await;
             eprintln!("hardware-bound trainer waits: {}", w.reason);
