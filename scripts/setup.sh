@@ -27,6 +27,20 @@ if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] && [ ! -e /usr/l
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends faketime >/dev/null
 fi
+# Debian's prometheus (prometheus, promtool: tests/tests/metrics.rs scrapes a running cluster
+# and checks deploy/prometheus/ with promtool) and chromium-headless-shell (headless Chromium,
+# from Debian's chromium source package: tests/tests/dashboard.rs loads the dashboard). Without
+# them those tests fail (they never skip).
+missing=()
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v chromium-headless-shell >/dev/null 2>&1 || missing+=(chromium-headless-shell)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]} (Debian packages, for the metrics and dashboard tests)"
+  SUDO=""
+  if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
 for c in rustfmt clippy; do
   if ! rustup component list --installed 2>/dev/null | grep -q "^$c"; then
     rustup component add "$c" >/dev/null 2>&1 || true

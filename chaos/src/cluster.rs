@@ -400,6 +400,8 @@ impl Cluster {
             listen: or_zero(&self.servers[i].addr),
             peer_listen: Some(or_zero(&self.servers[i].peer_addr)),
             peer_advertise: Some(self.servers[i].peer_name.clone()),
+            // Not the default (listen's port + 2, which another process may hold here).
+            http_listen: Some("127.0.0.1:0".into()),
             heartbeat_interval_ms: (self.shape.heartbeat_ttl_ms / 10).max(50),
             heartbeat_ttl_ms: self.shape.heartbeat_ttl_ms,
             request_timeout_ms: 3_000,

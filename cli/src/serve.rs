@@ -29,6 +29,10 @@ pub struct ServerArgs {
     /// Address the other servers reach the peer listener at (default: --peer-listen).
     #[arg(long, env = "SUANLI_PEER_ADVERTISE")]
     pub peer_advertise: Option<String>,
+    /// The HTTP listener (IP:PORT): /metrics and the dashboard (default: --listen's port + 2;
+    /// "off": none).
+    #[arg(long, env = "SUANLI_HTTP_LISTEN")]
+    pub http_listen: Option<String>,
     /// Where the raft log, snapshots and state live.
     #[arg(long, env = "SUANLI_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
@@ -129,6 +133,9 @@ impl ServerArgs {
         }
         if let Some(v) = &self.peer_advertise {
             c.peer_advertise = Some(v.clone());
+        }
+        if let Some(v) = &self.http_listen {
+            c.http_listen = Some(v.clone());
         }
         if let Some(v) = &self.data_dir {
             c.data_dir = v.clone();

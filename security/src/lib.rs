@@ -13,6 +13,7 @@
 //! client, so no process-wide default provider is assumed.
 
 pub mod certs;
+pub mod http;
 pub mod policy;
 pub mod principal;
 pub mod tls;

@@ -99,6 +99,9 @@ pub enum ClientAuth {
     /// A client may present one; without it, it is anonymous unless it sends a token (the
     /// client listener).
     Optional,
+    /// As `Optional`, with ALPN `h2` and `http/1.1`: the HTTP listener (`/metrics`, the
+    /// dashboard), which browsers and Prometheus reach over either.
+    OptionalHttp,
 }
 
 /// Reloadable TLS material: cheap to clone (shared).
@@ -124,6 +127,7 @@ struct Material {
     stamps: [Stamp; 3],
     server_required: Arc<ServerConfig>,
     server_optional: Arc<ServerConfig>,
+    server_http: Arc<ServerConfig>,
     client: Arc<ClientConfig>,
     identity: Option<Principal>,
 }
@@ -192,7 +196,7 @@ impl Material {
             let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone());
             let verifier = match auth {
                 ClientAuth::Required => verifier,
-                ClientAuth::Optional => verifier.allow_unauthenticated(),
+                ClientAuth::Optional | ClientAuth::OptionalHttp => verifier.allow_unauthenticated(),
             }
             .build()
             .map_err(|e| invalid(format!("no client verifier from it: {e}")))?;
@@ -215,6 +219,7 @@ impl Material {
             stamps,
             server_required: server(ClientAuth::Required)?,
             server_optional: server(ClientAuth::Optional)?,
+            server_http: http_config(&server(ClientAuth::Optional)?),
             client: Arc::new(client),
             identity: None,
         })
@@ -264,7 +269,7 @@ impl Material {
             let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone());
             let verifier = match auth {
                 ClientAuth::Required => verifier,
-                ClientAuth::Optional => verifier.allow_unauthenticated(),
+                ClientAuth::Optional | ClientAuth::OptionalHttp => verifier.allow_unauthenticated(),
             }
             .build()
             .map_err(|e| invalid("ca", &files.ca, format!("no client verifier from it: {e}")))?;
@@ -286,7 +291,8 @@ impl Material {
             .with_client_auth_cert(chain, key)
             .map_err(|e| invalid("cert", &files.cert, e.to_string()))?;
         client.alpn_protocols = vec![ALPN_H2.to_vec()];
-        Ok(Material { digest, stamps, server_required, server_optional, client: Arc::new(client), identity })
+        let server_http = http_config(&server_optional);
+        Ok(Material { digest, stamps, server_required, server_optional, server_http, client: Arc::new(client), identity })
     }
 }
 
@@ -395,6 +401,7 @@ impl Tls {
         match auth {
             ClientAuth::Required => m.server_required.clone(),
             ClientAuth::Optional => m.server_optional.clone(),
+            ClientAuth::OptionalHttp => m.server_http.clone(),
         }
     }
 
@@ -418,6 +425,13 @@ fn stamps(files: &TlsFiles) -> [Stamp; 3] {
     use std::os::unix::fs::MetadataExt;
     let one = |p: &Path| std::fs::metadata(p).ok().and_then(|m| Some((m.modified().ok()?, m.len(), m.ino())));
     [one(&files.ca), one(&files.cert), one(&files.key)]
+}
+
+/// `optional` (a client certificate may be given) with ALPN `h2` and `http/1.1`.
+fn http_config(optional: &Arc<ServerConfig>) -> Arc<ServerConfig> {
+    let mut cfg = ServerConfig::clone(optional);
+    cfg.alpn_protocols = vec![ALPN_H2.to_vec(), b"http/1.1".to_vec()];
+    Arc::new(cfg)
 }
 
 /// What a server learns about a TLS connection's peer: in each request's extensions (tonic's

@@ -103,6 +103,13 @@ impl Access {
     pub fn layer(&self, listener: Listener) -> AccessLayer {
         AccessLayer { shared: self.shared.clone(), listener }
     }
+
+    /// Who sent a request with these headers over this connection, by the same rules as the
+    /// gRPC listeners (a bearer token, else the certificate, else anonymous; `Insecure` on an
+    /// insecure server): what the HTTP listener (`/metrics`, the dashboard) authorizes by.
+    pub fn principal(&self, headers: &http::HeaderMap, peer: Option<&PeerInfo>) -> Result<Principal, Status> {
+        self.shared.principal(headers, peer)
+    }
 }
 
 /// The tower layer (`Server::builder().layer(...)`).

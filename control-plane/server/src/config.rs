@@ -96,6 +96,10 @@ pub struct ServerConfig {
     pub peer_listen: Option<String>,
     /// Address other servers use to reach this one's peer listener (default: `peer_listen`).
     pub peer_advertise: Option<String>,
+    /// The HTTP listener (`/metrics`, the dashboard; docs/metrics.md, docs/dashboard.md):
+    /// TLS with the server's certificate unless `insecure`. Default: `listen`'s address with
+    /// the port + 2; `"off"` serves none.
+    pub http_listen: Option<String>,
     /// Initial voters of a fresh cluster (this server among them). With `bootstrap`, the
     /// smallest id initializes the cluster on first start; later starts ignore this list
     /// (membership lives in raft). Empty, with `bootstrap`: a single-server cluster.
@@ -233,6 +237,7 @@ impl Default for ServerConfig {
             listen: "127.0.0.1:7400".into(),
             advertise: None,
             peer_listen: None,
+            http_listen: None,
             peer_advertise: None,
             peers: Vec::new(),
             bootstrap: false,
@@ -342,6 +347,15 @@ impl ServerConfig {
         self.peer_listen.clone().or_else(|| next_port(&self.listen)).unwrap_or_default()
     }
 
+    /// The HTTP listener's address (given, or `listen` with the port + 2); `None` for `"off"`.
+    pub fn http_listen_addr(&self) -> Option<String> {
+        match self.http_listen.as_deref() {
+            Some("off") => None,
+            Some(a) => Some(a.to_owned()),
+            None => next_port(&self.listen).and_then(|p| next_port(&p)).or_else(|| Some(String::new())),
+        }
+    }
+
     /// The address other servers reach this server's peer listener at.
     pub fn peer_advertised(&self) -> String {
         self.peer_advertise.clone().unwrap_or_else(|| self.peer_listen_addr())
@@ -355,6 +369,7 @@ impl ServerConfig {
     pub fn bound_to(mut self, bound: &crate::Bound) -> ServerConfig {
         self.listen = bound.client.to_string();
         self.peer_listen = Some(bound.peer.to_string());
+        self.http_listen = Some(bound.http.map_or_else(|| "off".to_owned(), |a| a.to_string()));
         let (addr, peer) = (self.advertised().to_owned(), self.peer_advertised());
         for p in self.peers.iter_mut().filter(|p| p.id == self.id) {
             let peer_zero = p.peer().is_ok_and(|a| port_is_zero(&a));
@@ -422,6 +437,20 @@ impl ServerConfig {
                 "peer_listen",
                 format!("{peer:?} is the client listener's address; give the peer listener its own port"),
             ));
+        }
+        if let Some(http) = self.http_listen_addr() {
+            if http.parse::<std::net::SocketAddr>().is_err() {
+                return Err(ConfigError::new(
+                    "http_listen",
+                    format!("{http:?} is not an IP:PORT address (or \"off\" for no HTTP listener)"),
+                ));
+            }
+            if (http == self.listen || http == peer) && !http.ends_with(":0") {
+                return Err(ConfigError::new(
+                    "http_listen",
+                    format!("{http:?} is the client or peer listener's address; give the HTTP listener its own port"),
+                ));
+            }
         }
         if self.data_dir.as_os_str().is_empty() {
             return Err(ConfigError::new("data_dir", "must not be empty"));
@@ -689,7 +718,7 @@ mod tests {
 
     #[test]
     fn port_zero_becomes_the_bound_addresses() {
-        let bound = crate::Bound { client: ([127, 0, 0, 1], 4100).into(), peer: ([127, 0, 0, 1], 4200).into() };
+        let bound = crate::Bound { client: ([127, 0, 0, 1], 4100).into(), peer: ([127, 0, 0, 1], 4200).into(), http: None };
         let c = ServerConfig {
             id: 1,
             listen: "127.0.0.1:0".into(),

@@ -29,14 +29,17 @@ mod cluster_config;
 pub mod config;
 mod convert;
 mod core;
+mod dashboard;
 mod decide;
 mod failpoints;
 mod federation_link;
 pub mod health;
+mod http;
 mod lifecycle;
 pub mod listeners;
 pub mod local;
 mod loops;
+mod metrics;
 mod oversize;
 mod page;
 mod status;
@@ -150,7 +153,7 @@ pub async fn serve(
     let bound =
         listeners.bound().map_err(|source| ServerError::Io { what: "the listeners' addresses".into(), source })?;
     let cfg = cfg.bound_to(&bound);
-    let Listeners { client: listener, peer: peer_listener } = listeners;
+    let Listeners { client: listener, peer: peer_listener, http: http_listener } = listeners;
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|source| ServerError::Io { what: format!("data_dir {}", cfg.data_dir.display()), source })?;
     bound.write(&cfg.data_dir).map_err(|source| ServerError::Io {
@@ -232,6 +235,17 @@ pub async fn serve(
     // while it still runs (it would campaign).
     let (peers_done_tx, peers_done_rx) = watch::channel(false);
     let handshake = Duration::from_millis(cfg.tls_handshake_timeout_ms);
+    // The HTTP listener (/metrics, the dashboard) stops with the client listener; a failure
+    // of it is logged and ends nothing else.
+    let _http = http_listener.map(|l| {
+        let router = http::router(http::HttpCtx { core: core.clone(), access: access.clone() });
+        let (tls, done) = (tls.clone(), done_rx.clone());
+        AbortOnDrop(tokio::spawn(async move {
+            if let Err(e) = suanli_security::http::serve(l, tls, handshake, router, until(done)).await {
+                tracing::error!(error = %e, "the HTTP listener failed; /metrics and the dashboard are not served");
+            }
+        }))
+    });
     let mut listeners = tokio::spawn(async move {
         let (served, peered) = match tls {
             // The client listener takes a certificate when one is offered (users, agents,

@@ -23,12 +23,14 @@ pub const LISTENING_FILE: &str = "listening.json";
 /// What starts the line `suanli server` prints on stdout once it listens.
 const LINE_PREFIX: &str = "suanli server listening";
 
-/// A server's two listeners.
+/// A server's listeners.
 pub struct Listeners {
     /// The client listener: the public API, agents, health and reflection.
     pub client: TcpListener,
     /// The peer listener: raft and `Internal`, for the other servers only.
     pub peer: TcpListener,
+    /// The HTTP listener: `/metrics` and the dashboard (`None`: `http_listen = "off"`).
+    pub http: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -39,12 +41,17 @@ impl Listeners {
         let client = TcpListener::bind(&cfg.listen).await.map_err(named(format!("listen {}", cfg.listen)))?;
         let peer_addr = cfg.peer_listen_addr();
         let peer = TcpListener::bind(&peer_addr).await.map_err(named(format!("peer_listen {peer_addr}")))?;
-        Ok(Listeners { client, peer })
+        let http = match cfg.http_listen_addr() {
+            Some(a) => Some(TcpListener::bind(&a).await.map_err(named(format!("http_listen {a}")))?),
+            None => None,
+        };
+        Ok(Listeners { client, peer, http })
     }
 
     /// The addresses they are bound to.
     pub fn bound(&self) -> std::io::Result<Bound> {
-        Ok(Bound { client: self.client.local_addr()?, peer: self.peer.local_addr()? })
+        let http = self.http.as_ref().map(TcpListener::local_addr).transpose()?;
+        Ok(Bound { client: self.client.local_addr()?, peer: self.peer.local_addr()?, http })
     }
 }
 
@@ -55,12 +62,17 @@ pub struct Bound {
     pub client: SocketAddr,
     /// The peer listener's address.
     pub peer: SocketAddr,
+    /// The HTTP listener's address (`None`: none; absent in files of earlier builds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<SocketAddr>,
 }
 
 impl Bound {
-    /// The line `suanli server` prints on stdout: `suanli server listening client=A peer=B`.
+    /// The line `suanli server` prints on stdout: `suanli server listening client=A peer=B`,
+    /// then ` http=C` when it serves HTTP.
     pub fn line(&self) -> String {
-        format!("{LINE_PREFIX} client={} peer={}", self.client, self.peer)
+        let http = self.http.map(|h| format!(" http={h}")).unwrap_or_default();
+        format!("{LINE_PREFIX} client={} peer={}{http}", self.client, self.peer)
     }
 
     /// Reads a [`Bound::line`]; `None` for any other line.
@@ -68,14 +80,17 @@ impl Bound {
         let rest = line.trim().strip_prefix(LINE_PREFIX)?;
         let mut client = None;
         let mut peer = None;
+        let mut http = None;
         for word in rest.split_whitespace() {
             if let Some(a) = word.strip_prefix("client=") {
                 client = a.parse().ok();
             } else if let Some(a) = word.strip_prefix("peer=") {
                 peer = a.parse().ok();
+            } else if let Some(a) = word.strip_prefix("http=") {
+                http = a.parse().ok();
             }
         }
-        Some(Bound { client: client?, peer: peer? })
+        Some(Bound { client: client?, peer: peer?, http })
     }
 
     /// Writes `<data_dir>/listening.json` atomically (a temporary file renamed over it), so a
@@ -150,7 +165,7 @@ mod tests {
 
     #[test]
     fn the_line_is_read_from_a_stream_among_others() {
-        let b = Bound { client: ([127, 0, 0, 1], 4100).into(), peer: ([127, 0, 0, 1], 4101).into() };
+        let b = Bound { client: ([127, 0, 0, 1], 4100).into(), peer: ([127, 0, 0, 1], 4101).into(), http: Some(([127, 0, 0, 1], 4102).into()) };
         let text = format!("something else\n{}\nmore\n", b.line());
         let got = await_line(std::io::Cursor::new(text.into_bytes()), std::time::Duration::from_secs(5));
         assert_eq!(got.expect("found"), b);

@@ -241,6 +241,9 @@ pub struct ProcessCluster {
     pub addrs: Vec<String>,
     /// Their peer addresses (raft, `Internal`), same order; empty until its first start.
     pub peer_addrs: Vec<String>,
+    /// Their HTTP listeners' addresses (`/metrics`, the dashboard), same order; empty until its
+    /// first start, or while the process serves no HTTP.
+    pub http_addrs: Vec<String>,
     procs: Vec<Option<Child>>,
     /// The subcommand each process runs (`server`, or `federation serve`).
     command: Vec<String>,
@@ -277,6 +280,7 @@ impl ProcessCluster {
             dir,
             addrs: vec![String::new(); n],
             peer_addrs: vec![String::new(); n],
+            http_addrs: vec![String::new(); n],
             procs: (0..n).map(|_| None).collect(),
             command: vec!["server".to_owned()],
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
@@ -536,9 +540,17 @@ impl ProcessCluster {
             .append(true)
             .open(self.dir.path().join(format!("s{}.log", i + 1)))?;
         let (listen, peer_listen) = (or_port_zero(&self.addrs[i]), or_port_zero(&self.peer_addrs[i]));
+        // `suanli server` serves HTTP (/metrics, the dashboard) on a port of its own, kept
+        // across restarts like the others.
+        let http: Vec<String> = if self.command == ["server"] {
+            vec!["--http-listen".to_owned(), or_port_zero(&self.http_addrs[i])]
+        } else {
+            Vec::new()
+        };
         let mut child = Command::new(&self.bin)
             .args(&self.command)
             .args(["--id", &id.to_string(), "--listen", &listen, "--peer-listen", &peer_listen])
+            .args(&http)
             .arg("--data-dir")
             .arg(self.dir.path().join(format!("s{}", i + 1)))
             .args(membership)
@@ -567,6 +579,7 @@ impl ProcessCluster {
             }
         };
         (self.addrs[i], self.peer_addrs[i]) = (bound.client.to_string(), bound.peer.to_string());
+        self.http_addrs[i] = bound.http.map(|h| h.to_string()).unwrap_or_default();
         self.procs[i] = Some(child);
         Ok(())
     }

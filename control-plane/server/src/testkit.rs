@@ -38,7 +38,7 @@ pub fn config(id: u64, dir: &Path) -> ServerConfig {
 /// Two listeners on `127.0.0.1:0`.
 pub async fn listeners() -> Listeners {
     let bind = || TcpListener::bind("127.0.0.1:0");
-    Listeners { client: bind().await.expect("bind port 0"), peer: bind().await.expect("bind port 0") }
+    Listeners { client: bind().await.expect("bind port 0"), peer: bind().await.expect("bind port 0"), http: None }
 }
 
 /// A server running in a task of the test's runtime.
