@@ -70,6 +70,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "proto/suanli/v1/internal.proto",
                 "proto/suanli/v1/device.proto",
                 "proto/suanli/v1/federation.proto",
+                "proto/suanli/v1/cost.proto",
             ],
             &["proto"],
         )?;

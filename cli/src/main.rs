@@ -59,6 +59,8 @@ enum Cmd {
     Node(client::NodeArgs),
     /// Raft membership: members, leader, add or remove servers, snapshots.
     Cluster(client::ClusterArgs),
+    /// The cost ledger: `cost report --by team|queue|job|pool`, `cost prices set|show`.
+    Cost(client::cost::CostArgs),
     /// Who the servers take this caller to be (certificate or token).
     Whoami(access_cmd::WhoamiArgs),
     /// Bearer tokens: create, revoke, list.
@@ -153,6 +155,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Pool(c) => client::run(client::ClientCmd::Pool(c)),
         Cmd::Node(c) => client::run(client::ClientCmd::Node(c)),
         Cmd::Cluster(c) => client::run(client::ClientCmd::Cluster(c)),
+        Cmd::Cost(a) => a.run(),
         Cmd::Whoami(a) => a.run(),
         Cmd::Token(a) => a.run(),
         Cmd::Audit(a) => a.run(),

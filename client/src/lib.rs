@@ -22,6 +22,7 @@
 
 pub mod backoff;
 mod calls;
+mod cost;
 mod conn;
 mod error;
 pub mod federation;

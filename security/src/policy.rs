@@ -127,6 +127,10 @@ pub static RULES: &[Rule] = &[
     r("/suanli.v1.Access/RevokeToken", Client, Roles(ADMIN), Scope::None, true),
     r("/suanli.v1.Access/ListTokens", Client, Roles(ADMIN), Scope::None, false),
     r("/suanli.v1.Access/Audit", Client, Roles(ADMIN), Scope::None, false),
+    // Cost (docs/cost.md): every reader sees every team's cost.
+    r("/suanli.v1.Cost/SetPrices", Client, Roles(ADMIN), Scope::None, true),
+    r("/suanli.v1.Cost/GetPrices", Client, Roles(READERS), Scope::None, false),
+    r("/suanli.v1.Cost/Report", Client, Roles(READERS), Scope::None, false),
     // Agents
     r("/suanli.v1.Agent/Register", Client, Node, Scope::OwnNode, false),
     r("/suanli.v1.Agent/Heartbeat", Client, Node, Scope::OwnNode, false),

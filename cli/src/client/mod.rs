@@ -14,6 +14,7 @@
 //! commands do only that and need no server.
 
 mod cluster;
+pub mod cost;
 pub mod creds;
 mod job;
 mod node;

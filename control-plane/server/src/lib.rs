@@ -20,6 +20,7 @@
 
 mod access;
 mod access_api;
+mod cost_api;
 mod agent;
 mod api;
 pub mod backup;
@@ -62,6 +63,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use suanli_proto::v1::access_server::AccessServer;
+use suanli_proto::v1::cost_server::CostServer;
 use suanli_proto::v1::agent_server::AgentServer;
 use suanli_proto::v1::cluster_server::ClusterServer;
 use suanli_proto::v1::internal_server::InternalServer;
@@ -204,6 +206,7 @@ pub async fn serve(
         .add_service(bounded!(ClusterServer, api.clone(), max))
         .add_service(bounded!(AgentServer, AgentApi(core.clone()), max))
         .add_service(bounded!(AccessServer, access_api::AccessApi(core.clone()), max))
+        .add_service(bounded!(CostServer, cost_api::CostApi(core.clone()), max))
         .add_service(health_server)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);

@@ -406,6 +406,8 @@ commands! {
     FedRenew(crate::federated::FedRenew) = "fed_renew", ignorable: false;
     /// Give a federated job up (lease refused, expired, or cancelled by the federation).
     FedRelease(crate::federated::FedRelease) = "fed_release", ignorable: false;
+    /// Replace the cost ledger's price catalog (docs/cost.md).
+    SetPrices(crate::cost::SetPrices) = "set_prices", ignorable: false;
 }
 
 impl Command {
@@ -429,6 +431,7 @@ impl Command {
             Command::FedAdopt(c) => c.now = now,
             Command::FedRenew(c) => c.now = now,
             Command::FedRelease(c) => c.now = now,
+            Command::SetPrices(c) => c.now = now,
             Command::Batch(b) => b.commands.iter_mut().for_each(|c| c.stamp(now)),
             Command::ApplyPlan(_)
             | Command::UpsertQueue(_)

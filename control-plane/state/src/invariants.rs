@@ -46,6 +46,9 @@ impl State {
     ///   signing key, when set, decodes to 32 bytes.
     pub fn invariants(&self) -> Result<(), Violation> {
         self.security_invariants()?;
+        if let Err(detail) = self.cost_invariants() {
+            return fail("cost-conservation", detail);
+        }
         let usage = self.usage();
         for (id, u) in &usage.nodes {
             let Some(rec) = self.nodes.get(id) else {

@@ -19,6 +19,7 @@
 
 pub mod command;
 pub mod config;
+pub mod cost;
 pub mod federated;
 pub mod invariants;
 mod plan;

@@ -438,6 +438,7 @@ impl State {
             self.live.account(&rec, &self.nodes, 1);
             self.live.retain(&rec);
             self.allocs.insert(id, rec);
+            self.cost_open(id);
         }
         if let Some(j) = self.jobs.get_mut(&job) {
             j.allocs = ids.clone();

@@ -99,6 +99,10 @@ pub struct State {
     /// states from before it hash as they did.
     #[serde(default, skip_serializing_if = "crate::security::SecurityState::is_empty")]
     pub(crate) security: crate::security::SecurityState,
+    /// The cost ledger ([`crate::cost`]). Not written while empty, so states from before it
+    /// hash as they did.
+    #[serde(default, skip_serializing_if = "crate::cost::Ledger::is_empty")]
+    pub(crate) cost: crate::cost::Ledger,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -164,6 +168,7 @@ impl State {
             parents: BTreeSet::new(),
             cluster_id: String::new(),
             security: Default::default(),
+            cost: crate::cost::Ledger::default(),
         }
     }
 
@@ -332,6 +337,7 @@ impl State {
             Command::FedAdopt(c) => self.fed_adopt(*c, rev),
             Command::FedRenew(c) => self.fed_renew(c, rev),
             Command::FedRelease(c) => self.fed_release(c, rev),
+            Command::SetPrices(c) => self.set_prices(c),
             Command::Batch(b) => return self.apply_batch(b),
             // Read only while halted, by the raft layer; met here, the entry was applied.
             Command::SkipEntry(c) => Err(CommandError::Conflict {
@@ -541,6 +547,7 @@ impl State {
         let kinds_changed = self.nodes.get(&id).is_some_and(|r| {
             r.node.devices.iter().map(|d| (d.id.clone(), d.kind)).collect::<BTreeMap<_, _>>() != old_kinds
         });
+        self.cost_node(&id);
         self.reconcile_node(&id, &old_kinds, now, rev);
         // The node's device kinds decide the quota vector of its allocations: when they changed
         // (a device added, gone or of another kind), count afresh. A plain re-registration
@@ -739,6 +746,7 @@ impl State {
             r.updated_at = now;
             r.reason = reason.clone();
         }
+        self.cost_node(&c.node);
         let live: Vec<AllocId> = self.allocs_on(&c.node).filter(|a| a.is_live()).map(|a| a.alloc.id).collect();
         let msg = if reason.is_empty() { "node down".to_owned() } else { format!("node down: {reason}") };
         for aid in live {
@@ -1013,10 +1021,12 @@ impl State {
             .filter(|c| c.epoch == a.alloc.epoch)
             .map(|c| c.at);
         let lost = if class == EndClass::Succeeded { 0 } else { lost_device_s(&a.alloc, job_ckpt, now) };
+        let since_ckpt = a.alloc.last_checkpoint_at.unwrap_or(0).max(job_ckpt.unwrap_or(0));
         let nominee = match &a.desired {
             Desired::Stop { reason: StopReason::Preempted { for_job }, .. } => Some(*for_job),
             _ => None,
         };
+        self.cost_close(aid, class, since_ckpt);
         let Some(a) = self.allocs.get_mut(&aid) else {
             return;
         };
