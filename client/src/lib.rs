@@ -22,8 +22,8 @@
 
 pub mod backoff;
 mod calls;
-mod cost;
 mod conn;
+mod cost;
 mod error;
 pub mod federation;
 

@@ -132,9 +132,8 @@ pub fn parse_time(s: &str, now: u64) -> Result<u64, String> {
     if !s.is_empty() && s.chars().all(|c| c.is_ascii_digit()) {
         return s.parse().map_err(|_| format!("{s:?} is too large"));
     }
-    rfc3339(s).ok_or_else(|| {
-        format!("{s:?}: expected seconds since the epoch, RFC 3339 (2026-12-05T10:00:00Z) or -24h")
-    })
+    rfc3339(s)
+        .ok_or_else(|| format!("{s:?}: expected seconds since the epoch, RFC 3339 (2026-12-05T10:00:00Z) or -24h"))
 }
 
 /// `YYYY-MM-DDThh:mm:ss[.frac](Z|±hh:mm)` as seconds since the epoch.
@@ -146,7 +145,14 @@ fn rfc3339(s: &str) -> Option<u64> {
     let num = |r: std::ops::Range<usize>| -> Option<i64> { s.get(r)?.parse().ok() };
     let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
     let (h, mi, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if b[13] != b':' || b[16] != b':' || !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
+    if b[13] != b':'
+        || b[16] != b':'
+        || !(1..=12).contains(&mo)
+        || !(1..=31).contains(&d)
+        || h > 23
+        || mi > 59
+        || sec > 60
+    {
         return None;
     }
     let mut rest = &s[19..];
@@ -270,7 +276,15 @@ impl CostArgs {
                                 c
                             })
                             .collect();
-                        rows.push(vec!["capacity".into(), String::new(), String::new(), String::new(), String::new(), String::new(), r.capacity.clone()]);
+                        rows.push(vec![
+                            "capacity".into(),
+                            String::new(),
+                            String::new(),
+                            String::new(),
+                            String::new(),
+                            String::new(),
+                            r.capacity.clone(),
+                        ]);
                         print!("{}", table(&HEADERS, &rows));
                         println!(
                             "window {}..{} by {}{}{}",

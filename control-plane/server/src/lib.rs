@@ -20,7 +20,6 @@
 
 mod access;
 mod access_api;
-mod cost_api;
 mod agent;
 mod api;
 pub mod backup;
@@ -30,6 +29,7 @@ mod cluster_config;
 pub mod config;
 mod convert;
 mod core;
+mod cost_api;
 mod dashboard;
 mod decide;
 mod failpoints;
@@ -63,9 +63,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use suanli_proto::v1::access_server::AccessServer;
-use suanli_proto::v1::cost_server::CostServer;
 use suanli_proto::v1::agent_server::AgentServer;
 use suanli_proto::v1::cluster_server::ClusterServer;
+use suanli_proto::v1::cost_server::CostServer;
 use suanli_proto::v1::internal_server::InternalServer;
 use suanli_proto::v1::jobs_server::JobsServer;
 use suanli_proto::v1::nodes_server::NodesServer;

@@ -585,10 +585,15 @@ impl Ledger {
             let (sum, open) = by_pool.remove(name.as_str()).unwrap_or_default();
             let (_, alloc) = p.integrate(self.horizon, now);
             if sum != alloc {
-                return Err(format!("pool {name}: attempts add up to {sum} base units, allocated rate x time to {alloc}"));
+                return Err(format!(
+                    "pool {name}: attempts add up to {sum} base units, allocated rate x time to {alloc}"
+                ));
             }
             if open != p.allocated_rate {
-                return Err(format!("pool {name}: running attempts' rates add up to {open}, allocated rate is {}", p.allocated_rate));
+                return Err(format!(
+                    "pool {name}: running attempts' rates add up to {open}, allocated rate is {}",
+                    p.allocated_rate
+                ));
             }
             let cap = caps.get(name.as_str()).copied().unwrap_or(0);
             if cap != p.capacity_rate {
@@ -762,7 +767,8 @@ impl crate::State {
         let a = &a.alloc;
         let (pool, rate) = match self.nodes.get(&a.node) {
             Some(r) => {
-                let devs: Vec<(String, u64)> = a.devices.iter().map(|d| (d.device.clone(), u64::from(d.milli))).collect();
+                let devs: Vec<(String, u64)> =
+                    a.devices.iter().map(|d| (d.device.clone(), u64::from(d.milli))).collect();
                 (r.node.pool.to_string(), self.cost.prices.rate(&r.node, a.cpu_milli, a.memory_mib, &devs))
             }
             None => (String::new(), 0),

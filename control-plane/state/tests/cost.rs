@@ -44,7 +44,15 @@ fn end(s: &mut State, job: u64, status: ReportedStatus, class: EndClass, now: u6
     let exit_code = (class == EndClass::Exit).then_some(1);
     apply_ok(
         s,
-        Command::AllocStatus(AllocStatus { alloc, epoch, status, message: "x".into(), end: Some(class), exit_code, now }),
+        Command::AllocStatus(AllocStatus {
+            alloc,
+            epoch,
+            status,
+            message: "x".into(),
+            end: Some(class),
+            exit_code,
+            now,
+        }),
     );
 }
 
