@@ -43,6 +43,7 @@ mod metrics;
 mod oversize;
 mod page;
 mod status;
+pub mod telemetry;
 mod watchers;
 
 #[cfg(test)]

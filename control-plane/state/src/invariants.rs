@@ -403,6 +403,7 @@ mod tests {
             spec,
             retry: None,
             now: 1,
+            trace: None,
         })));
         assert_eq!(s.invariants(), Ok(()));
         let id = JobId(1);
@@ -522,6 +523,7 @@ mod tests {
                 spec,
                 retry: None,
                 now: 1,
+                trace: None,
             })));
             placements.push(Placement {
                 job: JobId(i as u64 + 1),
