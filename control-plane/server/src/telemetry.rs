@@ -270,15 +270,21 @@ pub fn after_report(s: &State, before: &BeforeReport, now: u64) {
     let a = &before.alloc;
     let Some(job) = s.job(a.job) else { return };
     let Some(root) = job_root(job) else { return };
-    let Some(rec) = job.history.iter().rev().find(|h| h.alloc == a.id) else { return };
+    // An ended attempt's allocation is in the job's history once the job is requeued; one
+    // that ended the job stays in the allocation table, ended.
+    let ended = match job.history.iter().rev().find(|h| h.alloc == a.id) {
+        Some(h) => Some((h.end, h.ended_at, h.lost_device_s)),
+        None => s.allocs().get(&a.id).filter(|x| !x.is_live()).map(|x| (x.end, x.updated_at, x.lost_device_s)),
+    };
+    let Some((end, ended_at, lost)) = ended else { return };
     let mut attrs = job_attrs(s, job);
     attrs.retain(|kv| kv.key.as_str() != "suanli.attempt");
     attrs.extend(alloc_attrs(s, a));
-    attrs.push(KeyValue::new("suanli.end", rec.end.map(|e| e.as_str().to_owned()).unwrap_or_default()));
-    attrs.push(KeyValue::new("suanli.device_seconds", device_seconds(a, rec.ended_at)));
-    attrs.push(KeyValue::new("suanli.lost_device_seconds", rec.lost_device_s as i64));
-    attrs.extend(attempt_cost_attrs(s, a, rec.ended_at));
-    emit(&root, "attempt", at_s(rec.started_at), at_s(rec.ended_at.max(rec.started_at)), attrs);
+    attrs.push(KeyValue::new("suanli.end", end.map(|e| e.as_str().to_owned()).unwrap_or_default()));
+    attrs.push(KeyValue::new("suanli.device_seconds", device_seconds(a, ended_at)));
+    attrs.push(KeyValue::new("suanli.lost_device_seconds", lost as i64));
+    attrs.extend(attempt_cost_attrs(s, a, ended_at));
+    emit(&root, "attempt", at_s(a.started_at), at_s(ended_at.max(a.started_at)), attrs);
     if job.state.is_terminal() && !before.job_ended {
         job_ended(s, job, now);
     }
