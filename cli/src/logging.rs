@@ -133,10 +133,8 @@ fn check_endpoint(key: &str, e: &str) -> Result<()> {
     Ok(())
 }
 
-type OtelLayer = tracing_opentelemetry::OpenTelemetryLayer<
-    tracing_subscriber::Registry,
-    opentelemetry_sdk::trace::SdkTracer,
->;
+type OtelLayer =
+    tracing_opentelemetry::OpenTelemetryLayer<tracing_subscriber::Registry, opentelemetry_sdk::trace::SdkTracer>;
 
 fn install(default: &str, otel: Option<OtelLayer>) -> Result<()> {
     use tracing_subscriber::Layer as _;

@@ -148,7 +148,10 @@ async fn wait_state(addr: &str, id: u64, within: Duration, f: impl Fn(&pb::JobIn
     loop {
         if let Ok(Ok(j)) = tokio::time::timeout(Duration::from_secs(2), async {
             let mut c = suanli_proto::v1::jobs_client::JobsClient::new(channel(addr).await.map_err(|e| e.to_string())?);
-            c.get(pb::GetJobRequest { job_id: id, stale: true }).await.map(|r| r.into_inner()).map_err(|e| e.to_string())
+            c.get(pb::GetJobRequest { job_id: id, stale: true })
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|e| e.to_string())
         })
         .await
             && f(&j)
@@ -237,7 +240,9 @@ async fn one_trace_follows_a_job_through_preemption_and_a_leader_change() {
     for (name, attempt) in [("job.submit", 0), ("job.queued", 0), ("task.start", 1), ("task.run", 1), ("task.start", 2)]
     {
         assert!(
-            spans.iter().any(|g| g.name == name && (attempt == 0 || g.attrs.get("suanli.attempt") == Some(&attempt.to_string()))),
+            spans.iter().any(
+                |g| g.name == name && (attempt == 0 || g.attrs.get("suanli.attempt") == Some(&attempt.to_string()))
+            ),
             "{name} (attempt {attempt}) missing: {spans:#?}"
         );
     }

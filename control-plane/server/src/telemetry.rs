@@ -214,7 +214,13 @@ pub fn emit(root: &SpanContext, name: &'static str, start: SystemTime, end: Syst
 
 /// Emits the root `job` span itself (once, when the job ends): the stored span id, parented
 /// on the submitter's span when it sent one (`parent`), from its submission to `end`.
-pub fn emit_root(root: &SpanContext, parent: Option<&SpanContext>, start: SystemTime, end: SystemTime, attrs: Vec<KeyValue>) {
+pub fn emit_root(
+    root: &SpanContext,
+    parent: Option<&SpanContext>,
+    start: SystemTime,
+    end: SystemTime,
+    attrs: Vec<KeyValue>,
+) {
     if !enabled() {
         return;
     }
@@ -314,10 +320,7 @@ pub fn wait_reasons(s: &State, plan: &suanli_model::Plan) -> std::collections::B
     if !enabled() {
         return Default::default();
     }
-    plan.placements
-        .iter()
-        .filter_map(|p| s.job(p.job).map(|j| (p.job, j.reason.clone())))
-        .collect()
+    plan.placements.iter().filter_map(|p| s.job(p.job).map(|j| (p.job, j.reason.clone()))).collect()
 }
 
 /// After a plan committed: per placed job a `job.queued` span (from its submission, or its
