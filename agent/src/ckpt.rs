@@ -262,6 +262,7 @@ fn check_devices(agent: &Agent, w: &Watched, dir: &Path) -> bool {
 /// Stores a new commit and reports it. A report the control plane refuses (a stale attempt)
 /// counts as done: it will never be accepted.
 async fn commit(agent: &Agent, w: &Watched, store: &Store, ckpt_dir: &Path, c: &Committed) -> Result<(), String> {
+    let seen = std::time::SystemTime::now();
     let uri = store.put(w.job_id, w.epoch, ckpt_dir, c).await.map_err(|e| format!("uploading: {e}"))?;
     let m = &c.manifest;
     let hw = if m.hardware_bound { w.hardware.clone().unwrap_or_default() } else { Hardware::default() };
@@ -288,6 +289,7 @@ async fn commit(agent: &Agent, w: &Watched, store: &Store, ckpt_dir: &Path, c: &
             .await;
         match r {
             Ok(_) => {
+                crate::telemetry::checkpoint(w.id, w.epoch, m.step, m.bytes, seen);
                 tracing::info!(step = m.step, bytes = m.bytes, uri = %uri, "checkpoint stored and reported");
                 return Ok(());
             }

@@ -190,6 +190,8 @@ pub struct AgentConfig {
     /// certificate (`suanli://node/<node_id>`, e.g. `suanli tls issue DIR --node ID`) and its
     /// key. It is presented to the servers and on the log service.
     pub tls: Option<suanli_security::tls::TlsFiles>,
+    /// `[telemetry]`: where spans are exported (docs/tracing.md).
+    pub telemetry: crate::telemetry::TelemetryConfig,
 }
 
 fn default_node_id() -> String {
@@ -252,6 +254,7 @@ impl Default for AgentConfig {
             tls_reload_interval_ms: 5_000,
             tls_handshake_timeout_ms: 10_000,
             tls: None,
+            telemetry: Default::default(),
         }
     }
 }

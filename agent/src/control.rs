@@ -533,6 +533,7 @@ impl Reporter {
         if self.held.load(Ordering::SeqCst) {
             return;
         }
+        crate::telemetry::reported(r.alloc, r.epoch, r.status, r.end, &r.message);
         let v = self.version.fetch_add(1, Ordering::Relaxed);
         let mut p = self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let key = (r.alloc, r.epoch);

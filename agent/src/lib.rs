@@ -42,6 +42,7 @@ mod plugins;
 pub mod shim;
 pub mod sys;
 mod tasks;
+pub mod telemetry;
 
 pub use config::{AgentConfig, ConfigError, PluginSettings};
 pub use journal::{JournalDevice, JournalEntry, JournalEvent, read_journal};

@@ -941,6 +941,7 @@ async fn await_lease(agent: &Agent, stop: &mut watch::Receiver<Option<Stop>>) ->
 /// Starts one allocation: reservation, directory, cgroup, lease, shim, `task.json`, RUNNING.
 async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Option<Stop>>) {
     let k = (a.id, a.epoch);
+    crate::telemetry::alloc_seen(&agent.cfg.node_id, &a);
     let dir = alloc_dir(&agent, k);
     // Reserve first: it has no effect on the node beyond the environment it returns, so an
     // agent dying during it leaves nothing behind and the allocation simply starts later.

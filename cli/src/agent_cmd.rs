@@ -112,11 +112,24 @@ pub struct TaskShimArgs {
 /// Runs the agent until SIGTERM or Ctrl-C.
 pub fn run(a: AgentArgs) -> Result<()> {
     let cfg = a.config()?;
-    crate::serve::init_logging("info");
+    crate::logging::init_traced(
+        "info",
+        crate::logging::Service {
+            name: "suanli-agent",
+            instance: cfg.node_id.clone(),
+            config_endpoint: cfg.telemetry.otlp_endpoint.as_deref(),
+            config_key: "telemetry.otlp_endpoint",
+        },
+    )?;
+    if suanli_server::telemetry::enabled() {
+        suanli_agent::telemetry::set_enabled(true);
+    }
     let rt = crate::serve::runtime()?;
-    rt.block_on(suanli_agent::run(cfg, crate::serve::shutdown_signal()))?;
+    let r = rt.block_on(suanli_agent::run(cfg, crate::serve::shutdown_signal()));
     // Plugin hosts and in-flight calls may hold runtime threads; tasks are separate processes.
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    crate::logging::shutdown();
+    r?;
     Ok(())
 }
 

@@ -50,6 +50,11 @@ pub struct SubmitArgs {
     /// (plaintext) one, and print both with the ratio TLS / insecure (throughput, p50, p99).
     #[arg(long)]
     pub compare_insecure: bool,
+    /// Run the same load twice in this command over TLS, with tracing off and with the
+    /// servers exporting spans to an in-process OTLP receiver (docs/tracing.md), and print
+    /// the ratio traced / off (throughput, p50, p99).
+    #[arg(long, conflicts_with = "compare_insecure")]
+    pub compare_tracing: bool,
 }
 
 /// Flags of `suanli bench failover`.
@@ -205,6 +210,9 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         bail!("--clients, --connections and --servers must be at least 1");
     }
     rt()?.block_on(async move {
+        if a.compare_tracing {
+            return compare_tracing(&a).await;
+        }
         println!("== over mutual TLS (the local PKI's admin certificate)");
         let tls = submit_run(&a, Wire::Tls, "").await?;
         if !a.compare_insecure {
@@ -229,6 +237,33 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// `bench submit --compare-tracing`: tracing off, then the servers exporting every span to
+/// an in-process OTLP receiver; the ratios traced / off.
+async fn compare_tracing(a: &SubmitArgs) -> Result<()> {
+    println!("== tracing off (no OTLP endpoint)");
+    let off = submit_run(a, Wire::Tls, "").await?;
+    let (sink, endpoint) = crate::otlp_sink::Sink::start().await?;
+    println!("== the same load, servers exporting spans to an OTLP receiver at {endpoint}");
+    let on = submit_run(a, Wire::Tls, &format!("[telemetry]\notlp_endpoint = {endpoint:?}\n")).await?;
+    println!("spans received: {}", sink.spans());
+    println!("== traced / off, same run (aim: throughput >= 0.95x)");
+    for ((what, t), (_, p)) in on.phases.iter().zip(&off.phases) {
+        println!(
+            "{what:<14} throughput {:>8.0}/s vs {:>8.0}/s = {:.2}x   p50 {:>6.2} vs {:>6.2} ms = {:.2}x   p99 {:>6.2} vs {:>6.2} ms = {:.2}x",
+            t.rate,
+            p.rate,
+            t.rate / p.rate.max(1e-9),
+            ms(t.p50),
+            ms(p.p50),
+            ms(t.p50) / ms(p.p50).max(1e-9),
+            ms(t.p99),
+            ms(p.p99),
+            ms(t.p99) / ms(p.p99).max(1e-9),
+        );
+    }
+    Ok(())
 }
 
 /// One run of `bench submit` on a new cluster over `wire`, `extra_toml` appended to the

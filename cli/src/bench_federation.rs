@@ -153,6 +153,7 @@ fn submit_cost(a: &FederationArgs) -> Result<()> {
         batch_clients: 1,
         spread: false,
         compare_insecure: false,
+        compare_tracing: false,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("async runtime")?;
     rt.block_on(async move {

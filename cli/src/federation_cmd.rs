@@ -233,7 +233,15 @@ pub fn run(args: FederationArgs) -> Result<()> {
 
 fn serve(args: &FedServeArgs, insecure: bool) -> Result<()> {
     let cfg = args.config(insecure)?;
-    crate::serve::init_logging("info,openraft=warn");
+    crate::logging::init_traced(
+        "info,openraft=warn",
+        crate::logging::Service {
+            name: "suanli-federation",
+            instance: format!("federation-{}", std::process::id()),
+            config_endpoint: None,
+            config_key: crate::logging::OTLP_ENV,
+        },
+    )?;
     let rt = crate::serve::runtime()?;
     let first = async {
         crate::serve::shutdown_signal().await;
@@ -245,6 +253,7 @@ fn serve(args: &FedServeArgs, insecure: bool) -> Result<()> {
     };
     let r = rt.block_on(suanli_federation::server::serve(cfg, first));
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    crate::logging::shutdown();
     r.map_err(anyhow::Error::msg)
 }
 

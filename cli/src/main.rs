@@ -10,6 +10,7 @@ mod bench_federation;
 mod client;
 mod federation_cmd;
 mod logging;
+mod otlp_sink;
 mod plugin;
 mod serve;
 mod sim;

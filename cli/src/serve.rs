@@ -216,7 +216,15 @@ pub const EXIT_REMOVED: u8 = 3;
 /// `suanli_server::serve`); a second one exits at once.
 pub fn server(args: ServerArgs) -> Result<()> {
     let cfg = args.config()?;
-    init_logging("info,openraft=warn");
+    crate::logging::init_traced(
+        "info,openraft=warn",
+        crate::logging::Service {
+            name: "suanli-server",
+            instance: format!("server-{}@{}", cfg.id, cfg.listen),
+            config_endpoint: cfg.telemetry.otlp_endpoint.as_deref(),
+            config_key: "telemetry.otlp_endpoint",
+        },
+    )?;
     let rt = runtime()?;
     let first = async {
         shutdown_signal().await;
@@ -233,6 +241,7 @@ pub fn server(args: ServerArgs) -> Result<()> {
     });
     // Connections still open after the grace period are dropped with the runtime.
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    crate::logging::shutdown();
     r?;
     Ok(())
 }

@@ -193,6 +193,11 @@ impl Agent for AgentApi {
             }
         };
         let end = reported_end(status, &r.end)?;
+        let traced = if status == ReportedStatus::Running {
+            None
+        } else {
+            self.0.state.read(|s| crate::telemetry::before_report(s, AllocId(r.alloc_id)))
+        };
         let cmd = Command::AllocStatus(AllocStatus {
             alloc: AllocId(r.alloc_id),
             epoch: r.epoch,
@@ -202,9 +207,12 @@ impl Agent for AgentApi {
             exit_code: r.exit_code_set.then_some(r.exit_code),
             now: self.0.now_s(),
         });
-        self.0.propose(cmd).await?;
+        let (_, index) = self.0.propose(cmd).await?;
         if status != ReportedStatus::Running {
             self.0.kick.notify_one();
+        }
+        if let Some(before) = traced {
+            trace_report(&self.0, &before, index).await;
         }
         ok(pb::ReportStatusResponse {})
     }
@@ -226,6 +234,15 @@ impl Agent for AgentApi {
         self.0.propose(cmd).await?;
         ok(pb::ReportCheckpointResponse {})
     }
+}
+
+/// Emits the spans of an applied end report once this server has applied it (a follower
+/// forwarded it to the leader; bounded wait).
+async fn trace_report(core: &Core, before: &crate::telemetry::BeforeReport, index: u64) {
+    let mut applied = core.state.subscribe();
+    let _ = tokio::time::timeout(Duration::from_secs(1), applied.wait_for(|i| *i >= index)).await;
+    let now = core.now_s();
+    core.state.read(|s| crate::telemetry::after_report(s, before, now));
 }
 
 /// The ends an agent reports: what it saw happen to the task. The others (preempted, drained,

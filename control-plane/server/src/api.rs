@@ -78,16 +78,19 @@ impl Jobs for Api {
             let who = crate::access_api::caller(&req);
             return self.submit_global(&who, req.into_inner()).await;
         }
-        let cmd = self.submit_command(req.into_inner())?;
+        let (caller, started) = (crate::telemetry::caller_parent(req.metadata()), std::time::SystemTime::now());
+        let cmd = self.submit_command(req.into_inner(), caller.as_ref())?;
         let (resp, index) = self.1.propose(cmd).await?;
         let answer = submitted(resp, index)?;
         if answer.created {
             self.0.kick.notify_one();
+            trace_submitted(&self.0, answer.job_id, started, index);
         }
         ok(answer)
     }
 
     async fn submit_many(&self, req: Request<pb::SubmitJobsRequest>) -> Resp<pb::SubmitJobsResponse> {
+        let (caller, started) = (crate::telemetry::caller_parent(req.metadata()), std::time::SystemTime::now());
         let jobs = req.into_inner().jobs;
         if jobs.is_empty() {
             return Err(invalid("jobs", "must hold at least one job"));
@@ -98,7 +101,7 @@ impl Jobs for Api {
         let mut results: Vec<Option<pb::SubmitJobResult>> = vec![None; jobs.len()];
         let (mut at, mut cmds) = (Vec::new(), Vec::new());
         for (i, j) in jobs.into_iter().enumerate() {
-            match self.submit_command(j) {
+            match self.submit_command(j, caller.as_ref()) {
                 Ok(c) => {
                     at.push(i);
                     cmds.push(c);
@@ -111,6 +114,9 @@ impl Jobs for Api {
             results[i] = Some(match a.and_then(|(resp, index)| submitted(resp, index)) {
                 Ok(r) => {
                     created |= r.created;
+                    if r.created {
+                        trace_submitted(&self.0, r.job_id, started, r.revision);
+                    }
                     pb::SubmitJobResult {
                         code: 0,
                         message: String::new(),
@@ -191,9 +197,20 @@ impl Jobs for Api {
         let r = req.into_inner();
         let max = self.0.state.read(|s| s.config().max_message_len);
         check_text(|| "reason".into(), &r.reason, max).map_err(|e| invalid_model(&e))?;
+        let live = crate::telemetry::enabled()
+            && self.0.state.read(|s| s.job(JobId(r.job_id)).is_some_and(|j| !j.state.is_terminal()));
         let cmd = Command::CancelJob(CancelJob { job: JobId(r.job_id), reason: r.reason, now: self.0.now_s() });
-        self.0.propose(cmd).await?;
+        let (_, index) = self.0.propose(cmd).await?;
         self.0.kick.notify_one();
+        if live {
+            let mut applied = self.0.state.subscribe();
+            let _ = tokio::time::timeout(Duration::from_secs(1), applied.wait_for(|i| *i >= index)).await;
+            let now = self.0.now_s();
+            self.0.state.read(|s| match s.job(JobId(r.job_id)) {
+                Some(j) if j.state.is_terminal() => crate::telemetry::job_ended(s, j, now),
+                _ => {}
+            });
+        }
         ok(pb::CancelJobResponse {})
     }
 
@@ -496,7 +513,11 @@ impl Api {
         Err(last)
     }
     /// Checks one submission and turns it into its command.
-    fn submit_command(&self, r: pb::SubmitJobRequest) -> Result<Command, Status> {
+    fn submit_command(
+        &self,
+        r: pb::SubmitJobRequest,
+        caller: Option<&opentelemetry::trace::SpanContext>,
+    ) -> Result<Command, Status> {
         if r.client_request_id.is_empty() {
             return Err(invalid("client_request_id", "must not be empty (reuse one id when retrying a submission)"));
         }
@@ -513,7 +534,25 @@ impl Api {
             spec,
             retry,
             now: self.0.now_s(),
+            trace: crate::telemetry::new_job_root(caller),
         })))
+    }
+}
+
+/// The `job.submit` span of a job this call created (docs/tracing.md): from the call's
+/// arrival to its Raft commit at `index`.
+fn trace_submitted(core: &Core, job: u64, started: std::time::SystemTime, index: u64) {
+    if !crate::telemetry::enabled() {
+        return;
+    }
+    let found = core.state.read(|s| {
+        let j = s.job(suanli_model::JobId(job))?;
+        let mut attrs = crate::telemetry::job_attrs(s, j);
+        attrs.push(opentelemetry::KeyValue::new("suanli.raft_index", index as i64));
+        Some((crate::telemetry::job_root(j)?, attrs))
+    });
+    if let Some((root, attrs)) = found {
+        crate::telemetry::emit(&root, "job.submit", started, std::time::SystemTime::now(), attrs);
     }
 }
 

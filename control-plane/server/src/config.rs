@@ -199,6 +199,8 @@ pub struct ServerConfig {
     /// This region's link to a federation (`[federation]`; docs/federation.md). None: a
     /// standalone region (every `--global` submit is refused).
     pub federation: Option<FederationLink>,
+    /// `[telemetry]`: where spans are exported (docs/tracing.md).
+    pub telemetry: crate::telemetry::TelemetryConfig,
 }
 
 /// `[federation]`: which region this server's cluster is, and where the federation is.
@@ -272,6 +274,7 @@ impl Default for ServerConfig {
             rate_limit_per_s: 200,
             rate_limit_burst: 400,
             federation: None,
+            telemetry: Default::default(),
         }
     }
 }
@@ -718,7 +721,8 @@ mod tests {
 
     #[test]
     fn port_zero_becomes_the_bound_addresses() {
-        let bound = crate::Bound { client: ([127, 0, 0, 1], 4100).into(), peer: ([127, 0, 0, 1], 4200).into(), http: None };
+        let bound =
+            crate::Bound { client: ([127, 0, 0, 1], 4100).into(), peer: ([127, 0, 0, 1], 4200).into(), http: None };
         let c = ServerConfig {
             id: 1,
             listen: "127.0.0.1:0".into(),

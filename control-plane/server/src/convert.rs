@@ -85,6 +85,7 @@ fn alloc_view(s: &State, a: &Alloc, job: Option<&Job>, view: JobView) -> pb::All
         fed_epoch: fed.map_or(0, |f| f.epoch),
         lease_until_ms: fed.map_or(0, |f| f.lease_until_ms),
         fed_stop_before_ms: fed.map_or(0, |f| f.stop_before_ms),
+        traceparent: job.and_then(crate::telemetry::job_traceparent).unwrap_or_default(),
     }
 }
 
@@ -142,6 +143,7 @@ pub fn job(s: &State, j: &Job, queue_position: u64, view: JobView) -> pb::JobInf
         global_id: j.federation.as_ref().map(|f| f.global_id.clone()).unwrap_or_default(),
         fed_epoch: j.federation.as_ref().map_or(0, |f| f.epoch),
         lease_until_ms: j.federation.as_ref().map_or(0, |f| f.lease_until_ms),
+        trace_id: crate::telemetry::trace_id_of(j).unwrap_or_default(),
     }
 }
 

@@ -638,6 +638,7 @@ mod tests {
             spec: spec("q", 2),
             retry: None,
             now: 2,
+            trace: None,
         })));
         let fed = adopt(&mut s, "g-1", 60_000);
         place(&mut s, 3);
@@ -646,6 +647,7 @@ mod tests {
             spec: spec("q", 8),
             retry: None,
             now: 4,
+            trace: None,
         })));
         let r = build_request(
             &s,

@@ -44,6 +44,7 @@ mod metrics;
 mod oversize;
 mod page;
 mod status;
+pub mod telemetry;
 mod watchers;
 
 #[cfg(test)]

@@ -126,8 +126,12 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             PlanChoice::Nothing => continue,
         }
         let placements = plan.placements.len();
+        let reasons = core.state.read(|s| crate::telemetry::wait_reasons(s, &plan));
         match core.propose_local(Command::ApplyPlan(ApplyPlan { plan, now })).await {
             Ok((Response::PlanApplied(o), index)) => {
+                if crate::telemetry::enabled() {
+                    core.state.read(|s| crate::telemetry::plan_committed(s, &o.placed, &o.preempted, &reasons, now));
+                }
                 tracing::debug!(index, placed = o.placed.len(), refused = o.refused_jobs.len(), "plan committed");
                 if decide::pass_again(o.refused_jobs.len(), placements, core.cfg.max_jobs_per_pass) {
                     core.kick.notify_one();

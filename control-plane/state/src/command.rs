@@ -140,6 +140,10 @@ pub struct SubmitJob {
     pub retry: Option<RetryPolicy>,
     /// Leader's time, seconds.
     pub now: u64,
+    /// The job's root span as a W3C `traceparent` (`00-<trace>-<span>-01`), chosen by the
+    /// submit handler (docs/tracing.md); absent in commands of earlier builds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
 }
 
 /// Cancels a job; its running tasks are told to stop.

@@ -151,6 +151,7 @@ impl crate::State {
                 spec: c.spec,
                 retry: None,
                 now: c.now,
+                trace: None,
             },
             rev,
         )?;

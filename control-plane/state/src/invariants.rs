@@ -406,6 +406,7 @@ mod tests {
             spec,
             retry: None,
             now: 1,
+            trace: None,
         })));
         assert_eq!(s.invariants(), Ok(()));
         let id = JobId(1);
@@ -525,6 +526,7 @@ mod tests {
                 spec,
                 retry: None,
                 now: 1,
+                trace: None,
             })));
             placements.push(Placement {
                 job: JobId(i as u64 + 1),

@@ -255,6 +255,10 @@ pub struct Job {
     /// for a region-local job and in snapshots of earlier builds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub federation: Option<crate::federated::FedBinding>,
+    /// The job's root span as a W3C `traceparent`, from its submission (docs/tracing.md).
+    /// Absent when none was given and in snapshots of earlier builds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
 }
 
 /// How many ended allocations a job's [`Job::history`] keeps (the oldest go first).

@@ -864,6 +864,7 @@ impl State {
                 infra_requeues: 0,
                 lost_device_s: 0,
                 federation: None,
+                trace: c.trace,
             },
         );
         self.requests.insert(c.client_request_id, id);

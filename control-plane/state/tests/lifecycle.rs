@@ -72,6 +72,7 @@ fn the_same_request_id_with_another_retry_policy_is_another_request() {
             spec: spec("q", 1, 1, 0),
             retry,
             now: 1,
+            trace: None,
         }))
     };
     let first = apply_ok(&mut s, with(None));
@@ -313,7 +314,8 @@ fn hand_made_plans_cannot_overcommit_or_cheat() {
 fn failures_retry_with_backoff_then_fail() {
     let mut s = cluster(1);
     let retry = RetryPolicy { max_attempts: 2, backoff_base_s: 30, backoff_max_s: 60 };
-    let sub = SubmitJob { client_request_id: "a".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 1 };
+    let sub =
+        SubmitJob { client_request_id: "a".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 1, trace: None };
     apply_ok(&mut s, Command::SubmitJob(Box::new(sub)));
     schedule_once(&mut s, 2);
     let (a, e) = allocs_of(&s, 1)[0];
@@ -403,7 +405,8 @@ fn a_drain_waits_its_grace_then_evicts_within_its_budget() {
 fn attempt_history_is_bounded_and_survives_a_snapshot() {
     let mut s = cluster(1);
     let retry = RetryPolicy { max_attempts: 100, backoff_base_s: 0, backoff_max_s: 0 };
-    let sub = SubmitJob { client_request_id: "a".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 1 };
+    let sub =
+        SubmitJob { client_request_id: "a".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 1, trace: None };
     apply_ok(&mut s, Command::SubmitJob(Box::new(sub)));
     let n = MAX_ATTEMPT_HISTORY as u64 + 5;
     for t in 0..n {
@@ -697,7 +700,8 @@ fn cluster_time_never_goes_backwards_and_a_retry_waits_from_it() {
     apply_ok(&mut s, Command::CancelJob(CancelJob { job: JobId(9), reason: "x".into(), now: 50 }));
     assert_eq!(s.clock(), 100, "time is the latest seen, never an earlier stamp");
     let retry = RetryPolicy { max_attempts: 3, backoff_base_s: 8, backoff_max_s: 60 };
-    let sub = SubmitJob { client_request_id: "b".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 90 };
+    let sub =
+        SubmitJob { client_request_id: "b".into(), spec: spec("q", 1, 1, 0), retry: Some(retry), now: 90, trace: None };
     apply_ok(&mut s, Command::SubmitJob(Box::new(sub)));
     schedule_once(&mut s, 101);
     let (a, e) = allocs_of(&s, 2)[0];

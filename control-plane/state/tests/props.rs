@@ -94,6 +94,7 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
                 spec: sp,
                 retry,
                 now: *now,
+                trace: None,
             }))
         }
         Op::Schedule { seed } => {

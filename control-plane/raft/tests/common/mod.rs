@@ -114,5 +114,6 @@ pub fn submit_cmd(i: usize) -> Command {
         spec,
         retry: None,
         now: 10 + i as u64,
+        trace: None,
     }))
 }

@@ -348,6 +348,7 @@ impl<'a> Sim<'a> {
             spec: job.spec.clone(),
             retry: None,
             now: 0,
+            trace: None,
         }));
         let what = what();
         let id = match self.apply(cmd, || what.clone())? {

@@ -74,7 +74,7 @@ pub fn register(n: Node, now: u64) -> Command {
 }
 
 pub fn submit(rid: &str, spec: JobSpec, now: u64) -> Command {
-    Command::SubmitJob(Box::new(SubmitJob { client_request_id: rid.into(), spec, retry: None, now }))
+    Command::SubmitJob(Box::new(SubmitJob { client_request_id: rid.into(), spec, retry: None, now, trace: None }))
 }
 
 pub fn report(alloc: suanli_model::AllocId, epoch: u64, status: ReportedStatus, now: u64) -> Command {
