@@ -591,4 +591,20 @@ mod tests {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
         }
     }
+
+    /// The cost of a scrape's replicated part for 10,000 jobs (docs/metrics.md quotes it).
+    #[test]
+    fn scrape_cost_for_10k_jobs() {
+        let s = state(10_000);
+        assert_eq!(s.jobs().len(), 10_000);
+        let t = std::time::Instant::now();
+        let runs = 5;
+        let mut bytes = 0;
+        for _ in 0..runs {
+            bytes = render_state(&s).expect("encodes").len();
+        }
+        let each = t.elapsed() / runs;
+        eprintln!("metrics: 10000 jobs: {each:?} per render, {bytes} bytes");
+        assert!(each < std::time::Duration::from_secs(2), "{each:?} per render");
+    }
 }
