@@ -36,8 +36,9 @@ async fn metrics(State(agent): State<Arc<Agent>>, req: Request) -> Response {
         return (StatusCode::UNAUTHORIZED, "present a client certificate of the cluster's CA\n").into_response();
     }
     match render(&agent) {
-        Ok(text) => ([("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
-            .into_response(),
+        Ok(text) => {
+            ([("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response()
+        }
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("encoding metrics: {e}\n")).into_response(),
     }
 }
@@ -56,21 +57,34 @@ fn labels(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 fn render(agent: &Agent) -> Result<String, std::fmt::Error> {
     let mut reg = Registry::default();
     let node = agent.node_id.as_str();
-    let health = gauge(&mut reg, "suanli_agent_device_healthy", "1 while the device is healthy (plugin up, no fault), by device, kind and model.");
-    let util = gauge(&mut reg, "suanli_agent_device_utilization_ratio", "Device utilization from the plugin's last stats.");
-    let used = gauge(&mut reg, "suanli_agent_device_memory_used_bytes", "Device memory used from the plugin's last stats.");
+    let health = gauge(
+        &mut reg,
+        "suanli_agent_device_healthy",
+        "1 while the device is healthy (plugin up, no fault), by device, kind and model.",
+    );
+    let util =
+        gauge(&mut reg, "suanli_agent_device_utilization_ratio", "Device utilization from the plugin's last stats.");
+    let used =
+        gauge(&mut reg, "suanli_agent_device_memory_used_bytes", "Device memory used from the plugin's last stats.");
     let total = gauge(&mut reg, "suanli_agent_device_memory_bytes", "Device memory size from the plugin's inventory.");
     let power = gauge(&mut reg, "suanli_agent_device_power_watts", "Device power draw from the plugin's last stats.");
-    let temp = gauge(&mut reg, "suanli_agent_device_temperature_celsius", "Device temperature from the plugin's last stats.");
+    let temp =
+        gauge(&mut reg, "suanli_agent_device_temperature_celsius", "Device temperature from the plugin's last stats.");
     let devices = agent.plugins.devices();
     for d in &devices {
-        let l = labels(&[("node", node), ("device", &d.device.id), ("kind", d.device.kind.as_str()), ("model", &d.device.model)]);
+        let l = labels(&[
+            ("node", node),
+            ("device", &d.device.id),
+            ("kind", d.device.kind.as_str()),
+            ("model", &d.device.model),
+        ]);
         health.get_or_create(&l).set(if d.device.health == Health::Healthy { 1.0 } else { 0.0 });
         total.get_or_create(&l).set(d.device.memory_mib as f64 * 1_048_576.0);
     }
     for s in agent.plugins.stats() {
         let Some(d) = devices.iter().find(|d| d.device.id == s.id) else { continue };
-        let l = labels(&[("node", node), ("device", &s.id), ("kind", d.device.kind.as_str()), ("model", &d.device.model)]);
+        let l =
+            labels(&[("node", node), ("device", &s.id), ("kind", d.device.kind.as_str()), ("model", &d.device.model)]);
         util.get_or_create(&l).set((s.utilization_pct / 100.0).clamp(0.0, 1.0));
         used.get_or_create(&l).set(s.memory_used_mib as f64 * 1_048_576.0);
         power.get_or_create(&l).set(s.power_w);
@@ -79,7 +93,11 @@ fn render(agent: &Agent) -> Result<String, std::fmt::Error> {
     let tasks = gauge(&mut reg, "suanli_agent_tasks", "Allocations this agent manages (running or stopping).");
     let n = agent.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).count();
     tasks.get_or_create(&labels(&[("node", node)])).set(n as f64);
-    let regs = gauge(&mut reg, "suanli_agent_registrations", "Successful registrations since the agent started (per process).");
+    let regs = gauge(
+        &mut reg,
+        "suanli_agent_registrations",
+        "Successful registrations since the agent started (per process).",
+    );
     regs.get_or_create(&labels(&[("node", node)])).set(*agent.registered.borrow() as f64);
     let hb = gauge(
         &mut reg,
@@ -91,7 +109,8 @@ fn render(agent: &Agent) -> Result<String, std::fmt::Error> {
         let age_ms = crate::sys::boottime_ms().saturating_sub(l.sent_boottime_ms);
         hb.get_or_create(&labels(&[("node", node)])).set(age_ms as f64 / 1000.0);
     }
-    let up = gauge(&mut reg, "suanli_agent_up", "1 while the agent process serves (its scrape succeeding is the signal).");
+    let up =
+        gauge(&mut reg, "suanli_agent_up", "1 while the agent process serves (its scrape succeeding is the signal).");
     up.get_or_create(&labels(&[("node", node)])).set(1.0);
     let mut out = String::with_capacity(4096);
     encode(&mut out, &reg)?;

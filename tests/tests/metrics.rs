@@ -40,7 +40,8 @@ fn free_port() -> u16 {
 
 /// `curl` with `args`; (status code, body).
 fn curl(args: &[&str]) -> (u16, String) {
-    let out = Command::new("curl").args(["-sS", "--max-time", "5", "-w", "\n%{http_code}"]).args(args).output().unwrap();
+    let out =
+        Command::new("curl").args(["-sS", "--max-time", "5", "-w", "\n%{http_code}"]).args(args).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
     (code.trim().parse().unwrap_or(0), body.to_owned())
@@ -62,7 +63,8 @@ fn check_exposition(text: &str) {
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.last().copied(), Some("# EOF"), "the text must end with # EOF");
     for line in &lines {
-        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") || line.starts_with("# UNIT ") || *line == "# EOF" {
+        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") || line.starts_with("# UNIT ") || *line == "# EOF"
+        {
             continue;
         }
         let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("not a sample line: {line:?}"));
@@ -101,7 +103,8 @@ fn promtool_checks_the_rules_and_a_rendered_config() {
         .replace("/etc/suanli/tls/prometheus.key", &viewer.key.display().to_string());
     std::fs::write(dir.path().join("prometheus.yml"), cfg).unwrap();
     std::fs::copy(&rules, dir.path().join("alerts.yml")).unwrap();
-    let out = Command::new("promtool").arg("check").arg("config").arg(dir.path().join("prometheus.yml")).output().unwrap();
+    let out =
+        Command::new("promtool").arg("check").arg("config").arg(dir.path().join("prometheus.yml")).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr));
     // The Grafana dashboard is valid JSON with panels on suanli_ series.
     let g: serde_json::Value =
@@ -171,7 +174,9 @@ async fn prometheus_scrapes_servers_and_agent_and_node_lost_fires() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let targets = |v: &[String]| v.iter().map(|s| format!("\"{s}\"")).collect::<Vec<_>>().join(", ");
-    let tls = format!("    scheme: https\n    tls_config:\n      ca_file: {ca}\n      cert_file: {cert}\n      key_file: {key}\n");
+    let tls = format!(
+        "    scheme: https\n    tls_config:\n      ca_file: {ca}\n      cert_file: {cert}\n      key_file: {key}\n"
+    );
     let config = format!(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - alerts.yml\nscrape_configs:\n  \
          - job_name: suanli-server\n{tls}    static_configs:\n      - targets: [{}]\n  \
@@ -238,7 +243,9 @@ async fn prometheus_scrapes_servers_and_agent_and_node_lost_fires() {
         if code == 200 {
             let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
             let firing = v["data"]["alerts"].as_array().into_iter().flatten().any(|x| {
-                x["labels"]["alertname"] == "SuanliNodeLost" && x["labels"]["node"] == "node-m" && x["state"] == "firing"
+                x["labels"]["alertname"] == "SuanliNodeLost"
+                    && x["labels"]["node"] == "node-m"
+                    && x["state"] == "firing"
             });
             if firing {
                 break;

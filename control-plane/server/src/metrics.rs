@@ -138,8 +138,12 @@ fn efficiency(reg: &mut Reg, s: &State) {
         "suanli_pool_fragmentation_ratio",
         "Free device share stranded on partially allocated devices over all free device share of healthy devices on ready nodes (0 when nothing is free), by pool.",
     );
-    let free_g = reg.gauge("suanli_pool_free_devices", "Free device share (in whole devices) on healthy devices of ready nodes, by pool.");
-    let node_up = reg.gauge("suanli_node_up", "1 while the node is ready (heartbeating), 0 once declared down; by node and pool.");
+    let free_g = reg.gauge(
+        "suanli_pool_free_devices",
+        "Free device share (in whole devices) on healthy devices of ready nodes, by pool.",
+    );
+    let node_up = reg
+        .gauge("suanli_node_up", "1 while the node is ready (heartbeating), 0 once declared down; by node and pool.");
     let node_sched = reg.gauge(
         "suanli_node_schedulable",
         "1 while the node accepts new work (ready, schedulable mode, no pressure); by node and pool.",
@@ -204,7 +208,10 @@ fn efficiency(reg: &mut Reg, s: &State) {
 }
 
 fn delivery(reg: &mut Reg, s: &State, now: u64) {
-    let jobs = reg.gauge("suanli_jobs", "Jobs the state retains, by queue and state (finished jobs are forgotten after retention).");
+    let jobs = reg.gauge(
+        "suanli_jobs",
+        "Jobs the state retains, by queue and state (finished jobs are forgotten after retention).",
+    );
     let wait = reg.histogram(
         "suanli_queue_wait_seconds",
         "Seconds from submission to first placement of the jobs the state retains that were placed, by queue (a gauge histogram: it falls when jobs are forgotten).",
@@ -217,8 +224,10 @@ fn delivery(reg: &mut Reg, s: &State, now: u64) {
         "suanli_jobs_finished",
         "Finished jobs the state retains, by queue and outcome (succeeded, failed, cancelled); success rate = succeeded / sum.",
     );
-    let requeues = reg.gauge("suanli_job_requeues", "Requeues (any cause) summed over the jobs the state retains, by queue.");
-    let failures = reg.gauge("suanli_job_failed_attempts", "Failed attempts summed over the jobs the state retains, by queue.");
+    let requeues =
+        reg.gauge("suanli_job_requeues", "Requeues (any cause) summed over the jobs the state retains, by queue.");
+    let failures =
+        reg.gauge("suanli_job_failed_attempts", "Failed attempts summed over the jobs the state retains, by queue.");
     let long = reg.gauge(
         "suanli_long_job_interruptions",
         "Attempts that ran longer than 3600 s and ended by preemption, node loss, device error, drain, migration or failure, over the attempt history the state retains, by queue and cause.",
@@ -236,9 +245,11 @@ fn delivery(reg: &mut Reg, s: &State, now: u64) {
         add(&requeues, l([("queue", q)]), f64::from(j.requeues));
         add(&failures, l([("queue", q)]), f64::from(j.failures));
         // First placement: the oldest attempt kept in the history, else the current one.
-        let first = j.history.first().map(|h| h.started_at).or_else(|| {
-            j.allocs.iter().filter_map(|a| s.allocs().get(a)).map(|a| a.alloc.started_at).min()
-        });
+        let first = j
+            .history
+            .first()
+            .map(|h| h.started_at)
+            .or_else(|| j.allocs.iter().filter_map(|a| s.allocs().get(a)).map(|a| a.alloc.started_at).min());
         match first {
             Some(t) => wait.get_or_create(&l([("queue", q)])).observe(t.saturating_sub(j.submitted_at) as f64),
             None if j.state == JobState::Pending => {
@@ -274,7 +285,10 @@ fn governance(reg: &mut Reg, s: &State) {
         "suanli_queue_quota_nominal",
         "Nominal (guaranteed) quota by queue, team and resource (gpu and npu in devices, cpu in cores, memory in GiB).",
     );
-    let used = reg.gauge("suanli_queue_quota_used", "Quota used by the queue's live allocations (units as suanli_queue_quota_nominal).");
+    let used = reg.gauge(
+        "suanli_queue_quota_used",
+        "Quota used by the queue's live allocations (units as suanli_queue_quota_nominal).",
+    );
     let borrowed = reg.gauge(
         "suanli_queue_quota_borrowed",
         "Part of the used quota admitted on quota borrowed from the cohort (units as suanli_queue_quota_nominal).",
@@ -356,8 +370,10 @@ fn inference(reg: &mut Reg, s: &State) {
         "suanli_inference_replicas_wanted",
         "Replicas wanted by live inference jobs, by queue (the family grows when services land).",
     );
-    let running = reg.gauge("suanli_inference_replicas_running", "Replicas of live inference jobs whose allocation runs, by queue.");
-    let restarts = reg.gauge("suanli_inference_restarts", "Requeues of live inference jobs (restarts of the service), by queue.");
+    let running = reg
+        .gauge("suanli_inference_replicas_running", "Replicas of live inference jobs whose allocation runs, by queue.");
+    let restarts =
+        reg.gauge("suanli_inference_restarts", "Requeues of live inference jobs (restarts of the service), by queue.");
     let live = reg.gauge("suanli_inference_jobs", "Live inference jobs, by queue.");
     for q in s.queues().keys() {
         let ql = l([("queue", q.as_str())]);
@@ -535,7 +551,10 @@ mod tests {
             labels: Default::default(),
             cpu_milli: 8000,
             memory_mib: 8192,
-            devices: vec![Device::simple("gpu0", DeviceKind::Gpu, "A100"), Device::simple("gpu1", DeviceKind::Gpu, "A100")],
+            devices: vec![
+                Device::simple("gpu0", DeviceKind::Gpu, "A100"),
+                Device::simple("gpu1", DeviceKind::Gpu, "A100"),
+            ],
             schedulable: true,
             agent_addr: String::new(),
         };
