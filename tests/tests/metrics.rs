@@ -6,6 +6,8 @@
 //! The alert rules run from a copy of deploy/prometheus/alerts.yml whose `for:` durations are
 //! all shortened to 1s (the test cannot wait minutes); the expressions are the file's.
 
+#![allow(clippy::unwrap_used)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

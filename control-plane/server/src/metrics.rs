@@ -47,6 +47,8 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 
 type Labels = Vec<(String, String)>;
 type G = Family<Labels, Gauge<f64, AtomicU64>>;
+/// A node, its pool, and its devices' (id, model, memory MiB).
+type NodeDevices = (NodeId, String, Vec<(String, String, u64)>);
 type H = Family<Labels, Histogram, fn() -> Histogram>;
 
 /// The routes this module serves.
@@ -417,7 +419,7 @@ fn leader_only(reg: &mut Reg, core: &crate::core::Core, leader: bool) {
     for (n, age) in beats {
         set(&hb, l([("node", n.as_str())]), age);
     }
-    let nodes: Vec<(NodeId, String, Vec<(String, String, u64)>)> = core.state.read(|s| {
+    let nodes: Vec<NodeDevices> = core.state.read(|s| {
         s.nodes()
             .iter()
             .map(|(id, r)| {
