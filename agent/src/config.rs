@@ -90,6 +90,9 @@ pub struct AgentConfig {
     pub plugin_sha256: Option<Vec<String>>,
     /// Address the task log service (`AgentLogs`) listens on; port 0 picks a free one.
     pub listen: String,
+    /// Address the agent's HTTP listener (`/metrics`, docs/metrics.md) listens on; port 0
+    /// picks a free one. `None` (the default): no listener.
+    pub http_listen: Option<String>,
     /// Address others reach the log service at (default: the bound address). Set it when
     /// `listen` is a wildcard such as `0.0.0.0:7401`.
     pub advertise: Option<String>,
@@ -215,6 +218,7 @@ impl Default for AgentConfig {
             plugin_config: BTreeMap::new(),
             plugin_sha256: None,
             listen: "127.0.0.1:0".into(),
+            http_listen: None,
             advertise: None,
             cpu_milli: None,
             memory_mib: None,
@@ -382,6 +386,9 @@ impl AgentConfig {
         self.listen
             .parse::<SocketAddr>()
             .map_err(|e| invalid("listen", format!("{:?} is not IP:PORT: {e}", self.listen)))?;
+        if let Some(h) = &self.http_listen {
+            h.parse::<SocketAddr>().map_err(|e| invalid("http_listen", format!("{h:?} is not IP:PORT: {e}")))?;
+        }
         if let Some(a) = &self.advertise {
             check_host_port("advertise", a)?;
         }

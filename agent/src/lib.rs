@@ -38,6 +38,7 @@ pub mod fedlease;
 pub mod journal;
 pub mod lease;
 mod logs;
+mod metrics;
 mod plugins;
 pub mod shim;
 pub mod sys;
@@ -293,6 +294,7 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
     };
     let mut stop_logs = stop_rx.clone();
     let handshake = AgentConfig::ms(agent.cfg.tls_handshake_timeout_ms);
+    let tls_for_http = tls.clone();
     loops.spawn(async move {
         let svc = suanli_proto::v1::agent_logs_server::AgentLogsServer::new(svc);
         let stopped = async move {
@@ -319,7 +321,27 @@ pub async fn run(mut cfg: AgentConfig, shutdown: impl Future<Output = ()>) -> an
             tracing::error!(error = %e, "the log service stopped");
         }
     });
-    tracing::info!(node = %agent.node_id, addr = %agent.agent_addr, servers = ?agent.cfg.servers, "agent running");
+    // The HTTP listener (`/metrics`), when `http_listen` is set: its address is logged.
+    let http_addr = match agent.cfg.http_listen.clone() {
+        Some(h) => {
+            let l = tokio::net::TcpListener::bind(&h).await.with_context(|| format!("http_listen: binding {h}"))?;
+            let bound = l.local_addr().context("http_listen: local address")?;
+            let mut stop_http = stop_rx.clone();
+            let http_tls = tls_for_http;
+            let router = metrics::router(agent.clone());
+            loops.spawn(async move {
+                let stopped = async move {
+                    let _ = stop_http.changed().await;
+                };
+                if let Err(e) = suanli_security::http::serve(l, http_tls, handshake, router, stopped).await {
+                    tracing::error!(error = %e, "the HTTP listener stopped");
+                }
+            });
+            bound.to_string()
+        }
+        None => "off".to_owned(),
+    };
+    tracing::info!(node = %agent.node_id, addr = %agent.agent_addr, servers = ?agent.cfg.servers, http = %http_addr, "agent running");
     shutdown.await;
     tracing::info!(
         pending_reports = agent.reporter.len(),

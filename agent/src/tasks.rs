@@ -159,6 +159,13 @@ pub(crate) struct Tasks {
     fed_until: BTreeMap<u64, u64>,
 }
 
+impl Tasks {
+    /// Allocations managed now (the agent's `/metrics`).
+    pub(crate) fn count(&self) -> usize {
+        self.map.len()
+    }
+}
+
 fn lock(agent: &Agent) -> std::sync::MutexGuard<'_, Tasks> {
     agent.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
