@@ -29,6 +29,8 @@ pub(crate) struct HttpCtx {
     pub core: Arc<Core>,
     /// The gRPC listeners' authorization (token key, revocations, insecure mode).
     pub access: Access,
+    /// The client listener's services (the dashboard's `/api/` gateway calls them in process).
+    pub api: crate::api::Api,
 }
 
 /// The router of the HTTP listener.
