@@ -26,6 +26,7 @@ use suanli_security::tls::PeerInfo;
 #[derive(Clone)]
 pub(crate) struct HttpCtx {
     /// The server.
+    #[allow(dead_code)] // read by /metrics
     pub core: Arc<Core>,
     /// The gRPC listeners' authorization (token key, revocations, insecure mode).
     pub access: Access,
@@ -50,11 +51,7 @@ pub(crate) fn caller(ctx: &HttpCtx, headers: &HeaderMap, extensions: &Extensions
 
 /// [`caller`], refusing anonymous callers (401): what `/metrics` requires. Any verified
 /// identity may read metrics (a Prometheus with a viewer certificate or token).
-pub(crate) fn known_caller(
-    ctx: &HttpCtx,
-    headers: &HeaderMap,
-    extensions: &Extensions,
-) -> Result<Principal, Response> {
+pub(crate) fn known_caller(ctx: &HttpCtx, headers: &HeaderMap, extensions: &Extensions) -> Result<Principal, Response> {
     match caller(ctx, headers, extensions)? {
         Principal::Anonymous => Err((
             StatusCode::UNAUTHORIZED,
