@@ -292,15 +292,7 @@ impl Material {
             .map_err(|e| invalid("cert", &files.cert, e.to_string()))?;
         client.alpn_protocols = vec![ALPN_H2.to_vec()];
         let server_http = http_config(&server_optional);
-        Ok(Material {
-            digest,
-            stamps,
-            server_required,
-            server_optional,
-            server_http,
-            client: Arc::new(client),
-            identity,
-        })
+        Ok(Material { digest, stamps, server_required, server_optional, server_http, client: Arc::new(client), identity })
     }
 }
 

@@ -718,8 +718,7 @@ mod tests {
 
     #[test]
     fn port_zero_becomes_the_bound_addresses() {
-        let bound =
-            crate::Bound { client: ([127, 0, 0, 1], 4100).into(), peer: ([127, 0, 0, 1], 4200).into(), http: None };
+        let bound = crate::Bound { client: ([127, 0, 0, 1], 4100).into(), peer: ([127, 0, 0, 1], 4200).into(), http: None };
         let c = ServerConfig {
             id: 1,
             listen: "127.0.0.1:0".into(),

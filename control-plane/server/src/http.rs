@@ -51,7 +51,11 @@ pub(crate) fn caller(ctx: &HttpCtx, headers: &HeaderMap, extensions: &Extensions
 
 /// [`caller`], refusing anonymous callers (401): what `/metrics` requires. Any verified
 /// identity may read metrics (a Prometheus with a viewer certificate or token).
-pub(crate) fn known_caller(ctx: &HttpCtx, headers: &HeaderMap, extensions: &Extensions) -> Result<Principal, Response> {
+pub(crate) fn known_caller(
+    ctx: &HttpCtx,
+    headers: &HeaderMap,
+    extensions: &Extensions,
+) -> Result<Principal, Response> {
     match caller(ctx, headers, extensions)? {
         Principal::Anonymous => Err((
             StatusCode::UNAUTHORIZED,

@@ -165,11 +165,7 @@ mod tests {
 
     #[test]
     fn the_line_is_read_from_a_stream_among_others() {
-        let b = Bound {
-            client: ([127, 0, 0, 1], 4100).into(),
-            peer: ([127, 0, 0, 1], 4101).into(),
-            http: Some(([127, 0, 0, 1], 4102).into()),
-        };
+        let b = Bound { client: ([127, 0, 0, 1], 4100).into(), peer: ([127, 0, 0, 1], 4101).into(), http: Some(([127, 0, 0, 1], 4102).into()) };
         let text = format!("something else\n{}\nmore\n", b.line());
         let got = await_line(std::io::Cursor::new(text.into_bytes()), std::time::Duration::from_secs(5));
         assert_eq!(got.expect("found"), b);
