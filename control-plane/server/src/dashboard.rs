@@ -99,7 +99,7 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
 }
 
 async fn not_found() -> Response {
-    error(StatusCode::NOT_FOUND, "not_found", "no such page or API method")
+    error(StatusCode::NOT_FOUND, "NOT_FOUND", "no such page or API method")
 }
 
 /// A JSON error answer: `{"code": ..., "message": ...}`.
@@ -137,27 +137,21 @@ impl Params {
     fn str(&self, name: &str) -> String {
         self.0.get(name).cloned().unwrap_or_default()
     }
-    fn u64(&self, name: &str) -> Result<u64, Response> {
+    fn u64(&self, name: &str) -> Result<u64, String> {
         match self.0.get(name).map(String::as_str) {
             None | Some("") => Ok(0),
-            Some(v) => v.parse().map_err(|_| {
-                error(StatusCode::BAD_REQUEST, "invalid_argument", &format!("{name}: {v:?} is not an integer 0..2^64"))
-            }),
+            Some(v) => v.parse().map_err(|_| format!("{name}: {v:?} is not an integer 0..2^64")),
         }
     }
-    fn u32(&self, name: &str) -> Result<u32, Response> {
+    fn u32(&self, name: &str) -> Result<u32, String> {
         let v = self.u64(name)?;
-        u32::try_from(v).map_err(|_| {
-            error(StatusCode::BAD_REQUEST, "invalid_argument", &format!("{name}: {v} is above {}", u32::MAX))
-        })
+        u32::try_from(v).map_err(|_| format!("{name}: {v} is above {}", u32::MAX))
     }
-    fn bool(&self, name: &str) -> Result<bool, Response> {
+    fn bool(&self, name: &str) -> Result<bool, String> {
         match self.0.get(name).map(String::as_str) {
             None | Some("" | "false" | "0") => Ok(false),
             Some("true" | "1") => Ok(true),
-            Some(v) => {
-                Err(error(StatusCode::BAD_REQUEST, "invalid_argument", &format!("{name}: {v:?} is not true or false")))
-            }
+            Some(v) => Err(format!("{name}: {v:?} is not true or false")),
         }
     }
     /// A comma-separated list.
@@ -179,12 +173,14 @@ async fn api(
     let peer = req.extensions().get::<ConnectInfo<PeerInfo>>().map(|c| c.0.clone());
     let call = Call { grpc: dash.grpc, headers: req.headers().clone(), peer };
     match read(&call, &service, &method, &p).await {
-        Ok(r) | Err(r) => r,
+        Ok(r) => r,
+        Err(bad) => error(StatusCode::BAD_REQUEST, "INVALID_ARGUMENT", &bad),
     }
 }
 
-/// The allow-list: each read method, its request built from the query.
-async fn read(call: &Call, service: &str, method: &str, p: &Params) -> Result<Response, Response> {
+/// The allow-list: each read method, its request built from the query (a bad parameter: its
+/// name and what is wrong).
+async fn read(call: &Call, service: &str, method: &str, p: &Params) -> Result<Response, String> {
     Ok(match (service, method) {
         ("Cluster", "Members") => call.unary::<_, pb::MembersResponse>(service, method, pb::MembersRequest {}).await,
         ("Cluster", "Leader") => call.unary::<_, pb::LeaderResponse>(service, method, pb::LeaderRequest {}).await,
@@ -229,13 +225,11 @@ async fn read(call: &Call, service: &str, method: &str, p: &Params) -> Result<Re
         }
         // Cost/Report: wired when the cost API lands (docs/dashboard.md); the page says "not
         // available" on this 404.
-        _ => {
-            return Err(error(
-                StatusCode::NOT_FOUND,
-                "not_found",
-                &format!("{service}.{method}: not a read method the dashboard serves (docs/dashboard.md lists them)"),
-            ));
-        }
+        _ => error(
+            StatusCode::NOT_FOUND,
+            "NOT_FOUND",
+            &format!("{service}.{method}: not a read method the dashboard serves (docs/dashboard.md lists them)"),
+        ),
     })
 }
 
@@ -258,7 +252,7 @@ impl Call {
         match self.call::<Req, Resp>(service, method, req).await {
             Ok(m) => match serde_json::to_string(&m) {
                 Ok(body) => hardened(([(header::CONTENT_TYPE, "application/json")], body).into_response()),
-                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &format!("encoding the answer: {e}")),
+                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL", &format!("encoding the answer: {e}")),
             },
             Err(s) => status_answer(&s),
         }
