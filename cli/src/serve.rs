@@ -352,7 +352,8 @@ pub fn dev(args: DevArgs) -> Result<()> {
     rt.block_on(async move {
         // A port in use ends `suanli dev` at once, naming the field and the address.
         let listeners = suanli_server::Listeners::bind(&cfg).await?;
-        let l = announce(&listeners)?.client.to_string();
+        let bound = announce(&listeners)?;
+        let l = bound.client.to_string();
         let agents = if args.no_agents { Vec::new() } else { dev_agents(&args, &l, &tls_dir)? };
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -376,6 +377,10 @@ pub fn dev(args: DevArgs) -> Result<()> {
             let id = a.node_id.clone();
             let h = tokio::spawn(suanli_agent::run(a, stopped(stop_rx.clone())));
             handles.push((id, h));
+        }
+        // The dashboard's address, with a viewer token so it opens with data (docs/dashboard.md).
+        if let Some(http) = bound.http {
+            eprintln!("suanli dev: dashboard {}", dev_dashboard_line(&l, &http.to_string(), &tls_dir).await);
         }
         // From the directory `suanli dev` runs in, the CLI finds ./.suanli/dev/tls by itself.
         let creds = if tls_dir == std::path::Path::new(crate::client::creds::DEV_TLS_DIR) {
@@ -616,6 +621,12 @@ fn dev_regions(args: &DevArgs, n: usize) -> Result<()> {
                 let pools = dir.regions.iter().find(|r| &r.name == name).map(|r| r.pools.join(",")).unwrap_or_default();
                 lines.push(format!("  {name}: servers {} ({agent}; pools {pools})", c.addrs.join(",")));
             }
+            for (name, c) in &cluster.regions {
+                if let Some(http) = c.http_addrs.first().filter(|h| !h.is_empty()) {
+                    let first = c.addrs.first().map_or("", String::as_str);
+                    lines.push(format!("  {name} dashboard: {}", dev_dashboard_line(first, http, &tls_dir).await));
+                }
+            }
             lines.push("Try:".into());
             lines.push("  suanli federation regions".into());
             lines.push(format!(
@@ -671,6 +682,32 @@ async fn ensure_dev_setup(addr: &str, data_dir: &std::path::Path, tls_dir: &std:
         conn.set_config([("checkpoint_store".to_owned(), serde_json::Value::String(store).to_string())]).await?;
     }
     Ok(())
+}
+
+/// Lifetime of the viewer token `suanli dev` prints with the dashboard's address.
+const DEV_DASHBOARD_TOKEN_TTL_S: u64 = 7 * 24 * 3600;
+
+/// `https://HTTP/#token=T`: the dashboard's address with a viewer token (user `dashboard`, 7 days) made
+/// with the dev admin's certificate through `server`, in the URL's fragment (never sent to the
+/// server in a URL; the page keeps it in session storage). When no token can be made, the
+/// address alone and the command that makes one.
+async fn dev_dashboard_line(server: &str, http: &str, tls_dir: &std::path::Path) -> String {
+    let url = format!("https://{http}/");
+    let token = async {
+        let admin = suanli_security::tls::Tls::load(suanli_security::certs::paths(tls_dir, "admin"))
+            .context("the dev admin certificate")?;
+        let conn = suanli_client::Connection::new(
+            &[server.to_owned()],
+            suanli_client::ConnectionConfig { tls: Some(admin), ..suanli_client::ConnectionConfig::default() },
+        )?;
+        anyhow::Ok(conn.create_token("dashboard", "viewer", "", DEV_DASHBOARD_TOKEN_TTL_S).await?.token)
+    };
+    match token.await {
+        Ok(t) => format!("{url}#token={t} (a viewer token, valid 7 days)"),
+        Err(e) => format!(
+            "{url} (no token made: {e:#}; make one with `suanli token create --name me --role viewer` and open {url}#token=<token>)"
+        ),
+    }
 }
 
 /// `p` made absolute (as given when that fails), for a hint.

@@ -26,9 +26,12 @@ use suanli_security::tls::PeerInfo;
 #[derive(Clone)]
 pub(crate) struct HttpCtx {
     /// The server.
+    #[allow(dead_code)] // read by /metrics
     pub core: Arc<Core>,
     /// The gRPC listeners' authorization (token key, revocations, insecure mode).
     pub access: Access,
+    /// The client listener's services (the dashboard's `/api/` gateway calls them in process).
+    pub api: crate::api::Api,
 }
 
 /// The router of the HTTP listener.
@@ -39,7 +42,7 @@ pub(crate) fn router(ctx: HttpCtx) -> Router {
 /// Who sent an HTTP request: a bearer token (`Authorization: Bearer ...`), else the TLS
 /// client certificate, else anonymous; `Principal::Insecure` on an insecure server. A bad
 /// token is 401 with the reason.
-#[allow(clippy::result_large_err)] // an axum Response, returned as is by every handler
+#[allow(clippy::result_large_err)] // the refusal is the answer
 pub(crate) fn caller(ctx: &HttpCtx, headers: &HeaderMap, extensions: &Extensions) -> Result<Principal, Response> {
     let peer = extensions.get::<ConnectInfo<PeerInfo>>().map(|p| &p.0);
     ctx.access
@@ -49,7 +52,7 @@ pub(crate) fn caller(ctx: &HttpCtx, headers: &HeaderMap, extensions: &Extensions
 
 /// [`caller`], refusing anonymous callers (401): what `/metrics` requires. Any verified
 /// identity may read metrics (a Prometheus with a viewer certificate or token).
-#[allow(clippy::result_large_err)]
+#[allow(clippy::result_large_err)] // the refusal is the answer
 pub(crate) fn known_caller(
     ctx: &HttpCtx,
     headers: &HeaderMap,

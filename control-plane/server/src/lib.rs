@@ -242,7 +242,7 @@ pub async fn serve(
     // The HTTP listener (/metrics, the dashboard) stops with the client listener; a failure
     // of it is logged and ends nothing else.
     let _http = http_listener.map(|l| {
-        let router = http::router(http::HttpCtx { core: core.clone(), access: access.clone() });
+        let router = http::router(http::HttpCtx { core: core.clone(), access: access.clone(), api: api.clone() });
         let (tls, done) = (tls.clone(), done_rx.clone());
         AbortOnDrop(tokio::spawn(async move {
             if let Err(e) = suanli_security::http::serve(l, tls, handshake, router, until(done)).await {
