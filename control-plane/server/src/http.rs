@@ -26,7 +26,6 @@ use suanli_security::tls::PeerInfo;
 #[derive(Clone)]
 pub(crate) struct HttpCtx {
     /// The server.
-    #[allow(dead_code)] // read by /metrics
     pub core: Arc<Core>,
     /// The gRPC listeners' authorization (token key, revocations, insecure mode).
     pub access: Access,
@@ -53,11 +52,7 @@ pub(crate) fn caller(ctx: &HttpCtx, headers: &HeaderMap, extensions: &Extensions
 /// [`caller`], refusing anonymous callers (401): what `/metrics` requires. Any verified
 /// identity may read metrics (a Prometheus with a viewer certificate or token).
 #[allow(clippy::result_large_err)] // the refusal is the answer
-pub(crate) fn known_caller(
-    ctx: &HttpCtx,
-    headers: &HeaderMap,
-    extensions: &Extensions,
-) -> Result<Principal, Response> {
+pub(crate) fn known_caller(ctx: &HttpCtx, headers: &HeaderMap, extensions: &Extensions) -> Result<Principal, Response> {
     match caller(ctx, headers, extensions)? {
         Principal::Anonymous => Err((
             StatusCode::UNAUTHORIZED,

@@ -572,6 +572,7 @@ mod tests {
                 spec,
                 retry: None,
                 now: 10,
+                trace: None,
             })));
         }
         s

@@ -130,6 +130,7 @@ fn known_workload_to_the_cent() {
         spec: in_pool(spec("q", 1, 1, 0), "b"),
         retry: Some(retry),
         now: 120,
+        trace: None,
     };
     apply_ok(&mut s, Command::SubmitJob(Box::new(sub)));
     assert_eq!(schedule_once(&mut s, 120).placed.len(), 1);
