@@ -9,7 +9,8 @@ use suanli_tests as support;
 use support::{CkptCluster, NodeSpec, Trainer, cli};
 
 fn suanli(addr: &str, args: &[&str]) -> String {
-    let out = cli().arg("--server").arg(addr).args(args).output().expect("suanli runs");
+    // `--server` is a flag of the `cost` command group, so it follows the group's name.
+    let out = cli().arg(args[0]).arg("--server").arg(addr).args(&args[1..]).output().expect("suanli runs");
     assert!(out.status.success(), "suanli {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).expect("utf-8")
 }
@@ -50,12 +51,21 @@ async fn prices_set_and_the_report_conserves() {
 
     suanli(&c.addr, &["job", "cancel", &id.to_string()]);
     c.wait_job(id, Duration::from_secs(20), "cancelled", |j| j.state == "cancelled").await;
-    let r = report(&c.addr, "pool");
+    // The job is cancelled before its allocation has ended (the task is still stopping); the
+    // attempt is classified when the allocation ends.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let r = loop {
+        let r = report(&c.addr, "pool");
+        if base(&r["total"], "running") == 0 || std::time::Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(r["conserved"], true, "{r}");
     assert_eq!(base(&r["total"], "running"), 0, "{r}");
     assert!(base(&r["total"], "useful") > 0, "a cancelled attempt counts as useful: {r}");
     let csv = suanli(&c.addr, &["cost", "report", "--by", "team", "--format", "csv", "--since", "-1h"]);
     assert!(csv.starts_with("key,useful,lost_preemption,lost_failure,running,idle,total\n"), "{csv}");
-    let bad = cli().arg("--server").arg(&c.addr).args(["cost", "report", "--by", "color"]).output().unwrap();
+    let bad = cli().args(["cost", "--server", &c.addr, "report", "--by", "color"]).output().unwrap();
     assert!(String::from_utf8_lossy(&bad.stderr).contains("by"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
