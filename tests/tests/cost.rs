@@ -44,7 +44,8 @@ async fn prices_set_and_the_report_conserves() {
         .await;
     let r = report(&c.addr, "job");
     assert_eq!(r["conserved"], true, "{r}");
-    let row = r["rows"].as_array().unwrap().iter().find(|x| x["key"] == id.to_string()).expect("the job's row");
+    let key = id.to_string();
+    let row = r["rows"].as_array().unwrap().iter().find(|x| x["key"] == key.as_str()).expect("the job's row");
     assert!(base(row, "running") > 0, "{r}");
     assert!(base(&r["total"], "idle") > 0, "one GPU of two is idle: {r}");
     assert_eq!(r["total"]["base"]["total"], r["capacity_base"], "{r}");

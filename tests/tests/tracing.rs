@@ -4,6 +4,7 @@
 //! the leader is killed, and the job restarts under the new leader and finishes. Its spans
 //! share one trace, the root `job` span exists once, every other span is its child, and the
 //! spans come from two server processes and the agent, for attempts 1 and 2.
+#![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};

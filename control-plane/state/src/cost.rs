@@ -822,13 +822,7 @@ mod tests {
                 DevicePrice { model: "A".into(), micro_per_hour: 1, ..Default::default() },
                 DevicePrice { model: "A".into(), region: "r".into(), micro_per_hour: 2, ..Default::default() },
                 DevicePrice { model: "A".into(), pool: "p".into(), micro_per_hour: 3, ..Default::default() },
-                DevicePrice {
-                    model: "A".into(),
-                    pool: "p".into(),
-                    region: "r".into(),
-                    micro_per_hour: 4,
-                    ..Default::default()
-                },
+                DevicePrice { model: "A".into(), pool: "p".into(), region: "r".into(), micro_per_hour: 4 },
             ],
             ..Default::default()
         };
