@@ -34,6 +34,7 @@ fi
 missing=()
 command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v chromium-headless-shell >/dev/null 2>&1 || missing+=(chromium-headless-shell)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]} (Debian packages, for the metrics and dashboard tests)"
   SUDO=""

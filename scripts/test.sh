@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The one gate: formatting, clippy with warnings denied, cargo deny (licenses, bans, sources) and
-# cargo machete (unused dependencies), every test of the workspace, and the chaos harness's
-# short suite (chaos/README.md) against real clusters.
+# The one gate: formatting, clippy with warnings denied (in the one test build), cargo deny
+# (licenses, bans, sources) and cargo machete (unused dependencies), every test of the workspace
+# (cargo-nextest), the chaos harness's short suite (chaos/README.md) against real clusters, and
+# 30 s of each fuzz target.
 # Tests that replay the public Alibaba trace read it from $SUANLI_TRACES (default: the copy
 # beside this checkout, ../shared/traces/alibaba-gpu-v2023, when present).
 set -euo pipefail
@@ -33,12 +34,18 @@ stage() {
 disk
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
-stage "cargo clippy --all-targets -D warnings"
-cargo clippy --workspace --all-targets --quiet -- -D warnings
-# cargo caches rustc's answers to its target probes in the target dir; on this project's
-# development machines a probe run during clippy has been cached as failed (its stdin held a
-# build script's compiler output), which then broke every later cargo command of the run. The
-# cache is only a cache: start the next stages without it.
+# One build serves clippy and the tests: clippy-driver wraps rustc for the workspace's crates
+# (what `cargo clippy` does, but in a full build rather than a check), so every target is
+# linted, warnings denied, while it is compiled for the tests. Every later cargo command of the
+# gate runs with the same wrapper, so nothing is compiled twice (a separate `cargo clippy`
+# checked all ~400 dependencies again: about 15 minutes of a fresh gate).
+RUSTC_WORKSPACE_WRAPPER="$(command -v clippy-driver || echo "$(rustc --print sysroot)/bin/clippy-driver")"
+export RUSTC_WORKSPACE_WRAPPER
+export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
+stage "cargo test --no-run --all-targets under clippy-driver (clippy -D warnings and the test build, in one)"
+cargo test --workspace --all-targets --no-run --quiet
+# cargo caches rustc's answers to its target probes in the target dir; a probe once cached as
+# failed broke every later cargo command of a run. The cache is only a cache: start without it.
 rm -f "$target_dir/.rustc_info.json"
 # Dependency checks. cargo-deny's advisory database cannot be fetched on these machines, so it
 # checks licenses, bans and sources (deny.toml); cargo-machete finds unused dependencies (a
@@ -56,7 +63,9 @@ if ! "$tools/bin/cargo-deny" --version 2>/dev/null | grep -qF 0.20.2; then
 fi
 if ! "$tools/bin/cargo-machete" --version 2>/dev/null | grep -qF 0.9.2; then
   echo "   installing cargo-machete 0.9.2 into $tools"
-  cargo install --locked --quiet --root "$tools" --target-dir "$tools/build" cargo-machete --version =0.9.2
+  # Not under clippy-driver: the wrapper above is for this workspace's crates only.
+  env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS \
+    cargo install --locked --quiet --root "$tools" --target-dir "$tools/build" cargo-machete --version =0.9.2
   rm -rf "$tools/build"
 fi
 # moto: a real S3-protocol server for agent/tests/checkpoint_store.rs, pinned, in its own venv;
@@ -79,8 +88,18 @@ stage "cargo build (the device plugin .so files and the binary the end-to-end te
 # `cargo test` builds only the rlib side of other packages' libraries; the plugin tests and
 # the agent tests dlopen the cdylibs from target/debug. Same profile, so nothing is rebuilt.
 cargo build --workspace --quiet
-stage "cargo test"
-cargo test --workspace --quiet
+# cargo-nextest (on every machine of this kind) runs each test as its own process, two at a
+# time across all test binaries (.config/nextest.toml), so one slow binary no longer holds the
+# others back; doctests are cargo test's. Without nextest, cargo test runs them all.
+if cargo nextest --version >/dev/null 2>&1; then
+  stage "cargo nextest run (every test of the workspace)"
+  cargo nextest run --workspace --cargo-quiet
+  stage "cargo test --doc"
+  cargo test --workspace --doc --quiet
+else
+  stage "cargo test (cargo-nextest not found)"
+  cargo test --workspace --quiet
+fi
 disk
 stage "suanli-chaos suite --short (every short scenario once; seed base ${SUANLI_CHAOS_SEED:-1})"
 "$target_dir/debug/suanli-chaos" suite --short --seed "${SUANLI_CHAOS_SEED:-1}" --duration-s 15
@@ -88,5 +107,5 @@ stage "suanli-chaos suite --short (every short scenario once; seed base ${SUANLI
 # <target>/fuzz with cargo-fuzz's own flags (the main build cache is untouched; nothing there
 # links RocksDB). Fails on a crash, printing the reproducer's path.
 stage "scripts/fuzz.sh 30 (every fuzz target 30 s, two at a time)"
-scripts/fuzz.sh 30
+env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS scripts/fuzz.sh 30
 stage "done"

@@ -50,12 +50,11 @@ struct Traced {
 static ALLOCS: Mutex<BTreeMap<(u64, u64), Traced>> = Mutex::new(BTreeMap::new());
 
 fn parse(tp: &str) -> Option<SpanContext> {
-    let mut p = tp.split('-');
-    let (_v, t, s, f) = (p.next()?, p.next()?, p.next()?, p.next()?);
+    let tp = suanli_model::trace::TraceParent::parse(tp)?;
     let sc = SpanContext::new(
-        TraceId::from_hex(t).ok()?,
-        SpanId::from_hex(s).ok()?,
-        TraceFlags::new(u8::from_str_radix(f, 16).ok()?),
+        TraceId::from_bytes(tp.trace_id),
+        SpanId::from_bytes(tp.span_id),
+        TraceFlags::new(tp.flags),
         true,
         TraceState::default(),
     );

@@ -1,6 +1,6 @@
 //! `suanli federation ...`: run a federation server (`serve`, the same membership and TLS flags
 //! as `suanli server`) and talk to one (`status`, `regions`, `jobs`, `job`, `submit`, `cancel`,
-//! `quota`). docs/federation.md.
+//! `quota`, `cost`). docs/federation.md.
 //!
 //! ```text
 //!   --federation a:7600,b:7600 (env SUANLI_FEDERATION; dev: ./.suanli/dev/federation)
@@ -86,6 +86,16 @@ enum FedCmd {
     /// Global quotas (worldwide, per team and device model).
     #[command(subcommand)]
     Quota(QuotaCmd),
+    /// The global cost roll-up: each region's ledger totals at its latest sync, summed by team
+    /// or listed by region (docs/cost.md).
+    Cost {
+        /// team (summed over regions) or region.
+        #[arg(long, default_value = "team")]
+        by: String,
+        /// table, json or csv (default: json with --output json, else table).
+        #[arg(long, value_enum)]
+        format: Option<crate::client::cost::Format>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -120,6 +130,9 @@ pub struct FedServeArgs {
     /// The peer listener (IP:PORT): raft and FederationPeer, servers only.
     #[arg(long)]
     pub peer_listen: Option<String>,
+    /// The HTTP listener (IP:PORT) serving /metrics; default: the client port + 2; "off": none.
+    #[arg(long)]
+    pub http_listen: Option<String>,
     /// Where the raft log and state live.
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
@@ -168,6 +181,9 @@ impl FedServeArgs {
         }
         if let Some(v) = &self.peer_listen {
             c.peer_listen = v.clone();
+        }
+        if let Some(v) = &self.http_listen {
+            c.http_listen = Some(v.clone());
         }
         if let Some(v) = &self.data_dir {
             c.data_dir = v.clone();
@@ -510,6 +526,15 @@ async fn client(args: FederationArgs) -> Result<()> {
                 println!("quota of team {team} for {model}: {} devices worldwide", milli(m));
             }
             Ok(())
+        }
+        FedCmd::Cost { by, format } => {
+            let r = conn.fed_cost(&by).await?;
+            let format = format.unwrap_or(if out == Output::Json {
+                crate::client::cost::Format::Json
+            } else {
+                crate::client::cost::Format::Table
+            });
+            crate::client::cost::print_report(&r, format)
         }
         FedCmd::Quota(QuotaCmd::List) => {
             let r = conn.fed_regions().await?;

@@ -347,7 +347,20 @@ pub fn dev(args: DevArgs) -> Result<()> {
         ..ServerConfig::default()
     };
     cfg.validate()?;
-    init_logging("info,openraft=warn");
+    // With OTEL_EXPORTER_OTLP_ENDPOINT set, the dev server and its in-process agents export
+    // the job-life spans (docs/tracing.md); one process, one service name.
+    crate::logging::init_traced(
+        "info,openraft=warn",
+        crate::logging::Service {
+            name: "suanli-dev",
+            instance: format!("dev@{}", cfg.listen),
+            config_endpoint: None,
+            config_key: "telemetry.otlp_endpoint",
+        },
+    )?;
+    if suanli_server::telemetry::enabled() {
+        suanli_agent::telemetry::set_enabled(true);
+    }
     let rt = runtime()?;
     rt.block_on(async move {
         // A port in use ends `suanli dev` at once, naming the field and the address.

@@ -86,6 +86,17 @@ impl Connection {
         .await
     }
 
+    /// `Federation.Cost`: the global cost roll-up, by `team` or `region`.
+    pub async fn fed_cost(&self, by: &str) -> Result<pb::CostReportResponse, ClientError> {
+        let by = by.to_owned();
+        self.call(move |ch| {
+            let mut c = self.federation(ch);
+            let by = by.clone();
+            async move { c.cost(pb::FedCostRequest { by }).await }
+        })
+        .await
+    }
+
     /// `Federation.Jobs`, every page (up to `cap` jobs).
     pub async fn fed_jobs(
         &self,

@@ -39,6 +39,10 @@ pub enum FedCommand {
         data_labels: BTreeMap<String, String>,
         /// Leader's clock.
         now_ms: u64,
+        /// The submitter's W3C `traceparent`, when it sent one: every region's job joins that
+        /// trace (docs/tracing.md).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        trace: Option<String>,
     },
     /// Cancel a job: a pending one ends now, a held one when its region reports it stopped
     /// (or its lease ends).

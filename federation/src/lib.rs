@@ -24,6 +24,7 @@ pub mod access;
 pub mod command;
 pub mod dispatch;
 pub mod loops;
+pub mod metrics;
 pub mod model;
 pub mod node;
 pub mod server;

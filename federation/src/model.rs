@@ -160,6 +160,29 @@ pub struct RegionRecord {
     pub last_sync_ms: u64,
     /// Its leader's clock at the latest sync.
     pub sent_at_ms: u64,
+    /// Its cost ledger's totals at the latest sync that carried them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<RegionCost>,
+}
+
+/// A region's cost ledger totals (docs/cost.md), exact base units, from its start (or horizon)
+/// to `until`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct RegionCost {
+    /// The currency of its price catalog.
+    pub currency: String,
+    /// The region ledger's clock (seconds since the epoch).
+    pub until: u64,
+    /// Capacity x time x price.
+    pub capacity: i128,
+    /// Per team (the idle capacity: "(idle)"): useful, lost to preemption, lost to failure,
+    /// running, idle.
+    pub teams: BTreeMap<String, [i128; 5]>,
+}
+
+impl RegionCost {
+    /// The categories' names, in the order of [`RegionCost::teams`]' arrays.
+    pub const CATEGORIES: [&'static str; 5] = ["useful", "lost_preemption", "lost_failure", "running", "idle"];
 }
 
 impl RegionRecord {
@@ -326,6 +349,9 @@ pub struct FedJob {
     pub cancel_requested: bool,
     /// Federation clock at the last change.
     pub updated_at_ms: u64,
+    /// The submitter's W3C `traceparent` (the parent of each region job's root span).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
 }
 
 /// A team's worldwide quota for one device model.
@@ -360,6 +386,9 @@ pub struct RegionSync {
     pub held: Vec<HeldJob>,
     /// Its leader's clock.
     pub sent_at_ms: u64,
+    /// Its cost ledger's totals (none without a price catalog).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<RegionCost>,
 }
 
 /// A federated job as a region reports it.
@@ -418,6 +447,9 @@ pub struct Assignment {
     pub restore: Option<CheckpointRef>,
     /// The device model chosen.
     pub device_model: Option<String>,
+    /// The submitter's `traceparent`, when the job has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
 }
 
 /// The federation's answer to a sync.

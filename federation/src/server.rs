@@ -43,6 +43,9 @@ pub struct FederationServerConfig {
     pub listen: String,
     /// Peer listener (`RaftTransport`, `FederationPeer`).
     pub peer_listen: String,
+    /// HTTP listener (`/metrics`): `None` is the client port + 2 (port 0 stays 0), `"off"`
+    /// serves none.
+    pub http_listen: Option<String>,
     /// The initial voters, `id=client/peer` (as `suanli server --peers`).
     pub peers: Vec<(u64, String, String)>,
     /// Initialize the group when storage is empty (the smallest peer id does it).
@@ -72,6 +75,7 @@ impl Default for FederationServerConfig {
             data_dir: PathBuf::from("data/federation"),
             listen: "127.0.0.1:7600".into(),
             peer_listen: "127.0.0.1:7601".into(),
+            http_listen: None,
             peers: Vec::new(),
             bootstrap: false,
             tls_dir: None,
@@ -104,6 +108,8 @@ pub struct FileConfig {
     pub listen: Option<String>,
     /// Peer listener.
     pub peer_listen: Option<String>,
+    /// HTTP listener (`/metrics`), or "off".
+    pub http_listen: Option<String>,
     /// Initial voters, `ID=CLIENT[/PEER]`.
     pub peers: Option<Vec<String>>,
     /// Initialize a new group when storage is empty.
@@ -150,6 +156,9 @@ impl FederationServerConfig {
         if let Some(v) = f.peer_listen {
             c.peer_listen = v;
         }
+        if let Some(v) = f.http_listen {
+            c.http_listen = Some(v);
+        }
         if let Some(v) = f.peers {
             c.peers = v.iter().map(|p| parse_peer(p)).collect::<Result<_, _>>()?;
         }
@@ -183,11 +192,36 @@ impl FederationServerConfig {
         Ok(c)
     }
 
+    /// Where the HTTP listener binds: `http_listen`, or the client listener's port + 2 (port 0
+    /// stays 0); `None` when it is `"off"`.
+    pub fn http_addr(&self) -> Result<Option<String>, String> {
+        match self.http_listen.as_deref() {
+            Some("off") => Ok(None),
+            Some(a) => Ok(Some(a.to_owned())),
+            None => {
+                let (host, port) = self
+                    .listen
+                    .rsplit_once(':')
+                    .and_then(|(h, p)| p.parse::<u16>().ok().map(|p| (h, p)))
+                    .ok_or_else(|| format!("listen: {:?} is not HOST:PORT", self.listen))?;
+                let http = if port == 0 {
+                    0
+                } else {
+                    port.checked_add(2).ok_or_else(|| {
+                        format!("http_listen: the client port {port} + 2 is above 65535; set http_listen")
+                    })?
+                };
+                Ok(Some(format!("{host}:{http}")))
+            }
+        }
+    }
+
     /// Checks the fields (the error names the field and the limit).
     pub fn validate(&self) -> Result<(), String> {
         if self.id == 0 {
             return Err("id: must be >= 1".into());
         }
+        self.http_addr()?;
         if self.tls_dir.is_none() && !self.insecure {
             return Err("tls_dir: required (or --insecure for a plaintext development server)".into());
         }
@@ -250,27 +284,31 @@ pub struct Bound {
     pub client: std::net::SocketAddr,
     /// The peer listener.
     pub peer: std::net::SocketAddr,
+    /// The HTTP listener (`/metrics`), unless `http_listen = "off"`.
+    pub http: Option<std::net::SocketAddr>,
 }
 
 impl Bound {
-    /// `suanli federation listening client=A peer=B`.
+    /// `suanli federation listening client=A peer=B[ http=C]`.
     pub fn line(&self) -> String {
-        format!("{LINE_PREFIX} client={} peer={}", self.client, self.peer)
+        let http = self.http.map(|h| format!(" http={h}")).unwrap_or_default();
+        format!("{LINE_PREFIX} client={} peer={}{http}", self.client, self.peer)
     }
 
     /// Reads a [`Bound::line`]; `None` for any other line.
     pub fn parse_line(line: &str) -> Option<Bound> {
         let rest = line.trim().strip_prefix(LINE_PREFIX)?;
-        let mut client = None;
-        let mut peer = None;
+        let (mut client, mut peer, mut http) = (None, None, None);
         for word in rest.split_whitespace() {
             if let Some(a) = word.strip_prefix("client=") {
                 client = a.parse().ok();
             } else if let Some(a) = word.strip_prefix("peer=") {
                 peer = a.parse().ok();
+            } else if let Some(a) = word.strip_prefix("http=") {
+                http = a.parse().ok();
             }
         }
-        Some(Bound { client: client?, peer: peer? })
+        Some(Bound { client: client?, peer: peer?, http })
     }
 }
 
@@ -297,9 +335,14 @@ pub async fn serve_on(
 ) -> Result<(), String> {
     cfg.validate()?;
     cfg.raft.group = crate::GROUP.into();
+    let http = match cfg.http_addr()? {
+        Some(a) => Some(TcpListener::bind(&a).await.map_err(|e| format!("http_listen {a}: {e}"))?),
+        None => None,
+    };
     let bound = Bound {
         client: client.local_addr().map_err(|e| format!("listen: {e}"))?,
         peer: peer.local_addr().map_err(|e| format!("peer_listen: {e}"))?,
+        http: http.as_ref().map(|h| h.local_addr()).transpose().map_err(|e| format!("http_listen: {e}"))?,
     };
     cfg.listen = bound.client.to_string();
     cfg.peer_listen = bound.peer.to_string();
@@ -369,6 +412,16 @@ pub async fn serve_on(
         let _ = rx.wait_for(|d| *d).await;
     };
     let handshake = Duration::from_secs(10);
+    // The HTTP listener (`/metrics`): TLS with the server certificate (a client certificate
+    // optional there, required by the handler), plaintext under --insecure.
+    let http_task = http.map(|listener| {
+        let (router, tls, done) = (crate::metrics::routes(node.clone()), tls.clone(), done_rx.clone());
+        AbortOnDrop(tokio::spawn(async move {
+            if let Err(e) = suanli_security::http::serve(listener, tls, handshake, router, until(done)).await {
+                tracing::warn!(error = %e, "the HTTP listener stopped");
+            }
+        }))
+    });
     let mut listeners = tokio::spawn(async move {
         let (a, b) = match tls {
             Some(tls) => {
@@ -428,6 +481,7 @@ pub async fn serve_on(
         Ok(_) => {}
         Err(_) => listeners.abort(),
     }
+    drop(http_task);
     drop(reloader);
     tracing::info!("shutdown: done");
     match ended {
@@ -535,9 +589,25 @@ mod tests {
     }
 
     #[test]
+    fn http_listens_beside_the_client_port_unless_off() {
+        let mut c = FederationServerConfig { listen: "10.0.0.1:7600".into(), ..Default::default() };
+        assert_eq!(c.http_addr(), Ok(Some("10.0.0.1:7602".into())));
+        c.listen = "127.0.0.1:0".into();
+        assert_eq!(c.http_addr(), Ok(Some("127.0.0.1:0".into())));
+        c.http_listen = Some("off".into());
+        assert_eq!(c.http_addr(), Ok(None));
+        c.http_listen = None;
+        c.listen = "h:65534".into();
+        assert!(c.http_addr().expect_err("too high").starts_with("http_listen:"));
+    }
+
+    #[test]
     fn the_line_round_trips() {
-        let b = Bound { client: ([127, 0, 0, 1], 1).into(), peer: ([127, 0, 0, 1], 2).into() };
+        let b = Bound { client: ([127, 0, 0, 1], 1).into(), peer: ([127, 0, 0, 1], 2).into(), http: None };
         assert_eq!(Bound::parse_line(&b.line()), Some(b));
+        let h = Bound { http: Some(([127, 0, 0, 1], 3).into()), ..b };
+        assert!(h.line().ends_with(" http=127.0.0.1:3"), "{}", h.line());
+        assert_eq!(Bound::parse_line(&h.line()), Some(h));
         assert_eq!(Bound::parse_line("suanli server listening client=127.0.0.1:1 peer=127.0.0.1:2"), None);
     }
 }

@@ -8,7 +8,7 @@ use crate::command::{FedCommand, FedResponse};
 use crate::model::{self, FedJob, FedJobState, RegionSync};
 use crate::node::{Node, now_ms};
 use crate::state::{FedState, parse_global_id};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::federation_peer_server::FederationPeer;
@@ -151,6 +151,12 @@ pub fn job_info(j: &FedJob) -> pb::FedJobInfo {
         device_model: j.device_model.clone().unwrap_or_default(),
         local_job_id: j.local_job_id,
         spec_json: serde_json::to_string(&j.spec).unwrap_or_default(),
+        trace_id: j
+            .trace
+            .as_deref()
+            .and_then(suanli_model::trace::TraceParent::parse)
+            .map(|t| t.trace_id_hex())
+            .unwrap_or_default(),
     }
 }
 
@@ -300,7 +306,135 @@ pub fn sync_from_pb(r: &pb::RegionSyncRequest, cfg: &model::FedConfig) -> Result
             })
             .collect(),
         sent_at_ms: r.sent_at_ms,
+        cost: r.cost.as_ref().map(region_cost_from_pb).transpose()?,
     })
+}
+
+/// A base-unit amount as the wire carries it (a decimal integer string; empty is 0).
+fn base_units(field: &str, s: &str) -> Result<i128, Status> {
+    if s.is_empty() {
+        return Ok(0);
+    }
+    s.parse().map_err(|_| invalid(field, format!("{s:?} is not an integer amount of base units")))
+}
+
+/// A region's cost totals from the wire; every amount checked.
+fn region_cost_from_pb(c: &pb::RegionCost) -> Result<model::RegionCost, Status> {
+    check_len("cost.currency", &c.currency, MAX_NAME)?;
+    check_count("cost.teams", c.teams.len(), MAX_COST_ROWS)?;
+    if c.base_per_micro != BASE_PER_MICRO.to_string() {
+        return Err(invalid(
+            "cost.base_per_micro",
+            format!("{:?}: this federation counts {BASE_PER_MICRO} base units per micro-unit", c.base_per_micro),
+        ));
+    }
+    let mut teams = BTreeMap::new();
+    for (i, row) in c.teams.iter().enumerate() {
+        check_len(&format!("cost.teams[{i}].key"), &row.key, MAX_NAME)?;
+        let b = row.base.clone().unwrap_or_default();
+        let f = |name: &str, v: &str| base_units(&format!("cost.teams[{i}].base.{name}"), v);
+        let amounts = [
+            f("useful", &b.useful)?,
+            f("lost_preemption", &b.lost_preemption)?,
+            f("lost_failure", &b.lost_failure)?,
+            f("running", &b.running)?,
+            f("idle", &b.idle)?,
+        ];
+        if teams.insert(row.key.clone(), amounts).is_some() {
+            return Err(invalid(&format!("cost.teams[{i}].key"), format!("{:?} is listed twice", row.key)));
+        }
+    }
+    Ok(model::RegionCost {
+        currency: c.currency.clone(),
+        until: c.until,
+        capacity: base_units("cost.capacity_base", &c.capacity_base)?,
+        teams,
+    })
+}
+
+/// Most rows (teams) of a region's cost totals in one sync.
+pub const MAX_COST_ROWS: usize = 10_000;
+
+/// The global cost roll-up (`Federation.Cost`): by team, each region's totals summed (regions
+/// pricing in another currency than the first are refused: their sum means nothing); by
+/// region, one row per region. Amounts are exact base units, and formatted as decimals.
+pub fn cost_report(s: &FedState, by: &str) -> Result<pb::CostReportResponse, Status> {
+    let by_region = match by {
+        "" | "team" => false,
+        "region" => true,
+        other => return Err(invalid("by", format!("{other:?}: team or region"))),
+    };
+    let costs: Vec<(&String, &model::RegionCost)> =
+        s.regions.iter().filter_map(|(name, r)| r.cost.as_ref().map(|c| (name, c))).collect();
+    let currencies: BTreeSet<&str> = costs.iter().map(|(_, c)| c.currency.as_str()).collect();
+    if !by_region && currencies.len() > 1 {
+        let each: Vec<String> = costs.iter().map(|(n, c)| format!("{n}: {}", c.currency)).collect();
+        return Err(Status::failed_precondition(format!(
+            "the regions price in different currencies ({}); a sum by team means nothing: use by=region",
+            each.join(", ")
+        )));
+    }
+    let mut rows: BTreeMap<String, [i128; 5]> = BTreeMap::new();
+    let mut total = [0i128; 5];
+    let mut capacity = 0i128;
+    for (name, c) in &costs {
+        capacity = capacity.saturating_add(c.capacity);
+        for (team, a) in &c.teams {
+            let key = if by_region { (*name).clone() } else { team.clone() };
+            let row = rows.entry(key).or_default();
+            for k in 0..5 {
+                row[k] = row[k].saturating_add(a[k]);
+                total[k] = total[k].saturating_add(a[k]);
+            }
+        }
+    }
+    let row = |key: String, a: &[i128; 5]| pb::CostRow {
+        key,
+        amounts: Some(amounts_pb(a, true)),
+        base: Some(amounts_pb(a, false)),
+    };
+    let sum: i128 = total.iter().fold(0i128, |x, y| x.saturating_add(*y));
+    Ok(pb::CostReportResponse {
+        by: if by_region { "region".into() } else { "team".into() },
+        since: 0,
+        until: costs.iter().map(|(_, c)| c.until).min().unwrap_or(0),
+        horizon: 0,
+        currency: if currencies.len() == 1 {
+            currencies.into_iter().next().unwrap_or_default().to_owned()
+        } else {
+            String::new()
+        },
+        rows: rows.iter().map(|(k, a)| row(k.clone(), a)).collect(),
+        total: Some(row("total".into(), &total)),
+        capacity: format_base(capacity),
+        capacity_base: capacity.to_string(),
+        conserved: sum == capacity,
+        base_per_micro: BASE_PER_MICRO.to_string(),
+    })
+}
+
+/// Base units per micro-unit of currency: the region ledgers' (suanli_state::cost::BASE_PER_MICRO);
+/// a region's sync names its own and a different one is refused.
+pub const BASE_PER_MICRO: i128 = 3600 * 1000 * 1024;
+
+/// Base units as a decimal amount with 6 fractional digits (half away from zero).
+fn format_base(base: i128) -> String {
+    let micro = (base.abs() + BASE_PER_MICRO / 2) / BASE_PER_MICRO;
+    let sign = if base < 0 && micro > 0 { "-" } else { "" };
+    format!("{sign}{}.{:06}", micro / 1_000_000, micro % 1_000_000)
+}
+
+fn amounts_pb(a: &[i128; 5], decimal: bool) -> pb::CostAmounts {
+    let f = |v: i128| if decimal { format_base(v) } else { v.to_string() };
+    let total = a.iter().fold(0i128, |x, y| x.saturating_add(*y));
+    pb::CostAmounts {
+        useful: f(a[0]),
+        lost_preemption: f(a[1]),
+        lost_failure: f(a[2]),
+        running: f(a[3]),
+        idle: f(a[4]),
+        total: f(total),
+    }
 }
 
 /// A sync's answer with the lease terms.
@@ -327,6 +461,7 @@ pub fn sync_answer_to_pb(a: &model::SyncAnswer, cfg: &model::FedConfig, now: u64
                 until_ms: x.until_ms,
                 restore: x.restore.as_ref().map(checkpoint_to_pb),
                 device_model: x.device_model.clone().unwrap_or_default(),
+                traceparent: x.trace.clone().unwrap_or_default(),
             })
             .collect(),
         lease_ms: cfg.lease_ms,
@@ -389,6 +524,7 @@ fn state_name(s: &str) -> Result<Option<FedJobState>, Status> {
 impl Federation for FedApi {
     async fn submit(&self, req: Request<pb::FedSubmitRequest>) -> Result<Response<pb::FedSubmitResponse>, Status> {
         let c = caller(&req);
+        let trace = req.metadata().get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
         let r = req.into_inner();
         let (team, submitted_by) = submitter(&c, &r)?;
         if team.is_empty() {
@@ -415,6 +551,7 @@ impl Federation for FedApi {
             submitted_by,
             data_labels: r.data_labels.clone(),
             now_ms: 0,
+            trace,
         };
         match self.0.propose(cmd).await? {
             FedResponse::Submitted { id, created } => {
@@ -597,6 +734,12 @@ impl Federation for FedApi {
             .await?;
         tracing::info!(team = %r.team, device_model = %r.device_model, limit_milli = r.limit_milli, caller = %c.principal, "global quota set");
         Ok(Response::new(pb::FedSetQuotaResponse {}))
+    }
+
+    async fn cost(&self, req: Request<pb::FedCostRequest>) -> Result<Response<pb::CostReportResponse>, Status> {
+        let by = req.into_inner().by;
+        let out = self.0.state.read(|s| cost_report(s, &by))?;
+        Ok(Response::new(out))
     }
 }
 

@@ -69,8 +69,16 @@ impl FedState {
                 self.config = Some(config);
                 FedResponse::Done
             }
-            FedCommand::Submit { client_request_id, spec, team, submitted_by, data_labels, now_ms } => {
-                self.submit(client_request_id, *spec, team, submitted_by, data_labels, now_ms)
+            FedCommand::Submit { client_request_id, spec, team, submitted_by, data_labels, now_ms, trace } => {
+                let r = self.submit(client_request_id, *spec, team, submitted_by, data_labels, now_ms);
+                // A malformed trace context is dropped, never refused (tracing is best effort).
+                let trace = trace.as_deref().and_then(suanli_model::trace::TraceParent::parse);
+                if let (FedResponse::Submitted { id, created: true }, Some(tp)) = (&r, trace)
+                    && let Some(job) = parse_global_id(id).and_then(|n| self.jobs.get_mut(&n))
+                {
+                    job.trace = Some(tp.to_string());
+                }
+                r
             }
             FedCommand::Cancel { id, now_ms } => self.cancel(&id, now_ms),
             FedCommand::SetQuota { team, device_model, limit_milli } => self.set_quota(team, device_model, limit_milli),
@@ -201,6 +209,7 @@ impl FedState {
                 local_job_id: 0,
                 cancel_requested: false,
                 updated_at_ms: now_ms,
+                trace: None,
             },
         );
         FedResponse::Submitted { id, created: true }
@@ -298,6 +307,22 @@ impl FedState {
         for (i, e) in sync.endpoints.iter().enumerate() {
             check_text(&format!("sync.endpoints[{i}]"), e, limits.max_name_len)?;
         }
+        if let Some(c) = &sync.cost {
+            check_text("sync.cost.currency", &c.currency, limits.max_name_len)?;
+            if c.teams.len() > cfg.max_held_per_sync {
+                return Err(rejected(
+                    "sync.cost.teams",
+                    format!(
+                        "{} entries, too many; must be at most {} (max_held_per_sync)",
+                        c.teams.len(),
+                        cfg.max_held_per_sync
+                    ),
+                ));
+            }
+            for t in c.teams.keys() {
+                check_text("sync.cost.teams", t, limits.max_name_len)?;
+            }
+        }
         for (k, v) in &sync.labels {
             if k.is_empty() || k.len() > limits.max_name_len || v.len() > limits.max_label_value_len {
                 return Err(rejected(
@@ -394,6 +419,8 @@ impl FedState {
             }
         }
         let first_seen_ms = self.regions.get(&r).map_or(now_ms, |x| x.first_seen_ms);
+        // A sync without totals (no catalog, or an older region) keeps the last ones.
+        let cost = sync.cost.or_else(|| self.regions.get(&r).and_then(|x| x.cost.clone()));
         self.regions.insert(
             r.clone(),
             RegionRecord {
@@ -407,6 +434,7 @@ impl FedState {
                 first_seen_ms,
                 last_sync_ms: now_ms,
                 sent_at_ms: sync.sent_at_ms,
+                cost,
             },
         );
         let mut answer = SyncAnswer::default();
@@ -534,6 +562,7 @@ impl FedState {
                     until_ms: job.lease_until_ms,
                     restore: job.checkpoint.clone(),
                     device_model: job.device_model.clone(),
+                    trace: job.trace.clone(),
                 });
             }
         }

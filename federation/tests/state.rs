@@ -60,6 +60,7 @@ fn submit(id: &str, spec: JobSpec, now: u64) -> FedCommand {
         submitted_by: "user alice".into(),
         data_labels: BTreeMap::new(),
         now_ms: now,
+        trace: None,
     }
 }
 
@@ -84,6 +85,7 @@ fn region_sync(name: &str, pool: &str, free_gpus: u64) -> RegionSync {
         usage: Vec::new(),
         held: Vec::new(),
         sent_at_ms: 0,
+        cost: None,
     }
 }
 
@@ -469,4 +471,62 @@ fn invariants_hold_after_every_command_of_a_random_sequence() {
             assert!(ended <= 3, "seed {seed} step {step}: {ended} ended jobs kept");
         }
     }
+}
+
+/// Each region's cost totals are kept from its latest sync that carried them; `Federation.Cost`
+/// sums them by team (exactly, in base units, conserving capacity) or lists them by region, and
+/// refuses to add amounts in different currencies.
+#[test]
+fn cost_totals_roll_up_by_team_and_region() {
+    use suanli_federation::RegionCost;
+    use suanli_federation::service::cost_report;
+    let mut s = init();
+    let cost = |currency: &str, teams: &[(&str, [i128; 5])]| RegionCost {
+        currency: currency.into(),
+        until: 100,
+        capacity: teams.iter().flat_map(|(_, a)| a.iter()).sum(),
+        teams: teams.iter().map(|(t, a)| ((*t).to_owned(), *a)).collect(),
+    };
+    let mut eu = region_sync("eu-west", "eu-gpu", 8);
+    eu.cost = Some(cost("USD", &[("vision", [700, 200, 0, 50, 0]), ("(idle)", [0, 0, 0, 0, 1_000])]));
+    sync(&mut s, eu.clone(), 1_000);
+    let mut us = region_sync("us-east", "us-gpu", 8);
+    us.cost =
+        Some(cost("USD", &[("vision", [300, 0, 100, 0, 0]), ("nlp", [5, 0, 0, 0, 0]), ("(idle)", [0, 0, 0, 0, 7])]));
+    sync(&mut s, us.clone(), 1_000);
+
+    let r = cost_report(&s, "team").expect("by team");
+    let row = |k: &str| r.rows.iter().find(|x| x.key == k).unwrap_or_else(|| panic!("{k} in {r:#?}")).clone();
+    let vision = row("vision").base.expect("base");
+    assert_eq!((vision.useful.as_str(), vision.lost_preemption.as_str()), ("1000", "200"));
+    assert_eq!((vision.lost_failure.as_str(), vision.running.as_str(), vision.total.as_str()), ("100", "50", "1350"));
+    assert_eq!(row("(idle)").base.expect("base").idle, "1007");
+    assert_eq!(r.capacity_base, "2362");
+    assert!(r.conserved, "{r:#?}");
+    assert_eq!(r.currency, "USD");
+    let r = cost_report(&s, "region").expect("by region");
+    let keys: Vec<&str> = r.rows.iter().map(|x| x.key.as_str()).collect();
+    assert_eq!(keys, ["eu-west", "us-east"]);
+    assert_eq!(r.rows[0].base.as_ref().expect("base").total, "1950");
+
+    // A sync without totals keeps the last ones; one with new totals replaces them.
+    let mut bare = eu.clone();
+    bare.cost = None;
+    sync(&mut s, bare, 2_000);
+    assert_eq!(cost_report(&s, "team").expect("by team").capacity_base, "2362");
+    // Another currency: no sum by team, the regions listed instead.
+    us.cost = Some(cost("EUR", &[("vision", [1, 0, 0, 0, 0])]));
+    sync(&mut s, us, 3_000);
+    let e = cost_report(&s, "team").expect_err("mixed currencies");
+    assert!(e.message().contains("eu-west: USD") && e.message().contains("us-east: EUR"), "{e:?}");
+    assert!(cost_report(&s, "region").is_ok());
+    assert!(cost_report(&s, "color").expect_err("bad by").message().contains("team or region"));
+
+    // Too many rows, or an empty team name: refused with the field, nothing changed.
+    let mut many = region_sync("eu-west", "eu-gpu", 8);
+    let rows: Vec<(String, [i128; 5])> =
+        (0..=cfg().max_held_per_sync).map(|i| (format!("t{i}"), [1, 0, 0, 0, 0])).collect();
+    many.cost = Some(RegionCost { currency: "USD".into(), until: 1, capacity: 0, teams: rows.into_iter().collect() });
+    let (field, _) = rejected(&mut s, FedCommand::Sync { sync: Box::new(many), now_ms: 4_000 });
+    assert_eq!(field, "sync.cost.teams");
 }

@@ -139,6 +139,13 @@ impl FedHarness {
         }
     }
 
+    /// The HTTP listener (`/metrics`) of a running federation server.
+    pub fn fed_http_addr(&self) -> String {
+        let f = &self.cluster.federation;
+        let i = (0..f.addrs.len()).find(|i| f.alive_addrs().contains(&f.addrs[*i])).unwrap_or(0);
+        f.http_addrs[i].clone()
+    }
+
     /// A `Federation` client to a running federation server, as the PKI's admin.
     pub async fn fed(&self) -> FederationClient<Channel> {
         let addr = self.cluster.federation.alive_addrs().first().cloned().expect("a federation server runs");
@@ -303,7 +310,14 @@ impl FedHarness {
     }
 }
 
-/// `Jobs.Submit{global: true, team}` on the region server at `addr`, as the PKI's admin.
+/// The W3C trace context every [`submit_global_at`] sends: each federated job, and each of
+/// its region jobs, records its trace id ([`TRACE_ID`]).
+pub const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+/// The trace id of [`TRACEPARENT`].
+pub const TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
+
+/// `Jobs.Submit{global: true, team}` on the region server at `addr`, as the PKI's admin, with
+/// [`TRACEPARENT`].
 pub async fn submit_global_at(
     addr: &str,
     team: &str,
@@ -311,16 +325,15 @@ pub async fn submit_global_at(
     spec: &serde_json::Value,
 ) -> Result<String, tonic::Status> {
     let ch = channel(addr).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let r = JobsClient::new(ch)
-        .submit(pb::SubmitJobRequest {
-            global: true,
-            team: team.into(),
-            client_request_id: rid.into(),
-            spec_json: spec.to_string(),
-            retry: None,
-        })
-        .await?
-        .into_inner();
+    let mut req = tonic::Request::new(pb::SubmitJobRequest {
+        global: true,
+        team: team.into(),
+        client_request_id: rid.into(),
+        spec_json: spec.to_string(),
+        retry: None,
+    });
+    req.metadata_mut().insert("traceparent", tonic::metadata::MetadataValue::from_static(TRACEPARENT));
+    let r = JobsClient::new(ch).submit(req).await?.into_inner();
     Ok(r.global_id)
 }
 

@@ -27,7 +27,9 @@
 
 pub mod agents;
 pub mod checkpoints;
+pub mod dev;
 pub mod federation;
+pub mod http;
 pub mod servers;
 
 pub use agents::*;

@@ -6,99 +6,11 @@
 
 #![allow(clippy::unwrap_used)]
 
-use http_body_util::BodyExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use tower::ServiceExt as _;
-
-struct Dev(Child);
-
-impl Drop for Dev {
-    fn drop(&mut self) {
-        // SIGTERM: the dev command stops its agents and server.
-        let _ = Command::new("kill").arg(self.0.id().to_string()).status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn bin() -> PathBuf {
-    suanli_tests::bin()
-}
-
-/// The CLI as a shell in `cwd` runs it: the dev cluster's certificates found in ./.suanli/dev.
-fn suanli_in(cwd: &Path, addr: &str, args: &[&str]) -> Output {
-    let mut c = Command::new(bin());
-    for v in
-        ["SUANLI_CA", "SUANLI_CERT", "SUANLI_KEY", "SUANLI_TOKEN", "SUANLI_INSECURE", "SUANLI_TLS_DIR", "SUANLI_ADDR"]
-    {
-        c.env_remove(v);
-    }
-    c.current_dir(cwd).args(args).args(["--server", addr]).output().unwrap()
-}
-
-fn json(o: &Output) -> serde_json::Value {
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    serde_json::from_slice(&o.stdout).unwrap()
-}
-
-/// Polls `f` every 100 ms until it returns `Some`, or fails after `within`.
-fn wait_for<T>(within: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// One HTTP/2 request over TLS (the dev CA, no client certificate) to the dashboard's
-/// listener: its status, content type, CSP and body.
-struct Http {
-    ch: tonic::transport::Channel,
-}
-
-struct Answer {
-    status: u16,
-    content_type: String,
-    csp: String,
-    body: String,
-}
-
-impl Http {
-    fn new(http: &str, ca: PathBuf) -> Http {
-        let tls = suanli_security::tls::Tls::load_ca_only(ca).unwrap();
-        let ep = tonic::transport::Endpoint::from_shared(format!("https://{http}"))
-            .unwrap()
-            .connect_timeout(Duration::from_secs(5))
-            .timeout(Duration::from_secs(10));
-        Http { ch: suanli_security::tls::channel(ep, Some(&tls)) }
-    }
-
-    async fn get(&self, path: &str, token: Option<&str>) -> Answer {
-        let mut req = tonic::codegen::http::Request::builder().method("GET").uri(path);
-        if let Some(t) = token {
-            req = req.header("authorization", format!("Bearer {t}"));
-        }
-        let req = req.body(tonic::body::Body::empty()).unwrap();
-        let resp = self.ch.clone().oneshot(req).await.unwrap();
-        let header = |n: &str| resp.headers().get(n).map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default();
-        let (status, content_type, csp) =
-            (resp.status().as_u16(), header("content-type"), header("content-security-policy"));
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
-        Answer { status, content_type, csp, body: String::from_utf8_lossy(&body).into_owned() }
-    }
-}
+use suanli_tests::dev::{DevProc, json, suanli_in, wait_for};
+use suanli_tests::http::Http;
 
 /// Headless Chromium on `url`: `--dump-dom` (the DOM once the page's fetches settled), or a
 /// screenshot into `shot`.
@@ -144,25 +56,11 @@ async fn the_dashboard_shows_a_live_dev_cluster() {
     let t0 = Instant::now();
     let chrome = Path::new("/usr/bin/chromium-headless-shell");
     assert!(chrome.exists(), "{} is missing: scripts/setup.sh installs it", chrome.display());
-    let dir = tempfile::tempdir().unwrap();
-    let plugin_dir = bin().parent().unwrap().to_path_buf();
-    let log = std::fs::File::create(dir.path().join("dev.log")).unwrap();
-    let mut child = Command::new(bin())
-        .current_dir(dir.path())
-        .env_remove("SUANLI_DEV_DIR")
-        .args(["dev", "--listen", "127.0.0.1:0"])
-        .arg("--plugin-dir")
-        .arg(&plugin_dir)
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let _dev = Dev(child);
-    let bound = suanli_server::listeners::await_line(stdout, Duration::from_secs(60)).unwrap();
-    let addr = bound.client.to_string();
-    let http = bound.http.expect("suanli dev serves HTTP").to_string();
-    let dev_log = || std::fs::read_to_string(dir.path().join("dev.log")).unwrap_or_default();
+    let dev = DevProc::start();
+    let dir = &dev.dir;
+    let addr = dev.addr();
+    let http = dev.bound.http.expect("suanli dev serves HTTP").to_string();
+    let dev_log = || dev.log();
 
     // `suanli dev` prints the dashboard's address with a viewer token in the fragment.
     let line = wait_for(Duration::from_secs(30), "the dashboard line", || {
@@ -179,6 +77,11 @@ async fn the_dashboard_shows_a_live_dev_cluster() {
         (n.len() == 2).then_some(n)
     });
     let pool = nodes.iter().find(|n| n["id"] == "dev-gpu").unwrap()["pool"].as_str().unwrap().to_owned();
+
+    // The example price catalog (it prices the dev nodes' A100-80G and Ascend910B).
+    let prices = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/prices.toml");
+    let o = suanli_in(dir.path(), &addr, &["cost", "prices", "set", "--file", &prices.display().to_string()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 
     // A few jobs: a long one on two GPUs, a short one, four half-GPU replicas.
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/dev");
@@ -226,7 +129,13 @@ async fn the_dashboard_shows_a_live_dev_cluster() {
     let missing = client.get("/api/Jobs/Get?job_id=999999", Some(&token)).await;
     assert_eq!(missing.status, 404, "{}", missing.body);
     let cost = client.get("/api/Cost/Report?by=team", Some(&token)).await;
-    assert!(cost.status == 404 || cost.status == 200, "{}", cost.body);
+    assert_eq!(cost.status, 200, "{}", cost.body);
+    let v: serde_json::Value = serde_json::from_str(&cost.body).unwrap();
+    assert_eq!(v["currency"], "USD", "{v}");
+    assert_eq!(v["conserved"], true, "{v}");
+    assert!(!v["rows"].as_array().unwrap().is_empty(), "{v}");
+    let bad_by = client.get("/api/Cost/Report?by=color", Some(&token)).await;
+    assert_eq!(bad_by.status, 400, "{}", bad_by.body);
 
     // Wait until the leader holds the GPU node's device statistics (the heatmap's colors).
     wait_for(Duration::from_secs(30), "device stats of dev-gpu", || {
@@ -256,6 +165,11 @@ async fn the_dashboard_shows_a_live_dev_cluster() {
     assert!(dom.contains("attempt 1 · dev-gpu"), "{dom}");
     let dom = chromium(&format!("https://{http}/#/queues&token={token}"), None, &profile);
     assert!(dom.contains("data-loaded=\"/queues\"") && dom.contains("default"), "{dom}");
+
+    let dom = chromium(&format!("https://{http}/#/cost&token={token}"), None, &profile);
+    assert!(dom.contains("data-loaded=\"/cost\"") && dom.contains("Cost by team"), "{dom}");
+    assert!(dom.contains("id=\"cost-summary\"") && dom.contains("categories add up"), "{dom}");
+    assert!(dom.contains("Lost (preemption)") && dom.contains("USD"), "{dom}");
 
     // Without a token the page says why and how to get one.
     let fresh = dir.path().join("chromium-anon");

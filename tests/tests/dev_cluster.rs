@@ -7,57 +7,12 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
-
-struct Dev(Child);
-
-impl Drop for Dev {
-    fn drop(&mut self) {
-        // SIGTERM: the dev command stops its agents and server.
-        let _ = Command::new("kill").arg(self.0.id().to_string()).status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use std::process::Command;
+use std::time::Duration;
+use suanli_tests::dev::{DevProc, json, suanli_in, wait_for};
 
 fn bin() -> PathBuf {
     suanli_tests::bin()
-}
-
-/// The CLI as a shell in `cwd` runs it: no credential in the environment.
-fn suanli_in(cwd: &Path, addr: &str, args: &[&str]) -> Output {
-    let mut c = Command::new(bin());
-    for v in
-        ["SUANLI_CA", "SUANLI_CERT", "SUANLI_KEY", "SUANLI_TOKEN", "SUANLI_INSECURE", "SUANLI_TLS_DIR", "SUANLI_ADDR"]
-    {
-        c.env_remove(v);
-    }
-    c.current_dir(cwd).args(args).args(["--server", addr]).output().unwrap()
-}
-
-fn json(o: &Output) -> serde_json::Value {
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    serde_json::from_slice(&o.stdout).unwrap()
-}
-
-/// Polls `f` every 100 ms until it returns `Some`, or fails after `within`.
-fn wait_for<T>(within: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 fn examples() -> PathBuf {
@@ -66,27 +21,13 @@ fn examples() -> PathBuf {
 
 #[test]
 fn dev_runs_an_example_job_on_fake_gpus() {
-    let dir = tempfile::tempdir().unwrap();
-    let plugin_dir = bin().parent().unwrap().to_path_buf();
-    let log = std::fs::File::create(dir.path().join("dev.log")).unwrap();
-    // Port 0: `suanli dev` prints the address it bound on stdout.
-    // As from the repository root: the default data directory, ./.suanli/dev.
-    let mut child = Command::new(bin())
-        .current_dir(dir.path())
-        .env_remove("SUANLI_DEV_DIR")
-        .args(["dev", "--listen", "127.0.0.1:0"])
-        .arg("--plugin-dir")
-        .arg(&plugin_dir)
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let _dev = Dev(child);
-    let addr = suanli_server::listeners::await_line(stdout, Duration::from_secs(60)).unwrap().client.to_string();
-    let dev_log = || std::fs::read_to_string(dir.path().join("dev.log")).unwrap_or_default();
-    let suanli = |addr: &str, args: &[&str]| suanli_in(dir.path(), addr, args);
-    let tls = dir.path().join(".suanli/dev/tls");
+    // Port 0: `suanli dev` prints the address it bound on stdout. As from the repository
+    // root: the default data directory, ./.suanli/dev.
+    let dev = DevProc::start();
+    let addr = dev.addr();
+    let dev_log = || dev.log();
+    let suanli = |_addr: &str, args: &[&str]| dev.cli(args);
+    let tls = dev.tls_dir();
     for f in ["ca.pem", "server.pem", "admin.pem", "node-dev-gpu.pem", "node-dev-npu-key.pem"] {
         assert!(tls.join(f).is_file(), "suanli dev made {f} in {}: {}", tls.display(), dev_log());
     }
@@ -106,7 +47,7 @@ fn dev_runs_an_example_job_on_fake_gpus() {
         .unwrap();
     assert!(o.status.success(), "SUANLI_TLS_DIR: {}", String::from_utf8_lossy(&o.stderr));
     // Plaintext is refused by a TLS server, with an error rather than a hang.
-    let o = suanli_in(dir.path(), &addr, &["cluster", "leader", "--insecure"]);
+    let o = dev.cli(&["cluster", "leader", "--insecure"]);
     assert!(!o.status.success(), "a plaintext client reached the TLS dev server");
 
     // Both agents register their fake devices.

@@ -115,6 +115,23 @@ async fn dev_regions_start_and_stop() {
 async fn global_jobs_land_where_capacity_is_and_quotas_hold_worldwide() {
     let h = FedHarness::start(&three_regions()).await;
     let within = Duration::from_secs(30);
+    // Every region prices its devices first (an attempt is priced at its start).
+    for r in ["us-east", "eu-west", "ap-south"] {
+        let catalog = pb::PriceCatalogInfo {
+            currency: "USD".into(),
+            devices: vec![
+                pb::DevicePriceInfo { model: "H100".into(), per_hour: "4".into(), ..Default::default() },
+                pb::DevicePriceInfo { model: "A100-80G".into(), per_hour: "2.5".into(), ..Default::default() },
+            ],
+            cpu_core_hour: "0.04".into(),
+            memory_gib_hour: "0.005".into(),
+        };
+        let ch = suanli_server::local::channel(&h.region_addr(r).await).await.unwrap();
+        suanli_proto::v1::cost_client::CostClient::new(ch)
+            .set_prices(pb::SetPricesRequest { catalog: Some(catalog) })
+            .await
+            .unwrap_or_else(|e| panic!("prices in {r}: {e:?}"));
+    }
 
     // Only eu-west has 4 free GPUs (of any model): the job goes there, whichever region took it.
     let big = h.submit_global("us-east", "team-a", "big-1", &gpu_sleeper("big4", 4, 600)).await;
@@ -127,6 +144,9 @@ async fn global_jobs_land_where_capacity_is_and_quotas_hold_worldwide() {
         let local = all_jobs(&eu, false).await.unwrap();
         if let Some(l) = local.iter().find(|l| l.global_id == big) {
             assert_eq!(l.fed_epoch, j.epoch, "{l:#?}");
+            // One trace: the submitter's, kept by the federation and joined by the region job.
+            assert_eq!(j.trace_id, suanli_tests::federation::TRACE_ID, "{j:#?}");
+            assert_eq!(l.trace_id, suanli_tests::federation::TRACE_ID, "{l:#?}");
             break;
         }
         assert!(Instant::now() < deadline, "eu-west never adopted {big}: {local:#?}\n{}", h.logs());
@@ -170,6 +190,58 @@ async fn global_jobs_land_where_capacity_is_and_quotas_hold_worldwide() {
     // A retry with the same request id is the same job.
     let again = h.submit_global("eu-west", "team-a", "huge-1", &gpu_sleeper("huge", 64, 600)).await;
     assert_eq!(again, huge);
+
+    // The global cost roll-up: the regions' ledger totals reach the federation with the next
+    // syncs, summed by team (team-a's 4-GPU job runs in eu-west, priced from its start).
+    let deadline = Instant::now() + within;
+    let by_region = loop {
+        let r = h.fed().await.cost(pb::FedCostRequest { by: "region".into() }).await.unwrap().into_inner();
+        if r.rows.len() == 3 {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "every region's cost totals at the federation: {r:#?}\n{}", h.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(by_region.conserved && by_region.currency == "USD", "{by_region:#?}");
+    let deadline = Instant::now() + within;
+    loop {
+        let r = h.fed().await.cost(pb::FedCostRequest { by: "team".into() }).await.unwrap().into_inner();
+        assert!(r.conserved, "the categories add up to capacity x time x price: {r:#?}");
+        let running = |k: &str| -> i128 {
+            r.rows.iter().find(|x| x.key == k).and_then(|x| x.base.as_ref()).map_or(0, |b| b.running.parse().unwrap())
+        };
+        if running("team-a") > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "team-a's running job is charged: {r:#?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The federation's /metrics: a client certificate of the CA reads it, anonymous is 401.
+    let http = h.fed_http_addr();
+    let pki = suanli_server::local::LocalPki::get();
+    let anon = suanli_tests::http::Http::new(&http, pki.admin().ca).get("/metrics", None).await;
+    assert_eq!(anon.status, 401, "{}", anon.body);
+    let m = suanli_tests::http::Http::with(&http, &pki.admin_tls()).get("/metrics", None).await;
+    assert_eq!(m.status, 200, "{}", m.body);
+    assert!(m.content_type.starts_with("application/openmetrics-text"), "{}", m.content_type);
+    let value = |series: &str| -> f64 {
+        let line = m.body.lines().find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '));
+        line.unwrap_or_else(|| panic!("{series} in:\n{}", m.body)).rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(value("suanli_federation_regions{health=\"healthy\"}"), 3.0);
+    assert_eq!(value("suanli_federation_raft_voters"), 3.0);
+    assert_eq!(value("suanli_federation_quota_limit_devices{team=\"team-q\",model=\"H100\"}"), 1.0);
+    let devices =
+        "suanli_federation_region_devices{region=\"eu-west\",pool=\"eu-west-gpu\",model=\"A100-80G\",state=\"total\"}";
+    assert_eq!(value(devices), 8.0);
+    let cost = "suanli_federation_cost{region=\"eu-west\",team=\"team-a\",category=\"running\",currency=\"USD\"}";
+    assert!(value(cost) > 0.0, "{}", m.body);
+    assert!(
+        m.body.lines().any(|l| l.starts_with("suanli_federation_jobs{") && l.contains("region=\"eu-west\"")),
+        "{}",
+        m.body
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -297,6 +369,7 @@ async fn bad_input_is_refused_with_its_reason_and_nothing_is_lost() {
         usage: Vec::new(),
         held,
         sent_at_ms: now_ms(),
+        cost: None,
     };
     let mut fed = h.fed_as_server(0).await;
 

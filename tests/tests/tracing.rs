@@ -182,6 +182,17 @@ async fn one_trace_follows_a_job_through_preemption_and_a_leader_change() {
         .upsert(pb::UpsertQueueRequest { queue_json: q.to_string() })
         .await
         .unwrap();
+    // Prices, so each attempt span carries what it cost.
+    let catalog = pb::PriceCatalogInfo {
+        currency: "USD".into(),
+        devices: vec![pb::DevicePriceInfo { model: "H200".into(), per_hour: "3.6".into(), ..Default::default() }],
+        cpu_core_hour: "0.036".into(),
+        memory_gib_hour: "0".into(),
+    };
+    suanli_proto::v1::cost_client::CostClient::new(channel(&addr).await.unwrap())
+        .set_prices(pb::SetPricesRequest { catalog: Some(catalog) })
+        .await
+        .unwrap();
     let mut agent = AgentProc::new("n1", &c.addrs, &fake_gpus(2, "H200"), "pool = \"p\"\n");
     agent.start_with(|cmd| {
         for (k, v) in env {
@@ -257,6 +268,17 @@ async fn one_trace_follows_a_job_through_preemption_and_a_leader_change() {
         assert_eq!(g.attrs["suanli.team"], "vision");
     }
     assert!(spans.iter().any(|g| g.name == "attempt" && g.attrs.contains_key("suanli.device_seconds")));
+    // The attempt's priced cost: 2 H200 at 3.6/h is 0.002 per second, so a nonzero amount; the
+    // preempted attempt's split adds up to its total.
+    for g in spans.iter().filter(|g| g.name == "attempt") {
+        let amount = |k: &str| -> f64 { g.attrs.get(k).unwrap_or_else(|| panic!("{k} on {g:#?}")).parse().unwrap() };
+        assert_eq!(g.attrs.get("suanli.cost.currency").map(String::as_str), Some("USD"), "{g:#?}");
+        assert!(amount("suanli.cost") > 0.0, "{g:#?}");
+        assert!(
+            (amount("suanli.cost.useful") + amount("suanli.cost.lost") - amount("suanli.cost")).abs() < 2e-6,
+            "{g:#?}"
+        );
+    }
     let high_job = job(&addr, high).await;
     assert_eq!(high_job.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
     agent.kill();

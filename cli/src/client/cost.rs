@@ -254,50 +254,50 @@ impl CostArgs {
                 let conn = self.conn.connect()?;
                 let r = conn.cost_report(&by, since, until).await?;
                 let format = format.unwrap_or(if out == Output::Json { Format::Json } else { Format::Table });
-                match format {
-                    Format::Json => print_json(&r),
-                    Format::Csv => {
-                        println!("{}", HEADERS.map(|h| h.to_ascii_lowercase()).join(","));
-                        for row in r.rows.iter().chain(r.total.iter()) {
-                            let mut c = vec![csv_field(&row.key)];
-                            c.extend(cols(row.amounts.as_ref()));
-                            println!("{}", c.join(","));
-                        }
-                        Ok(())
-                    }
-                    Format::Table => {
-                        let mut rows: Vec<Vec<String>> = r
-                            .rows
-                            .iter()
-                            .chain(r.total.iter())
-                            .map(|row| {
-                                let mut c = vec![row.key.clone()];
-                                c.extend(cols(row.amounts.as_ref()));
-                                c
-                            })
-                            .collect();
-                        rows.push(vec![
-                            "capacity".into(),
-                            String::new(),
-                            String::new(),
-                            String::new(),
-                            String::new(),
-                            String::new(),
-                            r.capacity.clone(),
-                        ]);
-                        print!("{}", table(&HEADERS, &rows));
-                        println!(
-                            "window {}..{} by {}{}{}",
-                            r.since,
-                            r.until,
-                            r.by,
-                            if r.currency.is_empty() { String::new() } else { format!(", {}", r.currency) },
-                            if r.horizon > 0 { format!(", only totals before {}", r.horizon) } else { String::new() }
-                        );
-                        Ok(())
-                    }
-                }
+                print_report(&r, format)
             }
+        }
+    }
+}
+
+/// Prints a cost report (a region's, or the federation's roll-up) as a table, JSON or CSV.
+pub(crate) fn print_report(r: &pb::CostReportResponse, format: Format) -> anyhow::Result<()> {
+    match format {
+        Format::Json => print_json(r),
+        Format::Csv => {
+            println!("{}", HEADERS.map(|h| h.to_ascii_lowercase()).join(","));
+            for row in r.rows.iter().chain(r.total.iter()) {
+                let mut c = vec![csv_field(&row.key)];
+                c.extend(cols(row.amounts.as_ref()));
+                println!("{}", c.join(","));
+            }
+            Ok(())
+        }
+        Format::Table => {
+            let mut rows: Vec<Vec<String>> = r
+                .rows
+                .iter()
+                .chain(r.total.iter())
+                .map(|row| {
+                    let mut c = vec![row.key.clone()];
+                    c.extend(cols(row.amounts.as_ref()));
+                    c
+                })
+                .collect();
+            let mut cap = vec!["capacity".to_owned()];
+            cap.extend(std::iter::repeat_n(String::new(), HEADERS.len() - 2));
+            cap.push(r.capacity.clone());
+            rows.push(cap);
+            print!("{}", table(&HEADERS, &rows));
+            println!(
+                "window {}..{} by {}{}{}",
+                r.since,
+                r.until,
+                r.by,
+                if r.currency.is_empty() { String::new() } else { format!(", {}", r.currency) },
+                if r.horizon > 0 { format!(", only totals before {}", r.horizon) } else { String::new() }
+            );
+            Ok(())
         }
     }
 }

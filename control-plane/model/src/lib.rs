@@ -27,6 +27,7 @@ pub mod node;
 pub mod plan;
 pub mod queue;
 pub mod resources;
+pub mod trace;
 
 pub use alloc::Allocation;
 pub use checkpoint::{

@@ -331,11 +331,18 @@ async function cost() {
     }
     throw e;
   }
-  // Whatever list the report holds: one row per entry, one column per scalar field.
-  const list = Object.values(r || {}).find((v) => Array.isArray(v)) || [];
-  const cols = [...new Set(list.flatMap((o) => Object.keys(o).filter((k) => typeof o[k] !== 'object')))];
-  const rows = list.map((o) => h('tr', {}, cols.map((c) => (typeof o[c] === 'number' ? num(o[c]) : h('td', {}, o[c])))));
-  return [h('h1', {}, 'Cost by team'), h('div', { class: 'panel' }, table(cols, rows, 'no cost recorded'))];
+  const cats = [['useful', 'Useful'], ['lost_preemption', 'Lost (preemption)'], ['lost_failure', 'Lost (failure)'],
+    ['running', 'Running'], ['idle', 'Idle'], ['total', 'Total']];
+  const cur = r.currency || '';
+  const row = (key, a, cls) => h('tr', { class: cls }, h('td', {}, key), cats.map(([k]) => num((a || {})[k] || '0.000000')));
+  const rows = (r.rows || []).map((x) => row(x.key, x.amounts));
+  if (r.total) rows.push(row('total', r.total.amounts, 'total'));
+  const none = 'no cost recorded: set a price catalog with `suanli cost prices set --file prices.toml`';
+  return [h('h1', {}, 'Cost by team'),
+    h('div', { class: 'panel' },
+      h('p', { id: 'cost-summary' }, `capacity ${r.capacity || '0'} ${cur}`, ' · ',
+        r.conserved ? 'categories add up to capacity x time x price' : 'categories DO NOT add up to capacity'),
+      table(['Team', ...cats.map(([, t]) => '#' + t + (cur ? ` (${cur})` : ''))], (r.rows || []).length ? rows : [], none))];
 }
 
 // ---------- shell ----------

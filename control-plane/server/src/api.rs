@@ -76,7 +76,13 @@ impl Jobs for Api {
     async fn submit(&self, req: Request<pb::SubmitJobRequest>) -> Resp<pb::SubmitJobResponse> {
         if req.get_ref().global {
             let who = crate::access_api::caller(&req);
-            return self.submit_global(&who, req.into_inner()).await;
+            // The federated job's trace: the caller's, or a new one when this server traces;
+            // every region job of it joins that trace (docs/tracing.md).
+            let trace = match crate::telemetry::caller_parent(req.metadata()) {
+                Some(p) => Some(crate::telemetry::format_traceparent(&p)),
+                None => crate::telemetry::new_job_root(None),
+            };
+            return self.submit_global(&who, req.into_inner(), trace).await;
         }
         let (caller, started) = (crate::telemetry::caller_parent(req.metadata()), std::time::SystemTime::now());
         let cmd = self.submit_command(req.into_inner(), caller.as_ref())?;
@@ -461,6 +467,7 @@ impl Api {
         &self,
         who: &suanli_security::Principal,
         r: pb::SubmitJobRequest,
+        trace: Option<String>,
     ) -> Resp<pb::SubmitJobResponse> {
         let Some(link) = self.0.cfg.federation.as_ref() else {
             return Err(Status::failed_precondition("global: this region has no [federation] configured"));
@@ -493,6 +500,9 @@ impl Api {
                 .max_decoding_message_size(self.0.cfg.max_reply_bytes());
             let mut request = Request::new(fwd.clone());
             request.set_timeout(timeout);
+            if let Some(v) = trace.as_deref().and_then(|t| t.parse().ok()) {
+                request.metadata_mut().insert("traceparent", v);
+            }
             match tokio::time::timeout(timeout, client.submit(request)).await {
                 Ok(Ok(a)) => {
                     let a = a.into_inner();

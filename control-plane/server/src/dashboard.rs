@@ -223,8 +223,11 @@ async fn read(call: &Call, service: &str, method: &str, p: &Params) -> Result<Re
             let req = pb::GetJobRequest { job_id: p.u64("job_id")?, stale: p.bool("stale")? };
             call.unary::<_, pb::JobInfo>(service, method, req).await
         }
-        // Cost/Report: wired when the cost API lands (docs/dashboard.md); the page says "not
-        // available" on this 404.
+        ("Cost", "Report") => {
+            let req = pb::CostReportRequest { by: p.str("by"), since: p.u64("since")?, until: p.u64("until")? };
+            call.unary::<_, pb::CostReportResponse>(service, method, req).await
+        }
+        ("Cost", "GetPrices") => call.unary::<_, pb::GetPricesResponse>(service, method, pb::GetPricesRequest {}).await,
         _ => error(
             StatusCode::NOT_FOUND,
             "NOT_FOUND",

@@ -246,7 +246,55 @@ pub(crate) fn build_request(
         usage,
         held,
         sent_at_ms: now_ms,
+        cost: region_cost(s),
     }
+}
+
+/// Most teams a sync's cost totals list (the federation's bound, `cost.teams`).
+const MAX_COST_TEAMS: usize = 10_000;
+
+/// The region's cost ledger totals by team for the federation's global roll-up (none without a
+/// price catalog): exact base units, from the ledger's start to its clock.
+fn region_cost(s: &State) -> Option<pb::RegionCost> {
+    use suanli_state::cost::{BASE_PER_MICRO, ReportBy};
+    let ledger = s.ledger();
+    if ledger.prices.is_empty() {
+        return None;
+    }
+    let r = s.cost_report(ReportBy::Team, 0, 0);
+    // The federation takes at most MAX_COST_TEAMS rows: the smallest teams beyond are summed
+    // into "(more)" (the sum still conserves).
+    let mut rows: Vec<(String, suanli_state::cost::Amounts)> = r.rows.into_iter().collect();
+    if rows.len() > MAX_COST_TEAMS {
+        rows.sort_by_key(|(k, a)| (std::cmp::Reverse(a.total()), k.clone()));
+        let mut more = suanli_state::cost::Amounts::default();
+        for (_, a) in rows.drain(MAX_COST_TEAMS - 1..) {
+            more.merge(&a);
+        }
+        rows.push(("(more)".to_owned(), more));
+    }
+    let teams = rows
+        .iter()
+        .map(|(team, a)| pb::CostRow {
+            key: team.clone(),
+            amounts: None,
+            base: Some(pb::CostAmounts {
+                useful: a.useful.to_string(),
+                lost_preemption: a.lost_preemption.to_string(),
+                lost_failure: a.lost_failure.to_string(),
+                running: a.running.to_string(),
+                idle: a.idle.to_string(),
+                total: a.total().to_string(),
+            }),
+        })
+        .collect();
+    Some(pb::RegionCost {
+        currency: ledger.prices.currency.clone(),
+        until: r.until,
+        capacity_base: r.capacity.to_string(),
+        teams,
+        base_per_micro: BASE_PER_MICRO.to_string(),
+    })
 }
 
 /// The pure part of an answer: the commands that record it. `adopts` come first in their
@@ -322,6 +370,10 @@ pub(crate) fn answer_commands(s: &State, r: &pb::RegionSyncResponse, now_s: u64)
                 stop_before_ms,
                 restore,
                 now: now_s,
+                // The region job's root span: a child of the federated submitter's span, in
+                // its trace (the span id is drawn here, by the leader, not by the state).
+                trace: crate::telemetry::parse_traceparent(&a.traceparent)
+                    .and_then(|p| crate::telemetry::new_job_root(Some(&p))),
             })),
         ));
     }
@@ -617,6 +669,7 @@ mod tests {
             stop_before_ms: 2_000,
             restore: None,
             now: 2,
+            trace: None,
         })));
         match resp {
             Response::JobSubmitted { job, .. } => job,
@@ -716,6 +769,7 @@ mod tests {
                     until_ms: 70_000,
                     restore: Some(pb::CheckpointRef { uri: "file:///c".into(), step: 7, ..Default::default() }),
                     device_model: "H100".into(),
+                    traceparent: String::new(),
                 },
                 pb::Assignment { global_id: "g-3".into(), epoch: 1, spec_json: "{".into(), ..Default::default() },
             ],

@@ -542,7 +542,7 @@ impl ProcessCluster {
         let (listen, peer_listen) = (or_port_zero(&self.addrs[i]), or_port_zero(&self.peer_addrs[i]));
         // `suanli server` serves HTTP (/metrics, the dashboard) on a port of its own, kept
         // across restarts like the others.
-        let http: Vec<String> = if self.command == ["server"] {
+        let http: Vec<String> = if self.command == ["server"] || self.is_federation() {
             vec!["--http-listen".to_owned(), or_port_zero(&self.http_addrs[i])]
         } else {
             Vec::new()

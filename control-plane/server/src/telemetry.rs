@@ -60,22 +60,17 @@ pub fn take_forced_trace_id() -> Option<TraceId> {
     FORCED_TRACE_ID.with(|c| c.take())
 }
 
-/// Parses a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`); `None` when malformed or
-/// all-zero.
+/// Parses a W3C `traceparent` ([`suanli_model::trace::TraceParent`]) into a remote span
+/// context; `None` when malformed or all-zero.
 pub fn parse_traceparent(s: &str) -> Option<SpanContext> {
-    let mut parts = s.trim().split('-');
-    let (version, trace, span, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    if parts.next().is_some() || version.len() != 2 || version == "ff" || trace.len() != 32 || span.len() != 16 {
-        return None;
-    }
-    let hex = |x: &str| x.chars().all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c));
-    if !hex(version) || !hex(trace) || !hex(span) || flags.len() != 2 || !hex(flags) {
-        return None;
-    }
-    let trace_id = TraceId::from_hex(trace).ok()?;
-    let span_id = SpanId::from_hex(span).ok()?;
-    let flags = u8::from_str_radix(flags, 16).ok()?;
-    let sc = SpanContext::new(trace_id, span_id, TraceFlags::new(flags), true, TraceState::default());
+    let tp = suanli_model::trace::TraceParent::parse(s)?;
+    let sc = SpanContext::new(
+        TraceId::from_bytes(tp.trace_id),
+        SpanId::from_bytes(tp.span_id),
+        TraceFlags::new(tp.flags),
+        true,
+        TraceState::default(),
+    );
     sc.is_valid().then_some(sc)
 }
 
@@ -243,10 +238,24 @@ pub fn emit_root(
     span.end_with_timestamp(end);
 }
 
-/// Where the priced cost of an attempt goes once the cost ledger lands: the lead adds a
-/// `suanli.cost` attribute here, next to `suanli.device_seconds`.
-pub fn attempt_cost_attrs(_s: &State, _a: &suanli_model::Allocation, _end: u64) -> Vec<KeyValue> {
-    Vec::new()
+/// The priced cost of an attempt from the ledger (docs/cost.md): `suanli.cost` (its total, in
+/// the catalog's currency, 6 decimals), `suanli.cost.currency`, and its split into
+/// `suanli.cost.useful` and the part lost (`suanli.cost.lost`, to preemption or failure).
+/// Nothing when no price catalog is set or the attempt was folded out of the ledger.
+pub fn attempt_cost_attrs(s: &State, a: &suanli_model::Allocation, end: u64) -> Vec<KeyValue> {
+    use suanli_state::cost::format_amount;
+    let ledger = s.ledger();
+    if ledger.prices.is_empty() {
+        return Vec::new();
+    }
+    let Some(e) = ledger.entries.get(&a.id) else { return Vec::new() };
+    let am = e.amounts(0, u64::MAX, end);
+    vec![
+        KeyValue::new("suanli.cost", format_amount(am.total())),
+        KeyValue::new("suanli.cost.currency", ledger.prices.currency.clone()),
+        KeyValue::new("suanli.cost.useful", format_amount(am.useful + am.running)),
+        KeyValue::new("suanli.cost.lost", format_amount(am.lost_preemption + am.lost_failure)),
+    ]
 }
 
 /// What the tracing side of an agent's report needs from before it is applied: the

@@ -773,7 +773,12 @@ impl crate::State {
             }
             None => (String::new(), 0),
         };
-        let team = self.queues.get(&a.queue).map(|q| q.team.clone()).unwrap_or_default();
+        // A federated job is charged to the team the federation charges; others to their
+        // queue's team.
+        let team = match self.jobs.get(&a.job).and_then(|j| j.federation.as_ref()) {
+            Some(b) if !b.team.is_empty() => b.team.clone(),
+            _ => self.queues.get(&a.queue).map(|q| q.team.clone()).unwrap_or_default(),
+        };
         let entry = Entry {
             team,
             queue: a.queue.to_string(),

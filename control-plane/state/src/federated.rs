@@ -51,6 +51,10 @@ pub struct FedAdopt {
     /// Restore from this checkpoint (recorded as the job's latest before its first placement).
     #[serde(default)]
     pub restore: Option<CheckpointRecord>,
+    /// The region job's trace (as `SubmitJob::trace`): its root span, a child of the
+    /// federated submitter's span. Drawn by the leader that proposes the adoption.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
     /// Leader's time, seconds.
     pub now: u64,
 }
@@ -151,7 +155,7 @@ impl crate::State {
                 spec: c.spec,
                 retry: None,
                 now: c.now,
-                trace: None,
+                trace: c.trace,
             },
             rev,
         )?;

@@ -391,6 +391,7 @@ impl State {
         };
         j.attempt += 1;
         j.state = JobState::Placed;
+        j.first_placed_at.get_or_insert(now);
         self.live.pending.remove(&job);
         j.reason.clear();
         j.updated_at = now;

@@ -259,6 +259,13 @@ pub struct Job {
     /// Absent when none was given and in snapshots of earlier builds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<String>,
+    /// When it was first placed (the replicated clock): its queue wait ends there. Absent
+    /// until then and in snapshots of earlier builds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_placed_at: Option<u64>,
+    /// When one of its tasks first reported running: its time to start ends there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_running_at: Option<u64>,
 }
 
 /// How many ended allocations a job's [`Job::history`] keeps (the oldest go first).

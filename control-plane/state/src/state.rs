@@ -865,6 +865,8 @@ impl State {
                 lost_device_s: 0,
                 federation: None,
                 trace: c.trace,
+                first_placed_at: None,
+                first_running_at: None,
             },
         );
         self.requests.insert(c.client_request_id, id);
@@ -1440,12 +1442,13 @@ impl State {
                 a.message = cut(&c.message, max);
                 std::sync::Arc::make_mut(&mut a.alloc).started_at = now;
             }
-            if let Some(j) = self.jobs.get_mut(&job_id)
-                && j.state == JobState::Placed
-            {
-                j.state = JobState::Running;
-                j.updated_at = now;
-                j.revision = rev;
+            if let Some(j) = self.jobs.get_mut(&job_id) {
+                j.first_running_at.get_or_insert(now);
+                if j.state == JobState::Placed {
+                    j.state = JobState::Running;
+                    j.updated_at = now;
+                    j.revision = rev;
+                }
             }
         } else {
             self.end_alloc(c.alloc, target, c.end, c.exit_code, &c.message, now, rev);

@@ -20,6 +20,7 @@ fn adopt(gid: &str, epoch: u64, lease_until_ms: u64, now: u64) -> Command {
         stop_before_ms: 2_000,
         restore: None,
         now,
+        trace: None,
     }))
 }
 
