@@ -42,8 +42,12 @@ cargo fmt --all -- --check
 RUSTC_WORKSPACE_WRAPPER="$(command -v clippy-driver || echo "$(rustc --print sysroot)/bin/clippy-driver")"
 export RUSTC_WORKSPACE_WRAPPER
 export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
-stage "cargo test --no-run --all-targets under clippy-driver (clippy -D warnings and the test build, in one)"
-cargo test --workspace --all-targets --no-run --quiet
+# `--all-targets` also activates the dev-dependencies' features for the libraries and binaries
+# (the test build's feature set), so the plugin .so files and the `suanli` binary the end-to-end
+# tests load are built with the units the tests link: one set of artifacts (a plain `cargo
+# build` after `cargo test` rebuilt tokio's whole dependent tree without `test-util`: ~4.5 min).
+stage "cargo build --all-targets under clippy-driver (clippy -D warnings, the test build, the plugin .so files)"
+cargo build --workspace --all-targets --quiet
 # cargo caches rustc's answers to its target probes in the target dir; a probe once cached as
 # failed broke every later cargo command of a run. The cache is only a cache: start without it.
 rm -f "$target_dir/.rustc_info.json"
@@ -84,10 +88,6 @@ PATH="$tools/bin:$PATH" cargo deny --log-level error check licenses bans sources
 PATH="$tools/bin:$PATH" cargo deny --log-level warn check bans 2>&1 | grep -E '^warning\[duplicate\]' || true
 stage "cargo machete"
 PATH="$tools/bin:$PATH" cargo machete
-stage "cargo build (the device plugin .so files and the binary the end-to-end tests load)"
-# `cargo test` builds only the rlib side of other packages' libraries; the plugin tests and
-# the agent tests dlopen the cdylibs from target/debug. Same profile, so nothing is rebuilt.
-cargo build --workspace --quiet
 # cargo-nextest (on every machine of this kind) runs each test as its own process, two at a
 # time across all test binaries (.config/nextest.toml), so one slow binary no longer holds the
 # others back; doctests are cargo test's. Without nextest, cargo test runs them all.

@@ -77,6 +77,7 @@ impl Fed {
                 tls_dir: Some(pki.clone()),
                 dispatch_interval_ms: 100,
                 expire_interval_ms: 100,
+                http_listen: Some("127.0.0.1:0".into()),
                 ..FederationServerConfig::default()
             };
             let (tx, rx) = oneshot::channel::<()>();

@@ -617,8 +617,42 @@ mod tests {
             "suanli_inference_replicas_wanted{queue=\"q\"} 4.0",
             "suanli_inference_jobs{queue=\"q\"} 2.0",
             "suanli_node_up{node=\"n0\",pool=\"p\"} 1.0",
+        ] {
+            assert!(text.contains(want), "missing {want:?} in\n{text}");
+        }
+    }
+
+    /// A job placed at 20 (submitted at 10) whose task reports running at 25: one wait of
+    /// 10 s and one time to start of 15 s in its queue's histograms.
+    #[test]
+    fn wait_and_time_to_start_are_observed() {
+        use suanli_state::{AllocStatus, ApplyPlan, ReportedStatus};
+        let mut s = state(1);
+        // Room for the job's CPU too (the known state's queue guarantees GPUs only).
+        let mut q = Queue::new("q", ResVec { gpu_milli: 4000, ..ResVec::MAX });
+        q.team = "ml".into();
+        s.apply(Command::UpsertQueue(UpsertQueue { queue: q }));
+        let plan = suanli_scheduler::schedule(&s.cluster_view(20), 20, 1, &Default::default()).expect("engine");
+        s.apply(Command::ApplyPlan(ApplyPlan { plan, now: 20 }));
+        let a = s.allocs().values().next().expect("placed").alloc.clone();
+        s.apply(Command::AllocStatus(AllocStatus {
+            alloc: a.id,
+            epoch: a.epoch,
+            status: ReportedStatus::Running,
+            message: String::new(),
+            end: None,
+            exit_code: None,
+            now: 25,
+        }));
+        let text = render_state(&s).expect("encodes");
+        for want in [
             "# TYPE suanli_queue_wait_seconds histogram",
+            "suanli_queue_wait_seconds_sum{queue=\"q\"} 10.0",
+            "suanli_queue_wait_seconds_count{queue=\"q\"} 1",
             "# TYPE suanli_job_time_to_start_seconds histogram",
+            "suanli_job_time_to_start_seconds_sum{queue=\"q\"} 15.0",
+            "suanli_job_time_to_start_seconds_bucket{le=\"15.0\",queue=\"q\"} 1",
+            "suanli_job_time_to_start_seconds_bucket{le=\"5.0\",queue=\"q\"} 0",
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
         }
