@@ -178,7 +178,7 @@ fn replicated(reg: &mut Reg, s: &FedState, now_ms: u64) {
         let Some(c) = &r.cost else { continue };
         for (team, amounts) in &c.teams {
             for (k, name) in RegionCost::CATEGORIES.iter().enumerate() {
-                let v = amounts[k] as f64 / crate::service::BASE_PER_MICRO as f64 / 1e6;
+                let v = amounts[k].0 as f64 / crate::service::BASE_PER_MICRO as f64 / 1e6;
                 set(&cost, l([("region", &r.name), ("team", team), ("category", name), ("currency", &c.currency)]), v);
             }
         }

@@ -174,10 +174,29 @@ pub struct RegionCost {
     /// The region ledger's clock (seconds since the epoch).
     pub until: u64,
     /// Capacity x time x price.
-    pub capacity: i128,
+    pub capacity: Base,
     /// Per team (the idle capacity: "(idle)"): useful, lost to preemption, lost to failure,
     /// running, idle.
-    pub teams: BTreeMap<String, [i128; 5]>,
+    pub teams: BTreeMap<String, [Base; 5]>,
+}
+
+/// An amount in base units, kept as a decimal string in commands and snapshots: the log's
+/// internally tagged commands are decoded through serde's buffered content, which has no
+/// 128-bit integers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Base(pub i128);
+
+impl Serialize for Base {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Base {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Base, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map(Base).map_err(|_| serde::de::Error::custom(format!("{s:?} is not an integer amount")))
+    }
 }
 
 impl RegionCost {

@@ -334,11 +334,11 @@ fn region_cost_from_pb(c: &pb::RegionCost) -> Result<model::RegionCost, Status> 
         let b = row.base.clone().unwrap_or_default();
         let f = |name: &str, v: &str| base_units(&format!("cost.teams[{i}].base.{name}"), v);
         let amounts = [
-            f("useful", &b.useful)?,
-            f("lost_preemption", &b.lost_preemption)?,
-            f("lost_failure", &b.lost_failure)?,
-            f("running", &b.running)?,
-            f("idle", &b.idle)?,
+            model::Base(f("useful", &b.useful)?),
+            model::Base(f("lost_preemption", &b.lost_preemption)?),
+            model::Base(f("lost_failure", &b.lost_failure)?),
+            model::Base(f("running", &b.running)?),
+            model::Base(f("idle", &b.idle)?),
         ];
         if teams.insert(row.key.clone(), amounts).is_some() {
             return Err(invalid(&format!("cost.teams[{i}].key"), format!("{:?} is listed twice", row.key)));
@@ -347,7 +347,7 @@ fn region_cost_from_pb(c: &pb::RegionCost) -> Result<model::RegionCost, Status> 
     Ok(model::RegionCost {
         currency: c.currency.clone(),
         until: c.until,
-        capacity: base_units("cost.capacity_base", &c.capacity_base)?,
+        capacity: model::Base(base_units("cost.capacity_base", &c.capacity_base)?),
         teams,
     })
 }
@@ -378,13 +378,13 @@ pub fn cost_report(s: &FedState, by: &str) -> Result<pb::CostReportResponse, Sta
     let mut total = [0i128; 5];
     let mut capacity = 0i128;
     for (name, c) in &costs {
-        capacity = capacity.saturating_add(c.capacity);
+        capacity = capacity.saturating_add(c.capacity.0);
         for (team, a) in &c.teams {
             let key = if by_region { (*name).clone() } else { team.clone() };
             let row = rows.entry(key).or_default();
             for k in 0..5 {
-                row[k] = row[k].saturating_add(a[k]);
-                total[k] = total[k].saturating_add(a[k]);
+                row[k] = row[k].saturating_add(a[k].0);
+                total[k] = total[k].saturating_add(a[k].0);
             }
         }
     }

@@ -478,14 +478,14 @@ fn invariants_hold_after_every_command_of_a_random_sequence() {
 /// refuses to add amounts in different currencies.
 #[test]
 fn cost_totals_roll_up_by_team_and_region() {
-    use suanli_federation::RegionCost;
     use suanli_federation::service::cost_report;
+    use suanli_federation::{Base, RegionCost};
     let mut s = init();
     let cost = |currency: &str, teams: &[(&str, [i128; 5])]| RegionCost {
         currency: currency.into(),
         until: 100,
-        capacity: teams.iter().flat_map(|(_, a)| a.iter()).sum(),
-        teams: teams.iter().map(|(t, a)| ((*t).to_owned(), *a)).collect(),
+        capacity: Base(teams.iter().flat_map(|(_, a)| a.iter()).sum()),
+        teams: teams.iter().map(|(t, a)| ((*t).to_owned(), a.map(Base))).collect(),
     };
     let mut eu = region_sync("eu-west", "eu-gpu", 8);
     eu.cost = Some(cost("USD", &[("vision", [700, 200, 0, 50, 0]), ("(idle)", [0, 0, 0, 0, 1_000])]));
@@ -524,9 +524,19 @@ fn cost_totals_roll_up_by_team_and_region() {
 
     // Too many rows, or an empty team name: refused with the field, nothing changed.
     let mut many = region_sync("eu-west", "eu-gpu", 8);
-    let rows: Vec<(String, [i128; 5])> =
-        (0..=cfg().max_held_per_sync).map(|i| (format!("t{i}"), [1, 0, 0, 0, 0])).collect();
-    many.cost = Some(RegionCost { currency: "USD".into(), until: 1, capacity: 0, teams: rows.into_iter().collect() });
+    let rows: Vec<(String, [Base; 5])> =
+        (0..=cfg().max_held_per_sync).map(|i| (format!("t{i}"), [1, 0, 0, 0, 0].map(Base))).collect();
+    many.cost =
+        Some(RegionCost { currency: "USD".into(), until: 1, capacity: Base(0), teams: rows.into_iter().collect() });
     let (field, _) = rejected(&mut s, FedCommand::Sync { sync: Box::new(many), now_ms: 4_000 });
     assert_eq!(field, "sync.cost.teams");
+
+    // The command, as the log carries it (internally tagged JSON), decodes back: amounts are
+    // strings there (no 128-bit integers in serde's buffered content).
+    let mut big = region_sync("eu-west", "eu-gpu", 8);
+    big.cost = Some(cost("USD", &[("vision", [i128::MAX / 4, 0, 0, 0, 1])]));
+    let cmd = FedCommand::Sync { sync: Box::new(big), now_ms: 5_000 };
+    let json = serde_json::to_vec(&cmd).expect("encodes");
+    let back: FedCommand = serde_json::from_slice(&json).expect("decodes");
+    assert_eq!(back, cmd);
 }

@@ -66,6 +66,7 @@ fn grpc(ctx: &HttpCtx, api: Api) -> Grpc {
         .add_service(PoolsServer::new(api.clone()))
         .add_service(NodesServer::new(api.clone()))
         .add_service(ClusterServer::new(api))
+        .add_service(suanli_proto::v1::cost_server::CostServer::new(crate::cost_api::CostApi(ctx.core.clone())))
         .prepare();
     tower::Layer::layer(&ctx.access.layer(Listener::Client), routes)
 }

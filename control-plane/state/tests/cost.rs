@@ -288,3 +288,17 @@ mod props {
         }
     }
 }
+
+/// A node that registers after the catalog is set is priced from its registration on.
+#[test]
+fn a_node_registered_after_the_prices_is_capacity() {
+    let mut s = State::default();
+    apply_ok(&mut s, upsert_queue(queue("q", 64)));
+    apply_ok(&mut s, Command::SetPrices(SetPrices { catalog: catalog(), now: 5 }));
+    let mut n0 = node("n0", 4);
+    n0.pool = PoolId::from("a");
+    apply_ok(&mut s, register(n0, 10));
+    apply_ok(&mut s, submit("j", in_pool(spec("q", 1, 1, 0), "a"), 20));
+    let r = s.cost_report(ReportBy::Pool, 0, 0);
+    assert_eq!(r.capacity, m(4896 * 10), "{r:#?}");
+}
