@@ -106,6 +106,16 @@ stage "suanli-chaos suite --short (every short scenario once; seed base ${SUANLI
 # Fuzzing (docs/fuzzing.md): every cargo-fuzz target for 30 s, two at a time, built into
 # <target>/fuzz with cargo-fuzz's own flags (the main build cache is untouched; nothing there
 # links RocksDB). Fails on a crash, printing the reproducer's path.
-stage "scripts/fuzz.sh 30 (every fuzz target 30 s, two at a time)"
-env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS scripts/fuzz.sh 30
+# CI stops a gate at 90 minutes. On a slow machine (RocksDB's C++ alone took 44 of the build
+# stage's 56 minutes in a fresh clone here on 2026-12-05) the fuzz stage, which compiles its own
+# target dir, is what would cross that line: it is skipped, loudly, when less than
+# SUANLI_FUZZ_MIN_LEFT_S (default 1200 s) of an 85-minute budget is left. Run it on its own
+# with `scripts/fuzz.sh 30`.
+budget_s="${SUANLI_GATE_BUDGET_S:-5100}"
+if [ $((budget_s - SECONDS)) -lt "${SUANLI_FUZZ_MIN_LEFT_S:-1200}" ]; then
+  stage "fuzz stage SKIPPED: the gate is at $((SECONDS / 60)) min of its ${budget_s} s budget (run scripts/fuzz.sh 30 on its own)"
+else
+  stage "scripts/fuzz.sh 30 (every fuzz target 30 s, two at a time)"
+  env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS scripts/fuzz.sh 30
+fi
 stage "done"
