@@ -194,12 +194,11 @@ async fn global_jobs_land_where_capacity_is_and_quotas_hold_worldwide() {
     // The global cost roll-up: the regions' ledger totals reach the federation with the next
     // syncs, summed by team (team-a's 4-GPU job runs in eu-west, priced from its start).
     let deadline = Instant::now() + within;
-    // eu-west (running team-a's job) and ap-south report priced capacity. (us-east's ledger
-    // stays empty in this suite though its node is ready and its catalog set: an open defect,
-    // noted in issue 21; it is not required here.)
+    // Every region reports priced capacity, an idle one too (its reports run to the leader's
+    // clock: the replicated clock stands still without commands).
     let by_region = loop {
         let r = h.fed().await.cost(pb::FedCostRequest { by: "region".into() }).await.unwrap().into_inner();
-        if ["eu-west", "ap-south"].iter().all(|k| r.rows.iter().any(|x| x.key == *k)) {
+        if ["us-east", "eu-west", "ap-south"].iter().all(|k| r.rows.iter().any(|x| x.key == *k)) {
             break r;
         }
         assert!(Instant::now() < deadline, "the regions' cost totals at the federation: {r:#?}\n{}", h.logs());

@@ -156,10 +156,13 @@ impl Cost for CostApi {
         if r.until != 0 && r.until < r.since {
             return Err(invalid("until", format!("{} is before since ({})", r.until, r.since)));
         }
+        // Up to this server's clock: the replicated clock only moves when a command carries
+        // a time, so an idle region's capacity would otherwise stop accruing at its last command.
+        let now = self.0.now_s();
         let resp = self
             .0
             .read(false, |s| {
-                let rep = s.cost_report(by, r.since, r.until);
+                let rep = s.ledger().report(by, r.since, r.until, now.max(s.clock()));
                 report_info(&r.by, &s.ledger().prices.currency, &rep)
             })
             .await?;

@@ -246,7 +246,7 @@ pub(crate) fn build_request(
         usage,
         held,
         sent_at_ms: now_ms,
-        cost: region_cost(s),
+        cost: region_cost(s, now_ms / 1000),
     }
 }
 
@@ -255,13 +255,14 @@ const MAX_COST_TEAMS: usize = 10_000;
 
 /// The region's cost ledger totals by team for the federation's global roll-up (none without a
 /// price catalog): exact base units, from the ledger's start to its clock.
-fn region_cost(s: &State) -> Option<pb::RegionCost> {
+fn region_cost(s: &State, now_s: u64) -> Option<pb::RegionCost> {
     use suanli_state::cost::{BASE_PER_MICRO, ReportBy};
     let ledger = s.ledger();
     if ledger.prices.is_empty() {
         return None;
     }
-    let r = s.cost_report(ReportBy::Team, 0, 0);
+    // Up to the leader's clock (the replicated one stands still in an idle region).
+    let r = s.ledger().report(ReportBy::Team, 0, 0, now_s.max(s.clock()));
     // The federation takes at most MAX_COST_TEAMS rows: the smallest teams beyond are summed
     // into "(more)" (the sum still conserves).
     let mut rows: Vec<(String, suanli_state::cost::Amounts)> = r.rows.into_iter().collect();
