@@ -55,6 +55,12 @@ pub struct SubmitArgs {
     /// the ratio traced / off (throughput, p50, p99).
     #[arg(long, conflicts_with = "compare_insecure")]
     pub compare_tracing: bool,
+    /// With `--compare-insecure` or `--compare-tracing`: how many pairs of runs, the order
+    /// alternating (A then B, B then A, ...) so that drift of the machine (page cache, disk,
+    /// other load) falls on both sides. The summary gives the pooled ratios and the median of
+    /// the rounds' ratios.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
 }
 
 /// Flags of `suanli bench failover`.
@@ -183,19 +189,117 @@ pub(crate) struct Figure {
     pub(crate) rate: f64,
     pub(crate) p50: Duration,
     pub(crate) p99: Duration,
+    /// Acknowledgements.
+    pub(crate) n: usize,
+    /// How long the phase took.
+    pub(crate) took: Duration,
+    /// CPU time (user + system) the servers used during the phase, where the platform says
+    /// (Linux: /proc/PID/stat).
+    pub(crate) cpu: Option<Duration>,
 }
 
-fn report(what: &str, n: usize, took: Duration, lat: &mut [Duration]) -> Figure {
+fn report(what: &str, n: usize, took: Duration, lat: &mut [Duration], cpu: Option<Duration>) -> Figure {
     lat.sort();
-    let f = Figure { rate: n as f64 / took.as_secs_f64(), p50: pct(lat, 0.5), p99: pct(lat, 0.99) };
+    let f = Figure { rate: n as f64 / took.as_secs_f64(), p50: pct(lat, 0.5), p99: pct(lat, 0.99), n, took, cpu };
+    let cpu = match cpu {
+        Some(c) => format!("   servers' CPU {:>6.3} ms/ack", ms(c) / n.max(1) as f64),
+        None => String::new(),
+    };
     println!(
-        "{what:<34} {n:>7} acks in {:>6.2} s = {:>8.0}/s   latency p50 {:>6.2} ms  p99 {:>6.2} ms",
+        "{what:<34} {n:>7} acks in {:>6.2} s = {:>8.0}/s   latency p50 {:>6.2} ms  p99 {:>6.2} ms{cpu}",
         took.as_secs_f64(),
         f.rate,
         ms(f.p50),
         ms(f.p99)
     );
     f
+}
+
+/// The CPU time (user + system, all threads) the cluster's live server processes have used
+/// so far: the sum of `utime` and `stime` of /proc/PID/stat. `None` off Linux or when a
+/// process cannot be read (the phase then reports no CPU figure).
+pub(crate) fn servers_cpu(c: &ProcessCluster) -> Option<Duration> {
+    // USER_HZ: 100 on every Linux architecture suanli builds for (the kernel's ABI constant
+    // for /proc, independent of the kernel's own HZ).
+    const USER_HZ: u64 = 100;
+    let mut ticks = 0u64;
+    for i in c.alive() {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", c.pid(i)?)).ok()?;
+        // Fields after the command name (which may hold spaces, inside parentheses): state is
+        // field 3, utime 14 and stime 15.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        ticks += f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    }
+    Some(Duration::from_millis(ticks * 1000 / USER_HZ))
+}
+
+fn cpu_since(c: &ProcessCluster, before: Option<Duration>) -> Option<Duration> {
+    Some(servers_cpu(c)?.saturating_sub(before?))
+}
+
+/// One side of a comparison (`--compare-insecure`, `--compare-tracing`, `bench federation`):
+/// what it is called, its wire, and what is appended to its servers' config file.
+pub(crate) struct Side {
+    pub(crate) name: &'static str,
+    pub(crate) wire: Wire,
+    pub(crate) extra_toml: String,
+}
+
+/// Runs `rounds` pairs of `submit_run`, `variant` and `base` in alternating order, and prints
+/// each round and the summary: per phase, the pooled throughput of each side (all its
+/// acknowledgements over all its phase time) and their ratio, the median of the rounds'
+/// throughput, p50 and p99 ratios, and the servers' CPU time per acknowledgement.
+pub(crate) async fn compare(a: &SubmitArgs, rounds: usize, variant: &Side, base: &Side) -> Result<()> {
+    let rounds = rounds.max(1);
+    let (mut v_runs, mut b_runs) = (Vec::new(), Vec::new());
+    for r in 0..rounds {
+        let order: [(&Side, bool); 2] =
+            if r % 2 == 0 { [(base, false), (variant, true)] } else { [(variant, true), (base, false)] };
+        for (side, is_variant) in order {
+            println!("== round {}/{rounds}: {}", r + 1, side.name);
+            let run = submit_run(a, side.wire, &side.extra_toml).await?;
+            if is_variant { v_runs.push(run) } else { b_runs.push(run) }
+        }
+    }
+    println!("== {} / {}, {rounds} rounds in this command (order alternating)", variant.name, base.name);
+    let phases: Vec<&'static str> = b_runs[0].phases.iter().map(|(w, _)| *w).collect();
+    for (k, what) in phases.iter().enumerate() {
+        let v: Vec<Figure> = v_runs.iter().filter_map(|r| r.phases.get(k).map(|p| p.1)).collect();
+        let b: Vec<Figure> = b_runs.iter().filter_map(|r| r.phases.get(k).map(|p| p.1)).collect();
+        let pooled = |f: &[Figure]| {
+            f.iter().map(|x| x.n).sum::<usize>() as f64 / f.iter().map(|x| x.took.as_secs_f64()).sum::<f64>().max(1e-9)
+        };
+        let cpu_per_ack = |f: &[Figure]| -> Option<f64> {
+            let cpu: Option<Vec<Duration>> = f.iter().map(|x| x.cpu).collect();
+            Some(ms(cpu?.iter().sum()) / f.iter().map(|x| x.n).sum::<usize>().max(1) as f64)
+        };
+        let ratios =
+            |g: &dyn Fn(&Figure) -> f64| -> Vec<f64> { v.iter().zip(&b).map(|(x, y)| g(x) / g(y).max(1e-9)).collect() };
+        let thr = ratios(&|f| f.rate);
+        let (pv, pb) = (pooled(&v), pooled(&b));
+        println!(
+            "{what:<12} throughput {pv:>8.0}/s vs {pb:>8.0}/s = {:.2}x pooled, rounds {} (median {:.2}x)   p50 {:.2}x  p99 {:.2}x (medians)",
+            pv / pb.max(1e-9),
+            thr.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(" "),
+            median(thr.clone()),
+            median(ratios(&|f| ms(f.p50))),
+            median(ratios(&|f| ms(f.p99))),
+        );
+        if let (Some(cv), Some(cb)) = (cpu_per_ack(&v), cpu_per_ack(&b)) {
+            println!("{:<12} servers' CPU {cv:.3} vs {cb:.3} ms per ack = {:.2}x", "", cv / cb.max(1e-9));
+        }
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
 }
 
 /// The figures of one run of `bench submit`, by phase.
@@ -211,59 +315,28 @@ pub fn submit(a: SubmitArgs) -> Result<()> {
     }
     rt()?.block_on(async move {
         if a.compare_tracing {
-            return compare_tracing(&a).await;
-        }
-        println!("== over mutual TLS (the local PKI's admin certificate)");
-        let tls = submit_run(&a, Wire::Tls, "").await?;
-        if !a.compare_insecure {
+            // The receiver counts what arrives: every span exported reached it.
+            let (sink, endpoint) = crate::otlp_sink::Sink::start().await?;
+            println!("tracing: servers export every span to an in-process OTLP receiver at {endpoint}");
+            let off = Side { name: "tracing off", wire: Wire::Tls, extra_toml: String::new() };
+            let on = Side {
+                name: "traced",
+                wire: Wire::Tls,
+                extra_toml: format!("[telemetry]\notlp_endpoint = {endpoint:?}\n"),
+            };
+            compare(&a, a.rounds, &on, &off).await?;
+            println!("spans received: {} (aim: throughput >= 0.95x)", sink.spans());
             return Ok(());
         }
-        println!("== the same load, plaintext (servers --insecure)");
-        let plain = submit_run(&a, Wire::Insecure, "").await?;
-        println!("== TLS / insecure, same run");
-        for ((what, t), (_, p)) in tls.phases.iter().zip(&plain.phases) {
-            println!(
-                "{what:<14} throughput {:>8.0}/s vs {:>8.0}/s = {:.2}x   p50 {:>6.2} vs {:>6.2} ms = {:.2}x   p99 {:>6.2} vs {:>6.2} ms = {:.2}x",
-                t.rate,
-                p.rate,
-                t.rate / p.rate.max(1e-9),
-                ms(t.p50),
-                ms(p.p50),
-                ms(t.p50) / ms(p.p50).max(1e-9),
-                ms(t.p99),
-                ms(p.p99),
-                ms(t.p99) / ms(p.p99).max(1e-9),
-            );
+        if a.compare_insecure {
+            let tls = Side { name: "TLS", wire: Wire::Tls, extra_toml: String::new() };
+            let plain = Side { name: "insecure", wire: Wire::Insecure, extra_toml: String::new() };
+            return compare(&a, a.rounds, &tls, &plain).await;
         }
+        println!("== over mutual TLS (the local PKI's admin certificate)");
+        submit_run(&a, Wire::Tls, "").await?;
         Ok(())
     })
-}
-
-/// `bench submit --compare-tracing`: tracing off, then the servers exporting every span to
-/// an in-process OTLP receiver; the ratios traced / off.
-async fn compare_tracing(a: &SubmitArgs) -> Result<()> {
-    println!("== tracing off (no OTLP endpoint)");
-    let off = submit_run(a, Wire::Tls, "").await?;
-    let (sink, endpoint) = crate::otlp_sink::Sink::start().await?;
-    println!("== the same load, servers exporting spans to an OTLP receiver at {endpoint}");
-    let on = submit_run(a, Wire::Tls, &format!("[telemetry]\notlp_endpoint = {endpoint:?}\n")).await?;
-    println!("spans received: {}", sink.spans());
-    println!("== traced / off, same run (aim: throughput >= 0.95x)");
-    for ((what, t), (_, p)) in on.phases.iter().zip(&off.phases) {
-        println!(
-            "{what:<14} throughput {:>8.0}/s vs {:>8.0}/s = {:.2}x   p50 {:>6.2} vs {:>6.2} ms = {:.2}x   p99 {:>6.2} vs {:>6.2} ms = {:.2}x",
-            t.rate,
-            p.rate,
-            t.rate / p.rate.max(1e-9),
-            ms(t.p50),
-            ms(p.p50),
-            ms(t.p50) / ms(p.p50).max(1e-9),
-            ms(t.p99),
-            ms(p.p99),
-            ms(t.p99) / ms(p.p99).max(1e-9),
-        );
-    }
-    Ok(())
 }
 
 /// One run of `bench submit` on a new cluster over `wire`, `extra_toml` appended to the
@@ -298,12 +371,16 @@ pub(crate) async fn submit_run(a: &SubmitArgs, wire: Wire, extra_toml: &str) -> 
 
         // Baseline: one synchronous client, one request in flight.
         let mut lat = Vec::with_capacity(a.sync_jobs);
+        let cpu = servers_cpu(&c);
         let t = Instant::now();
         for i in 0..a.sync_jobs {
             lat.push(submit_one(&ch, format!("sync-{i}"), i).await?);
         }
         let sync_took = t.elapsed();
-        run.phases.push(("synchronous", report("1 synchronous client", a.sync_jobs, sync_took, &mut lat)));
+        run.phases.push((
+            "synchronous",
+            report("1 synchronous client", a.sync_jobs, sync_took, &mut lat, cpu_since(&c, cpu)),
+        ));
         let sync_rate = a.sync_jobs as f64 / sync_took.as_secs_f64();
 
         // Many concurrent clients over a few connections.
@@ -317,6 +394,7 @@ pub(crate) async fn submit_run(a: &SubmitArgs, wire: Wire, extra_toml: &str) -> 
         }
         let next = Arc::new(AtomicUsize::new(0));
         let placed_before = placed(&ch).await;
+        let cpu = servers_cpu(&c);
         let t = Instant::now();
         let mut tasks = Vec::new();
         for k in 0..a.clients {
@@ -340,7 +418,10 @@ pub(crate) async fn submit_run(a: &SubmitArgs, wire: Wire, extra_toml: &str) -> 
         }
         let took = t.elapsed();
         let placed_during = placed(&ch).await.saturating_sub(placed_before);
-        run.phases.push(("concurrent", report(&format!("{} concurrent clients", a.clients), a.jobs, took, &mut lat)));
+        run.phases.push((
+            "concurrent",
+            report(&format!("{} concurrent clients", a.clients), a.jobs, took, &mut lat, cpu_since(&c, cpu)),
+        ));
         let rate = a.jobs as f64 / took.as_secs_f64();
         println!("ratio concurrent/synchronous: {:.1}x", rate / sync_rate);
         println!(
@@ -351,7 +432,7 @@ pub(crate) async fn submit_run(a: &SubmitArgs, wire: Wire, extra_toml: &str) -> 
         let mut batched = 0;
         if a.batch_size > 0 {
             batched = a.jobs;
-            let (fig, placed_b) = submit_batched(a, &chans, &ch).await?;
+            let (fig, placed_b) = submit_batched(a, &chans, &ch, &c).await?;
             run.phases.push(("batched", fig));
             println!("ratio batched/synchronous: {:.1}x", fig.rate / sync_rate);
             println!("scheduling loop: {placed_b} placements committed during the batched run");
@@ -375,9 +456,15 @@ pub(crate) async fn submit_run(a: &SubmitArgs, wire: Wire, extra_toml: &str) -> 
 }
 
 /// The batched phase of `bench submit`: its figures and the placements made meanwhile.
-async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Connection) -> Result<(Figure, u64)> {
+async fn submit_batched(
+    a: &SubmitArgs,
+    chans: &[Channel],
+    ch: &Connection,
+    c: &ProcessCluster,
+) -> Result<(Figure, u64)> {
     let next = Arc::new(AtomicUsize::new(0));
     let placed_before = placed(ch).await;
+    let cpu = servers_cpu(c);
     let t = Instant::now();
     let mut tasks = Vec::new();
     for k in 0..a.batch_clients.max(1) {
@@ -414,8 +501,13 @@ async fn submit_batched(a: &SubmitArgs, chans: &[Channel], ch: &Connection) -> R
     }
     let took = t.elapsed();
     let placed_during = placed(ch).await.saturating_sub(placed_before);
-    let fig =
-        report(&format!("{} clients x {} jobs per call", a.batch_clients.max(1), a.batch_size), a.jobs, took, &mut lat);
+    let fig = report(
+        &format!("{} clients x {} jobs per call", a.batch_clients.max(1), a.batch_size),
+        a.jobs,
+        took,
+        &mut lat,
+        cpu_since(c, cpu),
+    );
     Ok((fig, placed_during))
 }
 

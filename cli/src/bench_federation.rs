@@ -11,6 +11,7 @@
 //!    regions and a 3-voter federation with every link behind a fault-injecting proxy; the
 //!    chaos harness is a separate binary so that its failpoints never enter this one).
 
+use crate::bench_cluster::{Side, Wire, compare};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::path::PathBuf;
@@ -154,33 +155,24 @@ fn submit_cost(a: &FederationArgs) -> Result<()> {
         spread: false,
         compare_insecure: false,
         compare_tracing: false,
+        rounds: if a.quick { 1 } else { 3 },
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("async runtime")?;
     rt.block_on(async move {
-        println!("-- without [federation]");
-        let plain = crate::bench_cluster::submit_run(&args, crate::bench_cluster::Wire::Tls, "").await?;
         let voter = one_voter()?;
-        let fed = format!(
-            "\n[federation]\nregion = \"bench\"\nendpoints = [\"{}\"]\nrequest_timeout_ms = 2000\n",
-            voter.addr
-        );
-        println!("-- with [federation] (region `bench`, syncing to a one-voter federation at {})", voter.addr);
-        let with = crate::bench_cluster::submit_run(&args, crate::bench_cluster::Wire::Tls, &fed).await?;
+        println!("federation: region `bench` syncs to a one-voter federation at {}", voter.addr);
+        let without = Side { name: "without [federation]", wire: Wire::Tls, extra_toml: String::new() };
+        let with = Side {
+            name: "with [federation]",
+            wire: Wire::Tls,
+            extra_toml: format!(
+                "\n[federation]\nregion = \"bench\"\nendpoints = [\"{}\"]\nrequest_timeout_ms = 2000\n",
+                voter.addr
+            ),
+        };
+        let r = compare(&args, args.rounds, &with, &without).await;
         drop(voter);
-        println!("-- with / without, same run");
-        for ((what, w), (_, p)) in with.phases.iter().zip(&plain.phases) {
-            println!(
-                "{what:<14} throughput {:>8.0}/s vs {:>8.0}/s = {:.2}x   p50 {:>6.2} vs {:>6.2} ms   p99 {:>6.2} vs {:>6.2} ms",
-                w.rate,
-                p.rate,
-                w.rate / p.rate.max(1e-9),
-                w.p50.as_secs_f64() * 1000.0,
-                p.p50.as_secs_f64() * 1000.0,
-                w.p99.as_secs_f64() * 1000.0,
-                p.p99.as_secs_f64() * 1000.0,
-            );
-        }
-        Ok(())
+        r
     })
 }
 
