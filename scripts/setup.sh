@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what a fresh machine lacks to build suanli: the Rust toolchain is assumed, plus
-# libclang (RocksDB's bindings run bindgen). protoc comes from the protoc-bin-vendored crate.
+# libclang (RocksDB's bindings run bindgen) and librocksdb-dev. protoc comes from the
+# protoc-bin-vendored crate.
 set -euo pipefail
 if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found; install Rust from https://rustup.rs" >&2
@@ -17,6 +18,15 @@ if ! have_libclang; then
   if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends libclang-dev >/dev/null
+fi
+# RocksDB: the system's library (Debian's librocksdb-dev 7.8.3; .cargo/config.toml points the
+# build at it). Without it the link fails with "cannot find -lrocksdb".
+if [ ! -e /usr/include/rocksdb/c.h ] || ! ls /usr/lib/*-linux-gnu/librocksdb.so >/dev/null 2>&1; then
+  echo "setup: installing librocksdb-dev (RocksDB, linked by suanli-raft)"
+  SUDO=""
+  if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends librocksdb-dev >/dev/null
 fi
 # libfaketime: the chaos harness's clock faults (clock-skew, clock-rate) preload it into a
 # server. Without it those scenarios fail (they never skip).

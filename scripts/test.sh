@@ -106,9 +106,9 @@ stage "suanli-chaos suite --short (every short scenario once; seed base ${SUANLI
 # Fuzzing (docs/fuzzing.md): every cargo-fuzz target for 30 s, two at a time, built into
 # <target>/fuzz with cargo-fuzz's own flags (the main build cache is untouched; nothing there
 # links RocksDB). Fails on a crash, printing the reproducer's path.
-# CI stops a gate at 90 minutes. On a slow machine (RocksDB's C++ alone took 44 of the build
-# stage's 56 minutes in a fresh clone here on 2026-12-05) the fuzz stage, which compiles its own
-# target dir, is what would cross that line: it is skipped, loudly, when less than
+# CI stops a gate at 90 minutes. On a slow machine (when RocksDB was still compiled from source,
+# its C++ alone took 44 of the build stage's 56 minutes in a fresh clone here) the fuzz stage,
+# which compiles its own target dir, is what would cross that line: it is skipped, loudly, when less than
 # SUANLI_FUZZ_MIN_LEFT_S (default 1200 s) of an 85-minute budget is left. Run it on its own
 # with `scripts/fuzz.sh 30`.
 budget_s="${SUANLI_GATE_BUDGET_S:-5100}"

@@ -1,7 +1,7 @@
 //! Support for the fuzz targets: suanli-raft's frame codec, compiled from its own source files.
 //!
-//! The `suanli-raft` crate links RocksDB (librocksdb-sys, C++), which rebuilds for 8-10 minutes
-//! whenever RUSTFLAGS change, and cargo fuzz sets its own. The codec itself
+//! The `suanli-raft` crate links RocksDB (librocksdb-sys: bindgen, and 35+ minutes of C++ where
+//! built from source), rebuilt whenever RUSTFLAGS change, and cargo fuzz sets its own. The codec itself
 //! (`control-plane/raft/src/frame.rs`) needs only the log command (`machine.rs`), the server node
 //! (`node.rs`) and the `StoreConfig` bound, so this crate compiles those very files with
 //! `#[path]` and supplies the two items of `store.rs` they name (`StoreConfig`, `Halt`, copied:
