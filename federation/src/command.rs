@@ -124,6 +124,14 @@ pub enum FedResponse {
         /// Why, with the limit or the owner.
         message: String,
     },
+    /// Refused because what it names does not exist (a cancel of an unknown job); the state
+    /// is unchanged. The call answers NOT_FOUND.
+    NotFound {
+        /// The field naming it.
+        field: String,
+        /// What was not found.
+        message: String,
+    },
     /// This replica halted at an entry it cannot apply (read-only).
     Halted {
         /// The entry.

@@ -222,17 +222,12 @@ enum Forward {
     Failed(Status),
 }
 
-/// A committed answer as a call's result: a refusal is INVALID_ARGUMENT naming its field (or
-/// NOT_FOUND when it says a job is unknown), a halt FAILED_PRECONDITION.
+/// A committed answer as a call's result: a refusal is INVALID_ARGUMENT naming its field, an
+/// unknown job NOT_FOUND, a halt FAILED_PRECONDITION.
 pub fn answer(r: FedResponse) -> Result<FedResponse, Status> {
     match r {
-        FedResponse::Rejected { field, message } => {
-            if message.contains("not found") || message.contains("unknown job") || message.contains("no such") {
-                Err(Status::not_found(format!("{field}: {message}")))
-            } else {
-                Err(Status::invalid_argument(format!("{field}: {message}")))
-            }
-        }
+        FedResponse::Rejected { field, message } => Err(Status::invalid_argument(format!("{field}: {message}"))),
+        FedResponse::NotFound { field, message } => Err(Status::not_found(format!("{field}: {message}"))),
         FedResponse::Halted { index, kind, reason } => Err(Status::failed_precondition(format!(
             "read-only: this federation server halted at log entry {index} (kind {kind:?}): {reason}"
         ))),

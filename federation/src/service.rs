@@ -538,12 +538,15 @@ impl Federation for FedApi {
         check_map("data_labels", &r.data_labels)?;
         let spec: suanli_model::JobSpec = serde_json::from_str(&r.spec_json).map_err(|e| invalid("spec_json", e))?;
         spec.validate(&suanli_model::Limits::default()).map_err(|e| invalid("spec_json", e))?;
-        let client_request_id = if r.client_request_id.is_empty() {
-            // Not idempotent: the caller gave no key.
-            format!("fed-{}-{}", self.0.id(), now_ms())
-        } else {
-            r.client_request_id.clone()
-        };
+        // Required, as a region's Submit requires it: the key that makes a retry (after a
+        // timeout, a leader change) find the job its first try created instead of a second one.
+        if r.client_request_id.is_empty() {
+            return Err(invalid(
+                "client_request_id",
+                "must not be empty (the idempotency key: a retry with the same id finds the same job)",
+            ));
+        }
+        let client_request_id = r.client_request_id.clone();
         let cmd = FedCommand::Submit {
             client_request_id,
             spec: Box::new(spec),

@@ -220,7 +220,7 @@ impl FedState {
             return rejected("id", format!("{:?} is not a federated job id (g-<n>)", truncate(id, 64)));
         };
         let Some(job) = self.jobs.get_mut(&n) else {
-            return rejected("id", format!("{id}: no such federated job"));
+            return FedResponse::NotFound { field: "id".into(), message: format!("{id}: no such federated job") };
         };
         match job.state {
             FedJobState::Pending => {

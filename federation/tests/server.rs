@@ -183,6 +183,12 @@ async fn three_servers_elect_submit_forward_authorize_and_sync() {
     let (c, m) = code(admin.fed_get_job("g-999").await);
     assert_eq!(c, Code::NotFound, "{m}");
     assert!(m.contains("g-999"), "{m}");
+    let (c, m) = code(admin.fed_cancel("g-999").await);
+    assert_eq!(c, Code::NotFound, "{m}");
+    assert!(m.contains("g-999"), "{m}");
+    let (c, m) = code(admin.fed_submit(submit_req("keyless", "a", ""), |_, _| {}).await);
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    assert!(m.contains("client_request_id"), "{m}");
     let mut bad = submit_req("x", "a", "k-bad");
     bad.spec_json = "{not json".into();
     let (c, m) = code(admin.fed_submit(bad, |_, _| {}).await);

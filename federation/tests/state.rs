@@ -238,7 +238,15 @@ fn quota_and_cancel() {
     assert!(s.quotas.is_empty());
 
     apply_ok(&mut s, submit("r1", spec(1, 1), 10));
-    assert_eq!(rejected(&mut s, FedCommand::Cancel { id: "g-9".into(), now_ms: 11 }).0, "id");
+    let before = s.clone();
+    match s.apply(FedCommand::Cancel { id: "g-9".into(), now_ms: 11 }) {
+        FedResponse::NotFound { field, message } => {
+            assert_eq!(field, "id");
+            assert!(message.contains("g-9"), "{message}");
+        }
+        other => panic!("an unknown job's cancel: {other:?}"),
+    }
+    assert_eq!(s, before, "a refused cancel changed the state");
     apply_ok(&mut s, FedCommand::Cancel { id: "g-1".into(), now_ms: 11 });
     assert_eq!(s.job("g-1").map(|j| j.state), Some(FedJobState::Cancelled));
 }
