@@ -109,8 +109,11 @@ fn tune_allocator() {
 /// Restores the default action of SIGPIPE (end the process quietly), as other Unix tools
 /// have it: Rust's runtime ignores SIGPIPE, so `suanli job list | head -1` would see EPIPE on
 /// its next write and `println!` would panic. Only for the commands that print results and
-/// then end (client commands, `sim`, `bench`); the server, the agent and the processes they
-/// talk to over pipes (plugin host, task shim) keep SIGPIPE ignored and handle EPIPE as an error.
+/// then end (client commands, `sim`); the server, the agent and the processes they talk to over
+/// pipes (plugin host, task shim) keep SIGPIPE ignored and handle EPIPE as an error, and so
+/// does `bench`: it kills the servers it talks to, and a socket write that is a `writev` (h2's
+/// vectored writes; only `send` passes MSG_NOSIGNAL) to a killed peer raised SIGPIPE, which
+/// ended a `bench submit --compare-tracing` run silently with exit 141.
 #[allow(unsafe_code)]
 fn quiet_on_closed_stdout() {
     #[cfg(unix)]
@@ -127,7 +130,6 @@ fn main() -> std::process::ExitCode {
     if matches!(
         cli.cmd,
         Cmd::Sim(_)
-            | Cmd::Bench(_)
             | Cmd::Job(_)
             | Cmd::Queue(_)
             | Cmd::Pool(_)
