@@ -45,8 +45,14 @@ missing=()
 command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v chromium-headless-shell >/dev/null 2>&1 || missing+=(chromium-headless-shell)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
+# protobuf-c (protoc-c and libprotobuf-c): the C example plugin and `suanli plugin new --lang c`
+# encode their payloads with it; tests build them with make outside cargo.
+command -v protoc-c >/dev/null 2>&1 || missing+=(protobuf-c-compiler)
+[ -e /usr/include/protobuf-c/protobuf-c.h ] || missing+=(libprotobuf-c-dev)
+command -v make >/dev/null 2>&1 || missing+=(make)
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 if [ ${#missing[@]} -gt 0 ]; then
-  echo "setup: installing ${missing[*]} (Debian packages, for the metrics and dashboard tests)"
+  echo "setup: installing ${missing[*]} (Debian packages, for the metrics, dashboard and C plugin tests)"
   SUDO=""
   if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
   $SUDO apt-get update -qq

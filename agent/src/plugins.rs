@@ -140,6 +140,22 @@ pub(crate) struct Plugins {
     /// How often to collect stats (the heartbeat interval).
     pub stats_every_ms: Arc<AtomicU64>,
     warned: Mutex<BTreeSet<String>>,
+    /// Reservations granted and not yet released (ABI 1.2), by reservation id: what a restarted
+    /// plugin host is told again, and what `release` undoes. One per live task at most.
+    held: Mutex<BTreeMap<String, Held>>,
+}
+
+/// A reservation the agent holds on its plugins.
+#[derive(Debug, Clone)]
+struct Held {
+    alloc_id: u64,
+    shares: Vec<pb::ReserveShare>,
+}
+
+/// The reservation id of a task (ABI 1.2): unique on the node, the same for every reserve of
+/// the task (a repeat after a restart is recognized by it).
+pub(crate) fn reservation_id(alloc_id: u64, epoch: u64) -> String {
+    format!("{alloc_id}-{epoch}")
 }
 
 /// The short name of a plugin file stem: `libsuanli_plugin_fake` → `fake`.
@@ -274,6 +290,7 @@ impl Plugins {
             inventory_changed: Arc::new(AtomicBool::new(false)),
             stats_every_ms: Arc::new(AtomicU64::new(1000)),
             warned: Mutex::new(BTreeSet::new()),
+            held: Mutex::new(BTreeMap::new()),
         };
         for pl in &p.list {
             match fingerprint(pl, &p.inventory_changed).await {
@@ -396,24 +413,28 @@ impl Plugins {
         out
     }
 
-    /// Asks the plugins owning `device_ids` what a task using them needs; the merged env.
-    pub async fn reserve(&self, alloc_id: u64, device_ids: &[String]) -> Result<Reserved, String> {
+    /// Asks the plugins owning the devices of `shares` what a task using them needs (the merged
+    /// env), telling each its share and the reservation id. The reservation is held (told again
+    /// to a restarted plugin host) until [`release`](Self::release), whether or not every plugin
+    /// granted it: releasing what a plugin never granted is harmless by contract.
+    pub async fn reserve(&self, reservation_id: &str, alloc_id: u64, shares: &[pb::ReserveShare]) -> Result<Reserved, String> {
         let devs = self.devices();
-        let mut by_owner: BTreeMap<usize, Vec<String>> = BTreeMap::new();
-        for id in device_ids {
-            let d =
-                devs.iter().find(|d| &d.device.id == id).ok_or_else(|| format!("device {id:?} is not on this node"))?;
-            by_owner.entry(d.owner).or_default().push(id.clone());
+        let mut by_owner: BTreeMap<usize, Vec<pb::ReserveShare>> = BTreeMap::new();
+        for s in shares {
+            let d = devs
+                .iter()
+                .find(|d| d.device.id == s.device_id)
+                .ok_or_else(|| format!("device {:?} is not on this node", s.device_id))?;
+            by_owner.entry(d.owner).or_default().push(s.clone());
         }
+        self.lock_held().insert(reservation_id.to_owned(), Held { alloc_id, shares: shares.to_vec() });
         let mut env = BTreeMap::new();
         let mut device_files = Vec::new();
-        for (owner, ids) in by_owner {
+        for (owner, shares) in by_owner {
             let p = &self.list[owner];
-            let r = p
-                .proc
-                .reserve(pb::ReserveRequest { device_ids: ids.clone(), alloc_id })
-                .await
-                .map_err(|e| format!("reserve of {ids:?} by plugin {}: {e}", p.stem))?;
+            let ids: Vec<String> = shares.iter().map(|s| s.device_id.clone()).collect();
+            let req = pb::ReserveRequest { device_ids: ids.clone(), alloc_id, reservation_id: reservation_id.to_owned(), shares };
+            let r = p.proc.reserve(req).await.map_err(|e| format!("reserve of {ids:?} by plugin {}: {e}", p.stem))?;
             if !r.mounts.is_empty() {
                 tracing::debug!(plugin = %p.stem, alloc = alloc_id, "mounts are for container runtimes; a plain process sees the host's");
             }
@@ -431,6 +452,59 @@ impl Plugins {
             }
         }
         Ok(Reserved { env, device_files })
+    }
+
+    fn lock_held(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Held>> {
+        self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Releases a reservation on every plugin that owns one of its devices (ABI 1.2 plugins; a
+    /// 1.1 plugin has nothing to release) and forgets it. Nothing happens for an id not held.
+    /// Failures are logged: the task is gone whatever the plugin says.
+    pub async fn release(&self, reservation_id: &str) {
+        let Some(h) = self.lock_held().remove(reservation_id) else { return };
+        let devs = self.devices();
+        let mut by_owner: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+        for s in &h.shares {
+            if let Some(d) = devs.iter().find(|d| d.device.id == s.device_id) {
+                by_owner.entry(d.owner).or_default().push(s.device_id.clone());
+            }
+        }
+        for (owner, device_ids) in by_owner {
+            let p = &self.list[owner];
+            let req = pb::ReleaseRequest { reservation_id: reservation_id.to_owned(), device_ids, alloc_id: h.alloc_id };
+            if let Err(e) = p.proc.release(req).await {
+                tracing::warn!(plugin = %p.stem, reservation = reservation_id, error = %e, "release of a reservation failed");
+            }
+        }
+    }
+
+    /// Tells a plugin whose host (re)started every reservation still held on its devices (a
+    /// repeat of the same reservation id, which the plugin answers as the first time).
+    async fn rereserve(&self, p: &Plugin, owner: usize) {
+        let devs = self.devices();
+        let held: Vec<(String, Held)> = self.lock_held().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        for (id, h) in held {
+            let shares: Vec<pb::ReserveShare> = h
+                .shares
+                .iter()
+                .filter(|s| devs.iter().any(|d| d.device.id == s.device_id && d.owner == owner))
+                .cloned()
+                .collect();
+            if shares.is_empty() || !p.proc.offers("release") {
+                continue;
+            }
+            let req = pb::ReserveRequest {
+                device_ids: shares.iter().map(|s| s.device_id.clone()).collect(),
+                alloc_id: h.alloc_id,
+                reservation_id: id.clone(),
+                shares,
+            };
+            match p.proc.reserve(req).await {
+                Ok(_) => tracing::info!(plugin = %p.stem, reservation = %id, "reservation told again to the restarted plugin"),
+                Err(e) => tracing::warn!(plugin = %p.stem, reservation = %id, error = %e, "a restarted plugin refused a held reservation"),
+            }
+        }
     }
 
     /// Starts one monitor per plugin; they end when `stop` turns true.
@@ -498,6 +572,12 @@ impl Plugins {
                 last_stats = Some(Instant::now());
                 match p.proc.stats(pb::StatsRequest { device_ids: Vec::new() }).await {
                     Ok(s) => p.view().stats = s.devices.into_iter().take(4096).collect(),
+                    // Telemetry that is not ready (UNAVAILABLE) says nothing of the devices'
+                    // health: their stats are stale for this probe, the devices stay as they are.
+                    Err(HostError::Plugin(pe)) if pe.code == Code::Unavailable => {
+                        tracing::debug!(plugin = %p.stem, error = %pe, "stats unavailable; devices unchanged");
+                        p.view().stats.clear();
+                    }
                     Err(e) if broken(&e) => failure = Some(e.to_string()),
                     Err(e) => tracing::debug!(plugin = %p.stem, error = %e, "stats"),
                 }
@@ -505,6 +585,9 @@ impl Plugins {
             match failure {
                 Some(reason) => self.mark_down(&p, &reason),
                 None if !was_up => {
+                    if let Some(owner) = self.list.iter().position(|x| Arc::ptr_eq(x, &p)) {
+                        self.rereserve(&p, owner).await;
+                    }
                     p.view().up = true;
                     tracing::info!(plugin = %p.stem, restarts = p.proc.restarts(), "device plugin healthy again");
                     self.changed.notify_one();

@@ -272,7 +272,15 @@ fn recover_one(agent: &Arc<Agent>, k: Key, dir: &Path) -> Entry {
         let a = agent.clone();
         let dir = dir.to_owned();
         let span = tracing::info_span!("task", alloc = k.0, epoch = k.1, job_id);
-        tokio::spawn(async move { supervise(a, k, dir, Waiter::Adopted(shim), shim.pid, rx).await }.instrument(span));
+        tokio::spawn(
+            async move {
+                // The plugin hosts started with this agent: tell them the running task's
+                // reservation again (a plugin enforcing shares must count it).
+                rereserve_adopted(&a, k, &dir).await;
+                supervise(a, k, dir, Waiter::Adopted(shim), shim.pid, rx).await
+            }
+            .instrument(span),
+        );
         return Entry { stop: tx, ended: false };
     };
     // No shim lives: it may have finished just before we looked.
@@ -294,6 +302,35 @@ fn recover_one(agent: &Arc<Agent>, k: Key, dir: &Path) -> Entry {
     tracing::warn!(alloc = k.0, epoch = k.1, "{lost}");
     agent.reporter.enqueue(final_report(k, dir, None, &lost));
     ended_entry()
+}
+
+/// The devices of an adopted task, from its `alloc.json`, reserved again under its reservation id.
+async fn rereserve_adopted(agent: &Agent, k: Key, dir: &Path) {
+    #[derive(serde::Deserialize)]
+    struct Dev {
+        device: String,
+        #[serde(default)]
+        milli: u32,
+        #[serde(default)]
+        memory_mib: u64,
+    }
+    #[derive(serde::Deserialize)]
+    struct AllocFile {
+        #[serde(default)]
+        devices: Vec<Dev>,
+    }
+    let Some(f) = read_json::<AllocFile>(&dir.join(crate::shim::ALLOC_FILE)) else { return };
+    if f.devices.is_empty() {
+        return;
+    }
+    let shares: Vec<_> = f
+        .devices
+        .into_iter()
+        .map(|d| suanli_device_host::pb::ReserveShare { device_id: d.device, milli: d.milli, memory_mib: d.memory_mib })
+        .collect();
+    if let Err(e) = agent.plugins.reserve(&crate::plugins::reservation_id(k.0, k.1), k.0, &shares).await {
+        tracing::warn!(alloc = k.0, epoch = k.1, error = %e, "the adopted task's devices could not be reserved again");
+    }
 }
 
 /// The report message of a fenced task.
@@ -797,10 +834,26 @@ fn refused_end(status: pb::AllocReport, message: &str) -> &'static str {
     }
 }
 
+/// A task's share of each of its devices, as `reserve` tells its plugins.
+fn shares_of(devices: &[pb::DeviceShare]) -> Vec<suanli_device_host::pb::ReserveShare> {
+    devices
+        .iter()
+        .map(|d| suanli_device_host::pb::ReserveShare {
+            device_id: d.device.clone(),
+            milli: d.milli,
+            memory_mib: d.memory_mib,
+        })
+        .collect()
+}
+
+/// Marks the task ended and releases its device reservation (if still held: the normal end
+/// releases it before its report).
 fn set_ended(agent: &Agent, k: Key) {
     if let Some(e) = lock(agent).map.get_mut(&k) {
         e.ended = true;
     }
+    let plugins = agent.plugins.clone();
+    tokio::spawn(async move { plugins.release(&crate::plugins::reservation_id(k.0, k.1)).await });
 }
 
 /// Records that the task could not start (as its exit record) and reports it.
@@ -953,8 +1006,12 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
     // Reserve first: it has no effect on the node beyond the environment it returns, so an
     // agent dying during it leaves nothing behind and the allocation simply starts later.
     let ids: Vec<String> = a.devices.iter().map(|d| d.device.clone()).collect();
-    let reserved =
-        if ids.is_empty() { Ok(crate::plugins::Reserved::default()) } else { agent.plugins.reserve(a.id, &ids).await };
+    let reserved = if ids.is_empty() {
+        Ok(crate::plugins::Reserved::default())
+    } else {
+        let id = crate::plugins::reservation_id(k.0, k.1);
+        agent.plugins.reserve(&id, a.id, &shares_of(&a.devices)).await
+    };
     // The directory is the "started once" mark: create it exclusively, and durably.
     if let Err(e) = std::fs::create_dir(&dir) {
         tracing::error!(dir = %dir.display(), error = %e, "cannot create the allocation directory; not starting");
@@ -1265,6 +1322,9 @@ async fn supervise(
     };
     let r = final_report(k, &dir, exit.as_ref(), &lost);
     tracing::info!(status = ?r.status, end = r.end, message = %r.message, "task ended");
+    // Released before the end is reported: the control plane may give the devices to the next
+    // task as soon as it hears of the end, and a plugin enforcing shares must not see both.
+    agent.plugins.release(&crate::plugins::reservation_id(k.0, k.1)).await;
     agent.reporter.enqueue(r);
     set_ended(&agent, k);
 }

@@ -57,14 +57,14 @@ fn c_example_passes_the_conformance_kit() {
     let lib = build_example(dir.path(), "suanli_plugin_example", &[]);
     let stdout = assert_passes(&lib, &["--option", "color=blue"]);
     assert!(stdout.contains("PASS reserve (") && stdout.contains("PASS health_events ("), "{stdout}");
-    assert!(stdout.contains("plugin example 0.1.0, ABI 1.1"), "{stdout}");
+    assert!(stdout.contains("plugin example 0.1.0, ABI 1.2"), "{stdout}");
 
     // --json: one machine-readable report.
     let (out, stdout, _) = check(&lib, &["--json"]);
     assert!(out.status.success());
     let v: serde_json::Value = serde_json::from_str(&stdout).expect("JSON report");
     assert_eq!(v["failed"], 0);
-    assert_eq!(v["plugin"]["abi"], "1.1");
+    assert_eq!(v["plugin"]["abi"], "1.2");
     assert!(v["checks"].as_array().is_some_and(|c| c.len() >= 12), "{v}");
 }
 
@@ -75,7 +75,7 @@ fn newer_major_is_refused_naming_both_versions() {
     let (out, stdout, stderr) = check(&lib, &[]);
     assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
     assert!(
-        stdout.contains("FAIL load: plugin example 0.1.0 implements device plugin ABI 2.1; this agent implements ABI 1.1 (major versions must match)"),
+        stdout.contains("FAIL load: plugin example 0.1.0 implements device plugin ABI 2.2; this agent implements ABI 1.2 (major versions must match)"),
         "{stdout}\n{stderr}"
     );
     assert!(stdout.contains("0 passed, 1 failed"), "{stdout}");

@@ -123,12 +123,25 @@ pub struct SuanliDpApi {
     // ---- ABI 1.1 ----
     /// `HealthRequest` -> `HealthEvents`.
     pub health_events: Option<CallFn>,
+    // ---- ABI 1.2 ----
+    /// `ReleaseRequest` -> `ReleaseResponse`.
+    pub release: Option<CallFn>,
 }
 
 /// The size of the ABI 1.0 part of [`SuanliDpApi`]: a table must be at least this large.
 pub const API_SIZE_1_0: usize = offset_of!(SuanliDpApi, health_events);
-/// The size of [`SuanliDpApi`] in ABI 1.1 (this crate's version).
-pub const API_SIZE_1_1: usize = size_of::<SuanliDpApi>();
+/// The size of the ABI 1.1 part of [`SuanliDpApi`] (up to `health_events`).
+pub const API_SIZE_1_1: usize = offset_of!(SuanliDpApi, release);
+/// The size of [`SuanliDpApi`] in ABI 1.2 (this crate's version).
+pub const API_SIZE_1_2: usize = size_of::<SuanliDpApi>();
+
+/// The table size each minor version of major 1 implies, oldest first: `(minor, size)`.
+pub const API_SIZES: [(u32, usize); 3] = [(0, API_SIZE_1_0), (1, API_SIZE_1_1), (2, API_SIZE_1_2)];
+
+/// The newest minor version whose whole table fits in `struct_size` bytes (`None`: not even 1.0).
+pub fn minor_covered_by(struct_size: usize) -> Option<u32> {
+    API_SIZES.iter().rev().find(|(_, size)| struct_size >= *size).map(|(minor, _)| *minor)
+}
 /// The size of the header fields every major version keeps (size, version, name, version string):
 /// enough to say which ABI a plugin implements, even one of another major.
 pub const API_SIZE_PREAMBLE: usize = offset_of!(SuanliDpApi, error_destroy);
@@ -146,7 +159,7 @@ const _: () = {
     assert!(offset_of!(SuanliDpCallArgs, response_len) == 5 * P);
     // SuanliDpShutdownArgs: size_t, ptr.
     assert!(size_of::<SuanliDpShutdownArgs>() == 2 * P);
-    // SuanliDpApi: size_t, u32, u32, 2 strings, 9 functions (1.0), 1 function (1.1).
+    // SuanliDpApi: size_t, u32, u32, 2 strings, 9 functions (1.0), 1 function (1.1), 1 (1.2).
     assert!(offset_of!(SuanliDpApi, abi_major) == P);
     assert!(offset_of!(SuanliDpApi, abi_minor) == P + 4);
     assert!(offset_of!(SuanliDpApi, plugin_name) == P + 8);
@@ -154,6 +167,7 @@ const _: () = {
     assert!(offset_of!(SuanliDpApi, init) == 7 * P + 8);
     assert!(API_SIZE_1_0 == 12 * P + 8);
     assert!(API_SIZE_1_1 == 13 * P + 8);
+    assert!(API_SIZE_1_2 == 14 * P + 8);
 };
 
 /// A [`SuanliDpApi`] that may live in a `static`: the pointers it holds are to static strings and

@@ -29,7 +29,7 @@ pub use suanli_device_proto::v1 as pb;
 /// The ABI major version this crate implements (breaking changes).
 pub const ABI_MAJOR: u32 = 1;
 /// The ABI minor version this crate implements (additions only).
-pub const ABI_MINOR: u32 = 1;
+pub const ABI_MINOR: u32 = 2;
 
 /// Error codes a plugin returns (the header's `SUANLI_DP_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -135,6 +135,11 @@ pub trait DevicePlugin: Send + Sync + Sized + 'static {
     /// Health events since the previous call (ABI 1.1).
     fn health_events(&self) -> Result<pb::HealthEvents, PluginError> {
         Ok(pb::HealthEvents::default())
+    }
+    /// The task holding `req.reservation_id` ended (ABI 1.2): undo what `reserve` set up for it.
+    /// An id the plugin does not hold is not an error. The default holds nothing, so does nothing.
+    fn release(&self, _req: pb::ReleaseRequest) -> Result<(), PluginError> {
+        Ok(())
     }
     /// Releases vendor resources; the instance is dropped right after.
     fn shutdown(&self) {}

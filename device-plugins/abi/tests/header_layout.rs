@@ -4,7 +4,7 @@
 use std::mem::{offset_of, size_of};
 use std::process::Command;
 
-use suanli_device_abi::ffi::{API_SIZE_1_0, SuanliDpApi, SuanliDpCallArgs, SuanliDpInitArgs, SuanliDpShutdownArgs};
+use suanli_device_abi::ffi::{API_SIZE_1_0, API_SIZE_1_1, SuanliDpApi, SuanliDpCallArgs, SuanliDpInitArgs, SuanliDpShutdownArgs};
 
 const PROGRAM: &str = r#"
 #include <stdio.h>
@@ -20,6 +20,7 @@ int main(void) {
   O(SuanliDpApi, plugin_version) O(SuanliDpApi, error_destroy) O(SuanliDpApi, error_message)
   O(SuanliDpApi, error_code) O(SuanliDpApi, buffer_free) O(SuanliDpApi, init) O(SuanliDpApi, fingerprint)
   O(SuanliDpApi, reserve) O(SuanliDpApi, stats) O(SuanliDpApi, shutdown) O(SuanliDpApi, health_events)
+  O(SuanliDpApi, release)
   printf("SUANLI_DP_ABI %d.%d\n", SUANLI_DP_ABI_MAJOR, SUANLI_DP_ABI_MINOR);
   printf("SUANLI_DP_ENTRY_SYMBOL %s\n", SUANLI_DP_ENTRY_SYMBOL);
   printf("codes %d %d %d %d %d %d\n", SUANLI_DP_INVALID_ARGUMENT, SUANLI_DP_NOT_FOUND, SUANLI_DP_UNAVAILABLE,
@@ -74,6 +75,7 @@ fn rust_mirrors_match_the_c_header() {
         ("SuanliDpApi.stats", offset_of!(SuanliDpApi, stats)),
         ("SuanliDpApi.shutdown", offset_of!(SuanliDpApi, shutdown)),
         ("SuanliDpApi.health_events", API_SIZE_1_0),
+        ("SuanliDpApi.release", API_SIZE_1_1),
     ];
     for (name, rust) in expected {
         let line = text

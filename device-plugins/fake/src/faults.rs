@@ -44,6 +44,8 @@ pub enum Call {
     Stats,
     /// `health_events`.
     HealthEvents,
+    /// `release` (ABI 1.2).
+    Release,
 }
 
 impl Call {
@@ -55,6 +57,7 @@ impl Call {
             Call::Reserve => "reserve",
             Call::Stats => "stats",
             Call::HealthEvents => "health_events",
+            Call::Release => "release",
         }
     }
 }
@@ -221,9 +224,10 @@ pub fn parse_faults(text: &str, known: &BTreeSet<String>) -> Result<Faults, Stri
                 Some("reserve") => Some(Call::Reserve),
                 Some("stats") => Some(Call::Stats),
                 Some("health_events") => Some(Call::HealthEvents),
+                Some("release") => Some(Call::Release),
                 Some(o) => {
                     return Err(format!(
-                        "crash_on is {o:?}, expected init, fingerprint, reserve, stats, health_events or any"
+                        "crash_on is {o:?}, expected init, fingerprint, reserve, stats, health_events, release or any"
                     ));
                 }
             };

@@ -41,6 +41,12 @@ pub struct FakePlugin {
     by_id: BTreeMap<String, usize>,
     fault_path: PathBuf,
     state: Mutex<State>,
+    /// Plugin option `enforce_shares=true`: reserve refuses a share that would take a device's
+    /// reservations past 1000 milli (what MPS limits or a vNPU would enforce on real hardware).
+    enforce_shares: bool,
+    /// Plugin option `journal=PATH`: every reserve with a reservation id and every release is
+    /// appended there as a JSON line (tests read it).
+    journal: Option<PathBuf>,
 }
 
 /// What changes at run time.
@@ -56,7 +62,12 @@ struct State {
     reported: BTreeMap<String, bool>,
     /// XIDs already emitted (forgotten when removed from the file, so re-adding one re-emits it).
     xid_emitted: BTreeSet<faults::Xid>,
+    /// Reservations held (ABI 1.2): reservation id → (device, milli) per device.
+    held: BTreeMap<String, Vec<(String, u32)>>,
 }
+
+/// The most reservations the fake plugin holds at once (a node runs far fewer tasks).
+pub const MAX_HELD: usize = 4096;
 
 /// Reads a small file, refusing one over [`MAX_FILE_BYTES`].
 fn read_small(path: &Path) -> Result<String, String> {
@@ -139,7 +150,10 @@ impl FakePlugin {
                 fault_error: None,
                 reported,
                 xid_emitted: BTreeSet::new(),
+                held: BTreeMap::new(),
             }),
+            enforce_shares: false,
+            journal: None,
         })
     }
 
@@ -327,7 +341,16 @@ impl DevicePlugin for FakePlugin {
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
     fn init(config: pb::PluginConfig) -> Result<Self, PluginError> {
-        let p = FakePlugin::load(Path::new(&config.config_path), config.options.get("fault_file").map(String::as_str))?;
+        let mut p =
+            FakePlugin::load(Path::new(&config.config_path), config.options.get("fault_file").map(String::as_str))?;
+        p.enforce_shares = match config.options.get("enforce_shares").map(String::as_str) {
+            None | Some("false") => false,
+            Some("true") => true,
+            Some(other) => {
+                return Err(PluginError::invalid(format!("option enforce_shares is {other:?}; expected true or false")));
+            }
+        };
+        p.journal = config.options.get("journal").filter(|j| !j.is_empty()).map(PathBuf::from);
         drop(p.enter(Call::Init)?);
         Ok(p)
     }
@@ -338,7 +361,7 @@ impl DevicePlugin for FakePlugin {
     }
 
     fn reserve(&self, req: pb::ReserveRequest) -> Result<pb::Reservation, PluginError> {
-        let st = self.enter(Call::Reserve)?;
+        let mut st = self.enter(Call::Reserve)?;
         if req.device_ids.len() > MAX_RESERVE_IDS {
             return Err(PluginError::invalid(format!(
                 "device_ids has {} entries, the limit is {MAX_RESERVE_IDS}",
@@ -370,6 +393,9 @@ impl DevicePlugin for FakePlugin {
                 migs.push(d.id.clone());
             }
         }
+        if !req.reservation_id.is_empty() {
+            self.hold(&mut st, &req)?;
+        }
         let mut res = pb::Reservation::default();
         // A stand-in for the NVIDIA plugin's /dev/nvidia-caps files: names only, no such files.
         for id in migs {
@@ -396,6 +422,74 @@ impl DevicePlugin for FakePlugin {
     fn health_events(&self) -> Result<pb::HealthEvents, PluginError> {
         let mut st = self.enter(Call::HealthEvents)?;
         Ok(self.take_events(&mut st))
+    }
+
+    fn release(&self, req: pb::ReleaseRequest) -> Result<(), PluginError> {
+        let mut st = self.enter(Call::Release)?;
+        let held = st.held.remove(&req.reservation_id);
+        self.log(&serde_json::json!({
+            "call": "release", "reservation_id": req.reservation_id, "alloc_id": req.alloc_id,
+            "device_ids": req.device_ids, "held": held.is_some(),
+        }));
+        Ok(())
+    }
+}
+
+impl FakePlugin {
+    /// Records a 1.2 reservation: a repeat of a held id holds nothing more; with `enforce_shares`,
+    /// a share that would take a device past 1000 milli is refused.
+    fn hold(&self, st: &mut State, req: &pb::ReserveRequest) -> Result<(), PluginError> {
+        let shares: Vec<(String, u32)> = req
+            .device_ids
+            .iter()
+            .map(|id| {
+                let milli = req.shares.iter().find(|s| &s.device_id == id).map_or(1000, |s| s.milli);
+                (id.clone(), if milli == 0 { 1000 } else { milli.min(1000) })
+            })
+            .collect();
+        let repeat = st.held.contains_key(&req.reservation_id);
+        if !repeat {
+            if self.enforce_shares {
+                for (dev, milli) in &shares {
+                    let used: u32 = st.held.values().flatten().filter(|(d, _)| d == dev).map(|(_, m)| *m).sum();
+                    if used + milli > 1000 {
+                        return Err(PluginError::new(
+                            Code::FailedPrecondition,
+                            format!(
+                                "device {dev:?}: {used} milli already held by other reservations, {milli} asked by {:?}; 1000 is the whole device",
+                                req.reservation_id
+                            ),
+                        ));
+                    }
+                }
+            }
+            if st.held.len() >= MAX_HELD {
+                return Err(PluginError::new(
+                    Code::FailedPrecondition,
+                    format!("{MAX_HELD} reservations held, the limit; release some first"),
+                ));
+            }
+            st.held.insert(req.reservation_id.clone(), shares.clone());
+        }
+        self.log(&serde_json::json!({
+            "call": "reserve", "reservation_id": req.reservation_id, "alloc_id": req.alloc_id, "repeat": repeat,
+            "shares": shares.iter().map(|(d, m)| serde_json::json!({"device": d, "milli": m})).collect::<Vec<_>>(),
+        }));
+        Ok(())
+    }
+
+    /// Appends a line to the journal, when one is configured (best effort).
+    fn log(&self, v: &serde_json::Value) {
+        let Some(path) = &self.journal else { return };
+        use std::io::Write as _;
+        let res = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(format!("{v}\n").as_bytes()));
+        if let Err(e) = res {
+            eprintln!("suanli fake plugin: journal {}: {e}", path.display());
+        }
     }
 }
 
@@ -473,7 +567,7 @@ mod plugin_fake_tests {
         assert_eq!(inv.devices.len(), 4);
         assert!(inv.devices.iter().all(|d| d.model == "Ascend910B" && d.memory_mib == 65536 && d.kind == "npu"));
         assert!(inv.devices.iter().all(|d| d.links.len() == 3 && d.links.iter().all(|l| l.kind == "hccs")));
-        let r = p.reserve(pb::ReserveRequest { device_ids: vec!["npu2".into(), "npu0".into()], alloc_id: 7 }).unwrap();
+        let r = p.reserve(pb::ReserveRequest { device_ids: vec!["npu2".into(), "npu0".into()], alloc_id: 7, ..Default::default() }).unwrap();
         assert_eq!(r.env["ASCEND_RT_VISIBLE_DEVICES"], "2,0");
         assert_eq!(r.env["SUANLI_FAKE_DEVICES"], "npu2,npu0");
         assert!(!r.env.contains_key("CUDA_VISIBLE_DEVICES"));
@@ -487,7 +581,7 @@ mod plugin_fake_tests {
         assert_eq!((m.partition_of.as_str(), m.memory_mib), ("gpu0", 10240));
         assert!(inv.devices.iter().filter(|d| d.partition_of.is_empty()).count() == 2);
         let r =
-            p.reserve(pb::ReserveRequest { device_ids: vec!["gpu0-mig3".into(), "gpu1".into()], alloc_id: 1 }).unwrap();
+            p.reserve(pb::ReserveRequest { device_ids: vec!["gpu0-mig3".into(), "gpu1".into()], alloc_id: 1, ..Default::default() }).unwrap();
         assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], "MIG-FAKE-gpu0-mig3,1");
         let files: Vec<_> = r.device_files.iter().map(|f| f.host_path.as_str()).collect();
         assert_eq!(files, ["/dev/fake-mig/gpu0-mig3"]);
@@ -496,16 +590,16 @@ mod plugin_fake_tests {
     #[test]
     fn reserve_checks_ids_and_health() {
         let (_d, p) = setup("fake-8gpu.toml");
-        let r = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu1".into(), "gpu5".into()], alloc_id: 1 }).unwrap();
+        let r = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu1".into(), "gpu5".into()], alloc_id: 1, ..Default::default() }).unwrap();
         assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], "1,5");
         assert!(r.device_files.is_empty());
-        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu9".into()], alloc_id: 1 }).unwrap_err();
+        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu9".into()], alloc_id: 1, ..Default::default() }).unwrap_err();
         assert_eq!(e.code, Code::NotFound);
         let e =
-            p.reserve(pb::ReserveRequest { device_ids: vec!["gpu1".into(), "gpu1".into()], alloc_id: 1 }).unwrap_err();
+            p.reserve(pb::ReserveRequest { device_ids: vec!["gpu1".into(), "gpu1".into()], alloc_id: 1, ..Default::default() }).unwrap_err();
         assert_eq!(e.code, Code::InvalidArgument);
         faults(&p, "unhealthy = [\"gpu5\"]\n");
-        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu5".into()], alloc_id: 1 }).unwrap_err();
+        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu5".into()], alloc_id: 1, ..Default::default() }).unwrap_err();
         assert_eq!(e.code, Code::FailedPrecondition);
         assert!(e.message.contains("unhealthy"), "{}", e.message);
         assert_eq!(p.reserve(pb::ReserveRequest::default()).unwrap(), pb::Reservation::default());

@@ -4,12 +4,15 @@
 //! runs it, so a plugin that crashes or hangs makes a check fail instead of killing the checker.
 //!
 //! ```text
-//!  load (symbol, version, table) ─ init ─ fingerprint (valid Inventory) ─ fingerprint is stable
-//!   ─ reserve each device ─ reserve of an unknown id ─ stats ─ health_events (ABI 1.1)
-//!   ─ repeated calls ─ concurrent calls ─ deadlines ─ no crashes ─ shutdown
+//!  load (symbol, version, table) ─ table size vs minor ─ exported symbols ─ init
+//!   ─ fingerprint (valid Inventory) ─ fingerprint is stable ─ reserve each device
+//!   ─ reserve of an unknown id ─ reserve empty ─ reserve several ─ reserve and release (1.2)
+//!   ─ stats ─ stats of an unknown id ─ health_events (1.1) ─ repeated calls ─ resources (RSS,
+//!   descriptors) ─ concurrent calls ─ health scenario ─ stdout ─ deadlines ─ no crashes
+//!   ─ host restart ─ shutdown
 //! ```
 //!
-//! Each check yields a [`CheckResult`] (pass, fail or skip, with a reason and its time); the caller
+//! Each check yields a [`CheckResult`] (pass, fail, warn or skip, with a reason and its time); the caller
 //! prints them as they come. The validators ([`validate_inventory`], [`validate_reservation`],
 //! [`validate_stats`]) are public so plugin authors can use them in their own tests.
 
@@ -54,6 +57,7 @@ impl CheckOptions {
             host_cmd,
             backoff_min: Duration::from_millis(50),
             backoff_max: Duration::from_millis(500),
+            retry_unavailable_init: false,
             ..Options::default()
         };
         CheckOptions { host, config, repeats: 100, threads: 8 }
@@ -70,6 +74,8 @@ pub enum Outcome {
     Fail,
     /// It does not apply (e.g. health_events of an ABI 1.0 plugin).
     Skip,
+    /// It works, but not as a plugin should (e.g. it writes to stdout); not a failure.
+    Warn,
 }
 
 /// One check's result.
@@ -97,6 +103,7 @@ impl fmt::Display for CheckResult {
             }
             Outcome::Fail => write!(f, "FAIL {}: {} ({})", self.name, self.detail, fmt_ms(self.elapsed_ms)),
             Outcome::Skip => write!(f, "SKIP {}: {}", self.name, self.detail),
+            Outcome::Warn => write!(f, "WARN {}: {} ({})", self.name, self.detail, fmt_ms(self.elapsed_ms)),
         }
     }
 }
@@ -135,6 +142,8 @@ pub struct Report {
     pub failed: usize,
     /// Checks skipped.
     pub skipped: usize,
+    /// Checks that passed with a warning.
+    pub warned: usize,
 }
 
 impl Report {
@@ -145,6 +154,9 @@ impl Report {
     /// "N passed, M failed" (and ", K skipped" when some were).
     pub fn summary(&self) -> String {
         let mut s = format!("{} passed, {} failed", self.passed, self.failed);
+        if self.warned > 0 {
+            s.push_str(&format!(", {} warned", self.warned));
+        }
         if self.skipped > 0 {
             s.push_str(&format!(", {} skipped", self.skipped));
         }
@@ -168,6 +180,8 @@ struct Calls {
 struct Caller {
     p: PluginProcess,
     calls: Arc<Mutex<Calls>>,
+    /// The latest health each device's events reported (true: healthy), with the reason.
+    health: Arc<Mutex<BTreeMap<String, (bool, String)>>>,
 }
 
 impl Caller {
@@ -194,14 +208,42 @@ impl Caller {
         self.timed("fingerprint", self.p.fingerprint()).await
     }
     async fn reserve(&self, ids: &[&str]) -> Result<pb::Reservation, HostError> {
-        let req = pb::ReserveRequest { device_ids: ids.iter().map(|s| s.to_string()).collect(), alloc_id: 1 };
+        let req = pb::ReserveRequest { device_ids: ids.iter().map(|s| s.to_string()).collect(), alloc_id: 1, ..Default::default() };
         self.timed("reserve", self.p.reserve(req)).await
+    }
+    /// A 1.2 reserve: `reservation_id` and one share per device.
+    async fn reserve_share(&self, id: &str, devices: &[&str], milli: u32) -> Result<pb::Reservation, HostError> {
+        let req = pb::ReserveRequest {
+            device_ids: devices.iter().map(|s| s.to_string()).collect(),
+            alloc_id: 1,
+            reservation_id: id.to_string(),
+            shares: devices
+                .iter()
+                .map(|d| pb::ReserveShare { device_id: d.to_string(), milli, memory_mib: 0 })
+                .collect(),
+        };
+        self.timed("reserve", self.p.reserve(req)).await
+    }
+    async fn release(&self, id: &str, devices: &[&str]) -> Result<pb::ReleaseResponse, HostError> {
+        let req = pb::ReleaseRequest {
+            reservation_id: id.to_string(),
+            device_ids: devices.iter().map(|s| s.to_string()).collect(),
+            alloc_id: 1,
+        };
+        self.timed("release", self.p.release(req)).await
     }
     async fn stats(&self, ids: &[String]) -> Result<pb::StatsResponse, HostError> {
         self.timed("stats", self.p.stats(pb::StatsRequest { device_ids: ids.to_vec() })).await
     }
     async fn health_events(&self) -> Result<pb::HealthEvents, HostError> {
-        self.timed("health_events", self.p.health_events()).await
+        let res = self.timed("health_events", self.p.health_events()).await;
+        if let Ok(ev) = &res {
+            let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
+            for e in ev.events.iter().take(4096) {
+                h.insert(e.device.clone(), (e.healthy, e.reason.clone()));
+            }
+        }
+        res
     }
 }
 
@@ -217,6 +259,7 @@ impl Run<'_> {
             Outcome::Pass => self.report.passed += 1,
             Outcome::Fail => self.report.failed += 1,
             Outcome::Skip => self.report.skipped += 1,
+            Outcome::Warn => self.report.warned += 1,
         }
         (self.on_result)(&r);
         self.report.checks.push(r);
@@ -242,12 +285,15 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
         passed: 0,
         failed: 0,
         skipped: 0,
+        warned: 0,
     };
     let mut run = Run { report, on_result };
+    let mut hello_ok: Option<pb::HostHello> = None;
     let t = Instant::now();
     let (started, times) = PluginProcess::start_timed(lib.to_path_buf(), opts.config.clone(), opts.host.clone()).await;
     match &times.hello {
         Some((h, el)) if h.error.is_empty() => {
+            hello_ok = Some(h.clone());
             let newer = if h.abi_minor > ABI_MINOR {
                 format!(" (newer minor than this agent's {ABI_MAJOR}.{ABI_MINOR}: its additions go unused)")
             } else {
@@ -275,6 +321,27 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
             Ok(_) => run.push("load", Outcome::Fail, "no Hello from the plugin host".into(), t.elapsed()),
         },
     }
+    if let Some(h) = &hello_ok {
+        let t = Instant::now();
+        run.result("table size", t, table_size(h));
+        let t = Instant::now();
+        match exported_symbols(lib) {
+            Ok(extra) if extra.is_empty() => {
+                run.push("exported symbols", Outcome::Pass, "only suanli_device_plugin_entry".into(), t.elapsed())
+            }
+            Ok(extra) => run.push(
+                "exported symbols",
+                Outcome::Warn,
+                format!(
+                    "{} more than the entry point: {}; build with -fvisibility=hidden (C) or keep them private (Rust), so that they cannot clash with the vendor libraries the plugin loads",
+                    extra.len(),
+                    summarize(extra.into_iter().take(20).collect())
+                ),
+                t.elapsed(),
+            ),
+            Err(e) => run.push("exported symbols", Outcome::Skip, e, Duration::ZERO),
+        }
+    }
     let p = match started {
         Ok(p) => {
             run.push("init", Outcome::Pass, String::new(), times.init.unwrap_or_default());
@@ -282,17 +349,23 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
         }
         Err(e) => {
             if times.hello.as_ref().is_some_and(|(h, _)| h.error.is_empty()) {
-                run.push("init", Outcome::Fail, e.to_string(), t.elapsed());
+                let mut why = e.to_string();
+                if matches!(&e, HostError::Plugin(pe) if pe.code == Code::Unavailable) {
+                    why.push_str(" (the agent retries an UNAVAILABLE init with backoff, the plugin's devices unknown meanwhile; the kit needs it to succeed)");
+                }
+                run.push("init", Outcome::Fail, why, t.elapsed());
             }
             return run.report;
         }
     };
-    let caller = Caller { p: p.clone(), calls: Arc::new(Mutex::new(Calls::default())) };
+    let caller = Caller { p: p.clone(), calls: Arc::new(Mutex::new(Calls::default())), health: Arc::default() };
     let wait_up = opts.host.call_timeout;
 
     // fingerprint
     let t = Instant::now();
     let mut fingerprint_ok = false;
+    // Why later checks have no devices to work on, when fingerprint failed.
+    let mut no_inventory = String::new();
     let inventory = match caller.fingerprint().await {
         Ok(inv) => {
             fingerprint_ok = true;
@@ -302,6 +375,7 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
             inv
         }
         Err(e) => {
+            no_inventory = format!("fingerprint failed ({e}), so there are no devices to use");
             run.result("fingerprint", t, Err(e.to_string()));
             pb::Inventory::default()
         }
@@ -334,7 +408,8 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
     // reserve each device
     p.wait_up(wait_up).await;
     if inventory.devices.is_empty() {
-        run.skip("reserve", "the inventory has no devices");
+        let why = if no_inventory.is_empty() { "the inventory has no devices".to_string() } else { no_inventory.clone() };
+        run.skip("reserve", &why);
     } else {
         let t = Instant::now();
         let mut problems = Vec::new();
@@ -368,6 +443,54 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
     };
     run.result("reserve unknown device", t, res);
 
+    // reserve of no device, and of several at once
+    p.wait_up(wait_up).await;
+    let t = Instant::now();
+    let res = match caller.reserve(&[]).await {
+        Ok(r) => {
+            let problems = validate_reservation(&pb::PluginDevice::default(), &r);
+            if problems.is_empty() { Ok("an empty request is granted".to_string()) } else { Err(problems.join("; ")) }
+        }
+        Err(e) => Err(format!("a reserve with no device ids must succeed (a task given none): {e}")),
+    };
+    run.result("reserve empty", t, res);
+    let healthy: Vec<&pb::PluginDevice> =
+        inventory.devices.iter().filter(|d| d.healthy && d.partition_of.is_empty()).collect();
+    if healthy.len() < 2 {
+        let why = if !no_inventory.is_empty() {
+            no_inventory.clone()
+        } else {
+            format!("{} healthy whole devices (2 needed)", healthy.len())
+        };
+        run.skip("reserve several", &why);
+    } else {
+        p.wait_up(wait_up).await;
+        let t = Instant::now();
+        let ids: Vec<&str> = healthy.iter().map(|d| d.id.as_str()).collect();
+        let res = match caller.reserve(&ids).await {
+            Ok(r) => {
+                let problems = validate_reservation(healthy[0], &r);
+                if problems.is_empty() { Ok(format!("{} devices in one request", ids.len())) } else { Err(problems.join("; ")) }
+            }
+            Err(e) => Err(format!("reserve of {} healthy devices at once: {e}", ids.len())),
+        };
+        run.result("reserve several", t, res);
+    }
+
+    // reserve with a reservation id and shares, release (ABI 1.2)
+    p.wait_up(wait_up).await;
+    if !p.offers("release") {
+        let abi = run.report.plugin.as_ref().map(|s| s.abi.clone()).unwrap_or_default();
+        run.skip("reserve and release", &format!("release not offered (an ABI {abi} plugin: its reserve is stateless)"));
+    } else if let Some(d) = healthy.first() {
+        let t = Instant::now();
+        let res = reserve_release(&caller, &d.id).await;
+        run.result("reserve and release", t, res);
+    } else {
+        let why = if no_inventory.is_empty() { "no healthy whole device".to_string() } else { no_inventory.clone() };
+        run.skip("reserve and release", &why);
+    }
+
     // stats
     p.wait_up(wait_up).await;
     let t = Instant::now();
@@ -393,6 +516,27 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
         }
     }
     run.result("stats", t, res);
+
+    // stats of an unknown id
+    p.wait_up(wait_up).await;
+    let t = Instant::now();
+    let unknown = vec![UNKNOWN_DEVICE_ID.to_string()];
+    let res = match caller.stats(&unknown).await {
+        Ok(s) if s.devices.iter().any(|d| d.id == UNKNOWN_DEVICE_ID) => {
+            Err(format!("returned stats for the unknown device {UNKNOWN_DEVICE_ID:?}"))
+        }
+        Ok(s) if !s.devices.is_empty() => Err(format!(
+            "asked only for the unknown device {UNKNOWN_DEVICE_ID:?}, got {} other devices",
+            s.devices.len()
+        )),
+        Ok(_) => Ok("left out".to_string()),
+        Err(HostError::Plugin(e)) if matches!(e.code, Code::NotFound | Code::InvalidArgument) => {
+            Ok(format!("refused with {}", e.code))
+        }
+        Err(HostError::Plugin(e)) => Err(format!("expected not_found (or the id left out), got {e}")),
+        Err(e) => Err(e.to_string()),
+    };
+    run.result("stats unknown device", t, res);
 
     // health_events
     p.wait_up(wait_up).await;
@@ -420,20 +564,72 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
         run.result("health_events", t, res.map(|_| format!("{events} events")));
     } else {
         let abi = run.report.plugin.as_ref().map(|s| s.abi.clone()).unwrap_or_default();
-        run.skip("health_events", &format!("not offered (an ABI {abi} plugin)"));
+        let why = match &hello_ok {
+            Some(h) if h.table_minor < h.abi_minor => {
+                format!("not offered (struct_size covers only the ABI {}.{} table; see table size)", h.abi_major, h.table_minor)
+            }
+            _ => format!("not offered (an ABI {abi} plugin)"),
+        };
+        run.skip("health_events", &why);
     }
 
-    // repeated calls
+    // repeated calls, and what they cost the host process
     p.wait_up(wait_up).await;
     let t = Instant::now();
+    let before = p.pid().and_then(usage);
     let res = repeated(&caller, &ids, known, offers_health, opts.repeats).await;
+    let after = p.pid().and_then(usage);
+    let calls = caller.calls.lock().unwrap_or_else(|e| e.into_inner()).count;
     run.result("repeated calls", t, res);
+    let t = Instant::now();
+    match (before, after) {
+        (Some(b), Some(a)) => {
+            let (outcome, detail) = judge_usage(b, a, opts.repeats);
+            run.push("resources", outcome, detail, t.elapsed());
+        }
+        _ => run.skip("resources", "the plugin host's /proc entries could not be read (not Linux, or it restarted)"),
+    }
+    let _ = calls;
 
     // concurrent calls
     p.wait_up(wait_up).await;
     let t = Instant::now();
     let res = concurrent(&caller, &ids, offers_health, opts.threads, opts.repeats).await;
     run.result("concurrent calls", t, res);
+
+    // a device that health_events turned unhealthy: fingerprint shows it, reserve refuses it
+    p.wait_up(wait_up).await;
+    let unhealthy: Vec<(String, String)> = caller
+        .health
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter(|(_, (ok, _))| !ok)
+        .map(|(d, (_, r))| (d.clone(), r.clone()))
+        .collect();
+    if let Some((dev, reason)) = unhealthy.first() {
+        let t = Instant::now();
+        let res = health_scenario(&caller, dev, reason).await;
+        run.result("health scenario", t, res);
+    } else {
+        run.skip(
+            "health scenario",
+            "no health event turned a device unhealthy during the run (the plugin's own fault injection exercises it)",
+        );
+    }
+
+    // stdout
+    let t = Instant::now();
+    let _ = caller.stats(&[]).await;
+    match p.stdout_bytes() {
+        0 => run.push("stdout", Outcome::Pass, "nothing written".into(), t.elapsed()),
+        n => run.push(
+            "stdout",
+            Outcome::Warn,
+            format!("the plugin wrote {n} bytes to stdout; the host forwards them to stderr, but a plugin must write nothing there (log to stderr)"),
+            t.elapsed(),
+        ),
+    }
 
     // every call within its deadline
     let t = Instant::now();
@@ -474,6 +670,12 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
     };
     run.result("no crashes", t, res);
 
+    // the host killed mid-run: restarted, init again, the same devices
+    p.wait_up(wait_up).await;
+    let t = Instant::now();
+    let res = host_restart(&caller, &inventory, fingerprint_ok, opts.host.backoff_max + opts.host.fingerprint_timeout * 2).await;
+    run.result("host restart", t, res);
+
     // shutdown (of a live host, if a restart brings it back)
     p.wait_up(wait_up).await;
     let t = Instant::now();
@@ -485,6 +687,146 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
     run.result("shutdown", t, res);
     run.report
 }
+
+/// The table's size against the minor version it claims.
+fn table_size(h: &pb::HostHello) -> Result<String, String> {
+    use suanli_device_abi::ffi::API_SIZES;
+    let need = |minor: u32| API_SIZES.iter().find(|(m, _)| *m == minor).map(|(_, s)| *s);
+    if h.table_minor >= h.abi_minor || h.abi_minor > ABI_MINOR && h.table_minor == ABI_MINOR {
+        return Ok(format!("struct_size {} covers ABI {}.{}", h.api_struct_size, h.abi_major, h.table_minor));
+    }
+    let claimed = need(h.abi_minor).map(|s| format!(" ({s} bytes)")).unwrap_or_default();
+    Err(format!(
+        "abi_minor says {}.{} but struct_size {} covers only the ABI {}.{} table{}: the calls added since are never made. Set struct_size = sizeof(SuanliDpApi) from the header of the version you claim{}",
+        h.abi_major,
+        h.abi_minor,
+        h.api_struct_size,
+        h.abi_major,
+        h.table_minor,
+        if h.table_minor == 0 { " (health_events is not offered)" } else { "" },
+        claimed.replace(" (", ", ").replace(')', "")
+    ))
+}
+
+/// Defined global symbols of the library's dynamic symbol table other than the entry point.
+fn exported_symbols(lib: &Path) -> Result<Vec<String>, String> {
+    use object::{Object as _, ObjectSymbol as _};
+    let data = std::fs::read(lib).map_err(|e| format!("cannot read {}: {e}", lib.display()))?;
+    let file = object::File::parse(&*data).map_err(|e| format!("not an object file the kit can read: {e}"))?;
+    let entry = std::str::from_utf8(&suanli_device_abi::ffi::ENTRY_SYMBOL[..suanli_device_abi::ffi::ENTRY_SYMBOL.len() - 1])
+        .unwrap_or("suanli_device_plugin_entry");
+    let mut out: Vec<String> = file
+        .dynamic_symbols()
+        .filter(|s| s.is_global() && s.is_definition())
+        .filter_map(|s| s.name().ok().map(str::to_owned))
+        .filter(|n| n != entry && n != "_init" && n != "_fini" && !n.is_empty())
+        .collect();
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// A 1.2 reservation's life: reserve with an id, repeat it, release it twice; a half share.
+async fn reserve_release(c: &Caller, dev: &str) -> Result<String, String> {
+    const ID: &str = "suanli-check-1";
+    c.reserve_share(ID, &[dev], 1000).await.map_err(|e| format!("reserve of {dev} with reservation_id {ID:?}: {e}"))?;
+    c.reserve_share(ID, &[dev], 1000).await.map_err(|e| {
+        format!("a repeated reserve of {ID:?} (as after an agent restart) must be answered as the first: {e}")
+    })?;
+    c.release(ID, &[dev]).await.map_err(|e| format!("release of {ID:?}: {e}"))?;
+    c.release(ID, &[dev]).await.map_err(|e| format!("a second release of {ID:?} must succeed (it holds nothing): {e}"))?;
+    const HALF: &str = "suanli-check-2";
+    let half = match c.reserve_share(HALF, &[dev], 500).await {
+        Ok(r) => {
+            c.release(HALF, &[dev]).await.map_err(|e| format!("release of {HALF:?}: {e}"))?;
+            if r.env.is_empty() { "a 500-milli share granted".to_string() } else { format!("a 500-milli share granted ({} env)", r.env.len()) }
+        }
+        Err(HostError::Plugin(e)) if matches!(e.code, Code::FailedPrecondition | Code::InvalidArgument) => {
+            format!("a 500-milli share refused ({})", e.code)
+        }
+        Err(e) => return Err(format!("reserve of a 500-milli share: {e}")),
+    };
+    Ok(format!("reserve, repeat, release, release again; {half}"))
+}
+
+/// After a health event marked `dev` unhealthy: fingerprint says so, reserve is refused.
+async fn health_scenario(c: &Caller, dev: &str, reason: &str) -> Result<String, String> {
+    let inv = c.fingerprint().await.map_err(|e| format!("fingerprint: {e}"))?;
+    let Some(d) = inv.devices.iter().find(|d| d.id == dev) else {
+        return Err(format!("health_events reported {dev:?} unhealthy ({reason}); fingerprint no longer lists it"));
+    };
+    if d.healthy {
+        return Err(format!(
+            "health_events reported {dev:?} unhealthy ({reason}) and no event since made it healthy, but fingerprint shows it healthy"
+        ));
+    }
+    match c.reserve(&[dev]).await {
+        Err(HostError::Plugin(e)) if e.code == Code::FailedPrecondition => {
+            Ok(format!("{dev} unhealthy ({reason}): fingerprint shows it, reserve refused with failed_precondition"))
+        }
+        Ok(_) => Err(format!("reserve of the unhealthy device {dev:?} ({reason}) was granted (expected failed_precondition)")),
+        Err(e) => Err(format!("reserve of the unhealthy device {dev:?}: expected failed_precondition, got {e}")),
+    }
+}
+
+/// Kills the plugin host and waits for the supervisor's restart: init again, same devices.
+async fn host_restart(c: &Caller, inv: &pb::Inventory, have_inventory: bool, wait: Duration) -> Result<String, String> {
+    let restarts = c.p.restarts();
+    let t = Instant::now();
+    if !c.p.kill_host("killed by the conformance kit's restart check") {
+        return Err("the plugin host is not running".into());
+    }
+    let deadline = Instant::now() + wait;
+    while c.p.restarts() == restarts || !c.p.is_up() {
+        if Instant::now() >= deadline {
+            return Err(format!("not restarted within {wait:?} of a SIGKILL (init again failed?)"));
+        }
+        c.p.wait_up(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let up_after = t.elapsed();
+    let again = c.fingerprint().await.map_err(|e| format!("fingerprint after the restart: {e}"))?;
+    if have_inventory && let Some(diff) = inventory_diff(inv, &again) {
+        return Err(format!("after the restart the inventory differs: {diff}"));
+    }
+    Ok(format!("up again {up_after:.1?} after a SIGKILL, {} devices as before", again.devices.len()))
+}
+
+/// Resident memory (bytes) and open descriptors of a process.
+fn usage(pid: u32) -> Option<(u64, usize)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: u64 = status.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
+    Some((kb * 1024, fds))
+}
+
+/// Growth of the plugin host's memory and descriptors across the repeated calls.
+pub(crate) fn judge_usage(before: (u64, usize), after: (u64, usize), rounds: usize) -> (Outcome, String) {
+    const MIB: u64 = 1 << 20;
+    let rss = after.0.saturating_sub(before.0);
+    let fds = after.1.saturating_sub(before.1);
+    let detail = format!(
+        "host RSS {:.1} -> {:.1} MiB, open descriptors {} -> {} over {rounds} rounds",
+        before.0 as f64 / MIB as f64,
+        after.0 as f64 / MIB as f64,
+        before.1,
+        after.1
+    );
+    let fd_fail = rounds >= 10 && fds >= rounds / 2;
+    if rss >= RSS_FAIL_BYTES || fd_fail {
+        let what = if fd_fail { "descriptors leak (one per round or so)" } else { "memory grows with every call (a leak?)" };
+        (Outcome::Fail, format!("{detail}: {what}; limits: {} MiB growth, {} descriptors", RSS_FAIL_BYTES / MIB, rounds / 2))
+    } else if rss >= RSS_WARN_BYTES || fds > 2 {
+        (Outcome::Warn, format!("{detail}: grew more than {} MiB or 2 descriptors", RSS_WARN_BYTES / MIB))
+    } else {
+        (Outcome::Pass, detail)
+    }
+}
+
+/// Host memory growth over the repeated calls that fails the `resources` check.
+pub const RSS_FAIL_BYTES: u64 = 32 << 20;
+/// Host memory growth that warns.
+pub const RSS_WARN_BYTES: u64 = 8 << 20;
 
 async fn repeated(
     c: &Caller,

@@ -28,7 +28,7 @@ use prost::Message;
 
 use crate::{ABI_MAJOR, ABI_MINOR, Code, PluginError, pb};
 use suanli_device_abi::ffi::{
-    API_SIZE_1_0, API_SIZE_1_1, API_SIZE_PREAMBLE, CallFn, ENTRY_SYMBOL, EntryFn, SuanliDpApi, SuanliDpCallArgs,
+    API_SIZE_1_0, API_SIZE_1_1, API_SIZE_1_2, API_SIZE_PREAMBLE, CallFn, ENTRY_SYMBOL, EntryFn, SuanliDpApi, SuanliDpCallArgs,
     SuanliDpError, SuanliDpInitArgs, SuanliDpPlugin, SuanliDpShutdownArgs,
 };
 
@@ -167,6 +167,11 @@ pub struct PluginInfo {
     pub api_struct_size: usize,
     /// Whether `health_events` (ABI 1.1) is offered.
     pub has_health_events: bool,
+    /// Whether `release` (ABI 1.2) is offered.
+    pub has_release: bool,
+    /// The newest minor version whose whole table `api_struct_size` covers: less than `abi_minor`
+    /// when the plugin claims a version its table does not have (the newer calls are then unused).
+    pub table_minor: u32,
 }
 
 struct Loaded {
@@ -248,11 +253,18 @@ impl Library {
     pub fn has_health_events(&self) -> bool {
         self.inner.info.has_health_events
     }
+    /// Whether the plugin offers `release` (ABI 1.2 and its table covers it).
+    pub fn has_release(&self) -> bool {
+        self.inner.info.has_release
+    }
     /// The calls the plugin offers, by name.
     pub fn calls(&self) -> Vec<String> {
         let mut calls: Vec<String> = ["fingerprint", "reserve", "stats"].iter().map(|s| s.to_string()).collect();
         if self.has_health_events() {
             calls.push("health_events".into());
+        }
+        if self.has_release() {
+            calls.push("release".into());
         }
         calls
     }
@@ -332,7 +344,7 @@ unsafe fn read_table(path: &Path, table: *const SuanliDpApi) -> Result<(SuanliDp
     // SAFETY: copy only what the plugin says it has (at most our own size); the rest stays zero,
     // which is NULL for pointers and None for Option<fn>, both valid values.
     let api = unsafe {
-        std::ptr::copy_nonoverlapping(table.cast::<u8>(), api.as_mut_ptr().cast::<u8>(), size.min(API_SIZE_1_1));
+        std::ptr::copy_nonoverlapping(table.cast::<u8>(), api.as_mut_ptr().cast::<u8>(), size.min(API_SIZE_1_2));
         api.assume_init()
     };
     // SAFETY: the strings are static in the loaded library (header: Ownership).
@@ -367,6 +379,8 @@ unsafe fn read_table(path: &Path, table: *const SuanliDpApi) -> Result<(SuanliDp
         return Err(LoadError::MissingFunction { name, function });
     }
     let has_health_events = api.abi_minor >= 1 && size >= API_SIZE_1_1 && api.health_events.is_some();
+    let has_release = api.abi_minor >= 2 && size >= API_SIZE_1_2 && api.release.is_some();
+    let table_minor = suanli_device_abi::ffi::minor_covered_by(size).unwrap_or(0);
     let info = PluginInfo {
         name,
         version,
@@ -374,6 +388,8 @@ unsafe fn read_table(path: &Path, table: *const SuanliDpApi) -> Result<(SuanliDp
         abi_minor: api.abi_minor,
         api_struct_size: size,
         has_health_events,
+        has_release,
+        table_minor,
     };
     Ok((api, info))
 }
@@ -466,8 +482,16 @@ impl Instance {
         self.call_decoded("health_events", self.lib.inner.api.health_events, &pb::HealthRequest {})
     }
 
+    /// `release` (ABI 1.2): the task holding the reservation ended; nothing for a plugin without it.
+    pub fn release(&self, req: &pb::ReleaseRequest) -> Result<pb::ReleaseResponse, PluginError> {
+        if !self.lib.has_release() {
+            return Ok(pb::ReleaseResponse::default());
+        }
+        self.call_decoded("release", self.lib.inner.api.release, req)
+    }
+
     /// Calls `method` with an already encoded request; returns the encoded response.
-    /// `method` is one of `fingerprint`, `reserve`, `stats`, `health_events`.
+    /// `method` is one of `fingerprint`, `reserve`, `stats`, `health_events`, `release`.
     pub fn call_raw(&self, method: &str, request: &[u8]) -> Result<Vec<u8>, PluginError> {
         let api = &self.lib.inner.api;
         let f = match method {
@@ -476,10 +500,12 @@ impl Instance {
             "stats" => api.stats,
             "health_events" if self.lib.has_health_events() => api.health_events,
             "health_events" => return Ok(Vec::new()),
+            "release" if self.lib.has_release() => api.release,
+            "release" => return Ok(Vec::new()),
             other => {
                 return Err(PluginError::new(
                     Code::Unimplemented,
-                    format!("unknown method {other:?} (valid: fingerprint, reserve, stats, health_events)"),
+                    format!("unknown method {other:?} (valid: fingerprint, reserve, stats, health_events, release)"),
                 ));
             }
         };

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!  agent (supervisor)                         child (serve)
-//!     spawn ─────────────────────────────▶  take fd 0/1 for frames; fd 1 := fd 2, fd 0 := /dev/null
+//!     spawn ─────────────────────────────▶  take fd 0/1 for frames; fd 1 := pipe ─▶ fd 2, fd 0 := /dev/null
 //!                                            Library::open (dlopen + checks)
 //!           ◀──────────── HostHello ──────  (error set: load failed; the child exits 1)
 //!     HostRequest{init, PluginConfig} ───▶  Library::init       (error: reply, exit 1)
@@ -13,8 +13,9 @@
 //!     (EOF on stdin) ────────────────────▶  the same as shutdown, without a reply
 //! ```
 //!
-//! The frame channel is a private duplicate of the original stdout; the plugin's fd 1 is pointed
-//! at stderr (and its fd 0 at /dev/null), so a plugin that prints cannot corrupt the protocol.
+//! The frame channel is a private duplicate of the original stdout; the plugin's fd 1 is a pipe
+//! forwarded to stderr (bytes counted, reported in every reply), its fd 0 /dev/null, so a plugin
+//! that prints cannot corrupt the protocol.
 //! Exit status: 0 after shutdown or EOF, 1 when the library or init failed, 3 on a protocol error
 //! (or when calls were still running [`EXIT_WATCHDOG`] after the end of input).
 
@@ -76,6 +77,8 @@ pub fn serve(lib: &Path) -> ExitCode {
         abi_minor,
         error: String::new(),
         calls: library.calls(),
+        api_struct_size: library.info().api_struct_size as u64,
+        table_minor: library.info().table_minor,
     };
     if send(&out, &hello).is_err() {
         return ExitCode::SUCCESS; // the agent is gone
@@ -163,7 +166,7 @@ fn dispatch(input: &mut File, tx: &SyncSender<pb::HostRequest>, out: &Writer) ->
         };
         match req.method.as_str() {
             "shutdown" => return (Some(req.id), ExitCode::SUCCESS),
-            "fingerprint" | "reserve" | "stats" | "health_events" => {
+            "fingerprint" | "reserve" | "stats" | "health_events" | "release" => {
                 if tx.send(req).is_err() {
                     return (None, ExitCode::from(EXIT_PROTOCOL));
                 }
@@ -173,7 +176,7 @@ fn dispatch(input: &mut File, tx: &SyncSender<pb::HostRequest>, out: &Writer) ->
                 out,
                 req.id,
                 code::PROTOCOL,
-                format!("unknown method {other:?} (valid: init, fingerprint, reserve, stats, health_events, shutdown)"),
+                format!("unknown method {other:?} (valid: init, fingerprint, reserve, stats, health_events, release, shutdown)"),
             ),
         }
     }
@@ -213,11 +216,18 @@ fn send<M: Message>(out: &Writer, msg: &M) -> io::Result<()> {
 }
 
 fn reply_ok(out: &Writer, id: u64, payload: Vec<u8>) {
-    write_reply(out, pb::HostReply { id, payload, code: 0, error: String::new() });
+    write_reply(out, pb::HostReply { id, payload, code: 0, error: String::new(), stdout_bytes: stdout_bytes() });
 }
 
 fn reply_err(out: &Writer, id: u64, code: i32, error: String) {
-    write_reply(out, pb::HostReply { id, payload: Vec::new(), code, error });
+    write_reply(out, pb::HostReply { id, payload: Vec::new(), code, error, stdout_bytes: stdout_bytes() });
+}
+
+/// Bytes the plugin wrote to its stdout (the pipe that fd 1 became), forwarded to stderr.
+static STDOUT_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn stdout_bytes() -> u64 {
+    STDOUT_BYTES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 fn write_reply(out: &Writer, reply: pb::HostReply) {
@@ -229,21 +239,48 @@ fn write_reply(out: &Writer, reply: pb::HostReply) {
 }
 
 /// Moves the frame channel off fds 0 and 1: returns private duplicates of them (close-on-exec),
-/// then points fd 1 at fd 2 and fd 0 at /dev/null for whatever the plugin does.
+/// then points fd 1 at a pipe whose bytes a thread counts and forwards to fd 2, and fd 0 at
+/// /dev/null, for whatever the plugin does.
 fn take_stdio() -> io::Result<(File, File)> {
     io::stdout().flush()?;
     let input = dup_cloexec(0)?;
     let output = dup_cloexec(1)?;
-    // SAFETY: dup2 on fds this process owns; fd 2 stays open.
-    if unsafe { libc::dup2(2, 1) } < 0 {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 fills two fds this process then owns.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
         return Err(io::Error::last_os_error());
     }
+    // SAFETY: both fds were just created and are owned by nobody else.
+    let (read_end, write_end) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+    // SAFETY: dup2 on fds this process owns; the pipe's write end stays open until after it.
+    if unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&write_end), 1) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    drop(write_end);
+    std::thread::Builder::new().name("plugin-stdout".into()).spawn(move || forward_stdout(read_end))?;
     let null = File::open("/dev/null")?;
     // SAFETY: as above; `null` stays open until after the call.
     if unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 0) } < 0 {
         return Err(io::Error::last_os_error());
     }
     Ok((input, output))
+}
+
+/// Counts and forwards what the plugin writes to its stdout, until the pipe closes.
+fn forward_stdout(mut from: File) {
+    use std::io::Read as _;
+    let mut buf = [0u8; 4096];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => {
+                STDOUT_BYTES.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                let _ = io::stderr().write_all(&buf[..n]);
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
 }
 
 fn dup_cloexec(fd: i32) -> io::Result<File> {

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //!   PluginProcess::start ── spawn child ── HostHello (error: Load, never retried) ── init ── Up
+//!        │ init UNAVAILABLE (driver not loaded yet): Down, retried by the restart task
 //!        │ call(method) ── HostRequest{id} ──▶ child ──▶ HostReply{id} ── Ok / Plugin(error)
 //!        │    no reply before the deadline ─▶ SIGKILL ─┐
 //!        │    EOF, bad frame, child exit ──────────────┴─▶ Down{reason}; pending calls: Crashed
@@ -50,6 +51,10 @@ pub struct Options {
     pub backoff_min: Duration,
     /// Largest restart delay; a child that stays up this long resets the delay to `backoff_min`.
     pub backoff_max: Duration,
+    /// An `init` that fails with `UNAVAILABLE` (a driver that loads late at boot) is retried with
+    /// the restart backoff, the plugin Down meanwhile, instead of failing `start`. The agent's
+    /// choice; the conformance kit reports such an init as a failure.
+    pub retry_unavailable_init: bool,
 }
 
 impl Default for Options {
@@ -61,6 +66,7 @@ impl Default for Options {
             fingerprint_timeout: Duration::from_secs(30),
             backoff_min: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
+            retry_unavailable_init: true,
         }
     }
 }
@@ -173,6 +179,8 @@ struct Inner {
     /// Wakes a sleeping restart task at shutdown (dropped with `Inner`, which wakes it too).
     stop: watch::Sender<bool>,
     runtime: tokio::runtime::Handle,
+    /// The latest child's count of bytes its plugin wrote to stdout (from its replies).
+    stdout_bytes: AtomicU64,
 }
 
 /// Timings of a start, for the conformance kit.
@@ -216,6 +224,7 @@ impl PluginProcess {
             stop: watch::channel(false).0,
             runtime,
             opts,
+            stdout_bytes: AtomicU64::new(0),
         });
         let t0 = Instant::now();
         let (conn, hello) = match inner.spawn_child().await {
@@ -229,6 +238,13 @@ impl PluginProcess {
         *lock(&inner.hello) = hello;
         let t1 = Instant::now();
         if let Err(e) = inner.init_conn(&conn).await {
+            if inner.opts.retry_unavailable_init && matches!(&e, HostError::Plugin(pe) if pe.code == Code::Unavailable) {
+                let reason = format!("plugin {}: init: {e}; retrying with backoff", inner.name());
+                tracing::warn!(%reason, "device plugin not available yet");
+                inner.state.send_replace(PluginState::Down { reason });
+                inner.runtime.spawn(restart_loop(Arc::downgrade(&inner)));
+                return (Ok(PluginProcess { inner }), times);
+            }
             return (Err(e), times);
         }
         times.init = Some(t1.elapsed());
@@ -264,6 +280,14 @@ impl PluginProcess {
         self.call_decoded("health_events", &pb::HealthRequest {}, self.inner.opts.call_timeout).await
     }
 
+    /// Release of a reservation (ABI 1.2); `Ok` without a call for a plugin that lacks it.
+    pub async fn release(&self, req: pb::ReleaseRequest) -> Result<pb::ReleaseResponse, HostError> {
+        if !self.offers("release") {
+            return Ok(pb::ReleaseResponse::default());
+        }
+        self.call_decoded("release", &req, self.inner.opts.call_timeout).await
+    }
+
     /// Whether the plugin offers `call` (from its Hello).
     pub fn offers(&self, call: &str) -> bool {
         lock(&self.inner.hello).calls.iter().any(|c| c == call)
@@ -272,6 +296,25 @@ impl PluginProcess {
     /// False from a crash or timeout until the restarted child has re-run init.
     pub fn is_up(&self) -> bool {
         matches!(*self.inner.state.borrow(), PluginState::Up)
+    }
+
+    /// Bytes the plugin has written to its stdout, as the current child counts them.
+    pub fn stdout_bytes(&self) -> u64 {
+        self.inner.stdout_bytes.load(Ordering::Relaxed)
+    }
+
+    /// The current child's process id (none while down).
+    pub fn pid(&self) -> Option<u32> {
+        let conn = lock(&self.inner.conn).clone()?;
+        lock(&conn.child).as_ref().and_then(|c| c.id())
+    }
+
+    /// Kills the current child (SIGKILL) as a crash would: the plugin goes Down and is restarted
+    /// with backoff. False when no child runs. For the conformance kit's restart check.
+    pub fn kill_host(&self, reason: &str) -> bool {
+        let Some(conn) = lock(&self.inner.conn).clone() else { return false };
+        conn.kill(reason.to_string());
+        true
     }
 
     /// How many times the child was restarted.
@@ -675,6 +718,14 @@ async fn read_loop(weak: Weak<Inner>, conn: Arc<Conn>, mut out: ChildStdout) {
         match frame::read_async(&mut out).await {
             Ok(body) => match frame::decode::<pb::HostReply>(&body, "HostReply") {
                 Ok(reply) => {
+                    if reply.stdout_bytes > 0
+                        && let Some(inner) = weak.upgrade()
+                    {
+                        let before = inner.stdout_bytes.swap(reply.stdout_bytes, Ordering::Relaxed);
+                        if before == 0 {
+                            tracing::warn!(plugin = %inner.name(), "the device plugin writes to stdout (forwarded to the log); a plugin must not");
+                        }
+                    }
                     // A reply to a call that already timed out finds no one; that is fine.
                     if let Some(tx) = lock(&conn.pending).map.remove(&reply.id) {
                         let _ = tx.send(reply);

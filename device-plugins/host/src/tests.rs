@@ -81,14 +81,14 @@ fn config(node: &str, mode: Option<&str>) -> pb::PluginConfig {
 #[test]
 fn calls_cross_the_boundary_and_panics_become_errors() {
     let lib = library(table()).expect("load");
-    assert_eq!((lib.name(), lib.version(), lib.abi()), ("test", "9.9.9", (1, 1)));
+    assert_eq!((lib.name(), lib.version(), lib.abi()), ("test", "9.9.9", (1, 2)));
     assert!(lib.has_health_events());
 
     let inst = lib.init(&config("n1", None)).expect("init");
     assert_eq!(inst.fingerprint().expect("fingerprint").devices[0].id, "t0");
-    let r = inst.reserve(&pb::ReserveRequest { device_ids: vec!["t0".into()], alloc_id: 1 }).expect("reserve");
+    let r = inst.reserve(&pb::ReserveRequest { device_ids: vec!["t0".into()], alloc_id: 1, ..Default::default() }).expect("reserve");
     assert_eq!(r.env["TEST_VISIBLE"], "0");
-    let e = inst.reserve(&pb::ReserveRequest { device_ids: vec!["x".into()], alloc_id: 1 }).expect_err("not found");
+    let e = inst.reserve(&pb::ReserveRequest { device_ids: vec!["x".into()], alloc_id: 1, ..Default::default() }).expect_err("not found");
     assert_eq!(e.code, Code::NotFound);
     assert!(e.message.contains("unknown devices"), "{e}");
     assert_eq!(inst.stats(&pb::StatsRequest::default()).expect("stats"), pb::StatsResponse::default());
@@ -131,7 +131,7 @@ fn concurrent_calls_on_one_instance() {
             s.spawn(|| {
                 for _ in 0..100 {
                     inst.fingerprint().expect("fingerprint");
-                    inst.reserve(&pb::ReserveRequest { device_ids: vec!["t0".into()], alloc_id: 1 }).expect("reserve");
+                    inst.reserve(&pb::ReserveRequest { device_ids: vec!["t0".into()], alloc_id: 1, ..Default::default() }).expect("reserve");
                 }
             });
         }
@@ -152,7 +152,7 @@ fn tables_are_checked_before_anything_is_called() {
     let e = library(newer).expect_err("newer major");
     assert_eq!(
         e.to_string(),
-        "plugin test 9.9.9 implements device plugin ABI 2.0; this agent implements ABI 1.1 (major versions must match)"
+        "plugin test 9.9.9 implements device plugin ABI 2.0; this agent implements ABI 1.2 (major versions must match)"
     );
 
     let older = copy_of(good);
@@ -164,10 +164,13 @@ fn tables_are_checked_before_anything_is_called() {
     assert!(inst.health_events().expect("empty").events.is_empty());
     drop(inst);
 
-    // 1.1 claimed, but the table is too short to hold health_events: not offered.
+    // 1.2 claimed, but the table is too short to hold health_events: not offered, and the
+    // loader says which minor the table covers (the kit fails the mismatch).
     let short = copy_of(good);
     short.struct_size = API_SIZE_1_0;
-    assert!(!library(short).expect("loads").has_health_events());
+    let lib = library(short).expect("loads");
+    assert!(!lib.has_health_events() && !lib.has_release());
+    assert_eq!((lib.info().abi_minor, lib.info().table_minor), (2, 0));
 
     let tiny = copy_of(good);
     tiny.struct_size = 16;

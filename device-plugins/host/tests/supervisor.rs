@@ -21,6 +21,7 @@ fn opts() -> Options {
         fingerprint_timeout: Duration::from_secs(5),
         backoff_min: Duration::from_millis(100),
         backoff_max: Duration::from_secs(10),
+        retry_unavailable_init: true,
     }
 }
 
@@ -45,8 +46,8 @@ async fn example_plugin_serves_every_call_and_shuts_down() {
     let p = PluginProcess::start(lib, config(), opts()).await.expect("start");
     let hello = p.hello();
     assert_eq!((hello.plugin_name.as_str(), hello.plugin_version.as_str()), ("example", "0.1.0"));
-    assert_eq!((hello.abi_major, hello.abi_minor), (1, 1));
-    assert_eq!(hello.calls, ["fingerprint", "reserve", "stats", "health_events"]);
+    assert_eq!((hello.abi_major, hello.abi_minor), (1, 2));
+    assert_eq!(hello.calls, ["fingerprint", "reserve", "stats", "health_events", "release"]);
     assert!(p.is_up());
 
     let inv = p.fingerprint().await.expect("fingerprint");
@@ -58,12 +59,12 @@ async fn example_plugin_serves_every_call_and_shuts_down() {
     assert!(suanli_device_host::check::validate_inventory(&inv).is_empty());
 
     let r = p
-        .reserve(pb::ReserveRequest { device_ids: vec!["example1".into(), "example0".into()], alloc_id: 7 })
+        .reserve(pb::ReserveRequest { device_ids: vec!["example1".into(), "example0".into()], alloc_id: 7, ..Default::default() })
         .await
         .expect("reserve");
     assert_eq!(r.env.get("EXAMPLE_VISIBLE_DEVICES").map(String::as_str), Some("1,0"));
     let err = p
-        .reserve(pb::ReserveRequest { device_ids: vec!["nope".into()], alloc_id: 7 })
+        .reserve(pb::ReserveRequest { device_ids: vec!["nope".into()], alloc_id: 7, ..Default::default() })
         .await
         .expect_err("unknown device");
     match err {
@@ -196,7 +197,7 @@ async fn versions_are_negotiated_at_load() {
     let msg = err.to_string();
     assert!(matches!(err, HostError::Load(_)), "{err:?}");
     assert!(
-        msg.contains("plugin example 0.1.0 implements device plugin ABI 2.1; this agent implements ABI 1.1"),
+        msg.contains("plugin example 0.1.0 implements device plugin ABI 2.2; this agent implements ABI 1.2"),
         "{msg}"
     );
     assert!(t.elapsed() < Duration::from_secs(5));
