@@ -151,6 +151,24 @@ config_path = "{fake}"
         AgentProc { node_id: node_id.to_owned(), dir, data, child: None }
     }
 
+    /// Adds a second plugin library as `libsuanli_plugin_<name>.so` (a private copy, mode 0755)
+    /// and loads it beside the fake plugin (takes effect at the next start).
+    pub fn add_plugin(&self, so: &Path, name: &str) {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dst = self.dir.path().join("plugins").join(format!("libsuanli_plugin_{name}.so"));
+        std::fs::copy(so, &dst).unwrap();
+        std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let cfg = self.dir.path().join("agent.toml");
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        let text = text.replacen("plugins = [\"fake\"", &format!("plugins = [\"fake\", {name:?}"), 1);
+        std::fs::write(&cfg, text).unwrap();
+    }
+
+    /// The agent's own temporary directory (its config, plugins, log).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
     /// The agent's data directory.
     pub fn data_dir(&self) -> PathBuf {
         self.data.clone()

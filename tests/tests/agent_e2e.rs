@@ -474,3 +474,77 @@ fn task_shim_journals_and_fences_by_its_lease() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Device plugin ABI 1.2 under a real agent: the fake plugin (1.2, enforcing shares, journaling
+/// its calls) and the C example built as an ABI 1.1 plugin, loaded side by side. Two half-GPU
+/// jobs share one fake GPU at once: each reserve carries its reservation id and a 500-milli
+/// share (the plugin would refuse a share past 1000: its unit tests), and every reservation is
+/// released once its task ends. A job on the 1.1 plugin's device runs as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn abi_1_2_shares_reach_the_plugin_and_are_released_and_a_1_1_plugin_still_runs() {
+    let (_c, addr) = cluster(1).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let journal = tmp.path().join("fake-calls.jsonl");
+    let extra = format!(
+        "health_poll_interval_ms = 200\n[plugin_config.fake.options]\nenforce_shares = \"true\"\njournal = {:?}\n",
+        journal.display().to_string()
+    );
+    let mut a = AgentProc::new("node-a", std::slice::from_ref(&addr), &fake_config(1, 0, 0), &extra);
+    let c11 = suanli_device_host::testing::build_c_example(tmp.path(), "example11", &["-DEXAMPLE_ABI_MINOR=1"]).unwrap();
+    a.add_plugin(&c11, "example");
+    a.start();
+    wait_nodes(&addr, Duration::from_secs(30), "the agent registered the fake GPU and the example's two", |n| {
+        ready_healthy(n, "node-a", 3)
+    })
+    .await;
+    let log = a.log();
+    assert!(log.contains("abi=1.2") && log.contains("abi=1.1"), "both plugins loaded:\n{log}");
+
+    let rec = tmp.path().join("record.txt");
+    let half = |name: &str| {
+        let mut spec = record_job(name, &rec, 1.5, 1, false, Some(("gpu", 1, 500)));
+        spec["constraints"] = serde_json::json!({"device_models": ["A100-80G"]});
+        spec
+    };
+    let h1 = submit(&addr, "half-1", &half("half-1")).await;
+    let h2 = submit(&addr, "half-2", &half("half-2")).await;
+    let mut whole = record_job("on-1.1", &rec, 0.2, 1, false, Some(("gpu", 1, 1000)));
+    whole["constraints"] = serde_json::json!({"device_models": ["ExampleGPU-16G"]});
+    let w = submit(&addr, "on-1.1", &whole).await;
+    let jobs = wait_terminal(&addr, &[h1, h2, w], Duration::from_secs(60)).await;
+    for (id, j) in &jobs {
+        assert_eq!(j.state, "succeeded", "job {id}: {j:?}\n{}", a.log());
+    }
+    let lines = read_lines(&rec);
+    let on_example = lines.iter().find(|l| l.start && l.job == w).expect("the 1.1 job ran");
+    assert!(on_example.devices.iter().all(|(d, _)| d.starts_with("example")), "{on_example:?}");
+
+    // The fake plugin's calls: both half shares of gpu0 were held at once (500 + 500), each
+    // reservation released once, after its reserve, with the same id.
+    let calls: Vec<serde_json::Value> = std::fs::read_to_string(&journal)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let reserves: Vec<&serde_json::Value> = calls.iter().filter(|c| c["call"] == "reserve").collect();
+    assert_eq!(reserves.len(), 2, "{calls:#?}");
+    for r in &reserves {
+        assert_eq!(r["shares"], serde_json::json!([{"device": "gpu0", "milli": 500}]), "{r}");
+        let id = r["reservation_id"].as_str().unwrap();
+        assert!(id.starts_with(&format!("{}-", r["alloc_id"])), "reservation id {id} names its allocation");
+        let at = calls.iter().position(|c| c == *r).unwrap();
+        let released: Vec<usize> = calls
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c["call"] == "release" && c["reservation_id"] == id)
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(released.len(), 1, "{id} released once: {calls:#?}");
+        assert!(released[0] > at, "{id} released after its reserve");
+        assert_eq!(calls[released[0]]["held"], true, "{id} was held when released");
+    }
+    // Both halves ran at the same time on gpu0 (the plugin held 1000 milli then).
+    let (s1, e1) = (lines.iter().find(|l| l.start && l.job == h1).unwrap(), lines.iter().find(|l| !l.start && l.job == h1).unwrap());
+    let (s2, e2) = (lines.iter().find(|l| l.start && l.job == h2).unwrap(), lines.iter().find(|l| !l.start && l.job == h2).unwrap());
+    assert!(s1.ns < e2.ns && s2.ns < e1.ns, "the two halves overlapped: {lines:?}");
+}

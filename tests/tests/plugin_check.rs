@@ -183,3 +183,92 @@ fn vendor_plugins_report_not_available_cleanly() {
         assert!(!all.contains("panicked"), "{all}");
     }
 }
+
+/// `suanli plugin new --lang c`: the scaffold builds with its own Makefile (protoc-c on the
+/// schema copy it carries, outside cargo) and passes the kit; only the entry point is exported.
+#[test]
+fn plugin_new_c_builds_with_make_and_passes_the_kit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("mynpu");
+    let st = Command::new(suanli_tests::bin())
+        .args(["plugin", "new", "--lang", "c", "mynpu", "--dir"])
+        .arg(&out)
+        .output()
+        .expect("run suanli plugin new");
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    for f in ["plugin.c", "Makefile", "include/suanli_device_plugin.h", "include/suanli_device.proto", "README.md"] {
+        assert!(out.join(f).exists(), "{f} missing");
+    }
+    let make = Command::new("make").arg("-s").arg("-C").arg(&out).output().expect("make");
+    assert!(make.status.success(), "{}{}", String::from_utf8_lossy(&make.stdout), String::from_utf8_lossy(&make.stderr));
+    let lib = out.join("build/libsuanli_plugin_mynpu.so");
+    let stdout = assert_passes(&lib, &[]);
+    assert!(stdout.contains("plugin mynpu 0.1.0, ABI 1.2"), "{stdout}");
+    assert!(stdout.contains("PASS exported symbols (") && stdout.contains("PASS reserve and release ("), "{stdout}");
+
+    // A second scaffold into a non-empty directory, and a bad name, are refused.
+    let again = Command::new(suanli_tests::bin())
+        .args(["plugin", "new", "--lang", "c", "mynpu", "--dir"])
+        .arg(&out)
+        .output()
+        .expect("run");
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("not empty"));
+    let bad = Command::new(suanli_tests::bin()).args(["plugin", "new", "--lang", "c", "My-NPU"]).output().expect("run");
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("1 to 32 of a-z"));
+}
+
+/// `suanli plugin new --lang rust`: the scaffold builds with cargo against this checkout's
+/// suanli-device-abi and passes the kit. Its own target directory under target/ keeps reruns
+/// incremental; the workspace's Cargo.lock pins the same crate versions (no network).
+#[test]
+fn plugin_new_rust_builds_with_cargo_and_passes_the_kit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("mynpu");
+    let st = Command::new(suanli_tests::bin())
+        .args(["plugin", "new", "--lang", "rust", "mynpu", "--dir"])
+        .arg(&out)
+        .output()
+        .expect("run suanli plugin new");
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    std::fs::copy(repo_root().join("Cargo.lock"), out.join("Cargo.lock")).expect("copy Cargo.lock");
+    let target = suanli_tests::target_dir().parent().expect("target/").join("plugin-scaffold");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let build = Command::new(cargo)
+        .args(["build", "--offline", "--quiet"])
+        .current_dir(&out)
+        .env("CARGO_TARGET_DIR", &target)
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .env_remove("CLIPPY_ARGS")
+        .env_remove("RUSTFLAGS")
+        .output()
+        .expect("cargo build of the scaffold");
+    assert!(build.status.success(), "{}", String::from_utf8_lossy(&build.stderr));
+    let lib = target.join("debug/libsuanli_plugin_mynpu.so");
+    let local = dir.path().join("libsuanli_plugin_mynpu.so");
+    std::fs::copy(&lib, &local).expect("copy the library");
+    std::fs::set_permissions(&local, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let stdout = assert_passes(&local, &[]);
+    assert!(stdout.contains("plugin mynpu 0.1.0, ABI 1.2"), "{stdout}");
+    assert!(stdout.contains("PASS exported symbols (") && stdout.contains("PASS reserve and release ("), "{stdout}");
+}
+
+/// The kit's messages name the cause, through the command line: a leak, a lying minor version,
+/// stdout writes (a warning).
+#[test]
+fn the_kit_fails_a_leak_and_a_lying_minor_and_warns_of_stdout() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let leak = build_example(dir.path(), "leak", &["-DEXAMPLE_LEAK"]);
+    let (out, stdout, _) = check(&leak, &[]);
+    assert_eq!(out.status.code(), Some(2), "{stdout}");
+    assert!(stdout.contains("FAIL resources: host RSS") && stdout.contains("memory grows with every call"), "{stdout}");
+
+    let lying = build_example(dir.path(), "lying", &["-DEXAMPLE_LYING_MINOR"]);
+    let (out, stdout, _) = check(&lying, &["--repeats", "10"]);
+    assert_eq!(out.status.code(), Some(2), "{stdout}");
+    assert!(stdout.contains("FAIL table size: abi_minor says 1.2 but struct_size"), "{stdout}");
+
+    let chatty = build_example(dir.path(), "chatty", &["-DEXAMPLE_CHATTY"]);
+    let (out, stdout, _) = check(&chatty, &["--repeats", "10"]);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("WARN stdout: the plugin wrote") && stdout.contains(", 1 warned"), "{stdout}");
+}

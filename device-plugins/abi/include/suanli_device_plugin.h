@@ -94,9 +94,9 @@
  *                 - id: unique on the node, 1..128 bytes, no whitespace or control characters;
  *                   stable across calls and restarts (it is what the scheduler places on);
  *                 - kind: "gpu" or "npu" (devices of another kind are ignored by the agent);
- *                 - model: 1..128 bytes, the name a job's spec asks for (device = { model =
- *                   "Ascend910B" }) and the price catalog is keyed by: use the vendor's
- *                   marketing model, stable across driver versions;
+ *                 - model: 1..128 bytes, the name a job's spec asks for
+ *                   (constraints.device_models = ["Ascend910B"]) and the price catalog is
+ *                   keyed by: the vendor's marketing model, stable across driver versions;
  *                 - identity (ids, kinds, models, memory, links, partitions) must not change
  *                   between calls unless the hardware did (then the node registers again);
  *                   health may change;

@@ -536,6 +536,42 @@ mod plugin_fake_tests {
         (dir, p)
     }
 
+    #[test]
+    fn shares_are_enforced_repeats_hold_nothing_and_release_frees() {
+        let dir = Dir::new();
+        let cfg = dir.0.join("fake-8gpu.toml");
+        std::fs::copy(example("fake-8gpu.toml"), &cfg).unwrap();
+        let journal = dir.0.join("calls.jsonl");
+        let mut pc = pb::PluginConfig { config_path: cfg.display().to_string(), ..Default::default() };
+        pc.options.insert("enforce_shares".into(), "true".into());
+        pc.options.insert("journal".into(), journal.display().to_string());
+        let p = FakePlugin::init(pc.clone()).unwrap();
+        let req = |id: &str, milli: u32| pb::ReserveRequest {
+            device_ids: vec!["gpu0".into()],
+            alloc_id: 1,
+            reservation_id: id.into(),
+            shares: vec![pb::ReserveShare { device_id: "gpu0".into(), milli, memory_mib: 0 }],
+        };
+        p.reserve(req("r1", 600)).unwrap();
+        let e = p.reserve(req("r2", 500)).unwrap_err();
+        assert_eq!(e.code, Code::FailedPrecondition);
+        assert!(e.message.contains("600 milli already held") && e.message.contains("500 asked"), "{}", e.message);
+        p.reserve(req("r1", 600)).unwrap(); // a repeat holds nothing more
+        p.reserve(req("r3", 400)).unwrap();
+        p.release(pb::ReleaseRequest { reservation_id: "r1".into(), ..Default::default() }).unwrap();
+        p.release(pb::ReleaseRequest { reservation_id: "r1".into(), ..Default::default() }).unwrap();
+        p.reserve(req("r2", 500)).unwrap();
+        // No reservation id (a 1.1 agent): nothing held, nothing refused.
+        p.reserve(pb::ReserveRequest { device_ids: vec!["gpu0".into()], ..Default::default() }).unwrap();
+        let lines = std::fs::read_to_string(&journal).unwrap();
+        assert_eq!(lines.lines().count(), 6, "{lines}");
+        assert!(lines.lines().nth(1).unwrap().contains("\"repeat\":true"), "{lines}");
+
+        pc.options.insert("enforce_shares".into(), "maybe".into());
+        let e = FakePlugin::init(pc).err().unwrap();
+        assert!(e.message.contains("enforce_shares") && e.message.contains("true or false"), "{}", e.message);
+    }
+
     /// Writes the fault file; a fresh file (new inode) so a same-size rewrite is still noticed.
     fn faults(p: &FakePlugin, text: &str) {
         let tmp = p.fault_path().with_extension("tmp");

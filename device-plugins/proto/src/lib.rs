@@ -17,3 +17,58 @@
 pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/suanli.v1.rs"));
 }
+
+#[cfg(test)]
+mod c_schema {
+    //! The C vendors' schema (`device-plugins/abi/include/suanli_device.proto`, proto2 syntax for
+    //! protobuf-c 1.4) must stay wire-identical to `device.proto`: the same messages, and in each
+    //! the same fields by name, number, type and repetition.
+
+    use prost::Message as _;
+    use prost_types::field_descriptor_proto::Label;
+    use prost_types::{DescriptorProto, FileDescriptorSet};
+    use std::collections::BTreeMap;
+
+    type Fields = BTreeMap<String, (i32, prost_types::field_descriptor_proto::Type, bool, String)>;
+
+    fn messages(set: &[u8]) -> BTreeMap<String, Fields> {
+        fn walk(prefix: &str, m: &DescriptorProto, out: &mut BTreeMap<String, Fields>) {
+            let name = format!("{prefix}{}", m.name());
+            let fields = m
+                .field
+                .iter()
+                .map(|f| {
+                    let repeated = f.label() == Label::Repeated;
+                    (f.name().to_owned(), (f.number(), f.r#type(), repeated, f.type_name().to_owned()))
+                })
+                .collect();
+            out.insert(name.clone(), fields);
+            for n in &m.nested_type {
+                walk(&format!("{name}."), n, out);
+            }
+        }
+        let set = FileDescriptorSet::decode(set).expect("a descriptor set from protoc");
+        let mut out = BTreeMap::new();
+        for f in &set.file {
+            for m in &f.message_type {
+                walk(&format!("{}.", f.package()), m, &mut out);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_c_schema_is_wire_identical_to_device_proto() {
+        let full = messages(include_bytes!(concat!(env!("OUT_DIR"), "/device_proto3.desc")));
+        let c = messages(include_bytes!(concat!(env!("OUT_DIR"), "/device_c.desc")));
+        // The host's frames are not part of the plugin contract; everything else is.
+        let frames = ["suanli.v1.HostHello", "suanli.v1.HostRequest", "suanli.v1.HostReply"];
+        let wanted: Vec<&String> = full.keys().filter(|k| !frames.contains(&k.as_str())).collect();
+        let have: Vec<&String> = c.keys().collect();
+        assert_eq!(wanted, have, "messages differ between device.proto and suanli_device.proto");
+        for (name, fields) in &c {
+            assert_eq!(&full[name], fields, "message {name}: fields differ (name -> number, type, repeated, type name)");
+        }
+        assert!(c["suanli.v1.ReserveRequest"].contains_key("shares"), "the C schema has ABI 1.2's fields");
+    }
+}
