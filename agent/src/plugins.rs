@@ -685,3 +685,74 @@ async fn fingerprint(p: &Plugin, inventory_changed: &AtomicBool) -> Result<(), S
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Reservations across a plugin-host restart, with the real fake plugin library (enforcing
+    //! shares) under the real `suanli-plugin-host` (both built by `cargo build --workspace`).
+
+    use super::*;
+
+    fn target_dir() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug")
+    }
+
+    fn share(milli: u32) -> Vec<pb::ReserveShare> {
+        vec![pb::ReserveShare { device_id: "gpu0".into(), milli, memory_mib: 0 }]
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn held_reservations_are_told_again_to_a_restarted_plugin_host() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let plugins = dir.path().join("plugins");
+        std::fs::create_dir(&plugins).expect("mkdir");
+        let so = plugins.join("libsuanli_plugin_fake.so");
+        let built = target_dir().join("libsuanli_plugin_fake.so");
+        let built = if built.exists() { built } else { target_dir().join("deps/libsuanli_plugin_fake.so") };
+        std::fs::copy(&built, &so).expect("the fake plugin (cargo build --workspace)");
+        std::fs::set_permissions(&so, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        std::fs::set_permissions(&plugins, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let host = target_dir().join("suanli-plugin-host");
+        let fake_cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/plugins/fake-8gpu.toml");
+        let journal = dir.path().join("calls.jsonl");
+        let toml = format!(
+            "insecure = true\nnode_id = \"n1\"\nplugin_dir = {plugins:?}\nplugins = [\"fake\"]\nhost_cmd = [{host:?}]\n\
+             health_poll_interval_ms = 50\nplugin_backoff_min_ms = 20\nplugin_backoff_max_ms = 200\n\
+             [plugin_config.fake]\nconfig_path = {cfg:?}\n[plugin_config.fake.options]\nenforce_shares = \"true\"\njournal = {journal:?}\n",
+            plugins = plugins.display().to_string(),
+            host = host.display().to_string(),
+            cfg = fake_cfg.display().to_string(),
+            journal = journal.display().to_string(),
+        );
+        let cfg = AgentConfig::from_toml(&toml).expect("config");
+        let p = Arc::new(Plugins::load(&cfg, "n1").await);
+        assert_eq!(p.names(), ["libsuanli_plugin_fake"]);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        p.spawn_monitors(&cfg, stop_rx);
+
+        p.reserve("7-1", 7, &share(600)).await.expect("a 600-milli share");
+        let e = p.reserve("8-1", 8, &share(500)).await.expect_err("past the device");
+        assert!(e.contains("600 milli already held"), "{e}");
+        p.release("8-1").await;
+
+        // The host dies; the restarted one starts with nothing held, and is told 7-1 again.
+        let proc = p.list[0].proc.clone();
+        assert!(proc.kill_host("test"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while proc.restarts() == 0 || !p.list[0].view().up {
+            assert!(Instant::now() < deadline, "the plugin did not come back");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let e = p.reserve("9-1", 9, &share(500)).await.expect_err("7-1 is held again after the restart");
+        assert!(e.contains("600 milli already held"), "{e}");
+        p.release("9-1").await;
+        p.release("7-1").await;
+        p.reserve("9-1", 9, &share(500)).await.expect("free once 7-1 is released");
+        let calls = std::fs::read_to_string(&journal).expect("journal");
+        let again = calls.lines().filter(|l| l.contains("\"reservation_id\":\"7-1\"") && l.contains("\"call\":\"reserve\"")).count();
+        assert_eq!(again, 2, "7-1 reserved, then told again after the restart:\n{calls}");
+        stop_tx.send_replace(true);
+        p.shutdown().await;
+    }
+}
