@@ -219,7 +219,7 @@ fn plugin_new_c_builds_with_make_and_passes_the_kit() {
 
 /// `suanli plugin new --lang rust`: the scaffold builds with cargo against this checkout's
 /// suanli-device-abi and passes the kit. Its own target directory under target/ keeps reruns
-/// incremental; the workspace's Cargo.lock pins the same crate versions (no network).
+/// incremental; the workspace's Cargo.lock pins the same crate versions.
 #[test]
 fn plugin_new_rust_builds_with_cargo_and_passes_the_kit() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -234,7 +234,7 @@ fn plugin_new_rust_builds_with_cargo_and_passes_the_kit() {
     let target = suanli_tests::target_dir().parent().expect("target/").join("plugin-scaffold");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let build = Command::new(cargo)
-        .args(["build", "--offline", "--quiet"])
+        .args(["build", "--quiet"])
         .current_dir(&out)
         .env("CARGO_TARGET_DIR", &target)
         .env_remove("RUSTC_WORKSPACE_WRAPPER")
