@@ -417,7 +417,12 @@ impl Plugins {
     /// env), telling each its share and the reservation id. The reservation is held (told again
     /// to a restarted plugin host) until [`release`](Self::release), whether or not every plugin
     /// granted it: releasing what a plugin never granted is harmless by contract.
-    pub async fn reserve(&self, reservation_id: &str, alloc_id: u64, shares: &[pb::ReserveShare]) -> Result<Reserved, String> {
+    pub async fn reserve(
+        &self,
+        reservation_id: &str,
+        alloc_id: u64,
+        shares: &[pb::ReserveShare],
+    ) -> Result<Reserved, String> {
         let devs = self.devices();
         let mut by_owner: BTreeMap<usize, Vec<pb::ReserveShare>> = BTreeMap::new();
         for s in shares {
@@ -433,7 +438,12 @@ impl Plugins {
         for (owner, shares) in by_owner {
             let p = &self.list[owner];
             let ids: Vec<String> = shares.iter().map(|s| s.device_id.clone()).collect();
-            let req = pb::ReserveRequest { device_ids: ids.clone(), alloc_id, reservation_id: reservation_id.to_owned(), shares };
+            let req = pb::ReserveRequest {
+                device_ids: ids.clone(),
+                alloc_id,
+                reservation_id: reservation_id.to_owned(),
+                shares,
+            };
             let r = p.proc.reserve(req).await.map_err(|e| format!("reserve of {ids:?} by plugin {}: {e}", p.stem))?;
             if !r.mounts.is_empty() {
                 tracing::debug!(plugin = %p.stem, alloc = alloc_id, "mounts are for container runtimes; a plain process sees the host's");
@@ -472,7 +482,8 @@ impl Plugins {
         }
         for (owner, device_ids) in by_owner {
             let p = &self.list[owner];
-            let req = pb::ReleaseRequest { reservation_id: reservation_id.to_owned(), device_ids, alloc_id: h.alloc_id };
+            let req =
+                pb::ReleaseRequest { reservation_id: reservation_id.to_owned(), device_ids, alloc_id: h.alloc_id };
             if let Err(e) = p.proc.release(req).await {
                 tracing::warn!(plugin = %p.stem, reservation = reservation_id, error = %e, "release of a reservation failed");
             }
@@ -501,8 +512,12 @@ impl Plugins {
                 shares,
             };
             match p.proc.reserve(req).await {
-                Ok(_) => tracing::info!(plugin = %p.stem, reservation = %id, "reservation told again to the restarted plugin"),
-                Err(e) => tracing::warn!(plugin = %p.stem, reservation = %id, error = %e, "a restarted plugin refused a held reservation"),
+                Ok(_) => {
+                    tracing::info!(plugin = %p.stem, reservation = %id, "reservation told again to the restarted plugin")
+                }
+                Err(e) => {
+                    tracing::warn!(plugin = %p.stem, reservation = %id, error = %e, "a restarted plugin refused a held reservation")
+                }
             }
         }
     }
@@ -750,7 +765,10 @@ mod tests {
         p.release("7-1").await;
         p.reserve("9-1", 9, &share(500)).await.expect("free once 7-1 is released");
         let calls = std::fs::read_to_string(&journal).expect("journal");
-        let again = calls.lines().filter(|l| l.contains("\"reservation_id\":\"7-1\"") && l.contains("\"call\":\"reserve\"")).count();
+        let again = calls
+            .lines()
+            .filter(|l| l.contains("\"reservation_id\":\"7-1\"") && l.contains("\"call\":\"reserve\""))
+            .count();
         assert_eq!(again, 2, "7-1 reserved, then told again after the restart:\n{calls}");
         stop_tx.send_replace(true);
         p.shutdown().await;

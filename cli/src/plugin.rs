@@ -194,7 +194,8 @@ fn new_cmd(a: NewArgs) -> anyhow::Result<()> {
     }
     let files: Vec<(PathBuf, String)> = match a.lang {
         Lang::C => {
-            let makefile = C_MAKEFILE.replace("NAME ?= suanli_plugin_example", &format!("NAME ?= suanli_plugin_{name}"));
+            let makefile =
+                C_MAKEFILE.replace("NAME ?= suanli_plugin_example", &format!("NAME ?= suanli_plugin_{name}"));
             vec![
                 ("plugin.c".into(), c_plugin(name)),
                 ("Makefile".into(), makefile),
@@ -216,7 +217,10 @@ fn new_cmd(a: NewArgs) -> anyhow::Result<()> {
                 )
             })?;
             if !abi.join("Cargo.toml").exists() {
-                anyhow::bail!("{} has no Cargo.toml: --abi-path must name device-plugins/abi of a suanli checkout", abi.display());
+                anyhow::bail!(
+                    "{} has no Cargo.toml: --abi-path must name device-plugins/abi of a suanli checkout",
+                    abi.display()
+                );
             }
             let abi_str = abi.to_str().context("the suanli-device-abi path is not UTF-8")?;
             let sub = |t: &str| {

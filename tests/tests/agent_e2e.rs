@@ -490,7 +490,8 @@ async fn abi_1_2_shares_reach_the_plugin_and_are_released_and_a_1_1_plugin_still
         journal.display().to_string()
     );
     let mut a = AgentProc::new("node-a", std::slice::from_ref(&addr), &fake_config(1, 0, 0), &extra);
-    let c11 = suanli_device_host::testing::build_c_example(tmp.path(), "example11", &["-DEXAMPLE_ABI_MINOR=1"]).unwrap();
+    let c11 =
+        suanli_device_host::testing::build_c_example(tmp.path(), "example11", &["-DEXAMPLE_ABI_MINOR=1"]).unwrap();
     a.add_plugin(&c11, "example");
     a.start();
     wait_nodes(&addr, Duration::from_secs(30), "the agent registered the fake GPU and the example's two", |n| {
@@ -521,11 +522,8 @@ async fn abi_1_2_shares_reach_the_plugin_and_are_released_and_a_1_1_plugin_still
 
     // The fake plugin's calls: both half shares of gpu0 were held at once (500 + 500), each
     // reservation released once, after its reserve, with the same id.
-    let calls: Vec<serde_json::Value> = std::fs::read_to_string(&journal)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let calls: Vec<serde_json::Value> =
+        std::fs::read_to_string(&journal).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let reserves: Vec<&serde_json::Value> = calls.iter().filter(|c| c["call"] == "reserve").collect();
     assert_eq!(reserves.len(), 2, "{calls:#?}");
     for r in &reserves {
@@ -544,7 +542,13 @@ async fn abi_1_2_shares_reach_the_plugin_and_are_released_and_a_1_1_plugin_still
         assert_eq!(calls[released[0]]["held"], true, "{id} was held when released");
     }
     // Both halves ran at the same time on gpu0 (the plugin held 1000 milli then).
-    let (s1, e1) = (lines.iter().find(|l| l.start && l.job == h1).unwrap(), lines.iter().find(|l| !l.start && l.job == h1).unwrap());
-    let (s2, e2) = (lines.iter().find(|l| l.start && l.job == h2).unwrap(), lines.iter().find(|l| !l.start && l.job == h2).unwrap());
+    let (s1, e1) = (
+        lines.iter().find(|l| l.start && l.job == h1).unwrap(),
+        lines.iter().find(|l| !l.start && l.job == h1).unwrap(),
+    );
+    let (s2, e2) = (
+        lines.iter().find(|l| l.start && l.job == h2).unwrap(),
+        lines.iter().find(|l| !l.start && l.job == h2).unwrap(),
+    );
     assert!(s1.ns < e2.ns && s2.ns < e1.ns, "the two halves overlapped: {lines:?}");
 }

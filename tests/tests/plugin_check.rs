@@ -200,7 +200,12 @@ fn plugin_new_c_builds_with_make_and_passes_the_kit() {
         assert!(out.join(f).exists(), "{f} missing");
     }
     let make = Command::new("make").arg("-s").arg("-C").arg(&out).output().expect("make");
-    assert!(make.status.success(), "{}{}", String::from_utf8_lossy(&make.stdout), String::from_utf8_lossy(&make.stderr));
+    assert!(
+        make.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&make.stdout),
+        String::from_utf8_lossy(&make.stderr)
+    );
     let lib = out.join("build/libsuanli_plugin_mynpu.so");
     let stdout = assert_passes(&lib, &[]);
     assert!(stdout.contains("plugin mynpu 0.1.0, ABI 1.2"), "{stdout}");

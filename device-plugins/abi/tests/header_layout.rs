@@ -4,7 +4,9 @@
 use std::mem::{offset_of, size_of};
 use std::process::Command;
 
-use suanli_device_abi::ffi::{API_SIZE_1_0, API_SIZE_1_1, SuanliDpApi, SuanliDpCallArgs, SuanliDpInitArgs, SuanliDpShutdownArgs};
+use suanli_device_abi::ffi::{
+    API_SIZE_1_0, API_SIZE_1_1, SuanliDpApi, SuanliDpCallArgs, SuanliDpInitArgs, SuanliDpShutdownArgs,
+};
 
 const PROGRAM: &str = r#"
 #include <stdio.h>

@@ -366,7 +366,9 @@ mod plugin_ascend_tests {
         assert!(m.contains("/usr/local/Ascend/driver/lib64/driver/libdcmi.so"), "{m}");
         assert!(p.stats(pb::StatsRequest::default()).unwrap().devices.is_empty());
         assert!(p.health_events().unwrap().events.is_empty());
-        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["npu0".into()], alloc_id: 1, ..Default::default() }).unwrap_err();
+        let e = p
+            .reserve(pb::ReserveRequest { device_ids: vec!["npu0".into()], alloc_id: 1, ..Default::default() })
+            .unwrap_err();
         assert_eq!(e.code, Code::NotFound);
     }
 
@@ -467,7 +469,13 @@ int dcmi_get_device_power_info(int card, int dev, int *p) { *p = 2505; return 0;
         assert_eq!(inv.devices[2].index, 2);
         assert!(inv.message.contains("3 Ascend NPU(s)"), "{}", inv.message);
 
-        let r = p.reserve(pb::ReserveRequest { device_ids: vec!["npu2".into(), "npu0".into()], alloc_id: 1, ..Default::default() }).unwrap();
+        let r = p
+            .reserve(pb::ReserveRequest {
+                device_ids: vec!["npu2".into(), "npu0".into()],
+                alloc_id: 1,
+                ..Default::default()
+            })
+            .unwrap();
         assert_eq!(r.env["ASCEND_RT_VISIBLE_DEVICES"], "2,0");
         let files: Vec<_> = r.device_files.iter().map(|f| f.host_path.as_str()).collect();
         assert_eq!(
@@ -488,7 +496,9 @@ int dcmi_get_device_power_info(int card, int dev, int *p) { *p = 2505; return 0;
         let inv = p.fingerprint().unwrap();
         assert!(!inv.devices[2].healthy);
         assert!(inv.devices[2].health_reason.contains("critical alarm"), "{}", inv.devices[2].health_reason);
-        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["npu2".into()], alloc_id: 2, ..Default::default() }).unwrap_err();
+        let e = p
+            .reserve(pb::ReserveRequest { device_ids: vec!["npu2".into()], alloc_id: 2, ..Default::default() })
+            .unwrap_err();
         assert_eq!(e.code, Code::FailedPrecondition);
         let ev = p.health_events().unwrap().events;
         assert_eq!(ev.len(), 1);

@@ -477,7 +477,9 @@ mod plugin_cpu_tests {
         let t = two_socket_host();
         let p = plugin(&t);
         assert_eq!(p.reserve(pb::ReserveRequest::default()).unwrap(), pb::Reservation::default());
-        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["x".into()], alloc_id: 1, ..Default::default() }).unwrap_err();
+        let e = p
+            .reserve(pb::ReserveRequest { device_ids: vec!["x".into()], alloc_id: 1, ..Default::default() })
+            .unwrap_err();
         assert_eq!(e.code, Code::NotFound);
     }
 

@@ -347,7 +347,9 @@ impl DevicePlugin for FakePlugin {
             None | Some("false") => false,
             Some("true") => true,
             Some(other) => {
-                return Err(PluginError::invalid(format!("option enforce_shares is {other:?}; expected true or false")));
+                return Err(PluginError::invalid(format!(
+                    "option enforce_shares is {other:?}; expected true or false"
+                )));
             }
         };
         p.journal = config.options.get("journal").filter(|j| !j.is_empty()).map(PathBuf::from);
@@ -603,7 +605,13 @@ mod plugin_fake_tests {
         assert_eq!(inv.devices.len(), 4);
         assert!(inv.devices.iter().all(|d| d.model == "Ascend910B" && d.memory_mib == 65536 && d.kind == "npu"));
         assert!(inv.devices.iter().all(|d| d.links.len() == 3 && d.links.iter().all(|l| l.kind == "hccs")));
-        let r = p.reserve(pb::ReserveRequest { device_ids: vec!["npu2".into(), "npu0".into()], alloc_id: 7, ..Default::default() }).unwrap();
+        let r = p
+            .reserve(pb::ReserveRequest {
+                device_ids: vec!["npu2".into(), "npu0".into()],
+                alloc_id: 7,
+                ..Default::default()
+            })
+            .unwrap();
         assert_eq!(r.env["ASCEND_RT_VISIBLE_DEVICES"], "2,0");
         assert_eq!(r.env["SUANLI_FAKE_DEVICES"], "npu2,npu0");
         assert!(!r.env.contains_key("CUDA_VISIBLE_DEVICES"));
@@ -616,8 +624,13 @@ mod plugin_fake_tests {
         let m = inv.devices.iter().find(|d| d.id == "gpu0-mig3").unwrap();
         assert_eq!((m.partition_of.as_str(), m.memory_mib), ("gpu0", 10240));
         assert!(inv.devices.iter().filter(|d| d.partition_of.is_empty()).count() == 2);
-        let r =
-            p.reserve(pb::ReserveRequest { device_ids: vec!["gpu0-mig3".into(), "gpu1".into()], alloc_id: 1, ..Default::default() }).unwrap();
+        let r = p
+            .reserve(pb::ReserveRequest {
+                device_ids: vec!["gpu0-mig3".into(), "gpu1".into()],
+                alloc_id: 1,
+                ..Default::default()
+            })
+            .unwrap();
         assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], "MIG-FAKE-gpu0-mig3,1");
         let files: Vec<_> = r.device_files.iter().map(|f| f.host_path.as_str()).collect();
         assert_eq!(files, ["/dev/fake-mig/gpu0-mig3"]);
@@ -626,16 +639,31 @@ mod plugin_fake_tests {
     #[test]
     fn reserve_checks_ids_and_health() {
         let (_d, p) = setup("fake-8gpu.toml");
-        let r = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu1".into(), "gpu5".into()], alloc_id: 1, ..Default::default() }).unwrap();
+        let r = p
+            .reserve(pb::ReserveRequest {
+                device_ids: vec!["gpu1".into(), "gpu5".into()],
+                alloc_id: 1,
+                ..Default::default()
+            })
+            .unwrap();
         assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], "1,5");
         assert!(r.device_files.is_empty());
-        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu9".into()], alloc_id: 1, ..Default::default() }).unwrap_err();
+        let e = p
+            .reserve(pb::ReserveRequest { device_ids: vec!["gpu9".into()], alloc_id: 1, ..Default::default() })
+            .unwrap_err();
         assert_eq!(e.code, Code::NotFound);
-        let e =
-            p.reserve(pb::ReserveRequest { device_ids: vec!["gpu1".into(), "gpu1".into()], alloc_id: 1, ..Default::default() }).unwrap_err();
+        let e = p
+            .reserve(pb::ReserveRequest {
+                device_ids: vec!["gpu1".into(), "gpu1".into()],
+                alloc_id: 1,
+                ..Default::default()
+            })
+            .unwrap_err();
         assert_eq!(e.code, Code::InvalidArgument);
         faults(&p, "unhealthy = [\"gpu5\"]\n");
-        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu5".into()], alloc_id: 1, ..Default::default() }).unwrap_err();
+        let e = p
+            .reserve(pb::ReserveRequest { device_ids: vec!["gpu5".into()], alloc_id: 1, ..Default::default() })
+            .unwrap_err();
         assert_eq!(e.code, Code::FailedPrecondition);
         assert!(e.message.contains("unhealthy"), "{}", e.message);
         assert_eq!(p.reserve(pb::ReserveRequest::default()).unwrap(), pb::Reservation::default());

@@ -208,7 +208,11 @@ impl Caller {
         self.timed("fingerprint", self.p.fingerprint()).await
     }
     async fn reserve(&self, ids: &[&str]) -> Result<pb::Reservation, HostError> {
-        let req = pb::ReserveRequest { device_ids: ids.iter().map(|s| s.to_string()).collect(), alloc_id: 1, ..Default::default() };
+        let req = pb::ReserveRequest {
+            device_ids: ids.iter().map(|s| s.to_string()).collect(),
+            alloc_id: 1,
+            ..Default::default()
+        };
         self.timed("reserve", self.p.reserve(req)).await
     }
     /// A 1.2 reserve: `reservation_id` and one share per device.
@@ -408,7 +412,8 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
     // reserve each device
     p.wait_up(wait_up).await;
     if inventory.devices.is_empty() {
-        let why = if no_inventory.is_empty() { "the inventory has no devices".to_string() } else { no_inventory.clone() };
+        let why =
+            if no_inventory.is_empty() { "the inventory has no devices".to_string() } else { no_inventory.clone() };
         run.skip("reserve", &why);
     } else {
         let t = Instant::now();
@@ -470,7 +475,11 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
         let res = match caller.reserve(&ids).await {
             Ok(r) => {
                 let problems = validate_reservation(healthy[0], &r);
-                if problems.is_empty() { Ok(format!("{} devices in one request", ids.len())) } else { Err(problems.join("; ")) }
+                if problems.is_empty() {
+                    Ok(format!("{} devices in one request", ids.len()))
+                } else {
+                    Err(problems.join("; "))
+                }
             }
             Err(e) => Err(format!("reserve of {} healthy devices at once: {e}", ids.len())),
         };
@@ -481,7 +490,10 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
     p.wait_up(wait_up).await;
     if !p.offers("release") {
         let abi = run.report.plugin.as_ref().map(|s| s.abi.clone()).unwrap_or_default();
-        run.skip("reserve and release", &format!("release not offered (an ABI {abi} plugin: its reserve is stateless)"));
+        run.skip(
+            "reserve and release",
+            &format!("release not offered (an ABI {abi} plugin: its reserve is stateless)"),
+        );
     } else if let Some(d) = healthy.first() {
         let t = Instant::now();
         let res = reserve_release(&caller, &d.id).await;
@@ -566,7 +578,10 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
         let abi = run.report.plugin.as_ref().map(|s| s.abi.clone()).unwrap_or_default();
         let why = match &hello_ok {
             Some(h) if h.table_minor < h.abi_minor => {
-                format!("not offered (struct_size covers only the ABI {}.{} table; see table size)", h.abi_major, h.table_minor)
+                format!(
+                    "not offered (struct_size covers only the ABI {}.{} table; see table size)",
+                    h.abi_major, h.table_minor
+                )
             }
             _ => format!("not offered (an ABI {abi} plugin)"),
         };
@@ -673,7 +688,9 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
     // the host killed mid-run: restarted, init again, the same devices
     p.wait_up(wait_up).await;
     let t = Instant::now();
-    let res = host_restart(&caller, &inventory, fingerprint_ok, opts.host.backoff_max + opts.host.fingerprint_timeout * 2).await;
+    let res =
+        host_restart(&caller, &inventory, fingerprint_ok, opts.host.backoff_max + opts.host.fingerprint_timeout * 2)
+            .await;
     run.result("host restart", t, res);
 
     // shutdown (of a live host, if a restart brings it back)
@@ -713,8 +730,9 @@ fn exported_symbols(lib: &Path) -> Result<Vec<String>, String> {
     use object::{Object as _, ObjectSymbol as _};
     let data = std::fs::read(lib).map_err(|e| format!("cannot read {}: {e}", lib.display()))?;
     let file = object::File::parse(&*data).map_err(|e| format!("not an object file the kit can read: {e}"))?;
-    let entry = std::str::from_utf8(&suanli_device_abi::ffi::ENTRY_SYMBOL[..suanli_device_abi::ffi::ENTRY_SYMBOL.len() - 1])
-        .unwrap_or("suanli_device_plugin_entry");
+    let entry =
+        std::str::from_utf8(&suanli_device_abi::ffi::ENTRY_SYMBOL[..suanli_device_abi::ffi::ENTRY_SYMBOL.len() - 1])
+            .unwrap_or("suanli_device_plugin_entry");
     let mut out: Vec<String> = file
         .dynamic_symbols()
         .filter(|s| s.is_global() && s.is_definition())
@@ -734,12 +752,18 @@ async fn reserve_release(c: &Caller, dev: &str) -> Result<String, String> {
         format!("a repeated reserve of {ID:?} (as after an agent restart) must be answered as the first: {e}")
     })?;
     c.release(ID, &[dev]).await.map_err(|e| format!("release of {ID:?}: {e}"))?;
-    c.release(ID, &[dev]).await.map_err(|e| format!("a second release of {ID:?} must succeed (it holds nothing): {e}"))?;
+    c.release(ID, &[dev])
+        .await
+        .map_err(|e| format!("a second release of {ID:?} must succeed (it holds nothing): {e}"))?;
     const HALF: &str = "suanli-check-2";
     let half = match c.reserve_share(HALF, &[dev], 500).await {
         Ok(r) => {
             c.release(HALF, &[dev]).await.map_err(|e| format!("release of {HALF:?}: {e}"))?;
-            if r.env.is_empty() { "a 500-milli share granted".to_string() } else { format!("a 500-milli share granted ({} env)", r.env.len()) }
+            if r.env.is_empty() {
+                "a 500-milli share granted".to_string()
+            } else {
+                format!("a 500-milli share granted ({} env)", r.env.len())
+            }
         }
         Err(HostError::Plugin(e)) if matches!(e.code, Code::FailedPrecondition | Code::InvalidArgument) => {
             format!("a 500-milli share refused ({})", e.code)
@@ -764,7 +788,9 @@ async fn health_scenario(c: &Caller, dev: &str, reason: &str) -> Result<String, 
         Err(HostError::Plugin(e)) if e.code == Code::FailedPrecondition => {
             Ok(format!("{dev} unhealthy ({reason}): fingerprint shows it, reserve refused with failed_precondition"))
         }
-        Ok(_) => Err(format!("reserve of the unhealthy device {dev:?} ({reason}) was granted (expected failed_precondition)")),
+        Ok(_) => Err(format!(
+            "reserve of the unhealthy device {dev:?} ({reason}) was granted (expected failed_precondition)"
+        )),
         Err(e) => Err(format!("reserve of the unhealthy device {dev:?}: expected failed_precondition, got {e}")),
     }
 }
@@ -814,8 +840,12 @@ pub(crate) fn judge_usage(before: (u64, usize), after: (u64, usize), rounds: usi
     );
     let fd_fail = rounds >= 10 && fds >= rounds / 2;
     if rss >= RSS_FAIL_BYTES || fd_fail {
-        let what = if fd_fail { "descriptors leak (one per round or so)" } else { "memory grows with every call (a leak?)" };
-        (Outcome::Fail, format!("{detail}: {what}; limits: {} MiB growth, {} descriptors", RSS_FAIL_BYTES / MIB, rounds / 2))
+        let what =
+            if fd_fail { "descriptors leak (one per round or so)" } else { "memory grows with every call (a leak?)" };
+        (
+            Outcome::Fail,
+            format!("{detail}: {what}; limits: {} MiB growth, {} descriptors", RSS_FAIL_BYTES / MIB, rounds / 2),
+        )
     } else if rss >= RSS_WARN_BYTES || fds > 2 {
         (Outcome::Warn, format!("{detail}: grew more than {} MiB or 2 descriptors", RSS_WARN_BYTES / MIB))
     } else {

@@ -28,8 +28,8 @@ use prost::Message;
 
 use crate::{ABI_MAJOR, ABI_MINOR, Code, PluginError, pb};
 use suanli_device_abi::ffi::{
-    API_SIZE_1_0, API_SIZE_1_1, API_SIZE_1_2, API_SIZE_PREAMBLE, CallFn, ENTRY_SYMBOL, EntryFn, SuanliDpApi, SuanliDpCallArgs,
-    SuanliDpError, SuanliDpInitArgs, SuanliDpPlugin, SuanliDpShutdownArgs,
+    API_SIZE_1_0, API_SIZE_1_1, API_SIZE_1_2, API_SIZE_PREAMBLE, CallFn, ENTRY_SYMBOL, EntryFn, SuanliDpApi,
+    SuanliDpCallArgs, SuanliDpError, SuanliDpInitArgs, SuanliDpPlugin, SuanliDpShutdownArgs,
 };
 
 /// The longest plugin name or version string accepted, in bytes.

@@ -176,7 +176,9 @@ fn dispatch(input: &mut File, tx: &SyncSender<pb::HostRequest>, out: &Writer) ->
                 out,
                 req.id,
                 code::PROTOCOL,
-                format!("unknown method {other:?} (valid: init, fingerprint, reserve, stats, health_events, release, shutdown)"),
+                format!(
+                    "unknown method {other:?} (valid: init, fingerprint, reserve, stats, health_events, release, shutdown)"
+                ),
             ),
         }
     }

@@ -238,7 +238,8 @@ impl PluginProcess {
         *lock(&inner.hello) = hello;
         let t1 = Instant::now();
         if let Err(e) = inner.init_conn(&conn).await {
-            if inner.opts.retry_unavailable_init && matches!(&e, HostError::Plugin(pe) if pe.code == Code::Unavailable) {
+            if inner.opts.retry_unavailable_init && matches!(&e, HostError::Plugin(pe) if pe.code == Code::Unavailable)
+            {
                 let reason = format!("plugin {}: init: {e}; retrying with backoff", inner.name());
                 tracing::warn!(%reason, "device plugin not available yet");
                 inner.state.send_replace(PluginState::Down { reason });

@@ -86,9 +86,13 @@ fn calls_cross_the_boundary_and_panics_become_errors() {
 
     let inst = lib.init(&config("n1", None)).expect("init");
     assert_eq!(inst.fingerprint().expect("fingerprint").devices[0].id, "t0");
-    let r = inst.reserve(&pb::ReserveRequest { device_ids: vec!["t0".into()], alloc_id: 1, ..Default::default() }).expect("reserve");
+    let r = inst
+        .reserve(&pb::ReserveRequest { device_ids: vec!["t0".into()], alloc_id: 1, ..Default::default() })
+        .expect("reserve");
     assert_eq!(r.env["TEST_VISIBLE"], "0");
-    let e = inst.reserve(&pb::ReserveRequest { device_ids: vec!["x".into()], alloc_id: 1, ..Default::default() }).expect_err("not found");
+    let e = inst
+        .reserve(&pb::ReserveRequest { device_ids: vec!["x".into()], alloc_id: 1, ..Default::default() })
+        .expect_err("not found");
     assert_eq!(e.code, Code::NotFound);
     assert!(e.message.contains("unknown devices"), "{e}");
     assert_eq!(inst.stats(&pb::StatsRequest::default()).expect("stats"), pb::StatsResponse::default());
@@ -131,7 +135,12 @@ fn concurrent_calls_on_one_instance() {
             s.spawn(|| {
                 for _ in 0..100 {
                     inst.fingerprint().expect("fingerprint");
-                    inst.reserve(&pb::ReserveRequest { device_ids: vec!["t0".into()], alloc_id: 1, ..Default::default() }).expect("reserve");
+                    inst.reserve(&pb::ReserveRequest {
+                        device_ids: vec!["t0".into()],
+                        alloc_id: 1,
+                        ..Default::default()
+                    })
+                    .expect("reserve");
                 }
             });
         }

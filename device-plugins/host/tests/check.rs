@@ -36,7 +36,17 @@ async fn the_example_conforms_and_a_crashing_variant_does_not() {
         "{}",
         lines.join("\n")
     );
-    for name in ["table size", "exported symbols", "reserve empty", "reserve several", "reserve and release", "stats unknown device", "resources", "stdout", "host restart"] {
+    for name in [
+        "table size",
+        "exported symbols",
+        "reserve empty",
+        "reserve several",
+        "reserve and release",
+        "stats unknown device",
+        "resources",
+        "stdout",
+        "host restart",
+    ] {
         assert_eq!(outcome(&r, name), Outcome::Pass, "{name}: {}", lines.join("\n"));
     }
 
@@ -134,7 +144,9 @@ async fn an_unavailable_init_is_retried_until_the_driver_is_there() {
         backoff_max: std::time::Duration::from_millis(200),
         ..Options::default()
     };
-    let p = PluginProcess::start(lib.clone(), pb::PluginConfig::default(), opts.clone()).await.expect("start: Down, not refused");
+    let p = PluginProcess::start(lib.clone(), pb::PluginConfig::default(), opts.clone())
+        .await
+        .expect("start: Down, not refused");
     assert!(!p.is_up());
     let mut states = p.subscribe();
     let reason = states

@@ -59,7 +59,11 @@ async fn example_plugin_serves_every_call_and_shuts_down() {
     assert!(suanli_device_host::check::validate_inventory(&inv).is_empty());
 
     let r = p
-        .reserve(pb::ReserveRequest { device_ids: vec!["example1".into(), "example0".into()], alloc_id: 7, ..Default::default() })
+        .reserve(pb::ReserveRequest {
+            device_ids: vec!["example1".into(), "example0".into()],
+            alloc_id: 7,
+            ..Default::default()
+        })
         .await
         .expect("reserve");
     assert_eq!(r.env.get("EXAMPLE_VISIBLE_DEVICES").map(String::as_str), Some("1,0"));

@@ -645,7 +645,9 @@ mod plugin_nvidia_tests {
         assert!(p.stats(pb::StatsRequest::default()).unwrap().devices.is_empty());
         assert!(p.health_events().unwrap().events.is_empty());
         assert_eq!(p.reserve(pb::ReserveRequest::default()).unwrap(), pb::Reservation::default());
-        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu0".into()], alloc_id: 1, ..Default::default() }).unwrap_err();
+        let e = p
+            .reserve(pb::ReserveRequest { device_ids: vec!["gpu0".into()], alloc_id: 1, ..Default::default() })
+            .unwrap_err();
         assert_eq!(e.code, Code::NotFound);
         assert!(e.message.contains("NVML not available"), "{}", e.message);
         p.shutdown();
@@ -806,8 +808,13 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
         assert_eq!((m.partition_of.as_str(), m.memory_mib, m.uuid.as_str()), ("gpu1", 40960, "MIG-stub-1-2"));
         assert!(m.links.is_empty() && m.peer_group.is_none());
 
-        let r =
-            p.reserve(pb::ReserveRequest { device_ids: vec!["gpu1-mig2".into(), "gpu3".into()], alloc_id: 1, ..Default::default() }).unwrap();
+        let r = p
+            .reserve(pb::ReserveRequest {
+                device_ids: vec!["gpu1-mig2".into(), "gpu3".into()],
+                alloc_id: 1,
+                ..Default::default()
+            })
+            .unwrap();
         assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], "MIG-stub-1-2,GPU-stub-3");
         let files: Vec<_> = r.device_files.iter().map(|f| f.host_path.as_str()).collect();
         assert_eq!(
@@ -823,10 +830,14 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
             ]
         );
         // MIG device 0 (GPU instance 1) is not in the minors file: refused with the reason.
-        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu1-mig0".into()], alloc_id: 1, ..Default::default() }).unwrap_err();
+        let e = p
+            .reserve(pb::ReserveRequest { device_ids: vec!["gpu1-mig0".into()], alloc_id: 1, ..Default::default() })
+            .unwrap_err();
         assert!(e.message.contains("gpu101/gi1/access"), "{e}");
         for bad in ["gpu4", "gpu1-mig1", "cpu0"] {
-            let e = p.reserve(pb::ReserveRequest { device_ids: vec![bad.into()], alloc_id: 1, ..Default::default() }).unwrap_err();
+            let e = p
+                .reserve(pb::ReserveRequest { device_ids: vec![bad.into()], alloc_id: 1, ..Default::default() })
+                .unwrap_err();
             assert_eq!(e.code, Code::NotFound, "{bad}: {e}");
         }
 
@@ -850,7 +861,9 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
         let inv = p.fingerprint().unwrap();
         let g2 = inv.devices.iter().find(|d| d.id == "gpu2").unwrap();
         assert_eq!((g2.healthy, g2.health_reason.as_str()), (false, "XID 79"));
-        let e = p.reserve(pb::ReserveRequest { device_ids: vec!["gpu2".into()], alloc_id: 2, ..Default::default() }).unwrap_err();
+        let e = p
+            .reserve(pb::ReserveRequest { device_ids: vec!["gpu2".into()], alloc_id: 2, ..Default::default() })
+            .unwrap_err();
         assert_eq!(e.code, Code::FailedPrecondition);
         assert_eq!(p.stats(pb::StatsRequest { device_ids: vec!["gpu2".into()] }).unwrap().devices[0].xid_errors, 1);
 

@@ -67,7 +67,10 @@ mod c_schema {
         let have: Vec<&String> = c.keys().collect();
         assert_eq!(wanted, have, "messages differ between device.proto and suanli_device.proto");
         for (name, fields) in &c {
-            assert_eq!(&full[name], fields, "message {name}: fields differ (name -> number, type, repeated, type name)");
+            assert_eq!(
+                &full[name], fields,
+                "message {name}: fields differ (name -> number, type, repeated, type name)"
+            );
         }
         assert!(c["suanli.v1.ReserveRequest"].contains_key("shares"), "the C schema has ABI 1.2's fields");
     }
