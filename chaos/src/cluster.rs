@@ -844,7 +844,11 @@ impl Cluster {
 
     /// `Internal.Inspect` of server `i`, directly (its peer listener).
     pub async fn inspect(&self, i: usize, from: u64, to: u64) -> anyhow::Result<pb::InspectResponse> {
-        let ch = peer_channel(&self.servers[i].peer_addr, Duration::from_secs(5)).await?;
+        // Connecting may take as long as the call: the convergence and log checks ask whether
+        // the servers agree, not how fast a server just out of a fault answers a handshake.
+        let timeout = Duration::from_secs(5);
+        let ep = endpoint(&self.servers[i].peer_addr, timeout)?.connect_timeout(timeout);
+        let ch = suanli_security::tls::channel(ep, Some(&server_tls()?));
         let mut c = InternalClient::new(ch).max_decoding_message_size(64 << 20);
         let r = c.inspect(pb::InspectRequest { group: "region".into(), log_from: from, log_to: to }).await?;
         Ok(r.into_inner())

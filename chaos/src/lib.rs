@@ -583,6 +583,7 @@ async fn converge(cluster: &mut Cluster) -> Verdict {
     let name = "convergence";
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut last = String::new();
+    let mut unreachable: Option<usize> = None;
     while Instant::now() < deadline {
         let v = voters(cluster).await;
         if v.len() < cluster.servers.len() {
@@ -596,7 +597,10 @@ async fn converge(cluster: &mut Cluster) -> Verdict {
         for i in &v {
             match cluster.inspect(*i, 0, 0).await {
                 Ok(r) => seen.push((r.id, r.applied_index, r.state_hash)),
-                Err(e) => last = format!("server index {i}: {e}"),
+                Err(e) => {
+                    last = format!("server index {i}: {e}");
+                    unreachable = Some(*i);
+                }
             }
         }
         if !v.is_empty() && seen.len() == v.len() {
@@ -629,6 +633,13 @@ async fn converge(cluster: &mut Cluster) -> Verdict {
             );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A server that could not be inspected: the end of its log says what it was doing.
+    if let Some(i) = unreachable {
+        let log = cluster.server_log(i);
+        let tail: Vec<&str> = log.lines().rev().take(15).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        last.push_str(&format!("\n    last lines of server index {i}'s log:\n      {}", tail.join("\n      ")));
     }
     Verdict { name, ok: false, detail: format!("servers did not reach one applied index within 30 s: {last}") }
 }
