@@ -493,6 +493,9 @@ impl Plugins {
     /// Tells a plugin whose host (re)started every reservation still held on its devices (a
     /// repeat of the same reservation id, which the plugin answers as the first time).
     async fn rereserve(&self, p: &Plugin, owner: usize) {
+        if !p.proc.offers("release") {
+            return; // a 1.1 plugin holds nothing to restore
+        }
         let devs = self.devices();
         let held: Vec<(String, Held)> = self.lock_held().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         for (id, h) in held {
@@ -502,7 +505,7 @@ impl Plugins {
                 .filter(|s| devs.iter().any(|d| d.device.id == s.device_id && d.owner == owner))
                 .cloned()
                 .collect();
-            if shares.is_empty() || !p.proc.offers("release") {
+            if shares.is_empty() {
                 continue;
             }
             let req = pb::ReserveRequest {

@@ -594,7 +594,6 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
     let before = p.pid().and_then(usage);
     let res = repeated(&caller, &ids, known, offers_health, opts.repeats).await;
     let after = p.pid().and_then(usage);
-    let calls = caller.calls.lock().unwrap_or_else(|e| e.into_inner()).count;
     run.result("repeated calls", t, res);
     let t = Instant::now();
     match (before, after) {
@@ -604,7 +603,6 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
         }
         _ => run.skip("resources", "the plugin host's /proc entries could not be read (not Linux, or it restarted)"),
     }
-    let _ = calls;
 
     // concurrent calls
     p.wait_up(wait_up).await;
