@@ -19,9 +19,11 @@ pub struct PluginArgs {
 
 #[derive(clap::Subcommand, Debug)]
 enum PluginCmd {
-    /// Load a plugin library in a plugin-host child and run every call with deadlines: load and
-    /// version negotiation, init, fingerprint, reserve, stats, health_events, repeated and
-    /// concurrent calls, shutdown. Prints PASS/FAIL per check; exits non-zero on any failure.
+    /// Load a plugin library in a plugin-host child and run every call with deadlines: load,
+    /// version and table size, exported symbols, init, fingerprint, reserve (empty, several,
+    /// with a reservation id and release), stats, health_events and a health scenario, repeated
+    /// and concurrent calls with the host's memory and descriptors, stdout, a host restart,
+    /// shutdown. Prints PASS/WARN/FAIL/SKIP per check; exits non-zero on any failure.
     Check(CheckArgs),
     /// Write a new device plugin that passes `suanli plugin check`, to start from: C (plugin.c
     /// over protobuf-c, a Makefile, the header and schema) or Rust (a cdylib crate over
