@@ -56,7 +56,8 @@ pub struct QuotaView {
     pub device_model: String,
     /// The limit, milli.
     pub limit_milli: u64,
-    /// Held federated jobs' demand plus regions' reported local use, milli.
+    /// Held federated jobs' demand plus each region's reserve (reported local use or quota
+    /// lease, whichever is more), milli.
     pub used_milli: u64,
 }
 
@@ -178,7 +179,22 @@ pub fn dispatch(view: &DispatchView, seed: u64) -> Vec<Decision> {
 /// jobs in order, capacity less the not-yet-placed assignments).
 pub fn view_of(state: &FedState, now_ms: u64) -> DispatchView {
     let cfg = state.config();
-    let regions = state.regions.values().map(|r| region_view(state, r, now_ms)).collect();
+    // One pass over the jobs: the assignments not yet placed, by region, and the federated
+    // jobs' hold on each quota.
+    let mut assigned: BTreeMap<&str, Vec<&FedJob>> = BTreeMap::new();
+    for j in state.jobs.values() {
+        if j.state == FedJobState::Assigned
+            && let Some(r) = j.region.as_deref()
+        {
+            assigned.entry(r).or_default().push(j);
+        }
+    }
+    let regions = state
+        .regions
+        .values()
+        .map(|r| region_view_of(state, r, assigned.get(r.name.as_str()).map_or(&[][..], Vec::as_slice), now_ms))
+        .collect();
+    let held = crate::quota::held_by_quota(state);
     let quotas = state
         .quotas
         .iter()
@@ -186,7 +202,13 @@ pub fn view_of(state: &FedState, now_ms: u64) -> DispatchView {
             team: q.team.clone(),
             device_model: q.device_model.clone(),
             limit_milli: q.limit_milli,
-            used_milli: quota_used(state, &q.team, &q.device_model),
+            used_milli: crate::quota::reserved(
+                state,
+                held.get(&(q.team.clone(), q.device_model.clone())).copied().unwrap_or(0),
+                &q.team,
+                &q.device_model,
+                now_ms,
+            ),
         })
         .collect();
     let mut pending: Vec<PendingJob> = state
@@ -598,15 +620,12 @@ fn hold_reason(
     format!("no region has {}: {}", wanted(job), parts.join(", "))
 }
 
-/// A region as dispatch sees it at `now_ms`: its capacity less the demand of the jobs assigned
-/// to it that it has not yet reported running.
-pub(crate) fn region_view(state: &FedState, region: &RegionRecord, now_ms: u64) -> RegionView {
+/// A region as dispatch sees it at `now_ms`: its capacity less the demand of `assigned`, the
+/// jobs assigned to it that it has not yet reported running (found by the caller, in one pass).
+pub(crate) fn region_view_of(state: &FedState, region: &RegionRecord, assigned: &[&FedJob], now_ms: u64) -> RegionView {
     let cfg = state.config();
     let mut capacity = region.capacity.clone();
-    for job in state.jobs.values() {
-        if job.state != FedJobState::Assigned || job.region.as_deref() != Some(region.name.as_str()) {
-            continue;
-        }
+    for job in assigned {
         let mut demand = job.demand_milli;
         let total = job.spec.total();
         let mut cpu = total.cpu_milli;
@@ -634,23 +653,6 @@ pub(crate) fn region_view(state: &FedState, region: &RegionRecord, now_ms: u64) 
         labels: region.labels.clone(),
         backlog: region.backlog,
     }
-}
-
-/// A team's use of a device model: its held federated jobs' demand plus the regions' reported
-/// local use.
-pub(crate) fn quota_used(state: &FedState, team: &str, model: &str) -> u64 {
-    let held: u64 = state
-        .jobs
-        .values()
-        .filter(|j| j.state.is_held() && j.team == team && j.device_model.as_deref() == Some(model))
-        .fold(0u64, |a, j| a.saturating_add(j.demand_milli));
-    let local: u64 = state
-        .regions
-        .values()
-        .flat_map(|r| r.usage.iter())
-        .filter(|u| u.team == team && u.device_model == model)
-        .fold(0u64, |a, u| a.saturating_add(u.used_milli));
-    held.saturating_add(local)
 }
 
 /// A job as dispatch sees it.

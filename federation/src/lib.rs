@@ -27,6 +27,7 @@ pub mod loops;
 pub mod metrics;
 pub mod model;
 pub mod node;
+pub mod quota;
 pub mod server;
 pub mod service;
 pub mod state;

@@ -165,10 +165,23 @@ fn replicated(reg: &mut Reg, s: &FedState, now_ms: u64) {
         "suanli_federation_quota_used_devices",
         "Each team's worldwide use of a quota's device model: federated jobs held plus the regions' reported local use.",
     );
-    for q in crate::service::quota_infos(s) {
+    let reserved = reg.gauge(
+        "suanli_federation_quota_reserved_devices",
+        "What dispatch counts as taken of a worldwide quota: federated jobs held plus, per region, the most of its reported use and the quota leases it may still enforce.",
+    );
+    let lease = reg.gauge(
+        "suanli_federation_quota_lease_devices",
+        "Each region's lease of a worldwide quota (its region-local work on the model may hold at most this much).",
+    );
+    for q in crate::service::quota_infos(s, now_ms) {
         let lb = l([("team", &q.team), ("model", &q.device_model)]);
         set(&limit, lb.clone(), q.limit_milli as f64 / 1000.0);
-        set(&used, lb, q.used_milli as f64 / 1000.0);
+        set(&used, lb.clone(), q.used_milli as f64 / 1000.0);
+        set(&reserved, lb, q.reserved_milli as f64 / 1000.0);
+        for r in &q.leases {
+            let lb = l([("team", &q.team), ("model", &q.device_model), ("region", &r.region)]);
+            set(&lease, lb, r.limit_milli as f64 / 1000.0);
+        }
     }
     let cost = reg.gauge(
         "suanli_federation_cost",

@@ -163,6 +163,9 @@ pub struct RegionRecord {
     /// Its cost ledger's totals at the latest sync that carried them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<RegionCost>,
+    /// Its leases of the global quotas, sorted by (team, device model).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quota_leases: Vec<GrantedLease>,
 }
 
 /// A region's cost ledger totals (docs/cost.md), exact base units, from its start (or horizon)
@@ -246,6 +249,44 @@ pub struct TeamUsage {
     pub used_milli: u64,
     /// Device-milli-seconds used since the region's previous sync (the roll-up).
     pub device_milli_s: u64,
+    /// Its use plus its pending local jobs' demand that may run on the model (the federation
+    /// shares a global quota among regions by these). Never below `used_milli` once read.
+    #[serde(default)]
+    pub wanted_milli: u64,
+}
+
+/// A share of a global quota leased to a region (the wire's `QuotaLease`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct QuotaLease {
+    /// The team.
+    pub team: String,
+    /// The device model.
+    pub device_model: String,
+    /// The share, milli.
+    pub limit_milli: u64,
+    /// Its end (federation clock).
+    pub until_ms: u64,
+}
+
+/// A quota lease as the federation remembers it for a region: the current grant, and the
+/// largest earlier grant the region may still enforce (until it reports the current one, or
+/// the earlier grant's end + the margin passes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct GrantedLease {
+    /// The team.
+    pub team: String,
+    /// The device model.
+    pub device_model: String,
+    /// The current grant, milli.
+    pub limit_milli: u64,
+    /// Its end.
+    pub until_ms: u64,
+    /// A larger earlier grant still possibly in force (0: none).
+    #[serde(default)]
+    pub prior_milli: u64,
+    /// Its end.
+    #[serde(default)]
+    pub prior_until_ms: u64,
 }
 
 /// A checkpoint a job can restore from.
@@ -408,6 +449,9 @@ pub struct RegionSync {
     /// Its cost ledger's totals (none without a price catalog).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<RegionCost>,
+    /// The quota leases it enforces now.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quota_leases: Vec<QuotaLease>,
 }
 
 /// A federated job as a region reports it.
@@ -482,4 +526,6 @@ pub struct SyncAnswer {
     pub assignments: Vec<Assignment>,
     /// Jobs to cancel.
     pub cancel: Vec<GlobalId>,
+    /// The region's share of every global quota.
+    pub quota_leases: Vec<QuotaLease>,
 }

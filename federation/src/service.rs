@@ -246,6 +246,11 @@ pub fn sync_from_pb(r: &pb::RegionSyncRequest, cfg: &model::FedConfig) -> Result
         check_len(&format!("usage[{i}].team"), &u.team, MAX_NAME)?;
         check_len(&format!("usage[{i}].device_model"), &u.device_model, MAX_NAME)?;
     }
+    check_count("quota_leases", r.quota_leases.len(), cfg.max_quotas)?;
+    for (i, l) in r.quota_leases.iter().enumerate() {
+        check_len(&format!("quota_leases[{i}].team"), &l.team, MAX_NAME)?;
+        check_len(&format!("quota_leases[{i}].device_model"), &l.device_model, MAX_NAME)?;
+    }
     check_count("held", r.held.len(), cfg.max_held_per_sync)?;
     for (i, h) in r.held.iter().enumerate() {
         if parse_global_id(&h.global_id).is_none() {
@@ -291,6 +296,7 @@ pub fn sync_from_pb(r: &pb::RegionSyncRequest, cfg: &model::FedConfig) -> Result
                 device_model: u.device_model.clone(),
                 used_milli: u.used_milli,
                 device_milli_s: u.device_milli_s,
+                wanted_milli: u.wanted_milli.max(u.used_milli),
             })
             .collect(),
         held: r
@@ -307,6 +313,16 @@ pub fn sync_from_pb(r: &pb::RegionSyncRequest, cfg: &model::FedConfig) -> Result
             .collect(),
         sent_at_ms: r.sent_at_ms,
         cost: r.cost.as_ref().map(region_cost_from_pb).transpose()?,
+        quota_leases: r
+            .quota_leases
+            .iter()
+            .map(|l| model::QuotaLease {
+                team: l.team.clone(),
+                device_model: l.device_model.clone(),
+                limit_milli: l.limit_milli,
+                until_ms: l.until_ms,
+            })
+            .collect(),
     })
 }
 
@@ -469,34 +485,49 @@ pub fn sync_answer_to_pb(a: &model::SyncAnswer, cfg: &model::FedConfig, now: u64
         max_clock_drift_ms: cfg.max_clock_drift_ms,
         now_ms: now,
         cancel: a.cancel.clone(),
+        quota_leases: a
+            .quota_leases
+            .iter()
+            .map(|l| pb::QuotaLease {
+                team: l.team.clone(),
+                device_model: l.device_model.clone(),
+                limit_milli: l.limit_milli,
+                until_ms: l.until_ms,
+            })
+            .collect(),
     }
 }
 
-/// Each quota with its use: held federated jobs' demand plus the regions' reported local use.
-pub fn quota_infos(s: &FedState) -> Vec<pb::QuotaInfo> {
+/// Each quota with its use (held federated jobs' demand plus the regions' reported local use),
+/// what is reserved of it at `now_ms` (dispatch admits within the rest) and each region's lease.
+pub fn quota_infos(s: &FedState, now_ms: u64) -> Vec<pb::QuotaInfo> {
+    let held = crate::quota::held_by_quota(s);
     s.quotas
         .iter()
         .map(|q| {
-            let held: u64 = s
-                .jobs
-                .values()
-                .filter(|j| {
-                    j.state.is_held() && j.team == q.team && j.device_model.as_deref() == Some(q.device_model.as_str())
-                })
-                .map(|j| j.demand_milli)
-                .sum();
-            let local: u64 = s
-                .regions
-                .values()
-                .flat_map(|r| r.usage.iter())
-                .filter(|u| u.team == q.team && u.device_model == q.device_model)
-                .map(|u| u.used_milli)
-                .sum();
+            let fed = held.get(&(q.team.clone(), q.device_model.clone())).copied().unwrap_or(0);
+            let mut local = 0u64;
+            let mut leases = Vec::new();
+            for r in s.regions.values() {
+                let (used, wanted) = crate::quota::region_use(r, &q.team, &q.device_model);
+                local = local.saturating_add(used);
+                if let Some(l) = r.quota_leases.iter().find(|l| l.team == q.team && l.device_model == q.device_model) {
+                    leases.push(pb::RegionQuotaLease {
+                        region: r.name.clone(),
+                        limit_milli: l.limit_milli,
+                        until_ms: l.until_ms,
+                        used_milli: used,
+                        wanted_milli: wanted,
+                    });
+                }
+            }
             pb::QuotaInfo {
                 team: q.team.clone(),
                 device_model: q.device_model.clone(),
                 limit_milli: q.limit_milli,
-                used_milli: held.saturating_add(local),
+                used_milli: fed.saturating_add(local),
+                leases,
+                reserved_milli: crate::quota::reserved(s, fed, &q.team, &q.device_model, now_ms),
             }
         })
         .collect()
@@ -644,6 +675,12 @@ impl Federation for FedApi {
         let now = now_ms();
         let out = self.0.state.read(|s| {
             let cfg = s.config();
+            let mut held: BTreeMap<&str, u32> = BTreeMap::new();
+            for j in s.jobs.values().filter(|j| j.state.is_held()) {
+                if let Some(r) = j.region.as_deref() {
+                    *held.entry(r).or_default() += 1;
+                }
+            }
             pb::FedRegionsResponse {
                 regions: s
                     .regions
@@ -657,14 +694,10 @@ impl Federation for FedApi {
                         capacity: r.capacity.iter().map(capacity_to_pb).collect(),
                         backlog: r.backlog,
                         labels: r.labels.clone(),
-                        federated_jobs: s
-                            .jobs
-                            .values()
-                            .filter(|j| j.state.is_held() && j.region.as_deref() == Some(r.name.as_str()))
-                            .count() as u32,
+                        federated_jobs: held.get(r.name.as_str()).copied().unwrap_or(0),
                     })
                     .collect(),
-                quotas: quota_infos(s),
+                quotas: quota_infos(s, now),
             }
         });
         Ok(Response::new(out))

@@ -7,7 +7,7 @@ use crate::command::{FedCommand, FedResponse};
 use crate::dispatch::{self, Decision, Room};
 use crate::model::{
     Assignment, FedConfig, FedJob, FedJobState, FedPlacement, GlobalQuota, LEASE_KILL_GRACE_MS, LeaseGrant,
-    LeaseRefusal, RegionRecord, RegionSync, SyncAnswer,
+    LeaseRefusal, QuotaLease, RegionRecord, RegionSync, SyncAnswer,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -296,6 +296,7 @@ impl FedState {
             ("sync.capacity", sync.capacity.len(), cfg.max_capacity_entries, "max_capacity_entries"),
             ("sync.held", sync.held.len(), cfg.max_held_per_sync, "max_held_per_sync"),
             ("sync.usage", sync.usage.len(), cfg.max_held_per_sync, "max_held_per_sync"),
+            ("sync.quota_leases", sync.quota_leases.len(), cfg.max_quotas, "max_quotas"),
             ("sync.endpoints", sync.endpoints.len(), limits.max_constraints, "max_constraints"),
             ("sync.labels", sync.labels.len(), limits.max_constraints, "max_constraints"),
         ];
@@ -401,12 +402,13 @@ impl FedState {
         Ok(())
     }
 
-    fn sync(&mut self, sync: RegionSync, now_ms: u64) -> FedResponse {
+    fn sync(&mut self, mut sync: RegionSync, now_ms: u64) -> FedResponse {
         let cfg = self.config();
         if let Err(e) = self.check_sync(&sync, &cfg) {
             return e;
         }
         let r = sync.region.clone();
+        let acked = std::mem::take(&mut sync.quota_leases);
         // Pools: release the ones it no longer lists, claim the new ones.
         self.pool_owner.retain(|p, owner| owner != &r || sync.pools.contains(p));
         for p in &sync.pools {
@@ -421,6 +423,7 @@ impl FedState {
         let first_seen_ms = self.regions.get(&r).map_or(now_ms, |x| x.first_seen_ms);
         // A sync without totals (no catalog, or an older region) keeps the last ones.
         let cost = sync.cost.or_else(|| self.regions.get(&r).and_then(|x| x.cost.clone()));
+        let quota_leases = self.regions.get(&r).map(|x| x.quota_leases.clone()).unwrap_or_default();
         self.regions.insert(
             r.clone(),
             RegionRecord {
@@ -435,6 +438,7 @@ impl FedState {
                 last_sync_ms: now_ms,
                 sent_at_ms: sync.sent_at_ms,
                 cost,
+                quota_leases,
             },
         );
         let mut answer = SyncAnswer::default();
@@ -569,11 +573,28 @@ impl FedState {
         if ended {
             self.trim_ended();
         }
+        // The region's share of every global quota, after its jobs' ends were counted.
+        let grants = crate::quota::grants(self, &r, &acked, now_ms);
+        answer.quota_leases = grants
+            .iter()
+            .map(|g| QuotaLease {
+                team: g.team.clone(),
+                device_model: g.device_model.clone(),
+                limit_milli: g.limit_milli,
+                until_ms: g.until_ms,
+            })
+            .collect();
+        if let Some(rec) = self.regions.get_mut(&r) {
+            rec.quota_leases = grants;
+        }
         FedResponse::Synced(Box::new(answer))
     }
 
     fn dispatch(&mut self, decisions: Vec<Decision>, now_ms: u64) -> FedResponse {
         let cfg = self.config();
+        // Built once per command and kept current as placements apply, so that a pass of many
+        // decisions costs one pass over the jobs, not one per decision.
+        let mut index = ApplyIndex::of(self);
         let mut placed = Vec::new();
         let mut refused = Vec::new();
         for d in decisions {
@@ -587,10 +608,15 @@ impl FedState {
                     }
                 }
                 Decision::Place { job, region, device_model, why } => {
-                    match self.check_place(&job, &region, device_model.as_deref(), now_ms) {
+                    match self.check_place(&index, &job, &region, device_model.as_deref(), now_ms) {
                         Err(e) => refused.push((job, e)),
                         Ok(n) => {
                             let Some(j) = self.jobs.get_mut(&n) else { continue };
+                            index.assigned.entry(region.clone()).or_default().push(n);
+                            if let Some(m) = &device_model {
+                                let slot = index.held.entry((j.team.clone(), m.clone())).or_default();
+                                *slot = slot.saturating_add(j.demand_milli);
+                            }
                             j.state = FedJobState::Assigned;
                             j.epoch = j.epoch.saturating_add(1);
                             j.region = Some(region.clone());
@@ -620,7 +646,14 @@ impl FedState {
     }
 
     /// Re-checks a placement against the state now; the job's number when it holds.
-    fn check_place(&self, id: &str, region: &str, model: Option<&str>, now_ms: u64) -> Result<u64, String> {
+    fn check_place(
+        &self,
+        index: &ApplyIndex,
+        id: &str,
+        region: &str,
+        model: Option<&str>,
+        now_ms: u64,
+    ) -> Result<u64, String> {
         let Some((n, job)) = parse_global_id(id).and_then(|n| self.jobs.get(&n).map(|j| (n, j))) else {
             return Err(format!("{}: no such federated job", truncate(id, 64)));
         };
@@ -630,7 +663,9 @@ impl FedState {
         let Some(rec) = self.regions.get(region) else {
             return Err(format!("region {} is not in the directory", truncate(region, 64)));
         };
-        let view = dispatch::region_view(self, rec, now_ms);
+        let assigned: Vec<&FedJob> =
+            index.assigned.get(region).map(|v| v.iter().filter_map(|n| self.jobs.get(n)).collect()).unwrap_or_default();
+        let view = dispatch::region_view_of(self, rec, &assigned, now_ms);
         let room = Room::of(&view);
         let pj = dispatch::pending_job(job);
         if pj.device_kind.is_empty() && model.is_some() {
@@ -640,7 +675,11 @@ impl FedState {
         if let Some(m) = model
             && let Some(q) = self.quotas.iter().find(|q| q.team == job.team && q.device_model == m)
         {
-            quotas.insert((job.team.clone(), m.to_owned()), (q.limit_milli, dispatch::quota_used(self, &job.team, m)));
+            let held = index.held.get(&(job.team.clone(), m.to_owned())).copied().unwrap_or(0);
+            quotas.insert(
+                (job.team.clone(), m.to_owned()),
+                (q.limit_milli, crate::quota::reserved(self, held, &job.team, m, now_ms)),
+            );
         }
         dispatch::check_fit(&pj, &view, &room, model, &quotas)?;
         Ok(n)
@@ -782,6 +821,27 @@ impl FedState {
 
 /// The longest free-text message a command may carry (a job's reason, a region's message).
 pub const MAX_MESSAGE_LEN: usize = 4096;
+
+/// What a `Dispatch` command's re-checks read, built once per command: the jobs assigned to
+/// each region and not yet running, and the federated jobs' hold on each quota.
+struct ApplyIndex {
+    assigned: BTreeMap<String, Vec<u64>>,
+    held: BTreeMap<(String, String), u64>,
+}
+
+impl ApplyIndex {
+    fn of(state: &FedState) -> Self {
+        let mut assigned: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        for (n, j) in &state.jobs {
+            if j.state == FedJobState::Assigned
+                && let Some(r) = &j.region
+            {
+                assigned.entry(r.clone()).or_default().push(*n);
+            }
+        }
+        Self { assigned, held: crate::quota::held_by_quota(state) }
+    }
+}
 
 fn rejected(field: impl Into<String>, message: impl Into<String>) -> FedResponse {
     FedResponse::Rejected { field: field.into(), message: message.into() }

@@ -86,6 +86,7 @@ fn region_sync(name: &str, pool: &str, free_gpus: u64) -> RegionSync {
         held: Vec::new(),
         sent_at_ms: 0,
         cost: None,
+        quota_leases: Vec::new(),
     }
 }
 
@@ -457,6 +458,7 @@ fn invariants_hold_after_every_command_of_a_random_sequence() {
                         device_model: "H100".into(),
                         used_milli: 1000 * rng.below(3),
                         device_milli_s: 10,
+                        wanted_milli: 1000 * rng.below(4),
                     });
                     for (n, j) in &s.jobs {
                         if rng.below(2) == 0 {

@@ -948,7 +948,8 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
         | Command::SetClusterId(_)
         | Command::FedAdopt(_)
         | Command::FedRenew(_)
-        | Command::FedRelease(_) => Err(invalid(
+        | Command::FedRelease(_)
+        | Command::FedQuotaLeases(_) => Err(invalid(
             "command_json.kind",
             format!("{:?} is built by the leader only and is never forwarded", cmd.kind()),
         )),

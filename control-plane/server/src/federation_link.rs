@@ -16,7 +16,7 @@ use suanli_model::{CheckpointHardware, DeviceKind, JobSpec, Unplaced};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::federation_client::FederationClient;
 use suanli_scheduler::ClusterView;
-use suanli_state::federated::{FedAdopt, FedRelease, FedRenew};
+use suanli_state::federated::{FedAdopt, FedQuotaLease, FedQuotaLeases, FedRelease, FedRenew};
 use suanli_state::{Batch, CheckpointRecord, Command, Job, JobState, Response, State};
 use tokio::sync::watch;
 
@@ -32,6 +32,14 @@ const KILL_GRACE_MS: u64 = 1_000;
 /// The sync interval the federation asked for last (shared with the scheduling loop, which
 /// holds back a federated job whose lease would run out before the next renewal).
 static SYNC_INTERVAL_MS: AtomicU64 = AtomicU64::new(FIRST_SYNC_INTERVAL_MS);
+/// The drift bound the federation named last (the scheduling loop treats a quota lease as over
+/// this long before its end).
+static DRIFT_MS: AtomicU64 = AtomicU64::new(DEFAULT_DRIFT_MS);
+
+/// The clock drift bound in force (the federation's latest answer, 500 ms before one).
+pub(crate) fn drift_ms() -> u64 {
+    DRIFT_MS.load(Ordering::Relaxed)
+}
 
 /// How much lease, beyond a job's `stop_before_ms`, a pending federated job needs to be placed:
 /// one sync interval (the time until the next renewal).
@@ -60,6 +68,132 @@ pub(crate) fn hold_short_leases(s: &State, view: &mut ClusterView, now_ms: u64, 
     });
     held
 }
+
+/// A pending job's device kind and the most device share it can hold (every replica of an
+/// elastic job counted), or `None` for a job without devices.
+fn device_demand(spec: &JobSpec) -> Option<(DeviceKind, u64)> {
+    let kind = spec.groups.iter().find_map(|g| g.resources.devices.as_ref()).map(|d| d.kind)?;
+    let total = spec.total();
+    let milli = match kind {
+        DeviceKind::Gpu => total.gpu_milli,
+        DeviceKind::Npu => total.npu_milli,
+    };
+    (milli > 0).then_some((kind, milli))
+}
+
+/// Region-local use of each (team, device model): the device shares of live allocations of jobs
+/// that are not federated (the federation counts those itself).
+pub(crate) fn local_use(s: &State) -> BTreeMap<(String, String), u64> {
+    let mut usage: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for r in s.nodes().values() {
+        let n = &r.node;
+        for a in s.allocs_on(&n.id).filter(|a| a.is_live()) {
+            if s.job(a.alloc.job).is_none_or(|j| j.federation.is_some()) {
+                continue;
+            }
+            let team = crate::access::queue_team(s, &a.alloc.queue).unwrap_or_default();
+            for d in &a.alloc.devices {
+                if let Some(dev) = n.devices.iter().find(|x| x.id == d.device) {
+                    *usage.entry((team.clone(), dev.model.clone())).or_default() += u64::from(d.milli);
+                }
+            }
+        }
+    }
+    usage
+}
+
+/// The device models of the region's nodes, by kind.
+fn models_by_kind(s: &State) -> BTreeMap<DeviceKind, BTreeSet<String>> {
+    let mut out: BTreeMap<DeviceKind, BTreeSet<String>> = BTreeMap::new();
+    for r in s.nodes().values() {
+        for d in &r.node.devices {
+            out.entry(d.kind).or_default().insert(d.model.clone());
+        }
+    }
+    out
+}
+
+/// Enforces the federation's quota leases on region-local work (docs/federation.md, "Global
+/// quotas and quota leases"). For each pending local job of a team with a lease, in the view's
+/// order: a leased model whose room (the lease, less the team's local use and what earlier jobs
+/// of this pass may take) is below the job's whole device demand is taken out of the job's
+/// allowed models; a job left with none is taken out of `view` and returned as unplaced with
+/// the reason. A lease counts only while `now_ms + drift_ms` is before its end: an expired
+/// lease admits nothing more until a sync renews it. Pessimistic within a pass (a job is
+/// charged on every leased model it may land on), so the pass never overshoots a lease.
+pub(crate) fn hold_for_quota_leases(s: &State, view: &mut ClusterView, now_ms: u64, drift_ms: u64) -> Vec<Unplaced> {
+    let leases = s.quota_leases();
+    if leases.is_empty() {
+        return Vec::new();
+    }
+    let used = local_use(s);
+    let mut room: BTreeMap<(String, String), (u64, &FedQuotaLease)> = BTreeMap::new();
+    for l in leases {
+        let live = now_ms.saturating_add(drift_ms) < l.until_ms;
+        let taken = used.get(&(l.team.clone(), l.device_model.clone())).copied().unwrap_or(0);
+        let left = if live { l.limit_milli.saturating_sub(taken) } else { 0 };
+        room.insert((l.team.clone(), l.device_model.clone()), (left, l));
+    }
+    let kinds = models_by_kind(s);
+    let mut held = Vec::new();
+    view.pending.retain_mut(|p| {
+        if s.job(p.id).is_none_or(|j| j.federation.is_some()) {
+            return true;
+        }
+        let Some((kind, demand)) = device_demand(&p.spec) else {
+            return true;
+        };
+        let team = crate::access::queue_team(s, &p.spec.queue).unwrap_or_default();
+        let allowed: Vec<String> = if p.spec.constraints.device_models.is_empty() {
+            kinds.get(&kind).map(|m| m.iter().cloned().collect()).unwrap_or_default()
+        } else {
+            p.spec.constraints.device_models.clone()
+        };
+        let key = |m: &str| (team.clone(), m.to_owned());
+        let leased: Vec<&str> = allowed.iter().map(String::as_str).filter(|m| room.contains_key(&key(m))).collect();
+        if leased.is_empty() {
+            return true;
+        }
+        let short: Vec<&str> = leased.iter().copied().filter(|m| room[&key(m)].0 < demand).collect();
+        let keep: Vec<String> = allowed.iter().filter(|m| !short.contains(&m.as_str())).cloned().collect();
+        if keep.is_empty() {
+            let why: Vec<String> = short
+                .iter()
+                .map(|m| {
+                    let (left, l) = room[&key(m)];
+                    if now_ms.saturating_add(drift_ms) >= l.until_ms {
+                        format!("{m}: the lease ended at {} ms (the federation is not reachable?)", l.until_ms)
+                    } else {
+                        format!("{m}: {left} of {} milli left", l.limit_milli)
+                    }
+                })
+                .collect();
+            held.push(Unplaced {
+                job: p.id,
+                reason: format!(
+                    "{WAITING_FOR_QUOTA_LEASE}: team {team} needs {demand} milli; {}",
+                    why.join("; ")
+                ),
+            });
+            return false;
+        }
+        for m in &leased {
+            if !short.contains(m)
+                && let Some(r) = room.get_mut(&key(m))
+            {
+                r.0 -= demand;
+            }
+        }
+        if !short.is_empty() {
+            p.spec.constraints.device_models = keep;
+        }
+        true
+    });
+    held
+}
+
+/// The reason a region-local job waits for its team's share of a global quota.
+pub const WAITING_FOR_QUOTA_LEASE: &str = "waiting for the team's quota lease from the federation (a global quota)";
 
 /// The held-job status the federation understands, for a region job.
 fn held_status(j: &Job) -> &'static str {
@@ -132,11 +266,11 @@ pub(crate) fn build_request(
     mem: &LinkMemory,
     now_ms: u64,
 ) -> pb::RegionSyncRequest {
-    let team_of = |q: &suanli_model::QueueId| crate::access::queue_team(s, q).unwrap_or_default();
     let mut pools = BTreeSet::new();
     // (pool, kind, model) -> (total, free, max free on one node, free cpu, free memory)
     let mut cap: BTreeMap<(String, String, String), [u64; 5]> = BTreeMap::new();
-    let mut usage: BTreeMap<(String, String), u64> = BTreeMap::new();
+    let usage = local_use(s);
+    let wanted = local_wants(s, &usage);
     for r in s.nodes().values() {
         let n = &r.node;
         pools.insert(n.pool.0.clone());
@@ -145,13 +279,8 @@ pub(crate) fn build_request(
         for a in s.allocs_on(&n.id).filter(|a| a.is_live()) {
             cpu = cpu.saturating_add(a.alloc.cpu_milli);
             mem_mib = mem_mib.saturating_add(a.alloc.memory_mib);
-            let job = s.job(a.alloc.job);
-            let local = job.is_some_and(|j| j.federation.is_none());
             for d in &a.alloc.devices {
                 *used.entry(d.device.as_str()).or_default() += u64::from(d.milli);
-                if local && let Some(dev) = n.devices.iter().find(|x| x.id == d.device) {
-                    *usage.entry((team_of(&a.alloc.queue), dev.model.clone())).or_default() += u64::from(d.milli);
-                }
             }
         }
         if !r.accepts_work() {
@@ -196,13 +325,19 @@ pub(crate) fn build_request(
         })
         .collect();
     let elapsed_s = mem.last_sync_ms.map_or(0, |t| now_ms.saturating_sub(t) / 1000);
-    let usage = usage
+    let mut keys: BTreeSet<&(String, String)> = usage.keys().collect();
+    keys.extend(wanted.keys());
+    let usage = keys
         .into_iter()
-        .map(|((team, model), used)| pb::TeamUsage {
-            team,
-            device_model: model,
-            used_milli: used,
-            device_milli_s: used.saturating_mul(elapsed_s),
+        .map(|k| {
+            let used = usage.get(k).copied().unwrap_or(0);
+            pb::TeamUsage {
+                team: k.0.clone(),
+                device_model: k.1.clone(),
+                used_milli: used,
+                device_milli_s: used.saturating_mul(elapsed_s),
+                wanted_milli: wanted.get(k).copied().unwrap_or(0).max(used),
+            }
         })
         .collect();
     let mut backlog = 0u32;
@@ -247,7 +382,45 @@ pub(crate) fn build_request(
         held,
         sent_at_ms: now_ms,
         cost: region_cost(s, now_ms / 1000),
+        quota_leases: s
+            .quota_leases()
+            .iter()
+            .map(|l| pb::QuotaLease {
+                team: l.team.clone(),
+                device_model: l.device_model.clone(),
+                limit_milli: l.limit_milli,
+                until_ms: l.until_ms,
+            })
+            .collect(),
     }
+}
+
+/// What each team with a quota lease wants of the leased model: its local use plus the whole
+/// device demand of its pending local jobs that may run on the model.
+fn local_wants(s: &State, usage: &BTreeMap<(String, String), u64>) -> BTreeMap<(String, String), u64> {
+    let mut wanted: BTreeMap<(String, String), u64> = BTreeMap::new();
+    if s.quota_leases().is_empty() {
+        return wanted;
+    }
+    for l in s.quota_leases() {
+        let k = (l.team.clone(), l.device_model.clone());
+        let used = usage.get(&k).copied().unwrap_or(0);
+        wanted.insert(k, used);
+    }
+    let kinds = models_by_kind(s);
+    for j in s.jobs().values().filter(|j| j.state == JobState::Pending && j.federation.is_none()) {
+        let Some((kind, demand)) = device_demand(&j.spec) else { continue };
+        let team = crate::access::queue_team(s, &j.spec.queue).unwrap_or_default();
+        let models = &j.spec.constraints.device_models;
+        for l in s.quota_leases().iter().filter(|l| l.team == team) {
+            let of_kind = kinds.get(&kind).is_some_and(|m| m.contains(&l.device_model));
+            if of_kind && (models.is_empty() || models.contains(&l.device_model)) {
+                let slot = wanted.entry((l.team.clone(), l.device_model.clone())).or_default();
+                *slot = slot.saturating_add(demand);
+            }
+        }
+    }
+    wanted
 }
 
 /// Most teams a sync's cost totals list (the federation's bound, `cost.teams`).
@@ -313,6 +486,21 @@ pub(crate) struct Answer {
 pub(crate) fn answer_commands(s: &State, r: &pb::RegionSyncResponse, now_s: u64) -> Answer {
     let drift = if r.max_clock_drift_ms == 0 { DEFAULT_DRIFT_MS } else { r.max_clock_drift_ms };
     let mut commands = Vec::new();
+    if !r.quota_leases.is_empty() || !s.quota_leases().is_empty() {
+        let leases: Vec<FedQuotaLease> = r
+            .quota_leases
+            .iter()
+            .map(|l| FedQuotaLease {
+                team: l.team.clone(),
+                device_model: l.device_model.clone(),
+                limit_milli: l.limit_milli,
+                until_ms: l.until_ms,
+            })
+            .collect();
+        if leases != s.quota_leases() {
+            commands.push(Command::FedQuotaLeases(FedQuotaLeases { leases, now: now_s }));
+        }
+    }
     if !r.leases.is_empty() {
         let leases = r.leases.iter().map(|g| (g.global_id.clone(), g.epoch, g.until_ms)).collect();
         commands.push(Command::FedRenew(FedRenew { leases, now: now_s }));
@@ -565,6 +753,9 @@ pub async fn link(core: Arc<Core>, stop: watch::Receiver<bool>) {
         if answer.sync_interval_ms > 0 {
             SYNC_INTERVAL_MS.store(answer.sync_interval_ms.clamp(50, 60_000), Ordering::Relaxed);
         }
+        if answer.max_clock_drift_ms > 0 {
+            DRIFT_MS.store(answer.max_clock_drift_ms.min(60_000), Ordering::Relaxed);
+        }
         let Answer { mut commands, adopts, failed } = {
             let now_s = core.now_s();
             core.state.read(|s| answer_commands(s, &answer, now_s))
@@ -724,6 +915,79 @@ mod tests {
         assert_eq!(r.held.len(), 1);
         assert_eq!((r.held[0].global_id.as_str(), r.held[0].epoch, r.held[0].local_job_id), ("g-1", 1, fed.0));
         assert_eq!(r.held[0].status, "assigned");
+    }
+
+    fn submit(s: &mut State, rid: &str, gpus: u32, now: u64) -> suanli_model::JobId {
+        match s.apply(Command::SubmitJob(Box::new(SubmitJob {
+            client_request_id: rid.into(),
+            spec: spec("q", gpus),
+            retry: None,
+            now,
+            trace: None,
+        }))) {
+            Response::JobSubmitted { job, .. } => job,
+            other => panic!("not submitted: {other:?}"),
+        }
+    }
+
+    fn lease_answer(limit_milli: u64, until_ms: u64) -> pb::RegionSyncResponse {
+        pb::RegionSyncResponse {
+            quota_leases: vec![pb::QuotaLease {
+                team: "ml".into(),
+                device_model: "H100".into(),
+                limit_milli,
+                until_ms,
+            }],
+            max_clock_drift_ms: 500,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn quota_leases_bound_a_teams_local_work_and_an_expired_one_admits_nothing() {
+        let mut s = state();
+        let first = submit(&mut s, "one", 2, 2);
+        let second = submit(&mut s, "two", 2, 2);
+        // Without a lease nothing is held; the wants are reported only for leased quotas.
+        let mut view = s.cluster_view(3);
+        assert!(hold_for_quota_leases(&s, &mut view, 10_000, 500).is_empty());
+        assert!(build_request(&s, &link(), vec![], &LinkMemory::default(), 1).usage.is_empty());
+        // The answer's lease becomes one command; repeating it changes nothing.
+        let a = answer_commands(&s, &lease_answer(3_000, 60_000), 3);
+        assert!(matches!(&a.commands[..], [Command::FedQuotaLeases(c)] if c.leases.len() == 1));
+        for c in a.commands {
+            assert!(!matches!(s.apply(c), Response::Rejected(_)));
+        }
+        assert!(answer_commands(&s, &lease_answer(3_000, 60_000), 4).commands.is_empty());
+        let r = build_request(&s, &link(), vec![], &LinkMemory::default(), 1);
+        let u = r.usage.iter().find(|u| u.team == "ml" && u.device_model == "H100").expect("want");
+        assert_eq!((u.used_milli, u.wanted_milli), (0, 4_000), "two pending jobs of 2 GPUs");
+        assert_eq!(r.quota_leases.len(), 1, "the lease enforced is reported back");
+        // 3 of 4 wanted GPUs leased: the first job is planned, the second waits, naming why.
+        let mut view = s.cluster_view(3);
+        let held = hold_for_quota_leases(&s, &mut view, 10_000, 500);
+        assert_eq!(view.pending.iter().map(|p| p.id).collect::<Vec<_>>(), vec![first]);
+        assert_eq!(held.len(), 1);
+        assert_eq!(held[0].job, second);
+        assert!(held[0].reason.starts_with(WAITING_FOR_QUOTA_LEASE), "{}", held[0].reason);
+        assert!(held[0].reason.contains("H100: 1000 of 3000 milli left"), "{}", held[0].reason);
+        // The first runs; its use counts against the lease.
+        let plan = suanli_scheduler::schedule(&view, 3, 1, &Default::default()).expect("engine");
+        s.apply(Command::ApplyPlan(suanli_state::ApplyPlan { plan, now: 3 }));
+        let mut view = s.cluster_view(4);
+        let held = hold_for_quota_leases(&s, &mut view, 10_000, 500);
+        assert!(held[0].reason.contains("1000 of 3000 milli left"), "{}", held[0].reason);
+        // Past the lease's end less the drift bound, nothing more is admitted.
+        s.apply(Command::CancelJob(suanli_state::CancelJob { job: first, reason: String::new(), now: 5 }));
+        let mut view = s.cluster_view(6);
+        let held = hold_for_quota_leases(&s, &mut view, 59_500, 500);
+        assert!(held.iter().any(|h| h.job == second && h.reason.contains("the lease ended")), "{held:?}");
+        // An answer without leases clears them.
+        let a = answer_commands(&s, &pb::RegionSyncResponse::default(), 7);
+        for c in a.commands {
+            s.apply(c);
+        }
+        assert!(s.quota_leases().is_empty());
     }
 
     #[test]

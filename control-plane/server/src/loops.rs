@@ -92,7 +92,12 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         // A federated job whose lease is about to run out waits for its renewal.
         let held = if core.cfg.federation.is_some() {
             let margin = crate::federation_link::placement_margin_ms();
-            core.state.read(|s| crate::federation_link::hold_short_leases(s, &mut view, wall_ms(), margin))
+            let drift = crate::federation_link::drift_ms();
+            core.state.read(|s| {
+                let mut held = crate::federation_link::hold_short_leases(s, &mut view, wall_ms(), margin);
+                held.extend(crate::federation_link::hold_for_quota_leases(s, &mut view, wall_ms(), drift));
+                held
+            })
         } else {
             Vec::new()
         };

@@ -410,6 +410,9 @@ commands! {
     FedRenew(crate::federated::FedRenew) = "fed_renew", ignorable: false;
     /// Give a federated job up (lease refused, expired, or cancelled by the federation).
     FedRelease(crate::federated::FedRelease) = "fed_release", ignorable: false;
+    /// The federation's quota leases to this region, replacing the ones held. Not ignorable:
+    /// a replica that skipped it would admit a team's local work the federation did not lease.
+    FedQuotaLeases(crate::federated::FedQuotaLeases) = "fed_quota_leases", ignorable: false;
     /// Replace the cost ledger's price catalog (docs/cost.md).
     SetPrices(crate::cost::SetPrices) = "set_prices", ignorable: false;
 }
@@ -435,6 +438,7 @@ impl Command {
             Command::FedAdopt(c) => c.now = now,
             Command::FedRenew(c) => c.now = now,
             Command::FedRelease(c) => c.now = now,
+            Command::FedQuotaLeases(c) => c.now = now,
             Command::SetPrices(c) => c.now = now,
             Command::Batch(b) => b.commands.iter_mut().for_each(|c| c.stamp(now)),
             Command::ApplyPlan(_)

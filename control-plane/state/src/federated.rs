@@ -83,6 +83,35 @@ pub struct FedRelease {
     pub now: u64,
 }
 
+/// A share of a team's worldwide quota for one device model that the federation leases to this
+/// region: the team's region-local work on that model may hold at most `limit_milli` while the
+/// lease lasts; once it has run out (by the region's clock, less the drift bound) nothing more
+/// of the team's local work is placed on that model until a sync renews it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FedQuotaLease {
+    /// The team.
+    pub team: String,
+    /// The device model.
+    pub device_model: String,
+    /// The share, in milli-devices (1000 = one device).
+    pub limit_milli: u64,
+    /// The lease's end (federation clock, ms since the Unix epoch).
+    pub until_ms: u64,
+}
+
+/// Replace this region's quota leases with the federation's latest answer (every global
+/// quota of the federation has one entry, possibly of 0; a quota removed there is dropped here).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FedQuotaLeases {
+    /// The leases.
+    pub leases: Vec<FedQuotaLease>,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// The most quota leases a region holds (the federation's `max_quotas` is lower).
+pub const MAX_QUOTA_LEASES: usize = 4096;
+
 /// The longest global id accepted (`g-<n>` in practice).
 pub const MAX_GLOBAL_ID_LEN: usize = 64;
 
@@ -218,6 +247,41 @@ impl crate::State {
         if !changed {
             return Ok((Response::Done, Effect::Unchanged));
         }
+        self.tick(c.now);
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    /// The federation's quota leases to this region, sorted by (team, device model).
+    pub fn quota_leases(&self) -> &[FedQuotaLease] {
+        &self.fed_quota
+    }
+
+    pub(crate) fn fed_quota_leases(&mut self, c: FedQuotaLeases) -> crate::state::Applied {
+        if c.leases.len() > MAX_QUOTA_LEASES {
+            return Err(CommandError::TooMany { what: "quota leases".into(), limit: MAX_QUOTA_LEASES });
+        }
+        for (i, l) in c.leases.iter().enumerate() {
+            check_value(|| format!("leases[{i}].team"), &l.team, MAX_GLOBAL_ID_LEN)?;
+            check_value(|| format!("leases[{i}].device_model"), &l.device_model, MAX_GLOBAL_ID_LEN)?;
+            if l.device_model.is_empty() {
+                return Err(CommandError::Invalid {
+                    field: format!("leases[{i}].device_model"),
+                    message: "must not be empty".into(),
+                });
+            }
+        }
+        let mut leases = c.leases;
+        leases.sort_by(|a, b| (&a.team, &a.device_model).cmp(&(&b.team, &b.device_model)));
+        if let Some(w) = leases.windows(2).find(|w| w[0].team == w[1].team && w[0].device_model == w[1].device_model) {
+            return Err(CommandError::Invalid {
+                field: "leases".into(),
+                message: format!("two leases for team {} and model {}", quote(&w[0].team), quote(&w[0].device_model)),
+            });
+        }
+        if leases == self.fed_quota {
+            return Ok((Response::Done, Effect::Unchanged));
+        }
+        self.fed_quota = leases;
         self.tick(c.now);
         Ok((Response::Done, Effect::Changed))
     }

@@ -103,6 +103,11 @@ pub struct State {
     /// hash as they did.
     #[serde(default, skip_serializing_if = "crate::cost::Ledger::is_empty")]
     pub(crate) cost: crate::cost::Ledger,
+    /// The federation's quota leases to this region ([`crate::federated::FedQuotaLeases`]),
+    /// sorted by (team, device model). Not written while empty, so states from before them
+    /// hash as they did.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) fed_quota: Vec<crate::federated::FedQuotaLease>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -169,6 +174,7 @@ impl State {
             cluster_id: String::new(),
             security: Default::default(),
             cost: crate::cost::Ledger::default(),
+            fed_quota: Vec::new(),
         }
     }
 
@@ -337,6 +343,7 @@ impl State {
             Command::FedAdopt(c) => self.fed_adopt(*c, rev),
             Command::FedRenew(c) => self.fed_renew(c, rev),
             Command::FedRelease(c) => self.fed_release(c, rev),
+            Command::FedQuotaLeases(c) => self.fed_quota_leases(c),
             Command::SetPrices(c) => self.set_prices(c),
             Command::Batch(b) => return self.apply_batch(b),
             // Read only while halted, by the raft layer; met here, the entry was applied.

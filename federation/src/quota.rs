@@ -1,0 +1,220 @@
+//! Global quotas and the leases that share them among regions (docs/federation.md, "Global
+//! quotas and quota leases"). Pure and deterministic: time comes as an argument.
+//!
+//! A team's worldwide quota for a device model (`limit`) is taken by three kinds of holder:
+//!
+//! ```text
+//!   limit ≥ federated jobs held (assigned or running)          ── counted by the federation itself
+//!         + Σ over regions of reserved(region)                 ── region-local work
+//!   reserved(region) = max(reported local use,
+//!                          current lease     while now < until + margin,
+//!                          larger prior lease while now < prior_until + margin and not yet replaced)
+//! ```
+//!
+//! Each region's leader syncs every `sync_interval_ms`; the answer carries a new lease for every
+//! quota. The lease is the region's max-min fair share of what the federated jobs do not hold,
+//! shared among the federation's own pending jobs and the healthy regions' wants (use plus local
+//! pending demand). What nobody wants stays unleased, so a federated job submitted later is
+//! dispatched at once; the price is that a region's new local job under a global quota waits for
+//! its region's next sync to be leased (demand-driven, as in Doorman). A lease is never more than the limit less
+//! what the federated jobs and the *other* regions reserve, so the sum above stays within the
+//! limit whatever order regions sync in. A region enforces a lease only until `until - drift` by
+//! its own clock; the federation counts it until `until + margin` by its own: with clocks within
+//! `drift` of each other and `margin ≥ 2 × drift`, the federation never counts a lease free while
+//! the region may still use it. A smaller new lease does not free the old one at once: the old one
+//! stays counted (`prior`) until the region reports that it enforces the new one, or the old one
+//! ends.
+
+use crate::dispatch::{model_allowed, pending_job};
+use crate::model::{FedJobState, GrantedLease, QuotaLease, RegionRecord};
+use crate::state::FedState;
+use std::collections::BTreeMap;
+
+/// The federated jobs' hold on each (team, device model): assigned or running jobs' demand. One
+/// pass over the jobs.
+pub fn held_by_quota(state: &FedState) -> BTreeMap<(String, String), u64> {
+    let mut out: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for j in state.jobs.values().filter(|j| j.state.is_held()) {
+        if let Some(m) = &j.device_model {
+            let slot = out.entry((j.team.clone(), m.clone())).or_default();
+            *slot = slot.saturating_add(j.demand_milli);
+        }
+    }
+    out
+}
+
+/// True while a lease ending at `until_ms` may still be enforced by its region, as the
+/// federation's clock reads `now_ms`.
+fn in_force(until_ms: u64, now_ms: u64, margin_ms: u64) -> bool {
+    until_ms > 0 && now_ms < until_ms.saturating_add(margin_ms)
+}
+
+/// A region's reported local use and want of (team, model).
+pub fn region_use(r: &RegionRecord, team: &str, model: &str) -> (u64, u64) {
+    r.usage
+        .iter()
+        .filter(|u| u.team == team && u.device_model == model)
+        .fold((0u64, 0u64), |(used, wanted), u| {
+            (used.saturating_add(u.used_milli), wanted.saturating_add(u.wanted_milli.max(u.used_milli)))
+        })
+}
+
+/// What region `r` counts as taking of (team, model) at `now_ms`: the most of its reported use
+/// and the leases it may still enforce.
+pub fn region_reserved(r: &RegionRecord, team: &str, model: &str, now_ms: u64, margin_ms: u64) -> u64 {
+    let (used, _) = region_use(r, team, model);
+    let lease = r.quota_leases.iter().find(|l| l.team == team && l.device_model == model);
+    let mut reserved = used;
+    if let Some(l) = lease {
+        if in_force(l.until_ms, now_ms, margin_ms) {
+            reserved = reserved.max(l.limit_milli);
+        }
+        if in_force(l.prior_until_ms, now_ms, margin_ms) {
+            reserved = reserved.max(l.prior_milli);
+        }
+    }
+    reserved
+}
+
+/// What the federation counts as taken of (team, model)'s quota at `now_ms`: the federated jobs
+/// held (`held`, from [`held_by_quota`]) plus every region's [`region_reserved`].
+pub fn reserved(state: &FedState, held: u64, team: &str, model: &str, now_ms: u64) -> u64 {
+    let margin = state.config().redispatch_margin_ms;
+    state
+        .regions
+        .values()
+        .fold(held, |a, r| a.saturating_add(region_reserved(r, team, model, now_ms, margin)))
+}
+
+/// Max-min fair shares of `capacity` among `wants` (water-filling): every claimant gets its want
+/// or an equal share of what is left, whichever is smaller (claimants taken by want, then by
+/// position; the remainder of an integer division goes to the last ones). The shares sum to at
+/// most `capacity`.
+pub fn fair_shares(capacity: u64, wants: &[u64]) -> Vec<u64> {
+    let mut out = vec![0u64; wants.len()];
+    let mut order: Vec<usize> = (0..wants.len()).collect();
+    order.sort_by_key(|&i| (wants[i], i));
+    let mut left = capacity;
+    let mut open = wants.len() as u64;
+    for &i in &order {
+        let even = left / open.max(1);
+        let share = wants[i].min(even);
+        out[i] = share;
+        left -= share;
+        open -= 1;
+    }
+    out
+}
+
+/// The demand of the federation's pending jobs of `team` that may run on `model`.
+fn fed_pending_want(state: &FedState, team: &str, model: &str) -> u64 {
+    state
+        .jobs
+        .values()
+        .filter(|j| j.state == FedJobState::Pending && !j.cancel_requested && j.team == team)
+        .filter(|j| {
+            let p = pending_job(j);
+            !p.device_kind.is_empty() && model_allowed(&p, model)
+        })
+        .fold(0u64, |a, j| a.saturating_add(j.demand_milli))
+}
+
+/// The new leases for `region`, which has just synced at `now_ms` (its record already holds the
+/// sync's use and wants; `acked` are the leases it reported enforcing). One entry per global
+/// quota, in the quotas' order.
+pub(crate) fn grants(state: &FedState, region: &str, acked: &[QuotaLease], now_ms: u64) -> Vec<GrantedLease> {
+    let cfg = state.config();
+    let margin = cfg.redispatch_margin_ms;
+    let Some(me) = state.regions.get(region) else {
+        return Vec::new();
+    };
+    let held = held_by_quota(state);
+    // The regions that share: the healthy ones, and this one (which has just synced).
+    let sharing: Vec<&RegionRecord> =
+        state.regions.values().filter(|r| r.name == region || r.healthy(now_ms, &cfg)).collect();
+    let mine = sharing.iter().position(|r| r.name == region).unwrap_or(0);
+    let mut out = Vec::with_capacity(state.quotas.len());
+    for q in &state.quotas {
+        let (team, model) = (q.team.as_str(), q.device_model.as_str());
+        let fed_held = held.get(&(q.team.clone(), q.device_model.clone())).copied().unwrap_or(0);
+        let free = q.limit_milli.saturating_sub(fed_held);
+        let mut wants = Vec::with_capacity(sharing.len() + 1);
+        wants.push(fed_pending_want(state, team, model));
+        wants.extend(sharing.iter().map(|r| region_use(r, team, model).1));
+        let target = fair_shares(free, &wants)[mine + 1];
+        let others: u64 = state
+            .regions
+            .values()
+            .filter(|r| r.name != region)
+            .fold(0u64, |a, r| a.saturating_add(region_reserved(r, team, model, now_ms, margin)));
+        let headroom = free.saturating_sub(others);
+        let limit_milli = target.min(headroom);
+        let until_ms = now_ms.saturating_add(cfg.lease_ms);
+        // The lease this region held before this sync, and whether it reported enforcing it.
+        let old = me.quota_leases.iter().find(|l| l.team == team && l.device_model == model);
+        let mut prior = (0u64, 0u64);
+        if let Some(o) = old {
+            let enforcing_current = acked
+                .iter()
+                .any(|a| a.team == team && a.device_model == model && a.until_ms == o.until_ms && a.limit_milli == o.limit_milli);
+            if !enforcing_current && in_force(o.prior_until_ms, now_ms, margin) {
+                prior = (o.prior_milli, o.prior_until_ms);
+            }
+            // Until the region reports the new lease, it may still enforce the one it holds.
+            if in_force(o.until_ms, now_ms, margin) && o.limit_milli > limit_milli {
+                prior = (prior.0.max(o.limit_milli), prior.1.max(o.until_ms));
+            }
+        }
+        if prior.0 <= limit_milli {
+            prior = (0, 0);
+        }
+        out.push(GrantedLease {
+            team: q.team.clone(),
+            device_model: q.device_model.clone(),
+            limit_milli,
+            until_ms,
+            prior_milli: prior.0,
+            prior_until_ms: prior.1,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn fair_shares_fill_the_small_wants_first() {
+        assert_eq!(fair_shares(10, &[2, 8, 8]), vec![2, 4, 4]);
+        assert_eq!(fair_shares(10, &[0, 0, 0]), vec![0, 0, 0]);
+        assert_eq!(fair_shares(10, &[20, 1]), vec![9, 1]);
+        assert_eq!(fair_shares(7, &[5, 5]), vec![3, 4]);
+        assert_eq!(fair_shares(0, &[5, 5]), vec![0, 0]);
+        assert_eq!(fair_shares(5, &[]), Vec::<u64>::new());
+    }
+
+    proptest! {
+        #[test]
+        fn fair_shares_are_within_capacity_and_wants(cap in 0u64..1_000_000, wants in prop::collection::vec(0u64..500_000, 0..12)) {
+            let s = fair_shares(cap, &wants);
+            prop_assert!(s.iter().sum::<u64>() <= cap);
+            for (x, w) in s.iter().zip(&wants) {
+                prop_assert!(x <= w);
+            }
+            // Pareto: capacity is left over only when every want is met.
+            if s.iter().sum::<u64>() < cap {
+                prop_assert_eq!(&s, &wants);
+            }
+            // Max-min: a claimant short of its want gets at least as much as any other.
+            for (i, (x, w)) in s.iter().zip(&wants).enumerate() {
+                if x < w {
+                    for (j, y) in s.iter().enumerate() {
+                        prop_assert!(*x + 1 >= *y, "claimant {} got {} < want {} while {} got {}", i, x, w, j, y);
+                    }
+                }
+            }
+        }
+    }
+}
