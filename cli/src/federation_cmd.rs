@@ -547,12 +547,31 @@ async fn client(args: FederationArgs) -> Result<()> {
     }
 }
 
+/// One row per quota, then one per region lease under it (`  lease REGION`): the lease, the
+/// region's reported use and want.
 fn print_quotas(q: &[pb::QuotaInfo]) {
-    let rows: Vec<Vec<String>> = q
-        .iter()
-        .map(|q| vec![q.team.clone(), q.device_model.clone(), milli(q.limit_milli), milli(q.used_milli)])
-        .collect();
-    println!("{}", table(&["TEAM", "MODEL", "LIMIT", "USED"], &rows));
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for q in q {
+        rows.push(vec![
+            q.team.clone(),
+            q.device_model.clone(),
+            milli(q.limit_milli),
+            milli(q.used_milli),
+            milli(q.reserved_milli),
+            String::new(),
+        ]);
+        for l in &q.leases {
+            rows.push(vec![
+                format!("  lease {}", l.region),
+                String::new(),
+                milli(l.limit_milli),
+                milli(l.used_milli),
+                String::new(),
+                milli(l.wanted_milli),
+            ]);
+        }
+    }
+    println!("{}", table(&["TEAM", "MODEL", "LIMIT", "USED", "RESERVED", "WANTED"], &rows));
 }
 
 #[cfg(test)]

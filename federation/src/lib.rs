@@ -13,7 +13,7 @@
 //!                         │ dispatch loop: view_of(state) ─▶ dispatch() ─▶ FedCommand::Dispatch
 //!                         │ expiry loop:   FedCommand::Expire { now }   (lease end + margin passed)
 //!   region leader ──Sync(capacity, held jobs)──▶ FedCommand::Sync ──▶ leases, assignments, refusals
-//!        └─▶ region raft: fed_adopt / fed_renew / fed_release ─▶ agents (lease in AllocInfo + heartbeats)
+//!        └─▶ region raft: fed_adopt / fed_renew / fed_release / fed_quota_leases ─▶ agents (lease in AllocInfo + heartbeats)
 //! ```
 //!
 //! Lease fencing: a region runs a federated job only under an unexpired lease; its agents stop

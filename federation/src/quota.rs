@@ -51,12 +51,9 @@ fn in_force(until_ms: u64, now_ms: u64, margin_ms: u64) -> bool {
 
 /// A region's reported local use and want of (team, model).
 pub fn region_use(r: &RegionRecord, team: &str, model: &str) -> (u64, u64) {
-    r.usage
-        .iter()
-        .filter(|u| u.team == team && u.device_model == model)
-        .fold((0u64, 0u64), |(used, wanted), u| {
-            (used.saturating_add(u.used_milli), wanted.saturating_add(u.wanted_milli.max(u.used_milli)))
-        })
+    r.usage.iter().filter(|u| u.team == team && u.device_model == model).fold((0u64, 0u64), |(used, wanted), u| {
+        (used.saturating_add(u.used_milli), wanted.saturating_add(u.wanted_milli.max(u.used_milli)))
+    })
 }
 
 /// What region `r` counts as taking of (team, model) at `now_ms`: the most of its reported use
@@ -80,10 +77,7 @@ pub fn region_reserved(r: &RegionRecord, team: &str, model: &str, now_ms: u64, m
 /// held (`held`, from [`held_by_quota`]) plus every region's [`region_reserved`].
 pub fn reserved(state: &FedState, held: u64, team: &str, model: &str, now_ms: u64) -> u64 {
     let margin = state.config().redispatch_margin_ms;
-    state
-        .regions
-        .values()
-        .fold(held, |a, r| a.saturating_add(region_reserved(r, team, model, now_ms, margin)))
+    state.regions.values().fold(held, |a, r| a.saturating_add(region_reserved(r, team, model, now_ms, margin)))
 }
 
 /// Max-min fair shares of `capacity` among `wants` (water-filling): every claimant gets its want
@@ -154,9 +148,9 @@ pub(crate) fn grants(state: &FedState, region: &str, acked: &[QuotaLease], now_m
         let old = me.quota_leases.iter().find(|l| l.team == team && l.device_model == model);
         let mut prior = (0u64, 0u64);
         if let Some(o) = old {
-            let enforcing_current = acked
-                .iter()
-                .any(|a| a.team == team && a.device_model == model && a.until_ms == o.until_ms && a.limit_milli == o.limit_milli);
+            let enforcing_current = acked.iter().any(|a| {
+                a.team == team && a.device_model == model && a.until_ms == o.until_ms && a.limit_milli == o.limit_milli
+            });
             if !enforcing_current && in_force(o.prior_until_ms, now_ms, margin) {
                 prior = (o.prior_milli, o.prior_until_ms);
             }

@@ -5,6 +5,9 @@
 //!   3 voters and an agent per region; the CLI sees every region healthy; SIGTERM ends it.
 //! - `global_jobs_land_where_capacity_is_and_quotas_hold_worldwide`: placement by capacity, a
 //!   team's worldwide quota against two regions submitting at once, a job that fits nowhere.
+//! - `local_work_stays_within_the_teams_worldwide_quota`: two regions lease shares of a team's
+//!   worldwide quota of one H100; of two region-local jobs submitted at once in both, one runs and
+//!   the other waits naming the quota lease; once the first ends, the lease moves and the second runs.
 //! - `a_stopped_region_fences_its_job_and_another_region_resumes_it`: the region holding a
 //!   checkpointed job is frozen (SIGSTOP); its agent stops the task before the lease ends; the
 //!   job runs in another region after lease end + margin, restored from its checkpoint, and the
@@ -247,6 +250,77 @@ async fn global_jobs_land_where_capacity_is_and_quotas_hold_worldwide() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn local_work_stays_within_the_teams_worldwide_quota() {
+    use suanli_tests::federation::Region;
+    let h = FedHarness::start(&[Region::new("us-east", 2, "H100"), Region::new("ap-south", 2, "H100")]).await;
+    let within = Duration::from_secs(30);
+    // Queue `default` belongs to team `default` in both regions: one H100 worldwide.
+    h.set_quota("default", "H100", 1).await;
+    // A quota binds a region from the first sync answer it commits: wait until each region has
+    // synced twice since (the link commits an answer before its next sync).
+    let leases = || async {
+        let r = h.fed().await.regions(pb::FedRegionsRequest {}).await.unwrap().into_inner();
+        let q = r.quotas.into_iter().find(|q| q.team == "default" && q.device_model == "H100").unwrap();
+        q.leases.into_iter().map(|l| (l.region, l.until_ms)).collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let deadline = Instant::now() + within;
+    let mut first = leases().await;
+    loop {
+        let now = leases().await;
+        if first.len() < 2 {
+            first = now.clone();
+        } else if now.iter().all(|(r, until)| first.get(r).is_some_and(|f| f < until)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "both regions leased the quota: {now:?}\n{}", h.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (east, south) = (h.region_addr("us-east").await, h.region_addr("ap-south").await);
+    let mut spec = gpu_sleeper("local", 1, 600);
+    spec["constraints"] = serde_json::json!({"device_models": ["H100"]});
+    let (a, b) = tokio::join!(
+        suanli_tests::agents::submit(&east, "local-east", &spec),
+        suanli_tests::agents::submit(&south, "local-south", &spec),
+    );
+    let state = |jobs: &[pb::JobInfo], id: u64| jobs.iter().find(|j| j.id == id).cloned().unwrap();
+    let deadline = Instant::now() + within;
+    let (running_at, running, waiting_at, waiting) = loop {
+        let (je, js) = (all_jobs(&east, false).await.unwrap(), all_jobs(&south, false).await.unwrap());
+        let (ja, jb) = (state(&je, a), state(&js, b));
+        let runs = |j: &pb::JobInfo| matches!(j.state.as_str(), "placed" | "running");
+        assert!(!(runs(&ja) && runs(&jb)), "one H100 worldwide, two local jobs run: {ja:#?} {jb:#?}\n{}", h.logs());
+        let leased = |j: &pb::JobInfo| j.state == "pending" && j.reason.contains("quota lease");
+        if runs(&ja) && leased(&jb) {
+            break (east.clone(), a, south.clone(), b);
+        }
+        if runs(&jb) && leased(&ja) {
+            break (south.clone(), b, east.clone(), a);
+        }
+        assert!(Instant::now() < deadline, "one runs, one waits for the lease: {ja:#?} {jb:#?}\n{}", h.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // The federation lists each region's lease; they never sum past the quota.
+    let regions = h.fed().await.regions(pb::FedRegionsRequest {}).await.unwrap().into_inner();
+    let q = regions.quotas.iter().find(|q| q.team == "default" && q.device_model == "H100").unwrap();
+    assert!(q.leases.iter().map(|l| l.limit_milli).sum::<u64>() <= 1000, "{q:#?}");
+    assert!(q.leases.iter().any(|l| l.limit_milli == 1000 && l.wanted_milli == 1000), "{q:#?}");
+    // The running job ends: its region's lease shrinks, the other region is leased the H100.
+    suanli_proto::v1::jobs_client::JobsClient::new(suanli_server::local::channel(&running_at).await.unwrap())
+        .cancel(pb::CancelJobRequest { job_id: running, reason: "done".into() })
+        .await
+        .unwrap();
+    let deadline = Instant::now() + within;
+    loop {
+        let j = state(&all_jobs(&waiting_at, false).await.unwrap(), waiting);
+        if matches!(j.state.as_str(), "placed" | "running") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the waiting job runs once the lease moves: {j:#?}\n{}", h.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_stopped_region_fences_its_job_and_another_region_resumes_it() {
     let h = FedHarness::start(&three_regions()).await;
     let terms = h.cluster.terms;
@@ -372,6 +446,7 @@ async fn bad_input_is_refused_with_its_reason_and_nothing_is_lost() {
         held,
         sent_at_ms: now_ms(),
         cost: None,
+        quota_leases: Vec::new(),
     };
     let mut fed = h.fed_as_server(0).await;
 

@@ -3,9 +3,11 @@
 //! capacity per pool and device model, backlog, teams' local use, and every federated job it
 //! holds with its epoch, status and latest checkpoint), then commits what came back: `fed_renew`
 //! for renewed leases, `fed_adopt` for new assignments, `fed_release` for refusals and
-//! cancellations. A held job whose lease gets within `stop_before_ms` of its end without a
-//! renewal is released here too (`lease_expired`); the agents have already stopped its tasks by
-//! then on their own (the lease travels in AllocInfo and heartbeats).
+//! cancellations, `fed_quota_leases` for its shares of the global quotas (which
+//! [`hold_for_quota_leases`] enforces on region-local work before each scheduling pass). A held
+//! job whose lease gets within `stop_before_ms` of its end without a renewal is released here
+//! too (`lease_expired`); the agents have already stopped its tasks by then on their own (the
+//! lease travels in AllocInfo and heartbeats).
 
 use crate::core::{Core, LEADER_HEADER};
 use std::collections::{BTreeMap, BTreeSet};
@@ -170,10 +172,7 @@ pub(crate) fn hold_for_quota_leases(s: &State, view: &mut ClusterView, now_ms: u
                 .collect();
             held.push(Unplaced {
                 job: p.id,
-                reason: format!(
-                    "{WAITING_FOR_QUOTA_LEASE}: team {team} needs {demand} milli; {}",
-                    why.join("; ")
-                ),
+                reason: format!("{WAITING_FOR_QUOTA_LEASE}: team {team} needs {demand} milli; {}", why.join("; ")),
             });
             return false;
         }
