@@ -116,6 +116,13 @@ pub enum Decision {
     },
 }
 
+/// Quota limit and use, by team then device model (milli): looked up without allocating.
+pub(crate) type Quotas = BTreeMap<String, BTreeMap<String, (u64, u64)>>;
+
+fn quota_of<'q>(quotas: &'q Quotas, team: &str, model: &str) -> Option<&'q (u64, u64)> {
+    quotas.get(team).and_then(|m| m.get(model))
+}
+
 /// Decides where each pending job of `view` goes. Pure and deterministic: the same view and
 /// seed give the same decisions. Returns one decision per pending job, in the view's order of
 /// consideration: higher priority first, then older, then by id. Ties between regions are broken
@@ -126,9 +133,9 @@ pub fn dispatch(view: &DispatchView, seed: u64) -> Vec<Decision> {
     let mut regions: Vec<&RegionView> = view.regions.iter().collect();
     regions.sort_by(|a, b| a.name.cmp(&b.name));
     let mut rooms: Vec<Room> = regions.iter().map(|r| Room::of(r)).collect();
-    let mut quotas: BTreeMap<(String, String), (u64, u64)> = BTreeMap::new();
+    let mut quotas: Quotas = BTreeMap::new();
     for q in &view.quotas {
-        quotas.insert((q.team.clone(), q.device_model.clone()), (q.limit_milli, q.used_milli));
+        quotas.entry(q.team.clone()).or_default().insert(q.device_model.clone(), (q.limit_milli, q.used_milli));
     }
     let mut order: Vec<&PendingJob> = view.pending.iter().collect();
     order.sort_by(|a, b| {
@@ -138,25 +145,41 @@ pub fn dispatch(view: &DispatchView, seed: u64) -> Vec<Decision> {
             .then(id_order(&a.id).cmp(&id_order(&b.id)))
     });
     let mut out = Vec::with_capacity(order.len());
+    // Rooms and quota room only shrink within a pass, so a job of a shape that found no region
+    // fits nowhere later in the pass either: later jobs of that shape skip the search (and
+    // reuse the reason while nothing was placed since). A backlog of many like jobs then costs
+    // one search per shape, not one per job.
+    let mut held: BTreeMap<ShapeKey<'_>, (u64, String)> = BTreeMap::new();
+    let mut placed = 0u64;
     for job in order {
-        let mut best: Option<(Score, usize, Option<String>)> = None;
+        let key = ShapeKey::of(job);
+        if let Some((at, reason)) = held.get_mut(&key) {
+            if *at != placed {
+                *reason = hold_reason(job, &regions, &rooms, &quotas);
+                *at = placed;
+            }
+            out.push(Decision::Hold { job: job.id.clone(), reason: reason.clone() });
+            continue;
+        }
+        let mut best: Option<(Score<'_>, usize)> = None;
         for (i, region) in regions.iter().enumerate() {
             for model in candidate_models(job, &rooms[i]) {
-                let fit = check_fit(job, region, &rooms[i], model.as_deref(), &quotas);
-                if fit.is_err() {
+                if misfit(job, region, &rooms[i], model, &quotas).is_some() {
                     continue;
                 }
-                let score = Score::of(job, region, &rooms[i], model.as_deref());
-                if best.as_ref().is_none_or(|(b, _, _)| score < *b) {
-                    best = Some((score, i, model));
+                let score = Score::of(job, region, &rooms[i], model);
+                if best.as_ref().is_none_or(|(b, _)| score < *b) {
+                    best = Some((score, i));
                 }
             }
         }
+        let best = best.map(|(score, i)| (score.why(job), i, score.model.map(str::to_owned)));
         match best {
-            Some((score, i, model)) => {
+            Some((why, i, model)) => {
                 rooms[i].take(job, model.as_deref());
+                placed += 1;
                 if let Some(m) = &model
-                    && let Some(q) = quotas.get_mut(&(job.team.clone(), m.clone()))
+                    && let Some(q) = quotas.get_mut(&job.team).and_then(|t| t.get_mut(m))
                 {
                     q.1 = q.1.saturating_add(job.demand_milli);
                 }
@@ -164,15 +187,48 @@ pub fn dispatch(view: &DispatchView, seed: u64) -> Vec<Decision> {
                     job: job.id.clone(),
                     region: regions[i].name.clone(),
                     device_model: model,
-                    why: score.why(job),
+                    why,
                 });
             }
             None => {
-                out.push(Decision::Hold { job: job.id.clone(), reason: hold_reason(job, &regions, &rooms, &quotas) })
+                let reason = hold_reason(job, &regions, &rooms, &quotas);
+                held.insert(key, (placed, reason.clone()));
+                out.push(Decision::Hold { job: job.id.clone(), reason });
             }
         }
     }
     out
+}
+
+/// What decides whether a job fits a region and the words of its hold reason: two jobs with
+/// the same key fit the same regions.
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct ShapeKey<'a> {
+    team: &'a str,
+    device_kind: &'a str,
+    device_models: &'a [String],
+    bound_model: Option<&'a str>,
+    regions: &'a [String],
+    demand_milli: u64,
+    max_task_milli: u64,
+    cpu_milli: u64,
+    memory_mib: u64,
+}
+
+impl<'a> ShapeKey<'a> {
+    fn of(job: &'a PendingJob) -> Self {
+        Self {
+            team: &job.team,
+            device_kind: &job.device_kind,
+            device_models: &job.device_models,
+            bound_model: job.bound_model.as_deref(),
+            regions: &job.regions,
+            demand_milli: job.demand_milli,
+            max_task_milli: job.max_task_milli,
+            cpu_milli: job.cpu_milli,
+            memory_mib: job.memory_mib,
+        }
+    }
 }
 
 /// The view of `state` at `now_ms` (regions' health from their last sync, quota use, pending
@@ -394,16 +450,15 @@ impl Room {
     }
 }
 
-/// The device models of `room` that `job` may use (`[None]` for a job without devices).
-fn candidate_models(job: &PendingJob, room: &Room) -> Vec<Option<String>> {
-    if job.device_kind.is_empty() {
-        return vec![None];
-    }
-    room.models
-        .iter()
-        .filter(|(name, m)| m.kind == job.device_kind && model_allowed(job, name))
-        .map(|(name, _)| Some(name.clone()))
-        .collect()
+/// The device models of `room` that `job` may use (`None` alone for a job without devices).
+fn candidate_models<'r>(job: &'r PendingJob, room: &'r Room) -> impl Iterator<Item = Option<&'r str>> + 'r {
+    let no_devices = job.device_kind.is_empty();
+    std::iter::once(None).filter(move |_| no_devices).chain(
+        room.models
+            .iter()
+            .filter(move |(name, m)| !no_devices && m.kind == job.device_kind && model_allowed(job, name))
+            .map(|(name, _)| Some(name.as_str())),
+    )
 }
 
 /// Whether `job` may run on `model` (its constraints and a hardware-bound checkpoint).
@@ -417,65 +472,97 @@ pub(crate) fn region_allowed(job: &PendingJob, region: &str) -> bool {
     job.regions.is_empty() || job.regions.iter().any(|r| r == region)
 }
 
-/// Why `job` does not fit `region` on `model` (quota limit and use by (team, model)), or Ok.
+/// Why a job does not fit a region on a model, with the figures: found without allocating, put
+/// in words only when asked ([`check_fit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Misfit {
+    Unhealthy,
+    NotAllowed,
+    CpuMemory,
+    NoModel,
+    ModelNotAllowed,
+    NoSuchModel,
+    Free(u64),
+    OneNode(u64),
+    Quota(u64),
+}
+
+/// Why `job` does not fit `region` on `model` (quota limit and use by team and model), or None.
+fn misfit(job: &PendingJob, region: &RegionView, room: &Room, model: Option<&str>, quotas: &Quotas) -> Option<Misfit> {
+    if !region.healthy {
+        return Some(Misfit::Unhealthy);
+    }
+    if !region_allowed(job, &region.name) {
+        return Some(Misfit::NotAllowed);
+    }
+    if room.cpu_milli < job.cpu_milli || room.memory_mib < job.memory_mib {
+        return Some(Misfit::CpuMemory);
+    }
+    if job.device_kind.is_empty() {
+        return None;
+    }
+    let Some(model) = model else {
+        return Some(Misfit::NoModel);
+    };
+    if !model_allowed(job, model) {
+        return Some(Misfit::ModelNotAllowed);
+    }
+    let Some(m) = room.models.get(model).filter(|m| m.kind == job.device_kind) else {
+        return Some(Misfit::NoSuchModel);
+    };
+    if m.free < job.demand_milli {
+        return Some(Misfit::Free(m.free));
+    }
+    if m.max_node < job.max_task_milli {
+        return Some(Misfit::OneNode(m.max_node));
+    }
+    if let Some((limit, used)) = quota_of(quotas, &job.team, model)
+        && used.saturating_add(job.demand_milli) > *limit
+    {
+        return Some(Misfit::Quota(limit.saturating_sub(*used)));
+    }
+    None
+}
+
+/// Why `job` does not fit `region` on `model` (quota limit and use by team and model), in
+/// words, or Ok.
 pub(crate) fn check_fit(
     job: &PendingJob,
     region: &RegionView,
     room: &Room,
     model: Option<&str>,
-    quotas: &BTreeMap<(String, String), (u64, u64)>,
+    quotas: &Quotas,
 ) -> Result<(), String> {
-    if !region.healthy {
-        return Err(format!("region {} is unhealthy", region.name));
-    }
-    if !region_allowed(job, &region.name) {
-        return Err(format!("region {} is not in the job's constraints.regions", region.name));
-    }
-    if room.cpu_milli < job.cpu_milli || room.memory_mib < job.memory_mib {
-        return Err(format!(
-            "region {} has {}m CPU and {} MiB free, the job needs {}m and {} MiB",
-            region.name, room.cpu_milli, room.memory_mib, job.cpu_milli, job.memory_mib
-        ));
-    }
-    if job.device_kind.is_empty() {
+    let Some(why) = misfit(job, region, room, model, quotas) else {
         return Ok(());
-    }
-    let Some(model) = model else {
-        return Err(format!("the job needs {} devices and no device model was chosen", job.device_kind));
     };
-    if !model_allowed(job, model) {
-        return Err(format!("device model {model} is not allowed for the job"));
-    }
-    let Some(m) = room.models.get(model).filter(|m| m.kind == job.device_kind) else {
-        return Err(format!("region {} has no {} {model}", region.name, job.device_kind));
-    };
-    if m.free < job.demand_milli {
-        return Err(format!(
-            "region {} has {} free {model}, the job needs {}",
-            region.name,
-            devices(m.free),
-            devices(job.demand_milli)
-        ));
-    }
-    if m.max_node < job.max_task_milli {
-        return Err(format!(
-            "region {} has at most {} free {model} on one node, the largest task needs {}",
-            region.name,
-            devices(m.max_node),
+    let name = &region.name;
+    let model = model.unwrap_or_default();
+    Err(match why {
+        Misfit::Unhealthy => format!("region {name} is unhealthy"),
+        Misfit::NotAllowed => format!("region {name} is not in the job's constraints.regions"),
+        Misfit::CpuMemory => format!(
+            "region {name} has {}m CPU and {} MiB free, the job needs {}m and {} MiB",
+            room.cpu_milli, room.memory_mib, job.cpu_milli, job.memory_mib
+        ),
+        Misfit::NoModel => format!("the job needs {} devices and no device model was chosen", job.device_kind),
+        Misfit::ModelNotAllowed => format!("device model {model} is not allowed for the job"),
+        Misfit::NoSuchModel => format!("region {name} has no {} {model}", job.device_kind),
+        Misfit::Free(free) => {
+            format!("region {name} has {} free {model}, the job needs {}", devices(free), devices(job.demand_milli))
+        }
+        Misfit::OneNode(max) => format!(
+            "region {name} has at most {} free {model} on one node, the largest task needs {}",
+            devices(max),
             devices(job.max_task_milli)
-        ));
-    }
-    if let Some((limit, used)) = quotas.get(&(job.team.clone(), model.to_owned()))
-        && used.saturating_add(job.demand_milli) > *limit
-    {
-        return Err(format!(
+        ),
+        Misfit::Quota(left) => format!(
             "team {} has {} {model} of quota left, the job needs {}",
             job.team,
-            devices(limit.saturating_sub(*used)),
+            devices(left),
             devices(job.demand_milli)
-        ));
-    }
-    Ok(())
+        ),
+    })
 }
 
 /// Milli-devices as devices ("12", "0.5").
@@ -490,7 +577,7 @@ fn devices(milli: u64) -> String {
 
 /// A candidate's rank: smaller is better.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct Score {
+struct Score<'a> {
     /// Labels not matched (fewer is better).
     unmatched: usize,
     /// Price, unknown last.
@@ -500,17 +587,17 @@ struct Score {
     /// Backlog.
     backlog: u32,
     /// Region name.
-    region: String,
-    /// Model name.
-    model: String,
+    region: &'a str,
+    /// Model name (None: a job without devices).
+    model: Option<&'a str>,
     /// Labels matched (for the explanation).
     matched: usize,
     /// Free left (for the explanation).
     free_left: u64,
 }
 
-impl Score {
-    fn of(job: &PendingJob, region: &RegionView, room: &Room, model: Option<&str>) -> Score {
+impl<'a> Score<'a> {
+    fn of(job: &PendingJob, region: &'a RegionView, room: &Room, model: Option<&'a str>) -> Score<'a> {
         let matched = job.data_labels.iter().filter(|(k, v)| region.labels.get(*k) == Some(*v)).count();
         let (price, free_left) = match model.and_then(|m| room.models.get(m)) {
             Some(m) => (if m.price == 0 { u64::MAX } else { m.price }, m.free.saturating_sub(job.demand_milli)),
@@ -521,8 +608,8 @@ impl Score {
             price,
             free_left_neg: std::cmp::Reverse(free_left),
             backlog: region.backlog,
-            region: region.name.clone(),
-            model: model.unwrap_or_default().to_owned(),
+            region: &region.name,
+            model,
             matched,
             free_left,
         }
@@ -537,7 +624,7 @@ impl Score {
         let free = if job.device_kind.is_empty() {
             format!("{}m CPU free after placing", self.free_left)
         } else {
-            format!("{} {} free after placing", devices(self.free_left), self.model)
+            format!("{} {} free after placing", devices(self.free_left), self.model.unwrap_or_default())
         };
         format!(
             "{free}, {price}, {} of {} labels matched, backlog {}",
@@ -562,12 +649,7 @@ fn wanted(job: &PendingJob) -> String {
 }
 
 /// "no region has 64 free H100: us-east 12, eu-west 40 (quota 32 left), ap-south unhealthy".
-fn hold_reason(
-    job: &PendingJob,
-    regions: &[&RegionView],
-    rooms: &[Room],
-    quotas: &BTreeMap<(String, String), (u64, u64)>,
-) -> String {
+fn hold_reason(job: &PendingJob, regions: &[&RegionView], rooms: &[Room], quotas: &Quotas) -> String {
     if regions.is_empty() {
         return format!("no region has {}: no region has synced yet", wanted(job));
     }
@@ -601,7 +683,7 @@ fn hold_reason(
             part.push_str(name);
         }
         let mut notes = Vec::new();
-        if let Some((limit, used)) = quotas.get(&(job.team.clone(), name.clone()))
+        if let Some((limit, used)) = quota_of(quotas, &job.team, name)
             && used.saturating_add(job.demand_milli) > *limit
         {
             notes.push(format!("quota {} left", devices(limit.saturating_sub(*used))));

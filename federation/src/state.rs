@@ -671,15 +671,13 @@ impl FedState {
         if pj.device_kind.is_empty() && model.is_some() {
             return Err(format!("{id} asks for no devices, but a device model was chosen"));
         }
-        let mut quotas = BTreeMap::new();
+        let mut quotas = dispatch::Quotas::new();
         if let Some(m) = model
             && let Some(q) = self.quotas.iter().find(|q| q.team == job.team && q.device_model == m)
         {
             let held = index.held.get(&(job.team.clone(), m.to_owned())).copied().unwrap_or(0);
-            quotas.insert(
-                (job.team.clone(), m.to_owned()),
-                (q.limit_milli, crate::quota::reserved(self, held, &job.team, m, now_ms)),
-            );
+            let used = crate::quota::reserved(self, held, &job.team, m, now_ms);
+            quotas.entry(job.team.clone()).or_default().insert(m.to_owned(), (q.limit_milli, used));
         }
         dispatch::check_fit(&pj, &view, &room, model, &quotas)?;
         Ok(n)
