@@ -86,6 +86,28 @@ enum FedCmd {
     /// Global quotas (worldwide, per team and device model).
     #[command(subcommand)]
     Quota(QuotaCmd),
+    /// Add a federation server (admin): start it first with empty storage and without
+    /// --bootstrap; it catches up as a learner, then becomes a voter unless --learner-only.
+    AddServer {
+        /// Its raft node id.
+        #[arg(long)]
+        id: u64,
+        /// Its client address, host:port.
+        #[arg(long)]
+        addr: String,
+        /// Its peer address, host:port (default: --addr's port + 1).
+        #[arg(long, default_value = "")]
+        peer_addr: String,
+        /// Keep it a non-voting learner.
+        #[arg(long)]
+        learner_only: bool,
+    },
+    /// Remove a federation server (admin): its vote first, then the server.
+    RemoveServer {
+        /// Its raft node id.
+        #[arg(long)]
+        id: u64,
+    },
     /// The global cost roll-up: each region's ledger totals at its latest sync, summed by team
     /// or listed by region (docs/cost.md).
     Cost {
@@ -504,6 +526,23 @@ async fn client(args: FederationArgs) -> Result<()> {
             } else {
                 println!("{} (already submitted with this request id)", r.global_id);
             }
+            Ok(())
+        }
+        FedCmd::AddServer { id, addr, peer_addr, learner_only } => {
+            conn.fed_add_server(pb::AddServerRequest { id, addr: addr.clone(), learner_only, peer_addr }).await?;
+            let role = if learner_only { "learner" } else { "voter" };
+            if out == Output::Json {
+                return print_json(&serde_json::json!({"id": id, "addr": addr, "role": role}));
+            }
+            println!("federation server {id} at {addr} added as a {role}");
+            Ok(())
+        }
+        FedCmd::RemoveServer { id } => {
+            conn.fed_remove_server(id).await?;
+            if out == Output::Json {
+                return print_json(&serde_json::json!({"id": id, "removed": true}));
+            }
+            println!("federation server {id} removed");
             Ok(())
         }
         FedCmd::Cancel { id } => {

@@ -147,4 +147,25 @@ impl Connection {
         .await
         .map(|_| ())
     }
+
+    /// `Federation.AddServer` (admin; the leader answers, a follower's hint is followed).
+    pub async fn fed_add_server(&self, req: pb::AddServerRequest) -> Result<(), ClientError> {
+        self.call(move |ch| {
+            let req = req.clone();
+            let mut c = self.federation(ch);
+            async move { c.add_server(req).await }
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// `Federation.RemoveServer` (admin).
+    pub async fn fed_remove_server(&self, id: u64) -> Result<(), ClientError> {
+        self.call(move |ch| {
+            let mut c = self.federation(ch);
+            async move { c.remove_server(pb::RemoveServerRequest { id }).await }
+        })
+        .await
+        .map(|_| ())
+    }
 }

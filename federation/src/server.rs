@@ -346,6 +346,18 @@ pub async fn serve_on(
     };
     cfg.listen = bound.client.to_string();
     cfg.peer_listen = bound.peer.to_string();
+    // This server's own entry in `peers` may give port 0 (the system picks): the membership the
+    // bootstrap writes, and the leader hints read from it, must carry the ports bound.
+    let own = cfg.id;
+    let (listen, peer_listen) = (cfg.listen.clone(), cfg.peer_listen.clone());
+    for (_, c, p) in cfg.peers.iter_mut().filter(|(id, _, _)| *id == own) {
+        if c.ends_with(":0") {
+            c.clone_from(&listen);
+        }
+        if p.ends_with(":0") {
+            p.clone_from(&peer_listen);
+        }
+    }
     std::fs::create_dir_all(&cfg.data_dir).map_err(|e| format!("data_dir {}: {e}", cfg.data_dir.display()))?;
     let tls = match &cfg.tls_dir {
         Some(dir) => Some(

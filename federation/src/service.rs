@@ -30,6 +30,18 @@ pub const MAX_PAGE: u32 = 1000;
 #[derive(Clone)]
 pub struct FedApi(pub Arc<Node>);
 
+impl FedApi {
+    /// Ok on the leader; elsewhere UNAVAILABLE naming the leader's client address (membership
+    /// changes run on the leader, and the client follows the hint).
+    fn lead_or_redirect(&self) -> Result<(), Status> {
+        if self.0.is_leader() {
+            return Ok(());
+        }
+        let leader = self.0.leader_node().map(|(_, n)| n.client_addr().to_owned());
+        Err(crate::node::unavailable("this federation server does not lead; ask the leader", leader.as_deref()))
+    }
+}
+
 fn invalid(field: &str, msg: impl std::fmt::Display) -> Status {
     Status::invalid_argument(format!("{field}: {msg}"))
 }
@@ -770,6 +782,58 @@ impl Federation for FedApi {
             .await?;
         tracing::info!(team = %r.team, device_model = %r.device_model, limit_milli = r.limit_milli, caller = %c.principal, "global quota set");
         Ok(Response::new(pb::FedSetQuotaResponse {}))
+    }
+
+    async fn add_server(&self, req: Request<pb::AddServerRequest>) -> Result<Response<pb::AddServerResponse>, Status> {
+        let c = caller(&req);
+        let r = req.into_inner();
+        if r.id == 0 {
+            return Err(invalid("id", "must be >= 1"));
+        }
+        let addr = suanli_raft::membership::check_addr("addr", &r.addr)?;
+        let peer = if r.peer_addr.is_empty() {
+            let (host, port) = addr.rsplit_once(':').unwrap_or((addr.as_str(), "0"));
+            match port.parse::<u16>().ok().and_then(|p| p.checked_add(1)) {
+                Some(p) => format!("{host}:{p}"),
+                None => {
+                    return Err(invalid("peer_addr", "empty, and addr's port + 1 is no port: give the peer address"));
+                }
+            }
+        } else {
+            suanli_raft::membership::check_addr("peer_addr", &r.peer_addr)?
+        };
+        self.lead_or_redirect()?;
+        let node = suanli_raft::ServerNode::new(peer, addr);
+        let timeout = self.0.timeout();
+        let add = suanli_raft::membership::add_server(
+            &self.0.raft,
+            r.id,
+            node.clone(),
+            r.learner_only,
+            timeout,
+            "suanli federation remove-server",
+        );
+        tokio::time::timeout(timeout, add).await.map_err(|_| {
+            Status::deadline_exceeded(format!(
+                "adding federation server {} did not finish within the request timeout ({} ms); see `suanli federation status`",
+                r.id,
+                timeout.as_millis()
+            ))
+        })??;
+        tracing::info!(id = r.id, %node, learner_only = r.learner_only, caller = %c.principal, "federation server added");
+        Ok(Response::new(pb::AddServerResponse {}))
+    }
+
+    async fn remove_server(
+        &self,
+        req: Request<pb::RemoveServerRequest>,
+    ) -> Result<Response<pb::RemoveServerResponse>, Status> {
+        let c = caller(&req);
+        let id = req.into_inner().id;
+        self.lead_or_redirect()?;
+        suanli_raft::membership::remove_server(&self.0.raft, id, self.0.timeout()).await?;
+        tracing::info!(id, caller = %c.principal, "federation server removed");
+        Ok(Response::new(pb::RemoveServerResponse {}))
     }
 
     async fn cost(&self, req: Request<pb::FedCostRequest>) -> Result<Response<pb::CostReportResponse>, Status> {

@@ -160,6 +160,8 @@ pub static RULES: &[Rule] = &[
     r("/suanli.v1.Federation/GetJob", Federation, Roles(READERS), Scope::None, false),
     r("/suanli.v1.Federation/SetQuota", Federation, Roles(ADMIN), Scope::None, true),
     r("/suanli.v1.Federation/Cost", Federation, Roles(READERS), Scope::None, false),
+    r("/suanli.v1.Federation/AddServer", Federation, Roles(ADMIN), Scope::None, true),
+    r("/suanli.v1.Federation/RemoveServer", Federation, Roles(ADMIN), Scope::None, true),
     // A federation server's peer listener (its raft group uses RaftTransport, whose rules
     // above apply there as on a region's peer listener).
     r("/suanli.v1.FederationPeer/Propose", FederationPeer, Server, Scope::None, false),

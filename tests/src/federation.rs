@@ -356,8 +356,16 @@ pub fn in_state(j: &pb::FedJobInfo, states: &[&str]) -> bool {
 /// addresses) with the TLS files of `tls_dir` (`suanli tls init`'s layout): the directory as
 /// JSON, or why not.
 pub fn cli_regions(fed: &str, tls_dir: &Path) -> Result<serde_json::Value, String> {
+    cli_federation(fed, tls_dir, &["regions"])
+}
+
+/// `suanli federation ARGS... --output json` against `fed` with the TLS files of `tls_dir` (as
+/// its admin): the answer as JSON, or why not.
+pub fn cli_federation(fed: &str, tls_dir: &Path, args: &[&str]) -> Result<serde_json::Value, String> {
     let out = std::process::Command::new(crate::bin())
-        .args(["federation", "regions", "--output", "json", "--federation", fed])
+        .arg("federation")
+        .args(args)
+        .args(["--output", "json", "--federation", fed])
         .env("SUANLI_TLS_DIR", tls_dir)
         .env_remove("SUANLI_CA")
         .env_remove("SUANLI_CERT")
@@ -365,12 +373,12 @@ pub fn cli_regions(fed: &str, tls_dir: &Path) -> Result<serde_json::Value, Strin
         .env_remove("SUANLI_TOKEN")
         .env_remove("SUANLI_FEDERATION")
         .output()
-        .map_err(|e| format!("running suanli federation regions: {e}"))?;
+        .map_err(|e| format!("running suanli federation {args:?}: {e}"))?;
     if !out.status.success() {
-        return Err(format!("suanli federation regions: {}: {}", out.status, String::from_utf8_lossy(&out.stderr)));
+        return Err(format!("suanli federation {args:?}: {}: {}", out.status, String::from_utf8_lossy(&out.stderr)));
     }
     serde_json::from_slice(&out.stdout)
-        .map_err(|e| format!("suanli federation regions --output json: {e}: {}", String::from_utf8_lossy(&out.stdout)))
+        .map_err(|e| format!("suanli federation {args:?} --output json: {e}: {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 /// The healthy regions' names in a `suanli federation regions --output json` answer (an object

@@ -8,6 +8,9 @@
 //! - `local_work_stays_within_the_teams_worldwide_quota`: two regions lease shares of a team's
 //!   worldwide quota of one H100; of two region-local jobs submitted at once in both, one runs and
 //!   the other waits naming the quota lease; once the first ends, the lease moves and the second runs.
+//! - `a_lost_federation_voter_is_replaced_through_the_cli`: a voter's process and data are lost;
+//!   `suanli federation remove-server` and `add-server` (sent to a follower: the CLI follows
+//!   the leader hint) replace it with a fresh server that catches up; dispatch goes on.
 //! - `a_stopped_region_fences_its_job_and_another_region_resumes_it`: the region holding a
 //!   checkpointed job is frozen (SIGSTOP); its agent stops the task before the lease ends; the
 //!   job runs in another region after lease end + margin, restored from its checkpoint, and the
@@ -318,6 +321,63 @@ async fn local_work_stays_within_the_teams_worldwide_quota() {
         assert!(Instant::now() < deadline, "the waiting job runs once the lease moves: {j:#?}\n{}", h.logs());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_federation_voter_is_replaced_through_the_cli() {
+    use suanli_tests::federation::{Region, cli_federation};
+    let mut h = FedHarness::start(&[Region::new("us-east", 2, "H100")]).await;
+    let within = Duration::from_secs(30);
+    let tls = h.cluster.federation.tls_dir().unwrap().to_owned();
+    let status = |fed: &str| cli_federation(fed, &tls, &["status"]);
+    let all = h.cluster.federation.addrs.join(",");
+    let s = status(&all).unwrap();
+    let leader = s["leader_id"].as_u64().unwrap();
+    assert!(leader >= 1, "{s}");
+    // Lose a follower: its process and its disk.
+    let lost = (1..=3u64).find(|id| *id != leader).unwrap();
+    let i = (lost - 1) as usize;
+    h.cluster.federation.kill(i);
+    h.cluster.federation.wipe(i).unwrap();
+    // Remove it, then add a fresh server at the same addresses: asked of a follower that is
+    // still up, which names the leader.
+    let other = (1..=3u64).find(|id| *id != leader && *id != lost).unwrap();
+    let follower = h.cluster.federation.addrs[(other - 1) as usize].clone();
+    let r = cli_federation(&follower, &tls, &["remove-server", "--id", &lost.to_string()]).unwrap();
+    assert_eq!(r["removed"], true, "{r}");
+    let s = status(&all).unwrap();
+    let ids: Vec<u64> = s["members"].as_array().unwrap().iter().map(|m| m["id"].as_u64().unwrap()).collect();
+    assert!(!ids.contains(&lost), "{s}");
+    // An address that is not host:port is refused, naming the field.
+    let bad = cli_federation(&follower, &tls, &["add-server", "--id", "9", "--addr", "nowhere"]).unwrap_err();
+    assert!(bad.contains("addr: \"nowhere\" is not host:port"), "{bad}");
+    h.cluster.federation.spawn_waiting(i).unwrap();
+    let (addr, peer) = (h.cluster.federation.addrs[i].clone(), h.cluster.federation.peer_addrs[i].clone());
+    let r = cli_federation(
+        &follower,
+        &tls,
+        &["add-server", "--id", &lost.to_string(), "--addr", &addr, "--peer-addr", &peer],
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", h.logs()));
+    assert_eq!(r["role"], "voter", "{r}");
+    // The new server holds the group's state: it answers with the leader and the region.
+    let deadline = Instant::now() + within;
+    loop {
+        let s = status(&addr);
+        let ok = s.as_ref().is_ok_and(|s| {
+            s["leader_id"].as_u64().unwrap_or(0) >= 1
+                && s["regions"].as_u64() == Some(1)
+                && s["members"].as_array().is_some_and(|m| m.len() == 3 && m.iter().all(|m| m["voter"] == true))
+        });
+        if ok {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the new voter caught up: {s:?}\n{}", h.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Dispatch goes on.
+    let id = h.submit_global("us-east", "team-a", "after-replace", &gpu_sleeper("after", 1, 600)).await;
+    h.wait_fed_job(&id, within, "placed after the replacement", |j| in_state(j, PLACED)).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -29,6 +29,7 @@
 
 mod frame;
 mod machine;
+pub mod membership;
 mod network;
 mod node;
 pub mod restore;

@@ -5,7 +5,6 @@ use crate::convert::{self, JobView};
 use crate::core::Core;
 use crate::page::{self, Page};
 use crate::status::{decode_json, invalid, invalid_model, unavailable};
-use openraft::ChangeMembers;
 use std::collections::BTreeSet;
 use std::ops::Bound;
 use std::sync::Arc;
@@ -21,6 +20,7 @@ use suanli_proto::v1::nodes_server::Nodes;
 use suanli_proto::v1::pools_server::Pools;
 use suanli_proto::v1::queues_server::Queues;
 use suanli_raft::ServerNode;
+use suanli_raft::membership::{self, check_addr};
 use suanli_state::{
     CancelJob, Command, DeleteQueue, MigrateJob, Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
 };
@@ -457,10 +457,6 @@ impl Api {
         Ok(ClusterClient::new(ch))
     }
 
-    fn voters(&self) -> BTreeSet<u64> {
-        self.0.raft.metrics().borrow().membership_config.membership().voter_ids().collect()
-    }
-
     /// `Jobs.Submit{global}`: forwarded to the federation on the caller's behalf (this server's
     /// certificate; the federation trusts `on_behalf_of` only from a server).
     async fn submit_global(
@@ -566,114 +562,6 @@ fn trace_submitted(core: &Core, job: u64, started: std::time::SystemTime, index:
     }
 }
 
-/// Runs one membership change, waiting (up to the request timeout) while an earlier change is
-/// still being committed: openraft allows one change at a time, and that is transient.
-async fn change_membership(core: &Core, change: ChangeMembers<u64, ServerNode>) -> Result<(), Status> {
-    use openraft::error::{ChangeMembershipError, ClientWriteError, RaftError};
-    let deadline = std::time::Instant::now() + core.timeout();
-    loop {
-        match core.raft.change_membership(change.clone(), false).await {
-            Ok(_) => return Ok(()),
-            Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(ChangeMembershipError::InProgress(_))))
-                if std::time::Instant::now() < deadline =>
-            {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(e) => return Err(membership_error(e)),
-        }
-    }
-}
-
-fn membership_error(e: impl std::fmt::Display) -> Status {
-    Status::failed_precondition(format!("membership change: {e}"))
-}
-
-/// A `host:port` address field, bounded.
-fn check_addr(field: &str, a: &str) -> Result<String, Status> {
-    let a = a.trim();
-    let ok = a.len() <= 253 + 6
-        && a.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0))
-        && a.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']' | '_'));
-    if !ok {
-        return Err(invalid(field, format!("{} is not host:port", quote(a))));
-    }
-    Ok(a.to_owned())
-}
-
-/// Adds a server without ever leaving the group unable to commit: first as a learner (a
-/// change the current voters commit alone), then waits (bounded by the caller) until it has
-/// caught up, and only then makes it a voter. A learner that never catches up (unreachable,
-/// wrong address, not started) is removed again, with an error saying so; until then it holds
-/// no vote, so it blocks nothing, and `RemoveServer` can always remove it.
-async fn add_server(core: &Core, id: u64, node: ServerNode, learner_only: bool) -> Result<(), Status> {
-    use openraft::error::{ClientWriteError, RaftError};
-    let voters: BTreeSet<u64> = core.raft.metrics().borrow().membership_config.membership().voter_ids().collect();
-    let known = core.raft.metrics().borrow().membership_config.membership().get_node(&id).cloned();
-    match &known {
-        Some(n) if *n != node => {
-            return Err(Status::already_exists(format!(
-                "id: server {id} is already a member at {n}; remove it first, or give a new server a new id"
-            )));
-        }
-        Some(_) if voters.contains(&id) || learner_only => return Ok(()), // a retry
-        _ => {}
-    }
-    let membership = core.raft.metrics().borrow().membership_config.membership().clone();
-    for (other, n) in membership.nodes().filter(|(other, _)| **other != id) {
-        if n.addr == node.addr || n.client_addr() == node.client_addr() {
-            return Err(Status::already_exists(format!(
-                "addr: {node} is already used by server {other} ({n}); remove server {other} first, or give this server its own addresses"
-            )));
-        }
-    }
-    if known.is_none() {
-        let deadline = std::time::Instant::now() + core.timeout();
-        loop {
-            match core.raft.add_learner(id, node.clone(), false).await {
-                Ok(_) => break,
-                Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(
-                    openraft::error::ChangeMembershipError::InProgress(_),
-                ))) if std::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
-                Err(e) => return Err(membership_error(e)),
-            }
-        }
-    }
-    // Caught up: the learner holds every entry the leader had when it was asked.
-    let target = core.raft.metrics().borrow().last_log_index.unwrap_or(0);
-    let catch_up = core.timeout().saturating_sub(Duration::from_millis(500)).max(Duration::from_millis(100));
-    let mut rx = core.raft.metrics();
-    let caught = matches!(
-        tokio::time::timeout(
-            catch_up,
-            rx.wait_for(|m| {
-                m.replication.as_ref().and_then(|r| r.get(&id).cloned().flatten()).is_some_and(|l| l.index >= target)
-            }),
-        )
-        .await,
-        Ok(Ok(_))
-    );
-    if !caught {
-        let rm: BTreeSet<u64> = [id].into();
-        let undone = change_membership(core, ChangeMembers::RemoveNodes(rm)).await;
-        let what = match undone {
-            Ok(()) => "it was removed again".to_owned(),
-            Err(e) => {
-                format!("removing it again failed too ({}); `suanli cluster remove {id}` removes it", e.message())
-            }
-        };
-        return Err(Status::unavailable(format!(
-            "server {id} did not catch up within {} ms at peer address {} (is it running and reachable there?); {what}",
-            catch_up.as_millis(),
-            node.addr
-        )));
-    }
-    if !learner_only {
-        let add: BTreeSet<u64> = [id].into();
-        change_membership(core, ChangeMembers::AddVoterIds(add)).await?;
-    }
-    Ok(())
-}
-
 #[tonic::async_trait]
 impl Cluster for Api {
     async fn members(&self, req: Request<pb::MembersRequest>) -> Resp<pb::MembersResponse> {
@@ -741,14 +629,14 @@ impl Cluster for Api {
             return self.leader_cluster_client()?.add_server(r).await;
         }
         let node = ServerNode::new(peer, addr);
-        tokio::time::timeout(self.0.timeout(), add_server(&self.0, r.id, node, r.learner_only)).await.map_err(
-            |_| {
-                Status::deadline_exceeded(format!(
-                    "adding server {} did not finish within the request timeout ({} ms); see `suanli cluster members`",
-                    r.id, self.0.cfg.request_timeout_ms
-                ))
-            },
-        )??;
+        let add =
+            membership::add_server(&self.0.raft, r.id, node, r.learner_only, self.0.timeout(), "suanli cluster remove");
+        tokio::time::timeout(self.0.timeout(), add).await.map_err(|_| {
+            Status::deadline_exceeded(format!(
+                "adding server {} did not finish within the request timeout ({} ms); see `suanli cluster members`",
+                r.id, self.0.cfg.request_timeout_ms
+            ))
+        })??;
         ok(pb::AddServerResponse {})
     }
 
@@ -757,17 +645,7 @@ impl Cluster for Api {
         if !self.0.is_leader() {
             return self.leader_cluster_client()?.remove_server(r).await;
         }
-        let m = self.0.raft.metrics().borrow().membership_config.clone();
-        let known = m.membership().get_node(&r.id).is_some();
-        if !known {
-            return Err(Status::not_found(format!("id: unknown server {}", r.id)));
-        }
-        if self.voters().contains(&r.id) {
-            let rm: BTreeSet<u64> = [r.id].into();
-            change_membership(&self.0, ChangeMembers::RemoveVoters(rm)).await?;
-        }
-        let rm: BTreeSet<u64> = [r.id].into();
-        change_membership(&self.0, ChangeMembers::RemoveNodes(rm)).await?;
+        membership::remove_server(&self.0.raft, r.id, self.0.timeout()).await?;
         ok(pb::RemoveServerResponse {})
     }
 
