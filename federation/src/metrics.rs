@@ -35,6 +35,7 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 
 type Labels = Vec<(String, String)>;
 type G = Family<Labels, Gauge<f64, AtomicU64>>;
+type C = Family<Labels, prometheus_client::metrics::counter::Counter<f64, AtomicU64>>;
 
 /// The routes of a federation server's HTTP listener.
 pub fn routes(node: Arc<Node>) -> Router {
@@ -69,6 +70,12 @@ impl Reg {
         let g = G::default();
         self.0.register(name, help, g.clone());
         g
+    }
+
+    fn counter(&mut self, name: &str, help: &str) -> C {
+        let c = C::default();
+        self.0.register(name, help, c.clone());
+        c
     }
 }
 
@@ -183,6 +190,19 @@ fn replicated(reg: &mut Reg, s: &FedState, now_ms: u64) {
             set(&lease, lb, r.limit_milli as f64 / 1000.0);
         }
     }
+    // The usage roll-up: device-milli-seconds by "team/region/model", from the regions' syncs
+    // (their local jobs) and the federated jobs they ran.
+    let usage = reg.counter(
+        "suanli_federation_usage_device_seconds",
+        "Device-seconds used worldwide since each region first synced, by team, region and device model: the regions' local jobs (their syncs) and the federated jobs they ran.",
+    );
+    for (key, milli_s) in &s.usage {
+        let mut parts = key.splitn(3, '/');
+        let (Some(team), Some(region), Some(model)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        usage
+            .get_or_create(&l([("team", team), ("region", region), ("model", model)]))
+            .inc_by(*milli_s as f64 / 1000.0);
+    }
     let cost = reg.gauge(
         "suanli_federation_cost",
         "The global cost roll-up: each region's ledger totals at its latest sync, by region, team, category and currency (docs/cost.md).",
@@ -210,4 +230,25 @@ fn raft(reg: &mut Reg, node: &Node, applied: u64) {
     set(&app, l([]), applied as f64);
     let voters = reg.gauge("suanli_federation_raft_voters", "Voters in the federation's membership.");
     set(&voters, l([]), m.membership_config.membership().voter_ids().count() as f64);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_usage_roll_up_is_a_counter_by_team_region_and_model() {
+        let mut s = FedState::default();
+        s.usage.insert("team-a/us-east/H100".into(), 7_200_000);
+        s.usage.insert("malformed".into(), 5);
+        let text = render_state(&s, 0).expect("render");
+        assert!(text.contains("# TYPE suanli_federation_usage_device_seconds counter"), "{text}");
+        assert!(
+            text.contains(
+                "suanli_federation_usage_device_seconds_total{team=\"team-a\",region=\"us-east\",model=\"H100\"} 7200.0"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("malformed"), "{text}");
+    }
 }

@@ -240,6 +240,7 @@ async fn global_jobs_land_where_capacity_is_and_quotas_hold_worldwide() {
     assert_eq!(value("suanli_federation_regions{health=\"healthy\"}"), 3.0);
     assert_eq!(value("suanli_federation_raft_voters"), 3.0);
     assert_eq!(value("suanli_federation_quota_limit_devices{team=\"team-q\",model=\"H100\"}"), 1.0);
+    assert!(m.body.contains("# TYPE suanli_federation_quota_reserved_devices gauge"), "{}", m.body);
     let devices =
         "suanli_federation_region_devices{region=\"eu-west\",pool=\"eu-west-gpu\",model=\"A100-80G\",state=\"total\"}";
     assert_eq!(value(devices), 8.0);
