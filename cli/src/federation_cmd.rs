@@ -88,20 +88,7 @@ enum FedCmd {
     Quota(QuotaCmd),
     /// Add a federation server (admin): start it first with empty storage and without
     /// --bootstrap; it catches up as a learner, then becomes a voter unless --learner-only.
-    AddServer {
-        /// Its raft node id.
-        #[arg(long)]
-        id: u64,
-        /// Its client address, host:port.
-        #[arg(long)]
-        addr: String,
-        /// Its peer address, host:port (default: --addr's port + 1).
-        #[arg(long, default_value = "")]
-        peer_addr: String,
-        /// Keep it a non-voting learner.
-        #[arg(long)]
-        learner_only: bool,
-    },
+    AddServer(crate::client::cluster::AddServerArgs),
     /// Remove a federation server (admin): its vote first, then the server.
     RemoveServer {
         /// Its raft node id.
@@ -528,8 +515,9 @@ async fn client(args: FederationArgs) -> Result<()> {
             }
             Ok(())
         }
-        FedCmd::AddServer { id, addr, peer_addr, learner_only } => {
-            conn.fed_add_server(pb::AddServerRequest { id, addr: addr.clone(), learner_only, peer_addr }).await?;
+        FedCmd::AddServer(a) => {
+            conn.fed_add_server(a.request()).await?;
+            let crate::client::cluster::AddServerArgs { id, addr, learner_only, .. } = a;
             let role = if learner_only { "learner" } else { "voter" };
             if out == Output::Json {
                 return print_json(&serde_json::json!({"id": id, "addr": addr, "role": role}));

@@ -22,6 +22,35 @@ pub struct ClusterArgs {
 }
 
 /// Cluster membership commands.
+/// A new member of a raft group (`cluster add-server`, `federation add-server`).
+#[derive(clap::Args, Debug)]
+pub struct AddServerArgs {
+    /// Its raft node id.
+    #[arg(long)]
+    pub id: u64,
+    /// Its client address, host:port.
+    #[arg(long)]
+    pub addr: String,
+    /// Its peer address, host:port (default: --addr's port + 1).
+    #[arg(long, default_value = "")]
+    pub peer_addr: String,
+    /// Keep it a non-voting learner.
+    #[arg(long)]
+    pub learner_only: bool,
+}
+
+impl AddServerArgs {
+    /// The request.
+    pub fn request(&self) -> pb::AddServerRequest {
+        pb::AddServerRequest {
+            id: self.id,
+            addr: self.addr.clone(),
+            learner_only: self.learner_only,
+            peer_addr: self.peer_addr.clone(),
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum ClusterCmd {
     /// List the servers, their roles and replication progress.
@@ -29,20 +58,7 @@ pub enum ClusterCmd {
     /// Show the current leader.
     Leader,
     /// Add a server: it catches up as a learner, then becomes a voter unless --learner-only.
-    AddServer {
-        /// Its raft node id.
-        #[arg(long)]
-        id: u64,
-        /// Its client address, host:port.
-        #[arg(long)]
-        addr: String,
-        /// Its peer address, host:port (default: --addr's port + 1).
-        #[arg(long, default_value = "")]
-        peer_addr: String,
-        /// Keep it a non-voting learner.
-        #[arg(long)]
-        learner_only: bool,
-    },
+    AddServer(AddServerArgs),
     /// Remove a server from the cluster.
     RemoveServer {
         /// Its raft node id.
@@ -260,8 +276,9 @@ async fn online(conn: &Connection, out: Output, cmd: ClusterCmd) -> anyhow::Resu
                 }
             }
         }
-        ClusterCmd::AddServer { id, addr, peer_addr, learner_only } => {
-            conn.add_server(pb::AddServerRequest { id, addr: addr.clone(), learner_only, peer_addr }).await?;
+        ClusterCmd::AddServer(a) => {
+            conn.add_server(a.request()).await?;
+            let AddServerArgs { id, addr, learner_only, .. } = a;
             match out {
                 Output::Json => {
                     print_json(&json!({"id": id, "addr": addr, "learner_only": learner_only, "added": true}))

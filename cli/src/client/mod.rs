@@ -13,7 +13,7 @@
 //! Spec files are loaded and validated locally first ([`crate::spec`]); the `validate`
 //! commands do only that and need no server.
 
-mod cluster;
+pub(crate) mod cluster;
 pub mod cost;
 pub mod creds;
 mod job;
