@@ -89,6 +89,27 @@ enum FedCmd {
     /// Add a federation server (admin): start it first with empty storage and without
     /// --bootstrap; it catches up as a learner, then becomes a voter unless --learner-only.
     AddServer(crate::client::cluster::AddServerArgs),
+    /// Offline recovery from a lost majority (every federation server stopped): write a NEW data
+    /// dir holding the state of a surviving server's data dir (read, never changed), with this
+    /// server its only voter. Then `suanli federation serve --data-dir DIR --id N --listen ...`
+    /// starts it; add the other voters with `add-server`.
+    Recover {
+        /// A stopped federation server's data dir to rebuild from.
+        #[arg(long)]
+        from_data_dir: PathBuf,
+        /// The new data dir (must not exist, or be empty).
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// The raft id of the server that will run on it.
+        #[arg(long)]
+        id: u64,
+        /// Its client listener, as `suanli federation serve --listen` will get it.
+        #[arg(long)]
+        listen: String,
+        /// Its peer listener (default: --listen's port + 1).
+        #[arg(long)]
+        peer_listen: Option<String>,
+    },
     /// Remove a federation server (admin): its vote first, then the server.
     RemoveServer {
         /// Its raft node id.
@@ -253,6 +274,43 @@ pub fn run(args: FederationArgs) -> Result<()> {
         return serve(s, args.creds.insecure);
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting tokio")?;
+    if let FedCmd::Recover { from_data_dir, data_dir, id, listen, peer_listen } = &args.cmd {
+        let listen =
+            suanli_raft::membership::check_addr("listen", listen).map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+        let peer = match peer_listen {
+            Some(p) => {
+                suanli_raft::membership::check_addr("peer_listen", p).map_err(|e| anyhow::anyhow!("{}", e.message()))?
+            }
+            None => {
+                let (host, port) = listen.rsplit_once(':').unwrap_or((listen.as_str(), "0"));
+                let port = port.parse::<u16>().ok().and_then(|p| p.checked_add(1));
+                format!("{host}:{}", port.context("peer_listen: --listen's port + 1 is no port; give --peer-listen")?)
+            }
+        };
+        let node = suanli_raft::ServerNode::new(peer, listen);
+        let r = rt
+            .block_on(suanli_federation::server::recover_data_dir(from_data_dir, data_dir, *id, node))
+            .map_err(|e| anyhow::anyhow!(e))?;
+        if args.output == Output::Json {
+            return print_json(&serde_json::json!({
+                "data_dir": data_dir.display().to_string(), "id": id,
+                "source_last_applied_index": r.source_last_applied, "halted_at": r.halted_at,
+                "jobs": r.jobs, "regions": r.regions, "quotas": r.quotas,
+            }));
+        }
+        println!(
+            "federation state at log index {} written to {} (server {id} its only voter): {} jobs, {} regions, {} quotas",
+            r.source_last_applied,
+            data_dir.display(),
+            r.jobs,
+            r.regions,
+            r.quotas
+        );
+        if let Some(i) = r.halted_at {
+            println!("note: the source's log holds entry {i} this build cannot apply; the state stops before it");
+        }
+        return Ok(());
+    }
     rt.block_on(client(args))
 }
 
@@ -355,7 +413,7 @@ async fn client(args: FederationArgs) -> Result<()> {
     let conn = connect(&args)?;
     let out = args.output;
     match args.cmd {
-        FedCmd::Serve(_) => Ok(()),
+        FedCmd::Serve(_) | FedCmd::Recover { .. } => Ok(()),
         FedCmd::Status => {
             let s = conn.fed_status().await?;
             if out == Output::Json {

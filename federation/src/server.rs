@@ -623,3 +623,49 @@ mod tests {
         assert_eq!(Bound::parse_line("suanli server listening client=127.0.0.1:1 peer=127.0.0.1:2"), None);
     }
 }
+
+/// What `suanli federation recover` wrote.
+#[derive(Debug, Clone)]
+pub struct Recovered {
+    /// The log index of the source the state includes.
+    pub source_last_applied: u64,
+    /// Set when the source's log holds an entry this build could not apply (state before it).
+    pub halted_at: Option<u64>,
+    /// Federated jobs, regions and quotas in the recovered state.
+    pub jobs: usize,
+    /// Regions in the directory.
+    pub regions: usize,
+    /// Global quotas.
+    pub quotas: usize,
+}
+
+/// Recovery from a lost majority (offline, the servers stopped): reads a stopped federation
+/// server's data dir `old` (never changed; its snapshot, then every entry of its log applied)
+/// and writes a NEW data dir `new` (absent or empty) holding that state with a fresh log and
+/// server `id` at `node` as the only voter. `suanli federation serve --data-dir NEW --id ID ...`
+/// then starts a one-voter federation with the old jobs, leases, quotas and regions; add the
+/// other voters with `add-server`. The same tools as a region's `cluster restore --from-data-dir`.
+pub async fn recover_data_dir(
+    old: &std::path::Path,
+    new: &std::path::Path,
+    id: u64,
+    node: suanli_raft::ServerNode,
+) -> Result<Recovered, String> {
+    if id == 0 {
+        return Err("id: must be >= 1".into());
+    }
+    let rec = suanli_raft::restore::read_data_dir::<crate::FedTypeConfig, crate::FedState>(old)
+        .await
+        .map_err(|e| format!("from_data_dir {}: {e}", old.display()))?;
+    let state =
+        crate::FedState::restore(&rec.state).map_err(|e| format!("from_data_dir {}: the state: {e}", old.display()))?;
+    suanli_raft::restore::write_data_dir(new, id, node, &rec.state)
+        .map_err(|e| format!("data_dir {}: {e}", new.display()))?;
+    Ok(Recovered {
+        source_last_applied: rec.last_applied.map_or(0, |l| l.index),
+        halted_at: rec.halt.map(|h| h.index),
+        jobs: state.jobs.len(),
+        regions: state.regions.len(),
+        quotas: state.quotas.len(),
+    })
+}

@@ -11,6 +11,9 @@
 //! - `a_lost_federation_voter_is_replaced_through_the_cli`: a voter's process and data are lost;
 //!   `suanli federation remove-server` and `add-server` (sent to a follower: the CLI follows
 //!   the leader hint) replace it with a fresh server that catches up; dispatch goes on.
+//! - `a_federation_that_lost_its_majority_is_recovered_from_one_data_dir`: every voter stops;
+//!   `suanli federation recover` writes a new one-voter data dir from one of them, and
+//!   `federation serve` on it answers with the old jobs and quotas.
 //! - `a_stopped_region_fences_its_job_and_another_region_resumes_it`: the region holding a
 //!   checkpointed job is frozen (SIGSTOP); its agent stops the task before the lease ends; the
 //!   job runs in another region after lease end + margin, restored from its checkpoint, and the
@@ -379,6 +382,71 @@ async fn a_lost_federation_voter_is_replaced_through_the_cli() {
     // Dispatch goes on.
     let id = h.submit_global("us-east", "team-a", "after-replace", &gpu_sleeper("after", 1, 600)).await;
     h.wait_fed_job(&id, within, "placed after the replacement", |j| in_state(j, PLACED)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_federation_that_lost_its_majority_is_recovered_from_one_data_dir() {
+    use suanli_tests::federation::{Region, cli_federation};
+    let mut h = FedHarness::start(&[Region::new("us-east", 2, "H100")]).await;
+    let within = Duration::from_secs(30);
+    h.set_quota("team-r", "H100", 2).await;
+    let id = h.submit_global("us-east", "team-r", "before-loss", &gpu_sleeper("kept", 1, 600)).await;
+    h.wait_fed_job(&id, within, "placed before the loss", |j| in_state(j, PLACED)).await;
+    // Every voter stops (a lost majority, and more).
+    for i in 0..3 {
+        h.cluster.federation.kill(i);
+    }
+    let tls = h.cluster.federation.tls_dir().unwrap().to_owned();
+    let old = h.cluster.federation.data_dir(0);
+    let new = h.dir().join("recovered");
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let (listen, peer) = (port(), port());
+    let args = ["recover", "--from-data-dir", old.to_str().unwrap(), "--data-dir", new.to_str().unwrap(), "--id", "1"];
+    let mut args: Vec<&str> = args.to_vec();
+    args.extend(["--listen", &listen, "--peer-listen", &peer]);
+    let r = cli_federation("127.0.0.1:1", &tls, &args).unwrap();
+    assert_eq!((r["jobs"].as_u64(), r["regions"].as_u64(), r["quotas"].as_u64()), (Some(1), Some(1), Some(1)), "{r}");
+    // A second recover into the same (now written) dir is refused, naming it.
+    let again = cli_federation("127.0.0.1:1", &tls, &args).unwrap_err();
+    assert!(again.contains("is not empty"), "{again}");
+    let log = std::fs::File::create(h.dir().join("recovered.log")).unwrap();
+    let mut server = Command::new(bin())
+        .args(["federation", "serve", "--id", "1", "--data-dir", new.to_str().unwrap(), "--listen", &listen])
+        .args(["--peer-listen", &peer, "--http-listen", "off", "--tls-dir", tls.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + within;
+    // It elects itself (the only voter) and answers with the old jobs.
+    let jobs = loop {
+        let jobs = cli_federation(&listen, &tls, &["jobs"]);
+        let leads = cli_federation(&listen, &tls, &["status"]).is_ok_and(|s| s["leader_id"].as_u64() == Some(1));
+        if let Ok(v) = &jobs
+            && v.to_string().contains(&id)
+            && leads
+        {
+            break v.clone();
+        }
+        if Instant::now() > deadline {
+            let _ = server.kill();
+            panic!(
+                "the recovered federation answers with {id}: {jobs:?}\n{}",
+                std::fs::read_to_string(h.dir().join("recovered.log")).unwrap_or_default()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let quotas = cli_federation(&listen, &tls, &["quota", "list"]);
+    let status = cli_federation(&listen, &tls, &["status"]);
+    let _ = server.kill();
+    let _ = server.wait();
+    let quotas = quotas.unwrap();
+    assert!(quotas.to_string().contains("team-r"), "{quotas}");
+    let status = status.unwrap();
+    assert_eq!(status["leader_id"].as_u64(), Some(1), "{status}");
+    assert_eq!(status["members"].as_array().map(Vec::len), Some(1), "{status}");
+    assert!(jobs.to_string().contains("team-r"), "{jobs}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
