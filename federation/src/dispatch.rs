@@ -250,7 +250,7 @@ pub fn view_of(state: &FedState, now_ms: u64) -> DispatchView {
         .values()
         .map(|r| region_view_of(state, r, assigned.get(r.name.as_str()).map_or(&[][..], Vec::as_slice), now_ms))
         .collect();
-    let held = crate::quota::held_by_quota(state);
+    let index = crate::quota::QuotaIndex::of(state);
     let quotas = state
         .quotas
         .iter()
@@ -258,13 +258,7 @@ pub fn view_of(state: &FedState, now_ms: u64) -> DispatchView {
             team: q.team.clone(),
             device_model: q.device_model.clone(),
             limit_milli: q.limit_milli,
-            used_milli: crate::quota::reserved(
-                state,
-                held.get(&(q.team.clone(), q.device_model.clone())).copied().unwrap_or(0),
-                &q.team,
-                &q.device_model,
-                now_ms,
-            ),
+            used_milli: index.reserved(&q.team, &q.device_model, now_ms),
         })
         .collect();
     let mut pending: Vec<PendingJob> = state

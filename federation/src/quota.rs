@@ -49,18 +49,16 @@ fn in_force(until_ms: u64, now_ms: u64, margin_ms: u64) -> bool {
     until_ms > 0 && now_ms < until_ms.saturating_add(margin_ms)
 }
 
-/// A region's reported local use and want of (team, model).
+/// A region's reported local use and want of (team, model) (a scan of its usage: for one
+/// lookup; [`QuotaIndex`] answers many).
 pub fn region_use(r: &RegionRecord, team: &str, model: &str) -> (u64, u64) {
     r.usage.iter().filter(|u| u.team == team && u.device_model == model).fold((0u64, 0u64), |(used, wanted), u| {
         (used.saturating_add(u.used_milli), wanted.saturating_add(u.wanted_milli.max(u.used_milli)))
     })
 }
 
-/// What region `r` counts as taking of (team, model) at `now_ms`: the most of its reported use
-/// and the leases it may still enforce.
-pub fn region_reserved(r: &RegionRecord, team: &str, model: &str, now_ms: u64, margin_ms: u64) -> u64 {
-    let (used, _) = region_use(r, team, model);
-    let lease = r.quota_leases.iter().find(|l| l.team == team && l.device_model == model);
+/// The reserve of a region with `used` reported and `lease` held, at `now_ms`.
+fn reserve_of(used: u64, lease: Option<&GrantedLease>, now_ms: u64, margin_ms: u64) -> u64 {
     let mut reserved = used;
     if let Some(l) = lease {
         if in_force(l.until_ms, now_ms, margin_ms) {
@@ -71,6 +69,122 @@ pub fn region_reserved(r: &RegionRecord, team: &str, model: &str, now_ms: u64, m
         }
     }
     reserved
+}
+
+/// What region `r` counts as taking of (team, model) at `now_ms`: the most of its reported use
+/// and the leases it may still enforce.
+pub fn region_reserved(r: &RegionRecord, team: &str, model: &str, now_ms: u64, margin_ms: u64) -> u64 {
+    let (used, _) = region_use(r, team, model);
+    let lease = r.quota_leases.iter().find(|l| l.team == team && l.device_model == model);
+    reserve_of(used, lease, now_ms, margin_ms)
+}
+
+type Key = (String, String);
+
+/// What the quota arithmetic reads, indexed once per command (a sync, a dispatch pass) so that
+/// each quota costs a lookup per region, not a scan of every job, usage row and lease: the
+/// federated jobs' hold and pending demand per (team, model), and each region's use, want and
+/// lease per (team, model). Owned, so a command may change jobs while it holds one.
+#[derive(Debug, Clone, Default)]
+pub struct QuotaIndex {
+    held: BTreeMap<Key, u64>,
+    pending: BTreeMap<Key, u64>,
+    regions: Vec<RegionQuota>,
+    margin_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+struct RegionQuota {
+    name: String,
+    usage: BTreeMap<Key, (u64, u64)>,
+    leases: BTreeMap<Key, GrantedLease>,
+}
+
+impl QuotaIndex {
+    /// Indexes `state` (one pass over its jobs, one over each region's usage and leases).
+    pub fn of(state: &FedState) -> Self {
+        let quotas: std::collections::BTreeSet<(&str, &str)> =
+            state.quotas.iter().map(|q| (q.team.as_str(), q.device_model.as_str())).collect();
+        let mut pending: BTreeMap<Key, u64> = BTreeMap::new();
+        for j in state.jobs.values().filter(|j| j.state == FedJobState::Pending && !j.cancel_requested) {
+            let p = pending_job(j);
+            if p.device_kind.is_empty() {
+                continue;
+            }
+            // The quotas of its team (a range of the sorted set) whose model it may run on.
+            for (team, model) in quotas.range((j.team.as_str(), "")..).take_while(|(t, _)| *t == j.team) {
+                if model_allowed(&p, model) {
+                    let slot = pending.entry(((*team).to_owned(), (*model).to_owned())).or_default();
+                    *slot = slot.saturating_add(j.demand_milli);
+                }
+            }
+        }
+        let regions = state
+            .regions
+            .values()
+            .map(|r| {
+                let mut usage: BTreeMap<Key, (u64, u64)> = BTreeMap::new();
+                for u in &r.usage {
+                    let e = usage.entry((u.team.clone(), u.device_model.clone())).or_default();
+                    e.0 = e.0.saturating_add(u.used_milli);
+                    e.1 = e.1.saturating_add(u.wanted_milli.max(u.used_milli));
+                }
+                let leases =
+                    r.quota_leases.iter().map(|l| ((l.team.clone(), l.device_model.clone()), l.clone())).collect();
+                RegionQuota { name: r.name.clone(), usage, leases }
+            })
+            .collect();
+        Self { held: held_by_quota(state), pending, regions, margin_ms: state.config().redispatch_margin_ms }
+    }
+
+    fn key(team: &str, model: &str) -> Key {
+        (team.to_owned(), model.to_owned())
+    }
+
+    /// The federated jobs' hold on (team, model).
+    pub fn held(&self, team: &str, model: &str) -> u64 {
+        self.held.get(&Self::key(team, model)).copied().unwrap_or(0)
+    }
+
+    /// Counts `milli` more held by federated jobs (a placement applied in the same command).
+    pub fn hold(&mut self, team: &str, model: &str, milli: u64) {
+        let slot = self.held.entry(Self::key(team, model)).or_default();
+        *slot = slot.saturating_add(milli);
+    }
+
+    /// The demand of the federation's pending jobs that may run on (team, model).
+    pub fn pending(&self, team: &str, model: &str) -> u64 {
+        self.pending.get(&Self::key(team, model)).copied().unwrap_or(0)
+    }
+
+    /// Region `name`'s reported use and want of (team, model).
+    pub fn region_use(&self, name: &str, team: &str, model: &str) -> (u64, u64) {
+        self.regions
+            .iter()
+            .find(|r| r.name == name)
+            .and_then(|r| r.usage.get(&Self::key(team, model)).copied())
+            .unwrap_or((0, 0))
+    }
+
+    /// Region `name`'s lease of (team, model).
+    pub fn lease(&self, name: &str, team: &str, model: &str) -> Option<&GrantedLease> {
+        self.regions.iter().find(|r| r.name == name).and_then(|r| r.leases.get(&Self::key(team, model)))
+    }
+
+    /// Every region's reserve of (team, model) at `now_ms`, except `except`'s.
+    pub fn regions_reserved(&self, team: &str, model: &str, now_ms: u64, except: Option<&str>) -> u64 {
+        let k = Self::key(team, model);
+        self.regions.iter().filter(|r| Some(r.name.as_str()) != except).fold(0u64, |a, r| {
+            let used = r.usage.get(&k).map_or(0, |u| u.0);
+            a.saturating_add(reserve_of(used, r.leases.get(&k), now_ms, self.margin_ms))
+        })
+    }
+
+    /// What is counted as taken of (team, model)'s quota at `now_ms`: the federated jobs held
+    /// plus every region's reserve.
+    pub fn reserved(&self, team: &str, model: &str, now_ms: u64) -> u64 {
+        self.held(team, model).saturating_add(self.regions_reserved(team, model, now_ms, None))
+    }
 }
 
 /// What the federation counts as taken of (team, model)'s quota at `now_ms`: the federated jobs
@@ -100,19 +214,6 @@ pub fn fair_shares(capacity: u64, wants: &[u64]) -> Vec<u64> {
     out
 }
 
-/// The demand of the federation's pending jobs of `team` that may run on `model`.
-fn fed_pending_want(state: &FedState, team: &str, model: &str) -> u64 {
-    state
-        .jobs
-        .values()
-        .filter(|j| j.state == FedJobState::Pending && !j.cancel_requested && j.team == team)
-        .filter(|j| {
-            let p = pending_job(j);
-            !p.device_kind.is_empty() && model_allowed(&p, model)
-        })
-        .fold(0u64, |a, j| a.saturating_add(j.demand_milli))
-}
-
 /// The new leases for `region`, which has just synced at `now_ms` (its record already holds the
 /// sync's use and wants; `acked` are the leases it reported enforcing). One entry per global
 /// quota, in the quotas' order.
@@ -122,35 +223,33 @@ pub(crate) fn grants(state: &FedState, region: &str, acked: &[QuotaLease], now_m
     let Some(me) = state.regions.get(region) else {
         return Vec::new();
     };
-    let held = held_by_quota(state);
+    let index = QuotaIndex::of(state);
     // The regions that share: the healthy ones, and this one (which has just synced).
     let sharing: Vec<&RegionRecord> =
         state.regions.values().filter(|r| r.name == region || r.healthy(now_ms, &cfg)).collect();
     let mine = sharing.iter().position(|r| r.name == region).unwrap_or(0);
+    let my_leases: BTreeMap<(&str, &str), &GrantedLease> =
+        me.quota_leases.iter().map(|l| ((l.team.as_str(), l.device_model.as_str()), l)).collect();
+    let acked: BTreeMap<(&str, &str), &QuotaLease> =
+        acked.iter().map(|l| ((l.team.as_str(), l.device_model.as_str()), l)).collect();
     let mut out = Vec::with_capacity(state.quotas.len());
     for q in &state.quotas {
         let (team, model) = (q.team.as_str(), q.device_model.as_str());
-        let fed_held = held.get(&(q.team.clone(), q.device_model.clone())).copied().unwrap_or(0);
-        let free = q.limit_milli.saturating_sub(fed_held);
+        let free = q.limit_milli.saturating_sub(index.held(team, model));
         let mut wants = Vec::with_capacity(sharing.len() + 1);
-        wants.push(fed_pending_want(state, team, model));
-        wants.extend(sharing.iter().map(|r| region_use(r, team, model).1));
+        wants.push(index.pending(team, model));
+        wants.extend(sharing.iter().map(|r| index.region_use(&r.name, team, model).1));
         let target = fair_shares(free, &wants)[mine + 1];
-        let others: u64 = state
-            .regions
-            .values()
-            .filter(|r| r.name != region)
-            .fold(0u64, |a, r| a.saturating_add(region_reserved(r, team, model, now_ms, margin)));
+        let others = index.regions_reserved(team, model, now_ms, Some(region));
         let headroom = free.saturating_sub(others);
         let limit_milli = target.min(headroom);
         let until_ms = now_ms.saturating_add(cfg.lease_ms);
         // The lease this region held before this sync, and whether it reported enforcing it.
-        let old = me.quota_leases.iter().find(|l| l.team == team && l.device_model == model);
+        let old = my_leases.get(&(team, model));
         let mut prior = (0u64, 0u64);
         if let Some(o) = old {
-            let enforcing_current = acked.iter().any(|a| {
-                a.team == team && a.device_model == model && a.until_ms == o.until_ms && a.limit_milli == o.limit_milli
-            });
+            let enforcing_current =
+                acked.get(&(team, model)).is_some_and(|a| a.until_ms == o.until_ms && a.limit_milli == o.limit_milli);
             if !enforcing_current && in_force(o.prior_until_ms, now_ms, margin) {
                 prior = (o.prior_milli, o.prior_until_ms);
             }

@@ -513,17 +513,17 @@ pub fn sync_answer_to_pb(a: &model::SyncAnswer, cfg: &model::FedConfig, now: u64
 /// Each quota with its use (held federated jobs' demand plus the regions' reported local use),
 /// what is reserved of it at `now_ms` (dispatch admits within the rest) and each region's lease.
 pub fn quota_infos(s: &FedState, now_ms: u64) -> Vec<pb::QuotaInfo> {
-    let held = crate::quota::held_by_quota(s);
+    let index = crate::quota::QuotaIndex::of(s);
     s.quotas
         .iter()
         .map(|q| {
-            let fed = held.get(&(q.team.clone(), q.device_model.clone())).copied().unwrap_or(0);
+            let (team, model) = (q.team.as_str(), q.device_model.as_str());
             let mut local = 0u64;
             let mut leases = Vec::new();
             for r in s.regions.values() {
-                let (used, wanted) = crate::quota::region_use(r, &q.team, &q.device_model);
+                let (used, wanted) = index.region_use(&r.name, team, model);
                 local = local.saturating_add(used);
-                if let Some(l) = r.quota_leases.iter().find(|l| l.team == q.team && l.device_model == q.device_model) {
+                if let Some(l) = index.lease(&r.name, team, model) {
                     leases.push(pb::RegionQuotaLease {
                         region: r.name.clone(),
                         limit_milli: l.limit_milli,
@@ -537,9 +537,9 @@ pub fn quota_infos(s: &FedState, now_ms: u64) -> Vec<pb::QuotaInfo> {
                 team: q.team.clone(),
                 device_model: q.device_model.clone(),
                 limit_milli: q.limit_milli,
-                used_milli: fed.saturating_add(local),
+                used_milli: index.held(team, model).saturating_add(local),
                 leases,
-                reserved_milli: crate::quota::reserved(s, fed, &q.team, &q.device_model, now_ms),
+                reserved_milli: index.reserved(team, model, now_ms),
             }
         })
         .collect()

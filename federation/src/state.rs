@@ -614,8 +614,7 @@ impl FedState {
                             let Some(j) = self.jobs.get_mut(&n) else { continue };
                             index.assigned.entry(region.clone()).or_default().push(n);
                             if let Some(m) = &device_model {
-                                let slot = index.held.entry((j.team.clone(), m.clone())).or_default();
-                                *slot = slot.saturating_add(j.demand_milli);
+                                index.quota.hold(&j.team, m, j.demand_milli);
                             }
                             j.state = FedJobState::Assigned;
                             j.epoch = j.epoch.saturating_add(1);
@@ -675,8 +674,7 @@ impl FedState {
         if let Some(m) = model
             && let Some(q) = self.quotas.iter().find(|q| q.team == job.team && q.device_model == m)
         {
-            let held = index.held.get(&(job.team.clone(), m.to_owned())).copied().unwrap_or(0);
-            let used = crate::quota::reserved(self, held, &job.team, m, now_ms);
+            let used = index.quota.reserved(&job.team, m, now_ms);
             quotas.entry(job.team.clone()).or_default().insert(m.to_owned(), (q.limit_milli, used));
         }
         dispatch::check_fit(&pj, &view, &room, model, &quotas)?;
@@ -824,7 +822,7 @@ pub const MAX_MESSAGE_LEN: usize = 4096;
 /// each region and not yet running, and the federated jobs' hold on each quota.
 struct ApplyIndex {
     assigned: BTreeMap<String, Vec<u64>>,
-    held: BTreeMap<(String, String), u64>,
+    quota: crate::quota::QuotaIndex,
 }
 
 impl ApplyIndex {
@@ -837,7 +835,7 @@ impl ApplyIndex {
                 assigned.entry(r.clone()).or_default().push(*n);
             }
         }
-        Self { assigned, held: crate::quota::held_by_quota(state) }
+        Self { assigned, quota: crate::quota::QuotaIndex::of(state) }
     }
 }
 

@@ -8,7 +8,7 @@
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use suanli_federation::dispatch::{Decision, dispatch, view_of};
-use suanli_federation::quota::{held_by_quota, region_reserved, reserved};
+use suanli_federation::quota::{QuotaIndex, held_by_quota, region_reserved, reserved};
 use suanli_federation::{
     CapacityEntry, FedCommand, FedConfig, FedResponse, FedState, QuotaLease, RegionSync, SyncAnswer, TeamUsage,
 };
@@ -242,6 +242,8 @@ proptest! {
                 at_most += r.used.max(grow);
             }
             prop_assert!(at_most <= limit, "at most {} may be used of {}", at_most, limit);
+            // The index dispatch and syncs read answers as the plain scans do.
+            prop_assert_eq!(QuotaIndex::of(&s).reserved("team-a", "H100", now), taken(&s, now));
         }
     }
 }
