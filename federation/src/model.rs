@@ -253,6 +253,9 @@ pub struct TeamUsage {
     /// shares a global quota among regions by these). Never below `used_milli` once read.
     #[serde(default)]
     pub wanted_milli: u64,
+    /// The smallest of its pending local jobs' demands on the model (0: none pending).
+    #[serde(default)]
+    pub min_pending_milli: u64,
 }
 
 /// A share of a global quota leased to a region (the wire's `QuotaLease`).

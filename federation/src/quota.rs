@@ -88,7 +88,8 @@ type Key = (String, String);
 #[derive(Debug, Clone, Default)]
 pub struct QuotaIndex {
     held: BTreeMap<Key, u64>,
-    pending: BTreeMap<Key, u64>,
+    /// (demand, smallest job's demand) of the federation's pending jobs.
+    pending: BTreeMap<Key, (u64, u64)>,
     regions: Vec<RegionQuota>,
     margin_ms: u64,
 }
@@ -96,7 +97,8 @@ pub struct QuotaIndex {
 #[derive(Debug, Clone)]
 struct RegionQuota {
     name: String,
-    usage: BTreeMap<Key, (u64, u64)>,
+    /// (used, wanted, smallest pending demand).
+    usage: BTreeMap<Key, (u64, u64, u64)>,
     leases: BTreeMap<Key, GrantedLease>,
 }
 
@@ -105,7 +107,7 @@ impl QuotaIndex {
     pub fn of(state: &FedState) -> Self {
         let quotas: std::collections::BTreeSet<(&str, &str)> =
             state.quotas.iter().map(|q| (q.team.as_str(), q.device_model.as_str())).collect();
-        let mut pending: BTreeMap<Key, u64> = BTreeMap::new();
+        let mut pending: BTreeMap<Key, (u64, u64)> = BTreeMap::new();
         for j in state.jobs.values().filter(|j| j.state == FedJobState::Pending && !j.cancel_requested) {
             let p = pending_job(j);
             if p.device_kind.is_empty() {
@@ -115,7 +117,8 @@ impl QuotaIndex {
             for (team, model) in quotas.range((j.team.as_str(), "")..).take_while(|(t, _)| *t == j.team) {
                 if model_allowed(&p, model) {
                     let slot = pending.entry(((*team).to_owned(), (*model).to_owned())).or_default();
-                    *slot = slot.saturating_add(j.demand_milli);
+                    slot.0 = slot.0.saturating_add(j.demand_milli);
+                    slot.1 = if slot.1 == 0 { j.demand_milli } else { slot.1.min(j.demand_milli) };
                 }
             }
         }
@@ -123,11 +126,14 @@ impl QuotaIndex {
             .regions
             .values()
             .map(|r| {
-                let mut usage: BTreeMap<Key, (u64, u64)> = BTreeMap::new();
+                let mut usage: BTreeMap<Key, (u64, u64, u64)> = BTreeMap::new();
                 for u in &r.usage {
                     let e = usage.entry((u.team.clone(), u.device_model.clone())).or_default();
                     e.0 = e.0.saturating_add(u.used_milli);
                     e.1 = e.1.saturating_add(u.wanted_milli.max(u.used_milli));
+                    if u.min_pending_milli > 0 {
+                        e.2 = if e.2 == 0 { u.min_pending_milli } else { e.2.min(u.min_pending_milli) };
+                    }
                 }
                 let leases =
                     r.quota_leases.iter().map(|l| ((l.team.clone(), l.device_model.clone()), l.clone())).collect();
@@ -152,18 +158,25 @@ impl QuotaIndex {
         *slot = slot.saturating_add(milli);
     }
 
-    /// The demand of the federation's pending jobs that may run on (team, model).
-    pub fn pending(&self, team: &str, model: &str) -> u64 {
-        self.pending.get(&Self::key(team, model)).copied().unwrap_or(0)
+    /// The demand of the federation's pending jobs that may run on (team, model), and the
+    /// smallest such job's.
+    pub fn pending(&self, team: &str, model: &str) -> (u64, u64) {
+        self.pending.get(&Self::key(team, model)).copied().unwrap_or((0, 0))
     }
 
     /// Region `name`'s reported use and want of (team, model).
     pub fn region_use(&self, name: &str, team: &str, model: &str) -> (u64, u64) {
+        let (used, wanted, _) = self.region_claim(name, team, model);
+        (used, wanted)
+    }
+
+    /// Region `name`'s reported use, want and smallest pending demand of (team, model).
+    pub fn region_claim(&self, name: &str, team: &str, model: &str) -> (u64, u64, u64) {
         self.regions
             .iter()
             .find(|r| r.name == name)
             .and_then(|r| r.usage.get(&Self::key(team, model)).copied())
-            .unwrap_or((0, 0))
+            .unwrap_or((0, 0, 0))
     }
 
     /// Region `name`'s lease of (team, model).
@@ -214,6 +227,60 @@ pub fn fair_shares(capacity: u64, wants: &[u64]) -> Vec<u64> {
     out
 }
 
+/// A claim on a quota: what the claimant holds, what it wants in all (held included), and the
+/// smallest unit its pending work can start in (0: none pending).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    /// Held now.
+    pub used: u64,
+    /// Wanted in all (at least `used`).
+    pub want: u64,
+    /// The smallest pending job's demand.
+    pub unit: u64,
+}
+
+/// Shares of `capacity` among `claims` that start work: max-min fair shares of the wants
+/// ([`fair_shares`]), except that a share leaving less room above the claimant's use than its
+/// smallest pending job is useless (it starts nothing: two regions each leased half a GPU for
+/// one-GPU jobs would wait forever). Such shares are cut back to the use, and what that frees
+/// goes, one pending job's unit at a time, to the claimants in turn, starting at `start`
+/// (rotated by the caller so that no claimant always goes first). The shares sum to at most
+/// `capacity`; each is at most its want.
+pub fn granular_shares(capacity: u64, claims: &[Claim], start: usize) -> Vec<u64> {
+    let wants: Vec<u64> = claims.iter().map(|c| c.want.max(c.used)).collect();
+    let mut out = fair_shares(capacity, &wants);
+    for (x, c) in out.iter_mut().zip(claims) {
+        let room = x.saturating_sub(c.used);
+        if c.unit > 0 && room > 0 && room < c.unit {
+            *x = c.used;
+        }
+    }
+    let mut left = capacity.saturating_sub(out.iter().sum());
+    let n = claims.len();
+    let mut progress = true;
+    while left > 0 && progress && n > 0 {
+        progress = false;
+        for k in 0..n {
+            let i = (start + k) % n;
+            let c = &claims[i];
+            if c.unit == 0 || c.unit > left {
+                continue;
+            }
+            // Room above the use in whole units only: what the claimant holds beyond its use
+            // that is not a whole unit is useless and is counted as part of the next unit.
+            let room = out[i].saturating_sub(c.used);
+            let next = c.used.saturating_add((room / c.unit + 1).saturating_mul(c.unit));
+            let add = next.saturating_sub(out[i]);
+            if next <= wants[i] && add <= left {
+                out[i] = next;
+                left -= add;
+                progress = true;
+            }
+        }
+    }
+    out
+}
+
 /// The new leases for `region`, which has just synced at `now_ms` (its record already holds the
 /// sync's use and wants; `acked` are the leases it reported enforcing). One entry per global
 /// quota, in the quotas' order.
@@ -236,10 +303,16 @@ pub(crate) fn grants(state: &FedState, region: &str, acked: &[QuotaLease], now_m
     for q in &state.quotas {
         let (team, model) = (q.team.as_str(), q.device_model.as_str());
         let free = q.limit_milli.saturating_sub(index.held(team, model));
-        let mut wants = Vec::with_capacity(sharing.len() + 1);
-        wants.push(index.pending(team, model));
-        wants.extend(sharing.iter().map(|r| index.region_use(&r.name, team, model).1));
-        let target = fair_shares(free, &wants)[mine + 1];
+        let mut claims = Vec::with_capacity(sharing.len() + 1);
+        let (fed_want, fed_unit) = index.pending(team, model);
+        claims.push(Claim { used: 0, want: fed_want, unit: fed_unit });
+        for r in &sharing {
+            let (used, want, unit) = index.region_claim(&r.name, team, model);
+            claims.push(Claim { used, want, unit });
+        }
+        // Who goes first when units compete rotates once per lease term.
+        let start = usize::try_from((now_ms / cfg.lease_ms.max(1)) % claims.len() as u64).unwrap_or(0);
+        let target = granular_shares(free, &claims, start)[mine + 1];
         let others = index.regions_reserved(team, model, now_ms, Some(region));
         let headroom = free.saturating_sub(others);
         let limit_milli = target.min(headroom);
@@ -288,7 +361,49 @@ mod tests {
         assert_eq!(fair_shares(5, &[]), Vec::<u64>::new());
     }
 
+    #[test]
+    fn granular_shares_start_work_instead_of_splitting_a_unit() {
+        let one_gpu = |used| Claim { used, want: used + 1000, unit: 1000 };
+        // Two regions each want one more GPU of a 1-GPU quota: one gets it, by turn.
+        assert_eq!(granular_shares(1000, &[one_gpu(0), one_gpu(0)], 0), vec![1000, 0]);
+        assert_eq!(granular_shares(1000, &[one_gpu(0), one_gpu(0)], 1), vec![0, 1000]);
+        // Enough for both: both.
+        assert_eq!(granular_shares(2000, &[one_gpu(0), one_gpu(0)], 0), vec![1000, 1000]);
+        // Fractional units share as before.
+        let half = Claim { used: 0, want: 1000, unit: 500 };
+        assert_eq!(granular_shares(1000, &[half, half], 0), vec![500, 500]);
+        // A claimant without pending work keeps its fair share of its use.
+        let idle = Claim { used: 300, want: 300, unit: 0 };
+        assert_eq!(granular_shares(1000, &[idle, one_gpu(0)], 0), vec![300, 0]);
+        assert_eq!(granular_shares(1300, &[idle, one_gpu(0)], 0), vec![300, 1000]);
+    }
+
     proptest! {
+        #[test]
+        fn granular_shares_stay_within_capacity_and_wants_and_start_work(
+            cap in 0u64..20_000,
+            claims in prop::collection::vec((0u64..5_000, 0u64..10_000, prop::sample::select(vec![0u64, 250, 500, 1000, 2000])), 0..6),
+            start in 0usize..6,
+        ) {
+            let claims: Vec<Claim> = claims.into_iter().map(|(used, more, unit)| Claim { used, want: used + more, unit }).collect();
+            let s = granular_shares(cap, &claims, start);
+            prop_assert!(s.iter().sum::<u64>() <= cap);
+            for (x, c) in s.iter().zip(&claims) {
+                prop_assert!(*x <= c.want.max(c.used));
+            }
+            // Liveness: when what is left unshared fits some claimant's next unit within its
+            // want, some claimant can start a unit (none is left with only a useless fraction
+            // while a whole unit is free).
+            let left = cap.saturating_sub(s.iter().sum());
+            for (x, c) in s.iter().zip(&claims) {
+                // (A share below the use must first make up the difference.)
+                if c.unit > 0 && c.used + c.unit <= c.want && x.saturating_sub(c.used) < c.unit {
+                    let needs = c.unit + c.used.saturating_sub(*x);
+                    prop_assert!(left < needs, "{:?} got {} while {} is left", c, x, left);
+                }
+            }
+        }
+
         #[test]
         fn fair_shares_are_within_capacity_and_wants(cap in 0u64..1_000_000, wants in prop::collection::vec(0u64..500_000, 0..12)) {
             let s = fair_shares(cap, &wants);

@@ -309,6 +309,7 @@ pub fn sync_from_pb(r: &pb::RegionSyncRequest, cfg: &model::FedConfig) -> Result
                 used_milli: u.used_milli,
                 device_milli_s: u.device_milli_s,
                 wanted_milli: u.wanted_milli.max(u.used_milli),
+                min_pending_milli: u.min_pending_milli,
             })
             .collect(),
         held: r

@@ -58,6 +58,7 @@ fn region(name: &str, used: u64, wanted: u64, enforcing: Option<&QuotaLease>) ->
             used_milli: used,
             device_milli_s: 0,
             wanted_milli: wanted,
+            min_pending_milli: if wanted > used { 1000 } else { 0 },
         }],
         quota_leases: enforcing.cloned().into_iter().collect(),
         ..RegionSync::default()
@@ -139,6 +140,33 @@ fn wants_are_shared_fairly_and_a_smaller_lease_frees_only_once_reported() {
     assert_eq!(east3.limit_milli, 4_000, "west's lease ended: east gets everything left");
     let w = s.regions.get("west").expect("west");
     assert_eq!(region_reserved(w, "team-a", "H100", now, MARGIN_MS), 0);
+}
+
+#[test]
+fn two_regions_waiting_for_the_last_gpu_never_split_it() {
+    // One H100 worldwide, held by south; east and west each wait with a 1-GPU job.
+    let mut s = init(1_000);
+    let mut now = 10_000;
+    let south = sync(&mut s, region("south", 1_000, 1_000, None), now);
+    let mut east = sync(&mut s, region("east", 0, 1_000, None), now);
+    let mut west = sync(&mut s, region("west", 0, 1_000, None), now);
+    assert_eq!((east.limit_milli, west.limit_milli), (0, 0));
+    // South's job ends; it reports no use and no want. Then everyone syncs for a while: never
+    // half a GPU each (which would start nothing), and soon one of them holds the whole GPU.
+    let mut south = sync(&mut s, region("south", 0, 0, Some(&south)), now);
+    let mut whole = false;
+    for _ in 0..6 {
+        now += 1_000;
+        south = sync(&mut s, region("south", 0, 0, Some(&south)), now);
+        east = sync(&mut s, region("east", 0, 1_000, Some(&east)), now);
+        west = sync(&mut s, region("west", 0, 1_000, Some(&west)), now);
+        for l in [&east, &west] {
+            assert!(l.limit_milli == 0 || l.limit_milli == 1_000, "a useless share: {l:?}");
+        }
+        assert!(east.limit_milli + west.limit_milli <= 1_000);
+        whole |= east.limit_milli == 1_000 || west.limit_milli == 1_000;
+    }
+    assert!(whole, "one region was leased the GPU: east {east:?} west {west:?}");
 }
 
 #[test]

@@ -459,6 +459,7 @@ fn invariants_hold_after_every_command_of_a_random_sequence() {
                         used_milli: 1000 * rng.below(3),
                         device_milli_s: 10,
                         wanted_milli: 1000 * rng.below(4),
+                        min_pending_milli: 1000,
                     });
                     for (n, j) in &s.jobs {
                         if rng.below(2) == 0 {

@@ -335,7 +335,8 @@ pub(crate) fn build_request(
                 device_model: k.1.clone(),
                 used_milli: used,
                 device_milli_s: used.saturating_mul(elapsed_s),
-                wanted_milli: wanted.get(k).copied().unwrap_or(0).max(used),
+                wanted_milli: wanted.get(k).map_or(0, |w| w.0).max(used),
+                min_pending_milli: wanted.get(k).map_or(0, |w| w.1),
             }
         })
         .collect();
@@ -396,15 +397,16 @@ pub(crate) fn build_request(
 
 /// What each team with a quota lease wants of the leased model: its local use plus the whole
 /// device demand of its pending local jobs that may run on the model.
-fn local_wants(s: &State, usage: &BTreeMap<(String, String), u64>) -> BTreeMap<(String, String), u64> {
-    let mut wanted: BTreeMap<(String, String), u64> = BTreeMap::new();
+/// Also the smallest such job's demand per (team, model) (0: none pending).
+fn local_wants(s: &State, usage: &BTreeMap<(String, String), u64>) -> BTreeMap<(String, String), (u64, u64)> {
+    let mut wanted: BTreeMap<(String, String), (u64, u64)> = BTreeMap::new();
     if s.quota_leases().is_empty() {
         return wanted;
     }
     for l in s.quota_leases() {
         let k = (l.team.clone(), l.device_model.clone());
         let used = usage.get(&k).copied().unwrap_or(0);
-        wanted.insert(k, used);
+        wanted.insert(k, (used, 0));
     }
     let kinds = models_by_kind(s);
     for j in s.jobs().values().filter(|j| j.state == JobState::Pending && j.federation.is_none()) {
@@ -415,7 +417,8 @@ fn local_wants(s: &State, usage: &BTreeMap<(String, String), u64>) -> BTreeMap<(
             let of_kind = kinds.get(&kind).is_some_and(|m| m.contains(&l.device_model));
             if of_kind && (models.is_empty() || models.contains(&l.device_model)) {
                 let slot = wanted.entry((l.team.clone(), l.device_model.clone())).or_default();
-                *slot = slot.saturating_add(demand);
+                slot.0 = slot.0.saturating_add(demand);
+                slot.1 = if slot.1 == 0 { demand } else { slot.1.min(demand) };
             }
         }
     }
