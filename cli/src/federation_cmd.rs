@@ -1,6 +1,7 @@
 //! `suanli federation ...`: run a federation server (`serve`, the same membership and TLS flags
 //! as `suanli server`) and talk to one (`status`, `regions`, `jobs`, `job`, `submit`, `cancel`,
-//! `quota`, `cost`). docs/federation.md.
+//! `quota`, `cost`, `add-server`, `remove-server`); `recover` rebuilds one offline from a stopped
+//! server's data dir. docs/federation.md.
 //!
 //! ```text
 //!   --federation a:7600,b:7600 (env SUANLI_FEDERATION; dev: ./.suanli/dev/federation)

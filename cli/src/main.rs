@@ -73,7 +73,8 @@ enum Cmd {
     /// Device plugins: `plugin check LIB.so` is the vendor's conformance kit.
     Plugin(plugin::PluginArgs),
     /// The federation over regions: `federation serve` runs a federation server; status,
-    /// regions, jobs, job, submit, cancel and quota talk to one.
+    /// regions, jobs, job, submit, cancel, quota, cost, add-server and remove-server talk to one;
+    /// recover rebuilds one offline.
     Federation(federation_cmd::FederationArgs),
     /// Development certificates: `tls init DIR` (a CA, server and admin), `tls issue` (one more, or a rotation).
     Tls(tls_cmd::TlsArgs),
