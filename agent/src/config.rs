@@ -72,7 +72,10 @@ pub struct AgentConfig {
     pub region: String,
     /// Datacenter (availability zone).
     pub datacenter: String,
-    /// Labels matched by job constraints (at most 64).
+    /// Labels matched by job constraints (at most 64). The three keys `topology.suanli.io/rack`,
+    /// `topology.suanli.io/block` and `topology.suanli.io/nvlink-domain` place the node in the
+    /// datacenter network for gang placement; they may also come from a device plugin's
+    /// inventory, and a value set here wins over the plugin's.
     pub labels: BTreeMap<String, String>,
     /// Where allocation directories (task logs, exit records) and the agent's state live.
     pub data_dir: PathBuf,

@@ -86,16 +86,20 @@ pub(crate) struct Agent {
 }
 
 impl Agent {
-    /// The node as registered now.
+    /// The node as registered now. Its labels are the plugins' topology labels
+    /// (`topology.suanli.io/rack`, `/block`, `/nvlink-domain`) and the config's `labels`, which
+    /// win on conflict: an operator's config overrides what a plugin reports.
     fn node(&self) -> Node {
         let devices: Vec<_> = self.plugins.devices().into_iter().map(|d| d.device).collect();
         let (pc, pm) = self.plugins.host_resources();
+        let mut labels = self.plugins.topology();
+        labels.extend(self.cfg.labels.clone());
         Node {
             id: NodeId(self.node_id.clone()),
             pool: PoolId(self.cfg.pool.clone()),
             datacenter: self.cfg.datacenter.clone(),
             region: self.cfg.region.clone(),
-            labels: self.cfg.labels.clone(),
+            labels,
             cpu_milli: self.cfg.cpu_milli.or(pc).unwrap_or_else(host_cpu_milli),
             memory_mib: self.cfg.memory_mib.or(pm).unwrap_or_else(host_memory_mib),
             devices,

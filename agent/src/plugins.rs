@@ -6,6 +6,7 @@
 //!        monitor (per plugin): state changes, health events ~1/s, stats, fingerprint ~30 s
 //!        Down ─▶ its devices unhealthy ("plugin X is down: …") ─▶ heartbeat now
 //!        Up again + fingerprint ok ─▶ healthy again (re-register if the inventory changed)
+//!  inventories' topology (rack, block, NVLink domain) ─▶ topology.suanli.io/* node labels
 //! ```
 //!
 //! A plugin must never take the agent down: every call goes through the supervisor, which
@@ -50,6 +51,35 @@ impl Plugin {
     fn view(&self) -> std::sync::MutexGuard<'_, View> {
         self.view.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// The node labels of an inventory's `topology`, in the order of [`pb::NodeTopology`]'s fields
+/// (rack, block, nvlink_domain): where the node sits in the datacenter network. The scheduler
+/// keeps a multi-node gang in the fewest blocks and NVLink domains; the rack is for operators
+/// and job constraints.
+pub(crate) const TOPOLOGY_LABELS: [&str; 3] =
+    ["topology.suanli.io/rack", "topology.suanli.io/block", "topology.suanli.io/nvlink-domain"];
+
+/// The longest topology value taken from a plugin (the agent config's label value limit).
+const MAX_TOPOLOGY_VALUE: usize = 253;
+
+/// Adds `t`'s values to `labels` under [`TOPOLOGY_LABELS`], keeping a value already there (an
+/// earlier plugin's); an empty value is unknown and adds nothing. A value that is not 1 to
+/// [`MAX_TOPOLOGY_VALUE`] bytes of printable ASCII without spaces (what every label check
+/// accepts) is not added: it is returned with its label, for a warning.
+fn merge_topology(labels: &mut BTreeMap<String, String>, t: &pb::NodeTopology) -> Vec<(&'static str, String)> {
+    let mut refused = Vec::new();
+    for (label, value) in TOPOLOGY_LABELS.into_iter().zip([&t.rack, &t.block, &t.nvlink_domain]) {
+        if value.is_empty() || labels.contains_key(label) {
+            continue;
+        }
+        if value.len() > MAX_TOPOLOGY_VALUE || !value.bytes().all(|b| b.is_ascii_graphic()) {
+            refused.push((label, value.clone()));
+            continue;
+        }
+        labels.insert(label.to_owned(), value.clone());
+    }
+    refused
 }
 
 /// A device of this node and where it comes from.
@@ -399,6 +429,28 @@ impl Plugins {
         (cpu, mem)
     }
 
+    /// The node's place in the datacenter network as its plugins report it: the labels
+    /// `TOPOLOGY_LABELS`, each with the first non-empty value across the loaded plugins (in
+    /// load order, from each one's latest inventory). A value that is not a safe label value is
+    /// passed over (logged once). The agent config's own `labels` override these.
+    pub fn topology(&self) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        for p in &self.list {
+            let v = p.view();
+            let Some(t) = v.inventory.as_ref().and_then(|i| i.topology.as_ref()) else {
+                continue;
+            };
+            for (label, value) in merge_topology(&mut out, t) {
+                self.warn_once(format!("topology:{}:{label}", p.stem), || {
+                    let shown: String = value.chars().take(80).collect();
+                    tracing::warn!(plugin = %p.stem, label, value = ?shown,
+                        "ignoring a topology value: a label value must be 1 to 253 bytes of printable ASCII without spaces");
+                });
+            }
+        }
+        out
+    }
+
     /// Latest stats of every device this node registered.
     pub fn stats(&self) -> Vec<pb::DeviceStats> {
         let owned: BTreeMap<String, usize> = self.devices().into_iter().map(|d| (d.device.id, d.owner)).collect();
@@ -688,7 +740,10 @@ async fn fingerprint(p: &Plugin, inventory_changed: &AtomicBool) -> Result<(), S
             inv.devices.truncate(1024);
             let mut v = p.view();
             let changed = v.inventory.as_ref().is_none_or(|old| {
-                shape(old) != shape(&inv) || old.cpu_milli != inv.cpu_milli || old.memory_mib != inv.memory_mib
+                shape(old) != shape(&inv)
+                    || old.cpu_milli != inv.cpu_milli
+                    || old.memory_mib != inv.memory_mib
+                    || old.topology != inv.topology
             });
             v.inventory = Some(inv);
             v.events.clear();
@@ -717,6 +772,33 @@ mod tests {
 
     fn share(milli: u32) -> Vec<pb::ReserveShare> {
         vec![pb::ReserveShare { device_id: "gpu0".into(), milli, memory_mib: 0 }]
+    }
+
+    #[test]
+    fn topology_labels_take_the_first_plugin_value_of_each() {
+        let t = |rack: &str, block: &str, nvlink_domain: &str| pb::NodeTopology {
+            rack: rack.into(),
+            block: block.into(),
+            nvlink_domain: nvlink_domain.into(),
+        };
+        let mut labels = BTreeMap::new();
+        assert!(merge_topology(&mut labels, &t("", "su-1", "")).is_empty());
+        // A later plugin fills what the first left unknown, and changes nothing it set.
+        let refused = merge_topology(&mut labels, &t("r 7", "su-9", "nvl72-a"));
+        assert_eq!(refused, [("topology.suanli.io/rack", "r 7".to_owned())]);
+        assert!(merge_topology(&mut labels, &t("r7", "", "")).is_empty());
+        let want: BTreeMap<String, String> = [
+            ("topology.suanli.io/block", "su-1"),
+            ("topology.suanli.io/nvlink-domain", "nvl72-a"),
+            ("topology.suanli.io/rack", "r7"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        assert_eq!(labels, want);
+        let mut long = BTreeMap::new();
+        assert_eq!(merge_topology(&mut long, &t(&"r".repeat(254), "", "")).len(), 1);
+        assert!(long.is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -33,18 +33,35 @@ pub enum Format {
     Csv,
 }
 
+/// Which synthetic mixes `--synthetic-suite` runs.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum SuiteSet {
+    /// The held-out mixes (drawn from a fixed seed; never used for tuning).
+    HeldOut,
+    /// The tuning mixes (hand-made corners).
+    Tuning,
+    /// Both.
+    All,
+}
+
 #[derive(Args, Debug)]
 pub struct FillArgs {
     /// Node list (Alibaba `openb_node_list_*.csv`).
-    #[arg(long, required_unless_present = "synthetic", requires = "pods")]
+    #[arg(long, required_unless_present_any = ["synthetic", "synthetic_suite"], requires = "pods")]
     pub nodes: Option<PathBuf>,
     /// Pod list (Alibaba `openb_pod_list_*.csv` or suanli's native format).
     #[arg(long, requires = "nodes")]
     pub pods: Option<PathBuf>,
     /// Instead of trace files: a synthetic cluster of this many 8-GPU nodes and a generated
     /// pod stream (see docs/sim.md).
-    #[arg(long, conflicts_with_all = ["nodes", "pods"])]
+    #[arg(long, conflicts_with_all = ["nodes", "pods", "synthetic_suite"])]
     pub synthetic: Option<usize>,
+    /// Instead of trace files: the synthetic workload mixes on a cluster shaped like the public
+    /// one (docs/sim.md, "The synthetic suite"): `held-out` (the mixes no tuning has seen),
+    /// `tuning` or `all`. One row per mix: each policy's allocation at 130% arrived, the first
+    /// policy's lead over `fgd`, the unallocated shares' ratio and the offline bound.
+    #[arg(long, value_enum, conflicts_with_all = ["nodes", "pods"])]
+    pub synthetic_suite: Option<SuiteSet>,
     /// Comma-separated policies, or `all`.
     #[arg(long, default_value = "suanli,fgd,bestfit")]
     pub policy: String,
@@ -119,6 +136,9 @@ pub fn run(cmd: SimCmd) -> Result<()> {
 fn run_fill(a: FillArgs) -> Result<()> {
     let policies = parse_policies(&a.policy)?;
     let seeds = parse_seeds(&a.seeds)?;
+    if let Some(set) = a.synthetic_suite {
+        return run_suite(&a, set, &policies, &seeds);
+    }
     let (nodes, pods, title) = match (&a.nodes, &a.pods, a.synthetic) {
         (Some(n), Some(p), _) => {
             let name = |p: &PathBuf| p.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned());
@@ -132,8 +152,38 @@ fn run_fill(a: FillArgs) -> Result<()> {
             let pods = suanli_sim::synth::trace_pods(n * 8, 7, 1, false);
             (nodes, pods, format!("synthetic stream on {n} synthetic nodes"))
         }
-        _ => bail!("give --nodes and --pods, or --synthetic N"),
+        _ => bail!("give --nodes and --pods, --synthetic N or --synthetic-suite SET"),
     };
+    let sums = run_many(&a, &nodes, &pods, &policies, &seeds)?;
+    if let Some(svg) = &a.svg {
+        std::fs::write(svg, report::curves_svg(&title, &sums))
+            .with_context(|| format!("--svg: writing {}", svg.display()))?;
+    }
+    match a.format {
+        Format::Table => {
+            println!(
+                "{title}: {} node(s), {} pod(s), inflate {}, seeds {}",
+                nodes.len(),
+                pods.len(),
+                a.inflate,
+                a.seeds
+            );
+            print!("{}", report::table(&sums));
+        }
+        Format::Json => println!("{}", serde_json::to_string_pretty(&sums)?),
+        Format::Csv => print!("{}", report::curves_csv(&sums)),
+    }
+    Ok(())
+}
+
+/// Runs every (policy, seed) pair on all cores; one summary per policy, in order.
+fn run_many(
+    a: &FillArgs,
+    nodes: &[suanli_model::Node],
+    pods: &[trace::TracePod],
+    policies: &[String],
+    seeds: &[u64],
+) -> Result<Vec<PolicySummary>> {
     let weights = Weights { fragmentation: a.w_frag, binpack: a.w_binpack, ..Weights::default() };
     let jobs: Vec<(usize, u64)> = (0..policies.len()).flat_map(|p| seeds.iter().map(move |&s| (p, s))).collect();
     let threads =
@@ -159,7 +209,7 @@ fn run_fill(a: FillArgs) -> Result<()> {
                         weights,
                         ..FillOptions::default()
                     };
-                    match fill(&nodes, &pods, &opts) {
+                    match fill(nodes, pods, &opts) {
                         Ok(r) => {
                             if let Ok(mut v) = results.lock() {
                                 v[k] = Some(r);
@@ -190,23 +240,92 @@ fn run_fill(a: FillArgs) -> Result<()> {
             report::summarize(name, &runs)
         })
         .collect();
-    if let Some(svg) = &a.svg {
-        std::fs::write(svg, report::curves_svg(&title, &sums))
-            .with_context(|| format!("--svg: writing {}", svg.display()))?;
-    }
-    match a.format {
-        Format::Table => {
-            println!(
-                "{title}: {} node(s), {} pod(s), inflate {}, seeds {}",
-                nodes.len(),
-                pods.len(),
-                a.inflate,
-                a.seeds
-            );
-            print!("{}", report::table(&sums));
+    Ok(sums)
+}
+
+/// One mix's results in the synthetic suite.
+#[derive(Debug, serde::Serialize)]
+struct SuiteRow {
+    mix: suanli_sim::mix::Mix,
+    summaries: Vec<PolicySummary>,
+    /// Mean offline upper bound on allocation at the end of the run, %.
+    bound_alloc: f64,
+}
+
+fn run_suite(a: &FillArgs, set: SuiteSet, policies: &[String], seeds: &[u64]) -> Result<()> {
+    use suanli_sim::mix;
+    let mixes = match set {
+        SuiteSet::HeldOut => mix::held_out_set(),
+        SuiteSet::Tuning => mix::tuning_set(),
+        SuiteSet::All => mix::tuning_set().into_iter().chain(mix::held_out_set()).collect(),
+    };
+    let nodes = mix::hetero_nodes(mix::SUITE_NODES);
+    let total_gpu: u64 = nodes.iter().map(|n| n.devices.len() as u64 * 1000).sum();
+    let mut rows = Vec::new();
+    for (i, m) in mixes.into_iter().enumerate() {
+        let pods = mix::pods(&m, mix::SUITE_PODS, 1000 + i as u64);
+        let summaries = run_many(a, &nodes, &pods, policies, seeds)?;
+        let mut bound_sum = 0.0;
+        for &seed in seeds {
+            let (seq, _) = suanli_sim::fill::arrival_sequence(&pods, nodes.len(), total_gpu, a.inflate, seed);
+            bound_sum += suanli_sim::bound::upper_bound(&nodes, &pods, &seq)
+                .with_context(|| format!("offline bound of mix {}", m.name))?
+                .alloc_pct;
         }
-        Format::Json => println!("{}", serde_json::to_string_pretty(&sums)?),
-        Format::Csv => print!("{}", report::curves_csv(&sums)),
+        rows.push(SuiteRow { mix: m, summaries, bound_alloc: bound_sum / seeds.len() as f64 });
+    }
+    if a.format == Format::Json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    if a.format == Format::Csv {
+        println!("mix,policy,alloc_at_130,bound_alloc");
+        for r in &rows {
+            for s in &r.summaries {
+                println!("{},{},{:.4},{:.4}", r.mix.name, s.policy, s.alloc_at_130, r.bound_alloc);
+            }
+        }
+        return Ok(());
+    }
+    println!(
+        "synthetic suite ({set:?}): {} mixes on {} nodes shaped like the public cluster, {} pods each, inflate {}, seeds {}",
+        rows.len(),
+        nodes.len(),
+        suanli_sim::mix::SUITE_PODS,
+        a.inflate,
+        a.seeds
+    );
+    println!("allocation % at 130% arrived (mean over seeds); bound: offline upper bound on any policy's allocation");
+    let fgd = policies.iter().position(|p| p == "fgd");
+    let mut head = format!("{:<26}", "mix");
+    for p in policies {
+        head.push_str(&format!(" {p:>9}"));
+    }
+    if fgd.is_some() {
+        head.push_str(&format!(" {:>8} {:>13}", "Δ vs fgd", "unalloc ratio"));
+    }
+    head.push_str(&format!(" {:>7}", "bound"));
+    println!("{head}");
+    let (mut wins, mut worst) = (0usize, f64::INFINITY);
+    for r in &rows {
+        let mut line = format!("{:<26}", r.mix.name);
+        for s in &r.summaries {
+            line.push_str(&format!(" {:>9.2}", s.alloc_at_130));
+        }
+        if let Some(f) = fgd {
+            let (c, b) = (r.summaries[0].alloc_at_130, r.summaries[f].alloc_at_130);
+            let ratio = if 100.0 - b > 1e-9 { (100.0 - c) / (100.0 - b) } else { 1.0 };
+            line.push_str(&format!(" {:>+8.2} {:>13.3}", c - b, ratio));
+            if c + 1e-9 >= b {
+                wins += 1;
+            }
+            worst = worst.min(c - b);
+        }
+        line.push_str(&format!(" {:>7.2}", r.bound_alloc));
+        println!("{line}");
+    }
+    if fgd.is_some() && policies[0] != "fgd" {
+        println!("{} ≥ fgd on {wins}/{} mixes; smallest lead {worst:+.2} points", policies[0], rows.len());
     }
     Ok(())
 }

@@ -211,8 +211,8 @@ fn alloc_resvec(a: &Allocation, kinds: &Kinds<'_>) -> ResVec {
 }
 
 /// Builds the fragmentation profile from samples. With `memory_aware`, a typical shape also
-/// counts as unplaceable on a node that lacks its memory (suanli's default; the published FGD
-/// ignores memory).
+/// counts as unplaceable on a node that lacks its memory. The published FGD ignores memory, and
+/// so does every caller now: suanli's default measured better without it (docs/sim.md).
 pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f64, memory_aware: bool) -> Profile {
     let mut counts: BTreeMap<TypicalKey, u64> = BTreeMap::new();
     for s in samples {
@@ -226,7 +226,15 @@ pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f6
         let key = TypicalKey::new(s.resources.cpu_milli, mem, dev, cluster.model_set(&s.device_models));
         *counts.entry(key).or_default() += s.count;
     }
-    Profile::from_counts(&counts, coverage)
+    let mut supply = vec![0.0; 128];
+    cluster.for_each_node(|g, _| {
+        for d in g.devs.iter().filter(|d| !d.partition) {
+            supply[d.model as usize] += 1.0;
+        }
+    });
+    let mut p = Profile::from_counts(&counts, coverage);
+    p.set_supply(supply);
+    p
 }
 
 struct Pass<'a> {
@@ -293,7 +301,7 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
     } else {
         view.workload.clone()
     };
-    let profile = build_profile(&cluster, &samples, cfg.typical_coverage, cfg.policy == "suanli");
+    let profile = build_profile(&cluster, &samples, cfg.typical_coverage, false);
     let policy = policy::build(&cfg.policy, Norms::of(cluster.groups()), &profile, cfg.weights)?;
     let mut pass = Pass {
         cfg,

@@ -123,7 +123,7 @@ impl Norms {
 /// Builds a policy by name.
 pub fn build(name: &str, norms: Norms, profile: &Profile, weights: Weights) -> Result<Box<dyn Policy>, UnknownPolicy> {
     Ok(match name {
-        "suanli" => Box::new(Suanli { norms, profile: profile.clone(), weights }),
+        "suanli" => Box::new(Suanli { norms, ties: Ties::of(profile), profile: profile.clone(), weights }),
         "fgd" => Box::new(Fgd { profile: profile.clone() }),
         "bestfit" => Box::new(BestFit { norms }),
         "dotprod" => Box::new(DotProd { norms }),
@@ -485,11 +485,34 @@ impl Policy for Fgd {
 #[derive(Debug)]
 pub struct Suanli {
     norms: Norms,
+    ties: Ties,
     profile: Profile,
     weights: Weights,
 }
 
 const SCALE: f64 = 1e6;
+/// One step of the primary (FGD) score in the combined score; the secondary stays within a
+/// quarter of it, so it only orders nodes of equal primary score.
+const PRIMARY_STEP: i64 = 1_000_000_000;
+
+/// How the default breaks ties between nodes FGD scores equally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ties {
+    /// By the weighted sum: exact fragmentation delta, bin-pack, spread, topology.
+    Weighted,
+    /// By topology, then FGD's own first-fit order: chosen when work limited to some device
+    /// models asks more of a model than its share of the cluster (the exact delta would pull
+    /// unconstrained work onto the models few typical tasks can use — the ones the constrained
+    /// work needs).
+    FirstFit,
+}
+
+impl Ties {
+    /// The tie-break for a workload profile (see docs/sim.md, "How the default decides").
+    pub fn of(profile: &Profile) -> Self {
+        if profile.model_pressure().iter().any(|&p| p >= 1.0) { Ties::FirstFit } else { Ties::Weighted }
+    }
+}
 
 impl Suanli {
     /// Chooses whole devices: the fullest topology block that holds all of them, else the
@@ -547,7 +570,7 @@ impl Policy for Suanli {
         let mut buf = [DevState::default(); MAX_NODE_DEVICES];
         let after_devs = &mut buf[..n.devs.len()];
         after_devs.copy_from_slice(n.devs);
-        let (score, mask) = match s.dev {
+        let (frag, topo, mask) = match s.dev {
             Some(r) if r.is_share() => {
                 let mut best: Option<(f64, u16, usize)> = None;
                 let mut last: Option<crate::cluster::DevState> = None;
@@ -579,7 +602,7 @@ impl Policy for Suanli {
                     }
                 }
                 let (frag, _, i) = best?;
-                (w.fragmentation * frag + base + w.topology, 1u64 << i)
+                (frag, 1.0, 1u64 << i)
             }
             Some(r) => {
                 let (mask, topo) = self.whole_devices(g, elig, r.count);
@@ -590,7 +613,7 @@ impl Policy for Suanli {
                 } else {
                     0.0
                 };
-                (w.fragmentation * frag + base + w.topology * topo, mask)
+                (frag, topo, mask)
             }
             None => {
                 let frag = if use_frag {
@@ -598,10 +621,20 @@ impl Policy for Suanli {
                 } else {
                     0.0
                 };
-                (w.fragmentation * frag + base + w.topology, 0)
+                (frag, 1.0, 0)
             }
         };
-        Some(Eval { score: (score * SCALE).round() as i64, mask, pick: Pick::Exact })
+        // Primary: FGD's own integer score of the exact delta, so the node chosen is always one
+        // FGD would rank first. Secondary, inside that set: the weighted sum (or, when
+        // constrained work over-asks some model, only the topology term, leaving FGD's own
+        // first-fit order to decide).
+        let primary = if use_frag { sigmoid_score(frag * 1000.0) } else { 0 };
+        let secondary = match self.ties {
+            Ties::Weighted => w.fragmentation * frag + base + w.topology * topo,
+            Ties::FirstFit => w.topology * topo,
+        };
+        let secondary = (secondary * SCALE).round().clamp(-(PRIMARY_STEP as f64) / 4.0, PRIMARY_STEP as f64 / 4.0);
+        Some(Eval { score: primary * PRIMARY_STEP + secondary as i64, mask, pick: Pick::Exact })
     }
 }
 

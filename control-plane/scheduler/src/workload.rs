@@ -64,6 +64,8 @@ type GroupKey = (Option<(DeviceKind, u32, u16)>, ModelSet);
 pub struct Profile {
     groups: Vec<TypGroup>,
     shapes: Vec<(TypicalKey, f64)>,
+    /// Devices per model id in the cluster (empty: unknown).
+    supply: Vec<f64>,
 }
 
 impl Profile {
@@ -120,12 +122,48 @@ impl Profile {
                 }
             })
             .collect();
-        Self { groups, shapes }
+        Self { groups, shapes, supply: Vec::new() }
+    }
+
+    /// Records how many devices of each model id the cluster has, for [`Self::model_pressure`].
+    pub fn set_supply(&mut self, supply: Vec<f64>) {
+        self.supply = supply;
     }
 
     /// True when there is no workload to measure against.
     pub fn is_empty(&self) -> bool {
         self.shapes.is_empty()
+    }
+
+    /// Per model id, how much the typical shapes that are limited to some models ask of it,
+    /// relative to its share of the cluster's devices: the frequency x devices asked, shared
+    /// evenly among the models each shape allows, divided by the model's share of all devices
+    /// (when [`Self::set_supply`] gave it; else the raw demand). Shapes that accept any model
+    /// add nothing. A value of 1 or more means constrained work alone asks at least the model's
+    /// share of the work: the model is contended.
+    pub fn model_pressure(&self) -> Vec<f64> {
+        let mut p = vec![0.0; 128];
+        for (k, f) in &self.shapes {
+            if k.count == 0 || k.models == crate::cluster::ALL_MODELS || k.models == 0 {
+                continue;
+            }
+            let n = f64::from(k.models.count_ones());
+            let dev = f64::from(k.count) * f64::from(k.milli) / 1000.0;
+            for (m, v) in p.iter_mut().enumerate() {
+                if k.models & (1u128 << m) != 0 {
+                    *v += f * dev / n;
+                }
+            }
+        }
+        // Relative to the model's share of the cluster's devices, when known.
+        let total: f64 = self.supply.iter().sum();
+        if total > 0.0 {
+            for (m, v) in p.iter_mut().enumerate() {
+                let share = self.supply.get(m).copied().unwrap_or(0.0) / total;
+                *v = if share > 0.0 { *v / share } else { 0.0 };
+            }
+        }
+        p
     }
 
     /// The kept shapes and their frequencies.

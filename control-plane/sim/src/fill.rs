@@ -157,7 +157,7 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
     if total == 0 {
         return Err(FillError::Param { field: "nodes", message: "the cluster has no GPUs to fill".into() });
     }
-    let profile = profile_of(&cluster, pods, opts.coverage, opts.policy == "suanli");
+    let profile = profile_of(&cluster, pods, opts.coverage, false);
     let policy = policy::build(&opts.policy, Norms::of(cluster.groups()), &profile, opts.weights)?;
     let (seq, order) = arrival_sequence(pods, cluster.len(), total, opts.inflate, opts.seed);
     cluster.set_order(&order);

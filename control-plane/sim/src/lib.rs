@@ -13,7 +13,9 @@
 //! the engine's cluster model (the published procedure has no time and no queues); `replay`
 //! keeps no rules of its own: what the servers would commit, it applies with `State::apply`.
 
+pub mod bound;
 pub mod fill;
+pub mod mix;
 pub mod replay;
 pub mod report;
 pub mod synth;

@@ -279,6 +279,7 @@ pub fn read_inventory(root: &Path) -> Result<pb::Inventory, PluginError> {
         sockets: topo.sockets,
         cores: topo.cores,
         driver_version: String::new(),
+        topology: None,
     })
 }
 

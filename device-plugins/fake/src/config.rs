@@ -1,5 +1,6 @@
 //! The fake plugin's device file: `[[devices]]` entries and `[[groups]]` shorthands, validated
-//! into a flat, ordered list of [`FakeDevice`]s. Pure: [`parse_config`] takes the text.
+//! into a flat, ordered list of [`FakeDevice`]s, and an optional `[topology]` table (the node's
+//! rack, network block and NVLink domain). Pure: [`parse_config`] takes the text.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -24,6 +25,8 @@ pub const MAX_BANDWIDTH_MBPS: u64 = 100_000_000;
 pub const MAX_MIG_SLICES: u32 = 7;
 /// The largest config or fault file.
 pub const MAX_FILE_BYTES: u64 = 1024 * 1024;
+/// The longest `[topology]` value (`rack`, `block`, `nvlink_domain`): a short label value.
+pub const MAX_TOPOLOGY_LEN: usize = 63;
 
 /// What a fake device pretends to be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -93,6 +96,9 @@ pub struct FakeConfig {
     pub devices: Vec<FakeDevice>,
     /// The `fault_file` entry as written (relative paths are relative to the config's directory).
     pub fault_file: Option<String>,
+    /// The `[topology]` table: where the node sits in the datacenter network (reported in the
+    /// inventory's `topology`); `None` when the file has no such table or it names nothing.
+    pub topology: Option<pb::NodeTopology>,
 }
 
 #[derive(Deserialize)]
@@ -106,6 +112,16 @@ struct RawConfig {
     groups: Vec<RawGroup>,
     #[serde(default)]
     mig: Vec<RawMig>,
+    topology: Option<RawTopology>,
+}
+
+/// `[topology]`: the node's rack, network block and multi-node NVLink domain, each optional.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTopology {
+    rack: Option<String>,
+    block: Option<String>,
+    nvlink_domain: Option<String>,
 }
 
 /// `[[mig]]`: GPU `gpu` (an id defined above) is also offered as `slices` partitions
@@ -171,6 +187,39 @@ fn check_id(id: &str, field: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A `[topology]` value: 1 to [`MAX_TOPOLOGY_LEN`] bytes of ASCII letters, digits, '.', '_' and
+/// '-' (a valid node label value everywhere).
+fn check_topology_value(v: &str, field: &str) -> Result<(), String> {
+    if v.is_empty() || v.len() > MAX_TOPOLOGY_LEN {
+        return Err(format!(
+            "{field} {v:?} must be 1 to {MAX_TOPOLOGY_LEN} characters (leave the key out when it is unknown)"
+        ));
+    }
+    if !v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) {
+        return Err(format!("{field} {v:?} may contain only ASCII letters, digits, '-', '_' and '.'"));
+    }
+    Ok(())
+}
+
+/// Validates `[topology]`; `None` when it names nothing.
+fn parse_topology(raw: Option<RawTopology>) -> Result<Option<pb::NodeTopology>, String> {
+    let Some(t) = raw else {
+        return Ok(None);
+    };
+    let mut out = pb::NodeTopology::default();
+    for (value, field, slot) in [
+        (t.rack, "topology.rack", &mut out.rack),
+        (t.block, "topology.block", &mut out.block),
+        (t.nvlink_domain, "topology.nvlink_domain", &mut out.nvlink_domain),
+    ] {
+        if let Some(v) = value {
+            check_topology_value(&v, field)?;
+            *slot = v;
+        }
+    }
+    if out == pb::NodeTopology::default() { Ok(None) } else { Ok(Some(out)) }
+}
+
 fn check_name(s: &str, field: &str) -> Result<(), String> {
     if s.trim().is_empty() || s.len() > MAX_NAME_LEN || s.chars().any(char::is_control) {
         return Err(format!("{field} {s:?} must be 1 to {MAX_NAME_LEN} printable characters"));
@@ -211,6 +260,7 @@ pub fn parse_config(text: &str) -> Result<FakeConfig, String> {
     let raw: RawConfig = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_string())?;
     let vendor = raw.vendor.unwrap_or_else(|| "fake".to_string());
     check_name(&vendor, "vendor")?;
+    let topology = parse_topology(raw.topology)?;
     if raw.devices.is_empty() && raw.groups.is_empty() {
         return Err("no devices: add [[devices]] or [[groups]] entries".into());
     }
@@ -440,7 +490,7 @@ pub fn parse_config(text: &str) -> Result<FakeConfig, String> {
         }
         devices[at].links = out;
     }
-    Ok(FakeConfig { devices, fault_file: raw.fault_file })
+    Ok(FakeConfig { devices, fault_file: raw.fault_file, topology })
 }
 
 #[cfg(test)]
@@ -545,6 +595,31 @@ island_size = 2
 
     fn err(text: &str) -> String {
         parse_config(text).unwrap_err()
+    }
+
+    #[test]
+    fn topology_is_optional_and_validated() {
+        assert_eq!(parse_config(EIGHT).unwrap().topology, None);
+        let text = format!("{EIGHT}[topology]\nrack = \"r12\"\nblock = \"su-3\"\nnvlink_domain = \"nvl72.a_1\"\n");
+        let t = parse_config(&text).unwrap().topology.unwrap();
+        assert_eq!((t.rack.as_str(), t.block.as_str(), t.nvlink_domain.as_str()), ("r12", "su-3", "nvl72.a_1"));
+        // Keys left out are unknown (empty); a table naming nothing is no topology.
+        let t = parse_config(&format!("{EIGHT}[topology]\nblock = \"b0\"\n")).unwrap().topology.unwrap();
+        assert_eq!(t, pb::NodeTopology { block: "b0".into(), ..Default::default() });
+        assert_eq!(parse_config(&format!("{EIGHT}[topology]\n")).unwrap().topology, None);
+
+        let bad = |body: &str| err(&format!("{EIGHT}[topology]\n{body}\n"));
+        let e = bad("rack = \"rack 1\"");
+        assert!(e.starts_with("topology.rack \"rack 1\" may contain only ASCII letters"), "{e}");
+        let e = bad("block = \"\"");
+        assert!(e.starts_with("topology.block \"\" must be 1 to 63 characters"), "{e}");
+        let e = bad(&format!("nvlink_domain = \"{}\"", "n".repeat(64)));
+        assert!(e.starts_with("topology.nvlink_domain"), "{e}");
+        assert!(parse_config(&format!("{EIGHT}[topology]\nrack = \"{}\"\n", "r".repeat(63))).is_ok());
+        let e = bad("row = \"r1\"");
+        assert!(e.contains("unknown field") && e.contains("row"), "{e}");
+        let e = bad("rack = 7");
+        assert!(e.contains("rack"), "{e}");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //!  init ──▶ read + validate the config (PluginConfig.config_path) ──▶ [FakeDevice]
 //!  every call ──▶ stat the fault file; re-read it when it changed ──▶ Faults
 //!             ──▶ misbehave if the fault file says so (test/demo faults: panic, hang, segfault, abort)
-//!  fingerprint ─▶ devices, health from the faults
+//!  fingerprint ─▶ devices, health from the faults, the config's [topology] (rack, block, NVLink domain)
 //!  health_events ─▶ new XIDs, health transitions since the previous call
 //!  stats ─▶ fixed values from the faults, else a deterministic sine of wall time
 //!  reserve ─▶ CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES (indexes) + SUANLI_FAKE_DEVICES
@@ -39,6 +39,8 @@ pub struct FakePlugin {
     devices: Vec<FakeDevice>,
     /// Device id → position in `devices`.
     by_id: BTreeMap<String, usize>,
+    /// The config's `[topology]`, reported in every inventory.
+    topology: Option<pb::NodeTopology>,
     fault_path: PathBuf,
     state: Mutex<State>,
     /// Plugin option `enforce_shares=true`: reserve refuses a share that would take a device's
@@ -142,6 +144,7 @@ impl FakePlugin {
             config_path: config_path.to_path_buf(),
             devices: cfg.devices,
             by_id,
+            topology: cfg.topology,
             fault_path,
             state: Mutex::new(State {
                 stamp: None,
@@ -165,6 +168,11 @@ impl FakePlugin {
     /// The devices of the config.
     pub fn devices(&self) -> &[FakeDevice] {
         &self.devices
+    }
+
+    /// The config's `[topology]` (rack, block, NVLink domain), if it has one.
+    pub fn topology(&self) -> Option<&pb::NodeTopology> {
+        self.topology.as_ref()
     }
 
     /// Locks the state after re-reading the fault file if it changed.
@@ -255,6 +263,7 @@ impl FakePlugin {
             message,
             devices,
             driver_version: format!("fake-{}", env!("CARGO_PKG_VERSION")),
+            topology: self.topology.clone(),
             ..Default::default()
         }
     }
@@ -766,6 +775,45 @@ mod plugin_fake_tests {
             .unwrap();
         assert_eq!(e.code, Code::InvalidArgument);
         assert!(e.message.contains("bad.toml") && e.message.contains("groups[0].count is 1000"), "{}", e.message);
+    }
+
+    #[test]
+    fn the_topology_table_is_in_the_inventory() {
+        let d = Dir::new();
+        let cfg = d.0.join("rack.toml");
+        std::fs::write(
+            &cfg,
+            "[[groups]]\ncount = 2\nkind = \"gpu\"\nmodel = \"GB200\"\nmemory_mib = 1\n\
+             [topology]\nrack = \"r07\"\nblock = \"su-2\"\nnvlink_domain = \"nvl72-r07\"\n",
+        )
+        .unwrap();
+        let p = FakePlugin::init(pb::PluginConfig { config_path: cfg.display().to_string(), ..Default::default() })
+            .unwrap();
+        let inv = p.fingerprint().unwrap();
+        assert_eq!(
+            inv.topology,
+            Some(pb::NodeTopology { rack: "r07".into(), block: "su-2".into(), nvlink_domain: "nvl72-r07".into() })
+        );
+        assert_eq!(p.topology(), inv.topology.as_ref());
+        // Without the table: no topology.
+        let (_d8, p8) = setup("fake-8gpu.toml");
+        assert_eq!(p8.fingerprint().unwrap().topology, None);
+    }
+
+    #[test]
+    fn a_bad_topology_value_refuses_init_and_names_the_field() {
+        let d = Dir::new();
+        let cfg = d.0.join("bad-rack.toml");
+        std::fs::write(
+            &cfg,
+            "[[groups]]\ncount = 1\nkind = \"gpu\"\nmodel = \"m\"\nmemory_mib = 1\n[topology]\nrack = \"r/7\"\n",
+        )
+        .unwrap();
+        let e = FakePlugin::init(pb::PluginConfig { config_path: cfg.display().to_string(), ..Default::default() })
+            .err()
+            .unwrap();
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("bad-rack.toml") && e.message.contains("topology.rack \"r/7\""), "{}", e.message);
     }
 
     #[test]

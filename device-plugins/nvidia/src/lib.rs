@@ -20,7 +20,10 @@
 //! each failure reported rather than fatal).
 //!
 //! Plugin options: `nvml_lib` (a path to load instead of `libnvidia-ml.so.1`), `mig_minors_file`
-//! (a path to read instead of `/proc/driver/nvidia-caps/mig-minors`).
+//! (a path to read instead of `/proc/driver/nvidia-caps/mig-minors`), and `rack`, `block`,
+//! `nvlink_domain`: the node's place in the datacenter network, passed through into every
+//! inventory's `topology` (each 1 to 63 bytes of ASCII letters, digits, '.', '_' and '-'; a bad
+//! value fails init and names the option). NVML does not tell a node's rack or block.
 
 pub mod topo;
 
@@ -50,9 +53,37 @@ pub const MAX_NVLINKS: u32 = 18;
 
 const MIB: u64 = 1024 * 1024;
 
+/// The longest `rack`, `block` or `nvlink_domain` option (a short label value).
+pub const MAX_TOPOLOGY_LEN: usize = 63;
+
 /// The NVIDIA plugin instance.
 pub struct NvidiaPlugin {
     backend: Backend,
+    /// The options `rack`, `block` and `nvlink_domain`, reported in every inventory.
+    topology: Option<pb::NodeTopology>,
+}
+
+/// The node topology from the plugin options `rack`, `block` and `nvlink_domain` (`None` when
+/// none is set); a value that is not 1 to [`MAX_TOPOLOGY_LEN`] bytes of ASCII letters, digits,
+/// '.', '_' and '-' is an error naming the option.
+fn topology_options(options: &BTreeMap<String, String>) -> Result<Option<pb::NodeTopology>, PluginError> {
+    let mut t = pb::NodeTopology::default();
+    for (key, slot) in [("rack", &mut t.rack), ("block", &mut t.block), ("nvlink_domain", &mut t.nvlink_domain)] {
+        let Some(v) = options.get(key) else {
+            continue;
+        };
+        if v.is_empty()
+            || v.len() > MAX_TOPOLOGY_LEN
+            || !v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            let shown: String = v.chars().take(80).collect();
+            return Err(PluginError::invalid(format!(
+                "option {key} is {shown:?}; expected 1 to {MAX_TOPOLOGY_LEN} ASCII letters, digits, '-', '_' or '.'"
+            )));
+        }
+        slot.clone_from(v);
+    }
+    Ok(if t == pb::NodeTopology::default() { None } else { Some(t) })
 }
 
 enum Backend {
@@ -511,6 +542,7 @@ impl DevicePlugin for NvidiaPlugin {
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
     fn init(config: pb::PluginConfig) -> Result<Self, PluginError> {
+        let topology = topology_options(&config.options)?;
         let lib = config.options.get("nvml_lib").cloned();
         let loaded = match &lib {
             Some(path) => Nvml::builder().lib_path(std::ffi::OsStr::new(path)).init(),
@@ -522,7 +554,7 @@ impl DevicePlugin for NvidiaPlugin {
                 let what = lib.as_deref().unwrap_or("libnvidia-ml.so.1");
                 let message = format!("NVML not available: {what}: {}", topo::error_chain(&e));
                 eprintln!("suanli nvidia plugin: {message}");
-                return Ok(NvidiaPlugin { backend: Backend::Absent { message } });
+                return Ok(NvidiaPlugin { backend: Backend::Absent { message }, topology });
             }
         };
         let driver_version = nvml.sys_driver_version().unwrap_or_default();
@@ -563,16 +595,18 @@ impl DevicePlugin for NvidiaPlugin {
                 }
             }
         }
-        Ok(NvidiaPlugin { backend: Backend::Live(live) })
+        Ok(NvidiaPlugin { backend: Backend::Live(live), topology })
     }
 
     fn fingerprint(&self) -> Result<pb::Inventory, PluginError> {
-        match &self.backend {
+        let mut inv = match &self.backend {
             Backend::Absent { message } => {
-                Ok(pb::Inventory { vendor: "nvidia".into(), message: message.clone(), ..Default::default() })
+                pb::Inventory { vendor: "nvidia".into(), message: message.clone(), ..Default::default() }
             }
-            Backend::Live(l) => l.fingerprint(),
-        }
+            Backend::Live(l) => l.fingerprint()?,
+        };
+        inv.topology.clone_from(&self.topology);
+        Ok(inv)
     }
 
     fn reserve(&self, req: pb::ReserveRequest) -> Result<pb::Reservation, PluginError> {
@@ -651,6 +685,25 @@ mod plugin_nvidia_tests {
         assert_eq!(e.code, Code::NotFound);
         assert!(e.message.contains("NVML not available"), "{}", e.message);
         p.shutdown();
+    }
+
+    /// The options rack, block and nvlink_domain pass through into the inventory (NVML or not);
+    /// a bad value fails init and names the option.
+    #[test]
+    fn topology_options_pass_through() {
+        let mut cfg = pb::PluginConfig::default();
+        cfg.options.insert("nvml_lib".into(), "/nonexistent/libnvidia-ml.so.1".into());
+        let p = NvidiaPlugin::init(cfg.clone()).unwrap();
+        assert_eq!(p.fingerprint().unwrap().topology, None);
+        cfg.options.insert("rack".into(), "r07".into());
+        cfg.options.insert("nvlink_domain".into(), "nvl72-r07".into());
+        let p = NvidiaPlugin::init(cfg.clone()).unwrap();
+        let want = pb::NodeTopology { rack: "r07".into(), block: String::new(), nvlink_domain: "nvl72-r07".into() };
+        assert_eq!(p.fingerprint().unwrap().topology, Some(want));
+        cfg.options.insert("block".into(), "su 2".into());
+        let e = NvidiaPlugin::init(cfg).err().unwrap();
+        assert_eq!(e.code, Code::InvalidArgument);
+        assert!(e.message.contains("option block is \"su 2\""), "{}", e.message);
     }
 
     /// The default library name, as production uses it. Where a driver is installed this takes

@@ -130,7 +130,7 @@ impl Metrics {
             frag_sum: 0.0,
             frag_n: 0,
             typical_coverage: opts.config.typical_coverage,
-            exact_profile: opts.config.policy == "suanli",
+            exact_profile: false,
         }
     }
 
