@@ -79,6 +79,10 @@ pub struct ReplayArgs {
     /// Turn backfill off.
     #[arg(long)]
     pub no_backfill: bool,
+    /// Place gangs blind to the network (nodes' `topology.suanli.io/block` labels), to measure
+    /// what topology-aware gang placement buys: compare the report's gang pairs across blocks.
+    #[arg(long)]
+    pub no_topology: bool,
     /// How preemption picks victims: `checkpoint-aware` (least lost work: device milli × time
     /// since the last checkpoint + restore) or `youngest-first` (most recently started).
     #[arg(long, default_value = "checkpoint-aware")]
@@ -156,6 +160,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             policy: a.policy.clone(),
             preemption: !a.no_preemption,
             backfill: !a.no_backfill,
+            topology_aware: !a.no_topology,
             victim_order,
             ..SchedulerConfig::default()
         },

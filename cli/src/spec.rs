@@ -161,6 +161,7 @@ mod tests {
                 labels: BTreeMap::from([("k".to_owned(), "v".to_owned())]),
                 nodes: vec![NodeId::from("n1")],
                 avoid_nodes: vec![NodeId::from("n2")],
+                gang_topology: suanli_model::GangTopology::RequireBlock,
             },
             runtime_estimate_s: Some(5),
             checkpoint: Some(CheckpointPolicy {

@@ -161,6 +161,30 @@ impl TaskGroup {
     }
 }
 
+/// How a gang whose replicas span nodes is kept together in the datacenter network (nodes'
+/// `topology.suanli.io/block` and `topology.suanli.io/nvlink-domain` labels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum GangTopology {
+    /// The fewest units it fits in: one NVLink domain, else one block, else as few blocks as
+    /// the free devices allow.
+    #[default]
+    Prefer,
+    /// One block or not at all (the job waits).
+    RequireBlock,
+    /// One multi-node NVLink domain or not at all.
+    RequireNvlinkDomain,
+    /// Ignore the network: place replicas as single tasks are placed.
+    Ignore,
+}
+
+impl GangTopology {
+    /// True for the default.
+    pub fn is_default(&self) -> bool {
+        *self == GangTopology::Prefer
+    }
+}
+
 /// Where a job may run. Empty lists mean "anywhere".
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(default)]
@@ -181,6 +205,9 @@ pub struct Constraints {
     /// just failed an attempt (for a bounded time, so a one-node pool still recovers).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub avoid_nodes: Vec<NodeId>,
+    /// How a gang spanning nodes is kept together in the network (gangs only).
+    #[serde(skip_serializing_if = "GangTopology::is_default")]
+    pub gang_topology: GangTopology,
 }
 
 /// How a job checkpoints, so preemption can save its work.

@@ -38,8 +38,8 @@ pub use error::ValidationError;
 pub use ids::{AllocId, JobId, NodeId, PoolId, QueueId};
 pub use input::InputError;
 pub use job::{
-    CheckpointPolicy, CheckpointSignal, Constraints, DeviceRequest, JobKind, JobSpec, TaskGroup, TaskResources,
-    TaskSpec,
+    CheckpointPolicy, CheckpointSignal, Constraints, DeviceRequest, GangTopology, JobKind, JobSpec, TaskGroup,
+    TaskResources, TaskSpec,
 };
 pub use limits::Limits;
 pub use node::Node;

@@ -330,6 +330,62 @@ pub struct Cluster {
     unschedulable: BTreeMap<u32, String>,
     scratch_key: Vec<u64>,
     scratch_devs: Vec<DevState>,
+    /// Network topology units across nodes (see [`TopoLevel`]): per level, the unit names and
+    /// their nodes as a bitset over dense node indices; per node, its unit at each level.
+    topo: [TopoUnits; 2],
+    /// Per node, its `topology.suanli.io/*` labels (for constraints on them).
+    topo_labels: Vec<BTreeMap<String, String>>,
+    /// Per shape, the shape whose class evaluations it shares: a shape restricted to a unit
+    /// (see [`Cluster::restrict`]) scores every class as the shape it came from.
+    eval_of: Vec<ShapeId>,
+    /// Restricted shapes already interned: (shape, level, unit) → shape.
+    restricted: HashMap<(ShapeId, u8, u32), ShapeId>,
+    /// For a restricted shape, its allowed nodes (a unit is small: [`Cluster::choose`] walks
+    /// these instead of every class's members).
+    restricted_nodes: HashMap<ShapeId, Arc<[u32]>>,
+    /// Free device milli per node (healthy, physical devices), and per unit at each level.
+    node_free: Vec<u64>,
+    unit_free: [Vec<u64>; 2],
+}
+
+/// Node labels that place a node in the datacenter network (set by the agent's config or a
+/// device plugin). They are not part of a node's static class: nodes differing only in them
+/// share evaluations.
+pub const TOPOLOGY_LABEL_PREFIX: &str = "topology.suanli.io/";
+/// The rack label (reported; usable in constraints).
+pub const RACK_LABEL: &str = "topology.suanli.io/rack";
+/// The network block (leaf switch / scalable unit) label.
+pub const BLOCK_LABEL: &str = "topology.suanli.io/block";
+/// The multi-node NVLink domain label (e.g. an NVL72 rack).
+pub const NVLINK_DOMAIN_LABEL: &str = "topology.suanli.io/nvlink-domain";
+
+/// A level of the cross-node topology that gang placement packs into, innermost first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopoLevel {
+    /// A multi-node NVLink domain.
+    NvlinkDomain = 0,
+    /// A network block.
+    Block = 1,
+}
+
+impl TopoLevel {
+    /// The node label that names a node's unit at this level.
+    pub fn label(self) -> &'static str {
+        match self {
+            TopoLevel::NvlinkDomain => NVLINK_DOMAIN_LABEL,
+            TopoLevel::Block => BLOCK_LABEL,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct TopoUnits {
+    names: Vec<String>,
+    index: HashMap<String, u32>,
+    members: Vec<Vec<u32>>,
+    bits: Vec<Arc<[u64]>>,
+    /// Unit per node, `u32::MAX` when the node has no label at this level.
+    of_node: Vec<u32>,
 }
 
 fn block_of(blocks: &mut Vec<(u32, Option<u32>)>, numa: u32, peer: Option<u32>) -> u16 {
@@ -364,6 +420,13 @@ impl Cluster {
             unschedulable: BTreeMap::new(),
             scratch_key: Vec::new(),
             scratch_devs: Vec::new(),
+            topo: Default::default(),
+            topo_labels: Vec::with_capacity(nodes.len()),
+            eval_of: Vec::new(),
+            restricted: HashMap::default(),
+            restricted_nodes: HashMap::default(),
+            node_free: Vec::with_capacity(nodes.len()),
+            unit_free: Default::default(),
         };
         let mut group_index: HashMap<u64, Vec<u32>> = HashMap::default();
         for n in nodes {
@@ -416,12 +479,21 @@ impl Cluster {
                 }
             }
             let has_topology = blocks.len() > 1 || blocks.iter().any(|b| b.1.is_some());
+            let labels: BTreeMap<String, String> = if n.labels.keys().any(|k| k.starts_with(TOPOLOGY_LABEL_PREFIX)) {
+                n.labels
+                    .iter()
+                    .filter(|(k, _)| !k.starts_with(TOPOLOGY_LABEL_PREFIX))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect()
+            } else {
+                n.labels.clone()
+            };
             let group = {
                 let same = |g: &StaticGroup| {
                     g.pool == n.pool
                         && g.region == n.region
                         && g.datacenter == n.datacenter
-                        && g.labels == n.labels
+                        && g.labels == labels
                         && g.cpu_milli == n.cpu_milli
                         && g.memory_mib == n.memory_mib
                         && g.schedulable == n.schedulable
@@ -429,17 +501,7 @@ impl Cluster {
                         && g.blocks == blocks
                 };
                 let mut h = rustc_hash::FxHasher::default();
-                (
-                    &n.pool,
-                    &n.region,
-                    &n.datacenter,
-                    &n.labels,
-                    n.cpu_milli,
-                    n.memory_mib,
-                    n.schedulable,
-                    &devs,
-                    &blocks,
-                )
+                (&n.pool, &n.region, &n.datacenter, &labels, n.cpu_milli, n.memory_mib, n.schedulable, &devs, &blocks)
                     .hash(&mut h);
                 let bucket = group_index.entry(h.finish()).or_default();
                 match bucket.iter().copied().find(|&g| same(&c.groups[g as usize])) {
@@ -450,7 +512,7 @@ impl Cluster {
                             pool: n.pool.clone(),
                             region: n.region.clone(),
                             datacenter: n.datacenter.clone(),
-                            labels: n.labels.clone(),
+                            labels: labels.clone(),
                             cpu_milli: n.cpu_milli,
                             memory_mib: n.memory_mib,
                             schedulable: n.schedulable,
@@ -497,9 +559,119 @@ impl Cluster {
                 listed: false,
                 mig,
             });
+            c.topo_labels.push(
+                n.labels
+                    .iter()
+                    .filter(|(k, _)| k.starts_with(TOPOLOGY_LABEL_PREFIX))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+            );
+            for level in [TopoLevel::NvlinkDomain, TopoLevel::Block] {
+                let units = &mut c.topo[level as usize];
+                let unit = match n.labels.get(level.label()) {
+                    Some(name) => match units.index.get(name) {
+                        Some(&u) => u,
+                        None => {
+                            let u = units.names.len() as u32;
+                            units.names.push(name.clone());
+                            units.index.insert(name.clone(), u);
+                            units.members.push(Vec::new());
+                            c.unit_free[level as usize].push(0);
+                            u
+                        }
+                    },
+                    None => u32::MAX,
+                };
+                if unit != u32::MAX {
+                    units.members[unit as usize].push(idx);
+                }
+                units.of_node.push(unit);
+            }
+            c.node_free.push(0);
             c.reclass(idx);
         }
+        let words = c.nodes.len().div_ceil(64).max(1);
+        for units in &mut c.topo {
+            units.bits = units
+                .members
+                .iter()
+                .map(|m| {
+                    let mut b = vec![0u64; words];
+                    for &i in m {
+                        b[i as usize / 64] |= 1 << (i % 64);
+                    }
+                    Arc::from(b)
+                })
+                .collect();
+        }
         Ok(c)
+    }
+
+    /// How many units the cluster has at a topology level (0: no node carries its label).
+    pub fn topo_units(&self, level: TopoLevel) -> usize {
+        self.topo[level as usize].names.len()
+    }
+
+    /// The node's unit at a level, if it carries the label.
+    pub fn topo_unit_of(&self, level: TopoLevel, node: u32) -> Option<u32> {
+        self.topo[level as usize].of_node.get(node as usize).copied().filter(|&u| u != u32::MAX)
+    }
+
+    /// A unit's name.
+    pub fn topo_unit_name(&self, level: TopoLevel, unit: u32) -> &str {
+        &self.topo[level as usize].names[unit as usize]
+    }
+
+    /// Free device milli per unit at a level (healthy physical devices of any kind, held and
+    /// unschedulable nodes included: an ordering hint, kept current on every change).
+    pub fn topo_free(&self, level: TopoLevel) -> &[u64] {
+        &self.unit_free[level as usize]
+    }
+
+    fn refresh_free(&mut self, node: u32) {
+        let i = node as usize;
+        let n = &self.nodes[i];
+        let g = &self.groups[n.group as usize];
+        let free: u64 = g
+            .devs
+            .iter()
+            .zip(&n.slot_dev)
+            .filter(|(d, _)| !d.partition)
+            .map(|(_, &d)| n.devs[d as usize])
+            .filter(|st| st.healthy)
+            .map(|st| u64::from(st.free_milli))
+            .sum();
+        let old = std::mem::replace(&mut self.node_free[i], free);
+        for level in 0..2 {
+            let u = self.topo[level].of_node[i];
+            if u != u32::MAX {
+                let t = &mut self.unit_free[level][u as usize];
+                *t = (*t + free).saturating_sub(old);
+            }
+        }
+    }
+
+    /// The shape limited to the nodes of one unit (interned; the unit's bitset intersected with
+    /// the shape's own node constraints).
+    pub fn restrict(&mut self, shape: ShapeId, level: TopoLevel, unit: u32) -> ShapeId {
+        if let Some(&id) = self.restricted.get(&(shape, level as u8, unit)) {
+            return id;
+        }
+        let unit_bits = self.topo[level as usize].bits[unit as usize].clone();
+        let mut s = self.shapes[shape as usize].clone();
+        let bits: Vec<u64> = match &s.nodes {
+            None => unit_bits.to_vec(),
+            Some(b) => b.iter().zip(unit_bits.iter()).map(|(a, u)| a & u).collect(),
+        };
+        s.nodes = Some(Arc::from(bits));
+        let list: Arc<[u32]> =
+            self.topo[level as usize].members[unit as usize].iter().copied().filter(|&n| bit(&s.nodes, n)).collect();
+        let id = self.intern(s);
+        let base = self.eval_of[shape as usize];
+        self.eval_of[id as usize] = base;
+        self.restricted_nodes.insert(id, list);
+        self.restricted.insert((shape, level as u8, unit), id);
+        id
     }
 
     fn intern_model(&mut self, m: &str) -> Result<u8, ClusterError> {
@@ -526,15 +698,16 @@ impl Cluster {
     /// Interns the shape of one replica with `resources` under `constraints`.
     pub fn shape(&mut self, resources: &TaskResources, constraints: &Constraints) -> ShapeId {
         let models = self.model_set(&constraints.device_models);
-        let groups = if constraints.pools.is_empty() && constraints.regions.is_empty() && constraints.labels.is_empty()
-        {
+        let is_topo = |k: &String| k.starts_with(TOPOLOGY_LABEL_PREFIX);
+        let group_labels = constraints.labels.iter().filter(|(k, _)| !is_topo(k)).count();
+        let groups = if constraints.pools.is_empty() && constraints.regions.is_empty() && group_labels == 0 {
             None
         } else {
             let mut bits = vec![0u64; self.groups.len().div_ceil(64).max(1)];
             for (i, g) in self.groups.iter().enumerate() {
                 let ok = (constraints.pools.is_empty() || constraints.pools.contains(&g.pool))
                     && (constraints.regions.is_empty() || constraints.regions.contains(&g.region))
-                    && constraints.labels.iter().all(|(k, v)| g.labels.get(k) == Some(v));
+                    && constraints.labels.iter().filter(|(k, _)| !is_topo(k)).all(|(k, v)| g.labels.get(k) == Some(v));
                 if ok {
                     bits[i / 64] |= 1 << (i % 64);
                 }
@@ -548,7 +721,8 @@ impl Cluster {
             memory_mib: d.memory_mib,
         });
         let model_names = (!constraints.device_models.is_empty()).then(|| Arc::from(constraints.device_models.clone()));
-        let nodes = if constraints.nodes.is_empty() && constraints.avoid_nodes.is_empty() {
+        let topo_cons: Vec<(&String, &String)> = constraints.labels.iter().filter(|(k, _)| is_topo(k)).collect();
+        let nodes = if constraints.nodes.is_empty() && constraints.avoid_nodes.is_empty() && topo_cons.is_empty() {
             None
         } else {
             let words = self.nodes.len().div_ceil(64).max(1);
@@ -567,6 +741,11 @@ impl Cluster {
             for id in &constraints.avoid_nodes {
                 if let Some(&i) = self.node_index.get(id) {
                     bits[i as usize / 64] &= !(1 << (i % 64));
+                }
+            }
+            for (i, l) in self.topo_labels.iter().enumerate() {
+                if !topo_cons.iter().all(|(k, v)| l.get(*k) == Some(*v)) {
+                    bits[i / 64] &= !(1 << (i % 64));
                 }
             }
             Some(Arc::from(bits))
@@ -588,6 +767,7 @@ impl Cluster {
             return id;
         }
         let id = self.shapes.len() as ShapeId;
+        self.eval_of.push(id);
         self.shapes.push(s.clone());
         self.shape_index.insert(s, id);
         id
@@ -707,6 +887,7 @@ impl Cluster {
 
     /// Moves a node into the class matching its current state.
     fn reclass(&mut self, node: u32) {
+        self.refresh_free(node);
         let mut devs = std::mem::take(&mut self.scratch_devs);
         self.canonical(node, &mut devs, None);
         let tags = self.node_tags(node);
@@ -861,6 +1042,9 @@ impl Cluster {
     /// Chooses the best node for one replica of `shape` under `policy`, without committing.
     /// Equal best scores are broken uniformly at random over nodes.
     pub fn choose(&mut self, shape: ShapeId, policy: &dyn Policy, rng: &mut DetRng) -> Option<Choice> {
+        if let Some(list) = self.restricted_nodes.get(&shape).cloned() {
+            return self.choose_among(shape, &list, policy, rng);
+        }
         let mut best = i64::MIN;
         let mut ties: Vec<(u32, Eval, u64)> = Vec::new();
         let mut total = 0u64;
@@ -882,7 +1066,7 @@ impl Cluster {
             if members == 0 {
                 continue;
             }
-            if let Slot::Fit(e) = self.eval_class(class, shape, policy) {
+            if let Slot::Fit(e) = self.eval_class(class, self.eval_of[shape as usize], policy) {
                 if e.score > best {
                     best = e.score;
                     ties.clear();
@@ -919,6 +1103,46 @@ impl Cluster {
             r -= n;
         }
         None
+    }
+
+    /// [`Cluster::choose`] over an explicit, small node list (a restricted shape's unit): the
+    /// same scores (class evaluations are shared) and the same tie-break rules.
+    fn choose_among(&mut self, shape: ShapeId, list: &[u32], policy: &dyn Policy, rng: &mut DetRng) -> Option<Choice> {
+        let base = self.eval_of[shape as usize];
+        let mut best: Option<(i64, Eval)> = None;
+        let mut ties: Vec<u32> = Vec::new();
+        for &node in list {
+            let n = &self.nodes[node as usize];
+            if n.held || n.class == u32::MAX {
+                continue;
+            }
+            let (class, group) = (n.class, n.group);
+            if !self.shapes[shape as usize].allows_group(group) || !self.groups[group as usize].schedulable {
+                continue;
+            }
+            let Slot::Fit(e) = self.eval_class(class, base, policy) else { continue };
+            match best {
+                Some((b, _)) if e.score < b => continue,
+                Some((b, _)) if e.score == b => ties.push(node),
+                _ => {
+                    best = Some((e.score, e));
+                    ties.clear();
+                    ties.push(node);
+                }
+            }
+        }
+        let (_, e) = best?;
+        let node = match self.ties {
+            TieBreak::FixedOrder => *ties.iter().min_by_key(|&&n| self.rank[n as usize])?,
+            TieBreak::Random => ties[rng.below(ties.len() as u64) as usize],
+        };
+        // Equal scores within one class share an evaluation; across classes the mask differs.
+        let class = self.nodes[node as usize].class;
+        let e = match self.eval_class(class, base, policy) {
+            Slot::Fit(x) => x,
+            _ => e,
+        };
+        Some(self.resolve(node, &e, shape, rng))
     }
 
     /// The naive baseline: evaluates every node afresh (no classes, no cache). Same decisions

@@ -11,7 +11,7 @@
 //! The pass works on a private copy of the cluster built from the view; nothing is mutated
 //! outside. Time (`now`) and randomness (`seed`) are arguments.
 
-use crate::cluster::{Choice, Cluster, ClusterError, DevReq, ShapeId};
+use crate::cluster::{Choice, Cluster, ClusterError, DevReq, ShapeId, TopoLevel};
 use crate::policy::{self, Norms, Policy, UnknownPolicy, Weights};
 use crate::quota::QuotaBook;
 use crate::rng::DetRng;
@@ -21,8 +21,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use suanli_model::{
-    Allocation, DeviceKind, JobId, JobSpec, Limits, Node, NodeId, Placement, Plan, Preemption, PreemptionReason, Queue,
-    QueueId, ResVec, Reservation, TaskResources, Unplaced,
+    Allocation, DeviceKind, GangTopology, JobId, JobSpec, Limits, Node, NodeId, Placement, Plan, Preemption,
+    PreemptionReason, Queue, QueueId, ResVec, Reservation, TaskResources, Unplaced,
 };
 use thiserror::Error;
 
@@ -100,6 +100,9 @@ pub struct SchedulerConfig {
     pub naive_scan: bool,
     /// How preemption ranks the candidate victims on a node.
     pub victim_order: VictimOrder,
+    /// Keep a multi-node gang in the fewest network units (nodes' `topology.suanli.io/block`
+    /// and `nvlink-domain` labels). Off only to measure what topology awareness buys.
+    pub topology_aware: bool,
 }
 
 /// How preemption chooses among acceptable victims (lower priority or reclaimable borrowed
@@ -157,6 +160,7 @@ impl Default for SchedulerConfig {
             max_reservation_steps: 4096,
             naive_scan: false,
             victim_order: VictimOrder::CheckpointAware,
+            topology_aware: true,
         }
     }
 }
@@ -387,6 +391,19 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
     Ok(plan)
 }
 
+/// Where a gang's replicas may go.
+enum Scope {
+    /// Anywhere.
+    Any,
+    /// Inside one unit.
+    Unit(TopoLevel, u32),
+    /// Block by block in this order, then anywhere.
+    Span(Vec<u32>),
+}
+
+/// Most units tried, per topology level, for one gang.
+const MAX_TOPO_TRIES: usize = 16;
+
 /// Orders f64 shares totally (shares are finite and non-negative).
 fn share_key(s: f64) -> u64 {
     (s.clamp(0.0, 1e12) * 1e9) as u64
@@ -481,21 +498,14 @@ impl Pass<'_> {
         let need = spec.min_total();
         let shapes: Vec<ShapeId> =
             spec.groups.iter().map(|g| self.cluster.shape(&g.resources, &spec.constraints)).collect();
-        let mut placed: Vec<Tentative> = Vec::new();
         self.quota.charge(&spec.queue, need);
-        for (gi, (g, &shape)) in spec.groups.iter().zip(&shapes).enumerate() {
-            let min = if spec.gang { g.replicas } else { g.min() };
-            for r in 0..min {
-                let Some(choice) = self.choose(shape) else {
-                    let why = self.cluster.explain(shape).message();
-                    self.rollback(&spec.queue, &placed);
-                    self.quota.refund(&spec.queue, need);
-                    return Err(format!("group {} ({r}/{min} replicas placeable): {why}", g.name));
-                };
-                self.cluster.commit(shape, &choice);
-                placed.push(Tentative { group: gi as u32, replica: r, shape, choice, charge: ResVec::ZERO, borrowed });
+        let mut placed = match self.place_min(job, &shapes, borrowed) {
+            Ok(p) => p,
+            Err(reason) => {
+                self.quota.refund(&spec.queue, need);
+                return Err(reason);
             }
-        }
+        };
         if !spec.gang {
             for (gi, (g, &shape)) in spec.groups.iter().zip(&shapes).enumerate() {
                 let per = g.resources.as_resvec();
@@ -514,6 +524,112 @@ impl Pass<'_> {
                         borrowed: a.borrowed,
                     });
                 }
+            }
+        }
+        Ok(placed)
+    }
+
+    /// Every group's minimum (all replicas of a gang), all or nothing; a gang spanning nodes is
+    /// kept in the fewest network units its constraint allows. Nothing stays committed on error.
+    fn place_min(&mut self, job: &PendingJob, shapes: &[ShapeId], borrowed: bool) -> Result<Vec<Tentative>, String> {
+        let spec = &job.spec;
+        let replicas: u32 = spec.groups.iter().map(|g| g.replicas).sum();
+        let topo = spec.constraints.gang_topology;
+        let levels: Vec<TopoLevel> = match topo {
+            GangTopology::Prefer => vec![TopoLevel::NvlinkDomain, TopoLevel::Block],
+            GangTopology::RequireBlock => vec![TopoLevel::Block],
+            GangTopology::RequireNvlinkDomain => vec![TopoLevel::NvlinkDomain],
+            GangTopology::Ignore => Vec::new(),
+        };
+        let levels: Vec<TopoLevel> = levels.into_iter().filter(|&l| self.cluster.topo_units(l) > 0).collect();
+        let required = matches!(topo, GangTopology::RequireBlock | GangTopology::RequireNvlinkDomain);
+        if !spec.gang || replicas < 2 || !self.cfg.topology_aware || (levels.is_empty() && !required) {
+            return self.place_min_in(job, shapes, borrowed, Scope::Any);
+        }
+        let need: u64 = spec
+            .groups
+            .iter()
+            .map(|g| {
+                u64::from(g.replicas)
+                    * g.resources.devices.as_ref().map_or(0, |d| u64::from(d.count) * u64::from(d.milli.min(1000)))
+            })
+            .sum();
+        for &level in &levels {
+            // Best fit: the units with the least free capacity that could still hold the gang.
+            let free = self.cluster.topo_free(level);
+            let mut cands: Vec<(u64, u32)> =
+                free.iter().enumerate().filter(|(_, f)| **f >= need).map(|(u, f)| (*f, u as u32)).collect();
+            cands.sort_unstable();
+            for &(_, unit) in cands.iter().take(MAX_TOPO_TRIES) {
+                if let Ok(p) = self.place_min_in(job, shapes, borrowed, Scope::Unit(level, unit)) {
+                    return Ok(p);
+                }
+            }
+        }
+        if required {
+            let level = if topo == GangTopology::RequireBlock { "block" } else { "NVLink domain" };
+            let units = levels.first().map_or(0, |&l| self.cluster.topo_units(l));
+            return Err(format!(
+                "gang of {replicas} replicas fits in no single {level} ({units} known; constraints.gang_topology = {})",
+                if topo == GangTopology::RequireBlock { "require-block" } else { "require-nvlink-domain" }
+            ));
+        }
+        // Spans units: fill the blocks with the most free capacity first, so the gang crosses
+        // as few as it must; replicas that no block can take go anywhere.
+        if self.cluster.topo_units(TopoLevel::Block) > 0 {
+            let free = self.cluster.topo_free(TopoLevel::Block);
+            let mut order: Vec<(std::cmp::Reverse<u64>, u32)> = free
+                .iter()
+                .enumerate()
+                .filter(|(_, f)| **f > 0)
+                .map(|(u, f)| (std::cmp::Reverse(*f), u as u32))
+                .collect();
+            order.sort_unstable();
+            return self.place_min_in(job, shapes, borrowed, Scope::Span(order.into_iter().map(|(_, u)| u).collect()));
+        }
+        self.place_min_in(job, shapes, borrowed, Scope::Any)
+    }
+
+    /// Places every group's minimum inside `scope`; all or nothing.
+    fn place_min_in(
+        &mut self,
+        job: &PendingJob,
+        shapes: &[ShapeId],
+        borrowed: bool,
+        scope: Scope,
+    ) -> Result<Vec<Tentative>, String> {
+        let spec = &job.spec;
+        let mut placed: Vec<Tentative> = Vec::new();
+        let mut at = 0usize;
+        for (gi, (g, &shape)) in spec.groups.iter().zip(shapes).enumerate() {
+            let min = if spec.gang { g.replicas } else { g.min() };
+            for r in 0..min {
+                let choice = match &scope {
+                    Scope::Any => self.choose(shape),
+                    Scope::Unit(level, unit) => {
+                        let s = self.cluster.restrict(shape, *level, *unit);
+                        self.choose(s)
+                    }
+                    Scope::Span(order) => {
+                        let mut found = None;
+                        while let Some(&unit) = order.get(at) {
+                            let s = self.cluster.restrict(shape, TopoLevel::Block, unit);
+                            found = self.choose(s);
+                            if found.is_some() {
+                                break;
+                            }
+                            at += 1;
+                        }
+                        found.or_else(|| self.choose(shape))
+                    }
+                };
+                let Some(choice) = choice else {
+                    let why = self.cluster.explain(shape).message();
+                    self.rollback(&spec.queue, &placed);
+                    return Err(format!("group {} ({r}/{min} replicas placeable): {why}", g.name));
+                };
+                self.cluster.commit(shape, &choice);
+                placed.push(Tentative { group: gi as u32, replica: r, shape, choice, charge: ResVec::ZERO, borrowed });
             }
         }
         Ok(placed)
@@ -1006,6 +1122,85 @@ mod tests {
             ..Default::default()
         };
         schedule(&view, 100, seed, &SchedulerConfig::default()).expect("plan")
+    }
+
+    /// Golden scenario (issue 24): blocks `a` (6 nodes), `b` (8 nodes) and `c` (12 nodes) of
+    /// one-GPU nodes, in an order that interleaves the blocks.
+    fn blocked_nodes() -> Vec<Node> {
+        let mut out = Vec::new();
+        for (block, n) in [("a", 6), ("b", 8), ("c", 12)] {
+            for i in 0..n {
+                let mut node = Node { id: NodeId::new(format!("{block}{i:02}")), ..node() };
+                node.labels.insert(crate::cluster::BLOCK_LABEL.into(), block.into());
+                node.labels.insert(crate::cluster::RACK_LABEL.into(), format!("{block}-r{}", i / 4));
+                out.push(node);
+            }
+        }
+        out.sort_by_key(|n| (n.id.0.as_bytes()[1..].to_vec(), n.id.0.clone()));
+        out
+    }
+
+    fn gang(replicas: u32, topology: suanli_model::GangTopology) -> PendingJob {
+        let mut j = gpu_job(1, "a", 0);
+        j.spec.gang = true;
+        j.spec.groups[0].replicas = replicas;
+        j.spec.constraints.gang_topology = topology;
+        j
+    }
+
+    fn blocks_of(plan: &Plan) -> BTreeMap<char, usize> {
+        let mut m = BTreeMap::new();
+        for p in &plan.placements {
+            *m.entry(p.node.0.chars().next().unwrap_or('?')).or_default() += 1;
+        }
+        m
+    }
+
+    #[test]
+    fn golden_an_eight_node_gang_lands_in_the_one_block_it_fits_best() {
+        use suanli_model::GangTopology;
+        for seed in 0..20 {
+            // 8 fit in b (exactly) and in c; best fit is b.
+            let plan = place(blocked_nodes(), vec![], gang(8, GangTopology::Prefer), seed);
+            assert_eq!(blocks_of(&plan), BTreeMap::from([('b', 8)]), "seed {seed}");
+            // Blind to topology, the same gang spreads over the blocks (the node order
+            // interleaves them).
+            let view = ClusterView {
+                nodes: blocked_nodes(),
+                queues: vec![queue("a", None, None)],
+                pending: vec![gang(8, GangTopology::Prefer)],
+                ..Default::default()
+            };
+            let cfg = SchedulerConfig { topology_aware: false, ..SchedulerConfig::default() };
+            let blind = schedule(&view, 100, seed, &cfg).expect("plan");
+            assert_eq!(blind.placements.len(), 8);
+            assert!(blocks_of(&blind).len() > 1, "seed {seed}: {:?}", blocks_of(&blind));
+        }
+    }
+
+    #[test]
+    fn golden_a_gang_that_must_span_two_blocks_spans_two_or_says_why_it_waits() {
+        use suanli_model::GangTopology;
+        // 14 fit in no block (c has 12): preferred, it spans the fewest blocks, two: c then b.
+        let plan = place(blocked_nodes(), vec![], gang(14, GangTopology::Prefer), 3);
+        assert_eq!(plan.placements.len(), 14);
+        assert_eq!(blocks_of(&plan), BTreeMap::from([('b', 2), ('c', 12)]));
+        // Required, it waits, and says why.
+        let plan = place(blocked_nodes(), vec![], gang(14, GangTopology::RequireBlock), 3);
+        assert!(plan.placements.is_empty());
+        let why = &plan.unplaced.first().expect("unplaced").reason;
+        assert!(why.contains("gang of 14 replicas fits in no single block (3 known"), "{why}");
+        // A required block that fits is used whole.
+        let plan = place(blocked_nodes(), vec![], gang(12, GangTopology::RequireBlock), 3);
+        assert_eq!(blocks_of(&plan), BTreeMap::from([('c', 12)]));
+        // Ignore: no topology preference at all.
+        let plan = place(blocked_nodes(), vec![], gang(14, GangTopology::Ignore), 3);
+        assert_eq!(plan.placements.len(), 14);
+        // A constraint on a topology label still selects nodes (labels are not in the class).
+        let mut j = gpu_job(1, "a", 0);
+        j.spec.constraints.labels.insert(crate::cluster::BLOCK_LABEL.into(), "a".into());
+        let plan = place(blocked_nodes(), vec![], j, 3);
+        assert!(plan.placements[0].node.0.starts_with('a'), "{:?}", plan.placements);
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! `suanli sim replay --synthetic` on a machine without the public trace, and for tests.
 //!
 //! The cluster: nodes of 8 GPUs in two NVLink islands of four (each island on its own NUMA
-//! node), 128 cores and 1 TiB of memory, in two pools (`a100`, `h100`) and two regions. The
+//! node), 128 cores and 1 TiB of memory, in two pools (`a100`, `h100`) and two regions; racks
+//! of 4 nodes and network blocks of 8 racks (the `topology.suanli.io/rack` and `/block` labels). The
 //! stream mixes what a shared training/inference platform sees: fractional GPUs for
 //! inference and notebooks, single and multi-GPU tasks, multi-node gang training jobs and
 //! CPU-only batch work, spread over team queues whose nominal quotas split the cluster and
@@ -18,6 +19,10 @@ use suanli_scheduler::engine::PendingJob;
 
 /// GPUs per synthetic node.
 pub const GPUS_PER_NODE: u32 = 8;
+/// Nodes per rack of the synthetic cluster.
+pub const NODES_PER_RACK: usize = 4;
+/// Racks per network block (leaf switch) of the synthetic cluster: 32 nodes, 256 GPUs a block.
+pub const RACKS_PER_BLOCK: usize = 8;
 
 /// `n` synthetic nodes (see the module docs).
 pub fn nodes(n: usize) -> Vec<Node> {
@@ -30,7 +35,13 @@ pub fn nodes(n: usize) -> Vec<Node> {
                 pool: PoolId::new(pool),
                 datacenter: format!("{region}-dc{}", i % 2),
                 region: region.to_owned(),
-                labels: BTreeMap::new(),
+                labels: BTreeMap::from([
+                    (suanli_scheduler::cluster::RACK_LABEL.to_owned(), format!("rack-{:04}", i / NODES_PER_RACK)),
+                    (
+                        suanli_scheduler::cluster::BLOCK_LABEL.to_owned(),
+                        format!("block-{:03}", i / (NODES_PER_RACK * RACKS_PER_BLOCK)),
+                    ),
+                ]),
                 cpu_milli: 128_000,
                 memory_mib: 1024 * 1024,
                 devices: (0..GPUS_PER_NODE)

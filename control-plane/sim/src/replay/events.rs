@@ -450,11 +450,18 @@ impl<'a> Sim<'a> {
             .map_err(|source| ReplayError::Schedule { pass, t_s: t, source })?;
         drop(view);
         let placed_any = !plan.placements.is_empty();
+        let gangs = self.gang_pairs(&plan.placements);
         let what = format!("plan of pass {pass}");
         let out = match self.apply(Command::ApplyPlan(ApplyPlan { plan, now: t }), || what.clone())? {
             Response::PlanApplied(out) => out,
             other => return Err(self.unexpected(what, &other)),
         };
+        for (job, pairs, crossing) in gangs {
+            if !out.refused_jobs.iter().any(|(j, _)| *j == job) {
+                self.m.gang_pairs += pairs;
+                self.m.gang_pairs_crossing += crossing;
+            }
+        }
         self.applied(pass, t, out)?;
         // Victims freed capacity for the jobs they were preempted for: another pass must follow.
         // So must one when the engine considered only part of the queue.
@@ -462,6 +469,40 @@ impl<'a> Sim<'a> {
             self.dirty = true;
         }
         Ok(())
+    }
+
+    /// Per job placed with several replicas at once (a gang, or an elastic job's minimum): its
+    /// replica pairs, and those whose nodes are in different network blocks (a node without a
+    /// block label counts as a block of its own).
+    fn gang_pairs(&self, placements: &[suanli_model::Placement]) -> Vec<(suanli_model::JobId, u64, u64)> {
+        let block = |n: &suanli_model::NodeId| -> String {
+            self.state
+                .nodes()
+                .get(n)
+                .and_then(|r| r.node.labels.get(suanli_scheduler::cluster::BLOCK_LABEL).cloned())
+                .unwrap_or_else(|| format!("node:{n}"))
+        };
+        let mut by_job: BTreeMap<suanli_model::JobId, Vec<String>> = BTreeMap::new();
+        for p in placements {
+            by_job.entry(p.job).or_default().push(block(&p.node));
+        }
+        by_job
+            .into_iter()
+            .filter(|(_, b)| b.len() > 1)
+            .map(|(job, blocks)| {
+                let n = blocks.len() as u64;
+                let mut same = 0u64;
+                let mut counts: BTreeMap<&str, u64> = BTreeMap::new();
+                for b in &blocks {
+                    *counts.entry(b).or_default() += 1;
+                }
+                for c in counts.values() {
+                    same += c * (c - 1) / 2;
+                }
+                let pairs = n * (n - 1) / 2;
+                (job, pairs, pairs - same)
+            })
+            .collect()
     }
 
     /// Plays what follows a committed plan: the agents of preempted jobs stop them, and the
@@ -687,6 +728,12 @@ impl<'a> Sim<'a> {
             },
             gpu_util_max_pct: self.m.util_max * 100.0,
             frag_mean_pct: self.m.frag_mean_pct(),
+            gang_pairs: self.m.gang_pairs,
+            gang_pairs_cross_block_pct: if self.m.gang_pairs > 0 {
+                self.m.gang_pairs_crossing as f64 / self.m.gang_pairs as f64 * 100.0
+            } else {
+                0.0
+            },
             refused_placements: self.m.refused_placements,
             refused_preemptions: self.m.refused_preemptions,
             refused_examples: self.m.refused_examples(),

@@ -73,6 +73,9 @@ pub(super) struct Metrics {
     pub(super) lost_gpu_milli_s: u128,
     /// Placements the state machine refused (job placements, as `PlanOutcome` counts them).
     pub(super) refused_placements: u64,
+    /// Replica pairs of jobs placed with several replicas at once, and those crossing blocks.
+    pub(super) gang_pairs: u64,
+    pub(super) gang_pairs_crossing: u64,
     /// Preemptions the state machine refused.
     pub(super) refused_preemptions: u64,
     /// The first few refused placements, with the state machine's reasons.
@@ -122,6 +125,8 @@ impl Metrics {
             preemptions: 0,
             lost_gpu_milli_s: 0,
             refused_placements: 0,
+            gang_pairs: 0,
+            gang_pairs_crossing: 0,
             refused_preemptions: 0,
             refused_placement_examples: Vec::new(),
             refused_preemption_examples: Vec::new(),

@@ -166,6 +166,11 @@ pub struct ReplayReport {
     pub gpu_util_max_pct: f64,
     /// Mean fragmentation over the samples, % of the cluster's GPUs.
     pub frag_mean_pct: f64,
+    /// Replica pairs of jobs placed with several replicas at once (gangs), over the replay.
+    pub gang_pairs: u64,
+    /// Communication cost: % of those pairs whose two nodes are in different network blocks
+    /// (`topology.suanli.io/block`; a node without the label is a block of its own).
+    pub gang_pairs_cross_block_pct: f64,
     /// Job placements the state machine refused when it re-checked a plan (the job stayed
     /// pending, as on a server). Not written when 0.
     #[serde(skip_serializing_if = "is_zero")]
@@ -276,6 +281,13 @@ impl ReplayReport {
                 opt_pct(q.quota_use_mean_pct),
                 q.preemptions,
                 h(q.wait_p50_s)
+            );
+        }
+        if self.gang_pairs > 0 {
+            let _ = writeln!(
+                s,
+                "gangs: {} replica pairs placed, {:.1}% of them across network blocks",
+                self.gang_pairs, self.gang_pairs_cross_block_pct
             );
         }
         if self.refused_placements + self.refused_preemptions > 0 {
