@@ -169,11 +169,49 @@ fn run_fill(a: FillArgs) -> Result<()> {
                 a.seeds
             );
             print!("{}", report::table(&sums));
+            print!("{}", bound_lines(&nodes, &pods, &sums, &seeds, a.inflate)?);
         }
         Format::Json => println!("{}", serde_json::to_string_pretty(&sums)?),
         Format::Csv => print!("{}", report::curves_csv(&sums)),
     }
     Ok(())
+}
+
+/// The offline bound (mean over seeds) and each policy's unallocated share against FGD's.
+fn bound_lines(
+    nodes: &[suanli_model::Node],
+    pods: &[trace::TracePod],
+    sums: &[PolicySummary],
+    seeds: &[u64],
+    inflate: f64,
+) -> Result<String> {
+    let total: u64 = nodes
+        .iter()
+        .map(|n| {
+            n.devices.iter().filter(|d| d.kind == suanli_model::DeviceKind::Gpu && d.partition_of.is_none()).count()
+                as u64
+                * 1000
+        })
+        .sum();
+    let mut bound = 0.0;
+    for &seed in seeds {
+        let (seq, _) = suanli_sim::fill::arrival_sequence(pods, nodes.len(), total, inflate, seed);
+        bound += suanli_sim::bound::upper_bound(nodes, pods, &seq).context("offline bound")?.alloc_pct;
+    }
+    let bound = bound / seeds.len() as f64;
+    let mut out = format!(
+        "offline bound (no policy can allocate more of these arrivals): {bound:.2}% allocated, {:.2}% unallocated at least\n",
+        (100.0 - bound).max(0.0)
+    );
+    if let Some(f) = sums.iter().find(|s| s.policy == "fgd") {
+        let free_fgd = 100.0 - f.alloc_at_130;
+        for s in sums.iter().filter(|s| s.policy != "fgd") {
+            let free = 100.0 - s.alloc_at_130;
+            let ratio = if free_fgd > 1e-9 { free / free_fgd } else { 1.0 };
+            out.push_str(&format!("unallocated at 130%: {} {free:.2}% / fgd {free_fgd:.2}% = {ratio:.3}\n", s.policy));
+        }
+    }
+    Ok(out)
 }
 
 /// Runs every (policy, seed) pair on all cores; one summary per policy, in order.
