@@ -60,8 +60,9 @@ impl Plugin {
 pub(crate) const TOPOLOGY_LABELS: [&str; 3] =
     ["topology.suanli.io/rack", "topology.suanli.io/block", "topology.suanli.io/nvlink-domain"];
 
-/// The longest topology value taken from a plugin (the agent config's label value limit).
-const MAX_TOPOLOGY_VALUE: usize = 253;
+// The longest topology value taken from a plugin (the agent config's label value limit; `suanli
+// plugin check` holds plugins to it).
+use suanli_device_host::check::MAX_TOPOLOGY_VALUE;
 
 /// Adds `t`'s values to `labels` under [`TOPOLOGY_LABELS`], keeping a value already there (an
 /// earlier plugin's); an empty value is unknown and adds nothing. A value that is not 1 to

@@ -622,8 +622,9 @@ impl Cluster {
         &self.topo[level as usize].names[unit as usize]
     }
 
-    /// Free device milli per unit at a level (healthy physical devices of any kind, held and
-    /// unschedulable nodes included: an ordering hint, kept current on every change).
+    /// Free device milli per unit at a level: healthy physical devices of any kind on nodes that
+    /// take work (held and unschedulable nodes count nothing); an ordering hint, kept current on
+    /// every change.
     pub fn topo_free(&self, level: TopoLevel) -> &[u64] {
         &self.unit_free[level as usize]
     }
@@ -632,6 +633,7 @@ impl Cluster {
         let i = node as usize;
         let n = &self.nodes[i];
         let g = &self.groups[n.group as usize];
+        let takes_work = !n.held && g.schedulable;
         let free: u64 = g
             .devs
             .iter()
@@ -640,7 +642,8 @@ impl Cluster {
             .map(|(_, &d)| n.devs[d as usize])
             .filter(|st| st.healthy)
             .map(|st| u64::from(st.free_milli))
-            .sum();
+            .sum::<u64>()
+            * u64::from(takes_work);
         let old = std::mem::replace(&mut self.node_free[i], free);
         for level in 0..2 {
             let u = self.topo[level].of_node[i];
@@ -995,11 +998,13 @@ impl Cluster {
     pub fn hold(&mut self, node: u32) {
         self.unlist(node);
         self.nodes[node as usize].held = true;
+        self.refresh_free(node);
     }
 
     /// Returns a held node to placement.
     pub fn unhold(&mut self, node: u32) {
         self.nodes[node as usize].held = false;
+        self.refresh_free(node);
         let class = self.nodes[node as usize].class;
         self.relist(node, class);
     }

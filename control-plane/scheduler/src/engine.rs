@@ -214,10 +214,9 @@ fn alloc_resvec(a: &Allocation, kinds: &Kinds<'_>) -> ResVec {
     v
 }
 
-/// Builds the fragmentation profile from samples. With `memory_aware`, a typical shape also
-/// counts as unplaceable on a node that lacks its memory. The published FGD ignores memory, and
-/// so does every caller now: suanli's default measured better without it (docs/sim.md).
-pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f64, memory_aware: bool) -> Profile {
+/// Builds the fragmentation profile from samples. Like the published FGD it ignores memory: a
+/// memory-aware profile was measured and gained nothing (docs/sim.md, "How the default decides").
+pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f64) -> Profile {
     let mut counts: BTreeMap<TypicalKey, u64> = BTreeMap::new();
     for s in samples {
         let dev = s.resources.devices.as_ref().map(|d| DevReq {
@@ -226,8 +225,7 @@ pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f6
             milli: d.milli.min(1000) as u16,
             memory_mib: d.memory_mib,
         });
-        let mem = if memory_aware { s.resources.memory_mib } else { 0 };
-        let key = TypicalKey::new(s.resources.cpu_milli, mem, dev, cluster.model_set(&s.device_models));
+        let key = TypicalKey::new(s.resources.cpu_milli, dev, cluster.model_set(&s.device_models));
         *counts.entry(key).or_default() += s.count;
     }
     let mut supply = vec![0.0; 128];
@@ -305,7 +303,7 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
     } else {
         view.workload.clone()
     };
-    let profile = build_profile(&cluster, &samples, cfg.typical_coverage, false);
+    let profile = build_profile(&cluster, &samples, cfg.typical_coverage);
     let policy = policy::build(&cfg.policy, Norms::of(cluster.groups()), &profile, cfg.weights)?;
     let mut pass = Pass {
         cfg,

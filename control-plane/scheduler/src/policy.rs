@@ -500,8 +500,9 @@ const PRIMARY_STEP: i64 = 1_000_000_000;
 pub enum Ties {
     /// By the weighted sum: exact fragmentation delta, bin-pack, spread, topology.
     Weighted,
-    /// By topology, then FGD's own first-fit order: chosen when work limited to some device
-    /// models asks more of a model than its share of the cluster (the exact delta would pull
+    /// By topology, then FGD's own device choice (best integer score, lowest index) and node
+    /// order, so that without topology labels the default places exactly as FGD: chosen when
+    /// work limited to some device models asks more of a model than its share of the cluster (the exact delta would pull
     /// unconstrained work onto the models few typical tasks can use — the ones the constrained
     /// work needs).
     FirstFit,
@@ -560,17 +561,31 @@ impl Policy for Suanli {
         let elig = feasible(g, n, s)?;
         let w = &self.weights;
         let kind = s.dev.map(|d| d.kind).or(Some(DeviceKind::Gpu));
-        let cpu_left = (n.cpu_free - s.cpu_milli) as f64 / self.norms.max_cpu_milli as f64;
-        let dev_left = free_total(g, n, kind).saturating_sub(dev_total(s)) as f64 / self.norms.max_dev_milli as f64;
-        let fill = 1.0 - 0.5 * (cpu_left + dev_left);
-        let base = w.binpack * fill + w.spread * (1.0 - fill);
         let use_frag = w.fragmentation != 0.0 && !self.profile.is_empty();
         let before = if use_frag { self.profile.fragmentation(g, n) } else { 0.0 };
         let after_cpu = n.cpu_free - s.cpu_milli;
         let mut buf = [DevState::default(); MAX_NODE_DEVICES];
         let after_devs = &mut buf[..n.devs.len()];
         after_devs.copy_from_slice(n.devs);
-        let (frag, topo, mask) = match s.dev {
+        let (delta, topo, mask, pick) = match s.dev {
+            Some(r) if r.is_share() && self.ties == Ties::FirstFit => {
+                // FGD's own choice: the best integer score, ties to the lowest physical index.
+                let (mut best, mut mask) = (None::<(i64, f64)>, 0u64);
+                for i in (0..g.devs.len()).filter(|&i| elig & (1 << i) != 0) {
+                    after_devs[i].free_milli -= r.milli;
+                    let after =
+                        self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n });
+                    after_devs[i].free_milli += r.milli;
+                    let sc = sigmoid_score(before - after);
+                    if best.is_none_or(|(b, _)| sc > b) {
+                        (best, mask) = (Some((sc, before - after)), 0);
+                    }
+                    if best.is_some_and(|(b, _)| sc == b) {
+                        mask |= 1 << i;
+                    }
+                }
+                (best?.1, 1.0, mask, Pick::Lowest(1))
+            }
             Some(r) if r.is_share() => {
                 let mut best: Option<(f64, u16, usize)> = None;
                 let mut last: Option<crate::cluster::DevState> = None;
@@ -583,58 +598,65 @@ impl Policy for Suanli {
                         continue;
                     }
                     last = Some(n.devs[i]);
-                    let frag = if use_frag {
+                    let delta = if use_frag {
                         after_devs[i].free_milli -= r.milli;
                         let after =
                             self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n });
                         after_devs[i].free_milli += r.milli;
-                        (before - after) / 1000.0
+                        before - after
                     } else {
                         0.0
                     };
                     let left = n.devs[i].free_milli - r.milli;
+                    // The least fragmentation exactly, ties to the best fit.
                     let better = match best {
                         None => true,
-                        Some((bf, bl, _)) => frag > bf + 1e-9 || ((frag - bf).abs() <= 1e-9 && left < bl),
+                        Some((bd, bl, _)) => delta > bd + 1e-6 || ((delta - bd).abs() <= 1e-6 && left < bl),
                     };
                     if better {
-                        best = Some((frag, left, i));
+                        best = Some((delta, left, i));
                     }
                 }
-                let (frag, _, i) = best?;
-                (frag, 1.0, 1u64 << i)
+                let (delta, _, i) = best?;
+                (delta, 1.0, 1u64 << i, Pick::Exact)
             }
             Some(r) => {
                 let (mask, topo) = self.whole_devices(g, elig, r.count);
-                let frag = if use_frag {
+                let delta = if use_frag {
                     take(after_devs, mask, r.milli);
-                    (before - self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n }))
-                        / 1000.0
+                    before - self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n })
                 } else {
                     0.0
                 };
-                (frag, topo, mask)
+                (delta, topo, mask, Pick::Exact)
             }
             None => {
-                let frag = if use_frag {
-                    (before - self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, ..*n })) / 1000.0
+                let delta = if use_frag {
+                    before - self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, ..*n })
                 } else {
                     0.0
                 };
-                (frag, 1.0, 0)
+                (delta, 1.0, 0, Pick::Exact)
             }
         };
-        // Primary: FGD's own integer score of the exact delta, so the node chosen is always one
-        // FGD would rank first. Secondary, inside that set: the weighted sum (or, when
-        // constrained work over-asks some model, only the topology term, leaving FGD's own
-        // first-fit order to decide).
-        let primary = if use_frag { sigmoid_score(frag * 1000.0) } else { 0 };
+        // Primary: FGD's own integer score of the exact delta (device milli), so the node chosen
+        // is always one FGD would rank first. Secondary, inside that set: the weighted sum (or,
+        // when constrained work over-asks some model, only the topology term, leaving FGD's own
+        // device choice and first-fit order to decide: then the default is FGD plus topology).
+        let primary = if use_frag { sigmoid_score(delta) } else { 0 };
         let secondary = match self.ties {
-            Ties::Weighted => w.fragmentation * frag + base + w.topology * topo,
+            Ties::Weighted => {
+                let cpu_left = (n.cpu_free - s.cpu_milli) as f64 / self.norms.max_cpu_milli as f64;
+                let dev_left =
+                    free_total(g, n, kind).saturating_sub(dev_total(s)) as f64 / self.norms.max_dev_milli as f64;
+                let fill = 1.0 - 0.5 * (cpu_left + dev_left);
+                let base = w.binpack * fill + w.spread * (1.0 - fill);
+                w.fragmentation * delta / 1000.0 + base + w.topology * topo
+            }
             Ties::FirstFit => w.topology * topo,
         };
         let secondary = (secondary * SCALE).round().clamp(-(PRIMARY_STEP as f64) / 4.0, PRIMARY_STEP as f64 / 4.0);
-        Some(Eval { score: primary * PRIMARY_STEP + secondary as i64, mask, pick: Pick::Exact })
+        Some(Eval { score: primary * PRIMARY_STEP + secondary as i64, mask, pick })
     }
 }
 

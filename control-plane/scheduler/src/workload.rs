@@ -16,8 +16,6 @@ use suanli_model::DeviceKind;
 pub struct TypicalKey {
     /// CPU.
     pub cpu_milli: u64,
-    /// Memory (0 when the profile ignores memory, as the published FGD does).
-    pub memory_mib: u64,
     /// Milli per device (0 for CPU-only).
     pub milli: u16,
     /// Device count (0 for CPU-only).
@@ -30,10 +28,10 @@ pub struct TypicalKey {
 
 impl TypicalKey {
     /// From a shape's parts.
-    pub fn new(cpu_milli: u64, memory_mib: u64, dev: Option<DevReq>, models: ModelSet) -> Self {
+    pub fn new(cpu_milli: u64, dev: Option<DevReq>, models: ModelSet) -> Self {
         match dev {
-            None => Self { cpu_milli, memory_mib, milli: 0, count: 0, kind: DeviceKind::Gpu, models },
-            Some(d) => Self { cpu_milli, memory_mib, milli: d.milli, count: d.count, kind: d.kind, models },
+            None => Self { cpu_milli, milli: 0, count: 0, kind: DeviceKind::Gpu, models },
+            Some(d) => Self { cpu_milli, milli: d.milli, count: d.count, kind: d.kind, models },
         }
     }
 }
@@ -45,15 +43,9 @@ struct TypGroup {
     models: ModelSet,
     /// CPU requests ascending.
     cpus: Vec<u64>,
-    /// Memory requests, aligned with `cpus`.
-    mems: Vec<u64>,
-    /// Frequencies, aligned with `cpus`.
-    freqs: Vec<f64>,
     /// prefix[i] = sum of freq of cpus[..i].
     prefix: Vec<f64>,
     total: f64,
-    /// Some member asks for memory: check it per member.
-    memory_aware: bool,
 }
 
 /// Key of a typical group: device part (kind, count, milli) and allowed models.
@@ -90,36 +82,23 @@ impl Profile {
             kept.push((k, c));
         }
         let shapes: Vec<(TypicalKey, f64)> = kept.iter().map(|(k, c)| (*k, *c as f64 / cum as f64)).collect();
-        let mut by_group: BTreeMap<GroupKey, Vec<(u64, u64, f64)>> = BTreeMap::new();
+        let mut by_group: BTreeMap<GroupKey, Vec<(u64, f64)>> = BTreeMap::new();
         for (k, f) in &shapes {
             let dev = (k.count > 0 && k.milli > 0).then_some((k.kind, k.count, k.milli));
-            by_group.entry((dev, if dev.is_some() { k.models } else { 0 })).or_default().push((
-                k.cpu_milli,
-                k.memory_mib,
-                *f,
-            ));
+            by_group.entry((dev, if dev.is_some() { k.models } else { 0 })).or_default().push((k.cpu_milli, *f));
         }
         let groups = by_group
             .into_iter()
             .map(|((dev, models), mut items)| {
-                items.sort_by_key(|i| (i.0, i.1));
+                items.sort_by_key(|i| i.0);
                 let mut prefix = Vec::with_capacity(items.len() + 1);
                 let mut acc = 0.0;
                 prefix.push(0.0);
-                for (_, _, f) in &items {
+                for (_, f) in &items {
                     acc += f;
                     prefix.push(acc);
                 }
-                TypGroup {
-                    dev,
-                    models,
-                    cpus: items.iter().map(|i| i.0).collect(),
-                    mems: items.iter().map(|i| i.1).collect(),
-                    freqs: items.iter().map(|i| i.2).collect(),
-                    memory_aware: items.iter().any(|i| i.1 > 0),
-                    prefix,
-                    total: acc,
-                }
+                TypGroup { dev, models, cpus: items.iter().map(|i| i.0).collect(), prefix, total: acc }
             })
             .collect();
         Self { groups, shapes, supply: Vec::new() }
@@ -220,11 +199,7 @@ impl Profile {
                         f += grp.total * l_kind as f64;
                     } else {
                         let ok = grp.cpus.partition_point(|&c| c <= n.cpu_free);
-                        let w_ok = if grp.memory_aware {
-                            (0..ok).filter(|&i| grp.mems[i] <= n.mem_free).map(|i| grp.freqs[i]).sum()
-                        } else {
-                            grp.prefix[ok]
-                        };
+                        let w_ok = grp.prefix[ok];
                         f += w_ok * q3 as f64 + (grp.total - w_ok) * l_kind as f64;
                     }
                 }

@@ -511,8 +511,7 @@ impl ProcessCluster {
         Command::new("kill").args(["-HUP", &p.id().to_string()]).status().is_ok_and(|s| s.success())
     }
 
-    /// Server `i`'s process id, when it runs.
-    #[cfg(feature = "testing")]
+    /// Server `i`'s process id, when it runs (`suanli bench` reads its memory from /proc).
     pub fn pid(&self, i: usize) -> Option<u32> {
         self.procs[i].as_ref().map(Child::id)
     }

@@ -20,7 +20,13 @@
 //! policy cannot take back a placement), packing inside a node beyond the four rows (pods
 //! split across nodes fractionally, GPU topology, device health), and CPU-only pods, which add
 //! nothing to the objective but compete for CPU and memory, so the bound is loose on CPU-heavy
-//! mixes. MIG partitions count as GPUs of their own, and a pod of several replicas counts all of
+//! mixes: a policy that refused every CPU-only pod could in principle reach it.
+//!
+//! [`upper_bound_given`] closes that last gap for one policy's run: the CPU-only pods the run
+//! placed become pods that must be placed (rows x_{c,t} with Σ_t x_{c,t} = n_c, valued 0; in
+//! L(u) each adds −n_c · min_t Σ_r u_{t,r} a_{c,r} / C_{t,r}, and they may use nodes without
+//! GPUs). It bounds what any packing could allocate while admitting the same CPU-only work,
+//! so `bound given − policy` is that policy's headroom on a CPU-bound mix. MIG partitions count as GPUs of their own, and a pod of several replicas counts all of
 //! them while using one replica's resources (what `fill` does), so there the bound may pass 100%.
 
 use crate::trace::TracePod;
@@ -133,6 +139,8 @@ struct Shape {
     value: f64,
     count: f64,
     uses: [f64; 4],
+    /// Every pod of the shape must be placed (CPU-only work a run admitted).
+    must: bool,
 }
 
 /// The LP in compressed form: shapes, capacities per type, and the types each shape fits.
@@ -147,17 +155,24 @@ struct Problem {
 }
 
 impl Problem {
+    /// `shapes`: (value, count, must be placed) per shape.
     fn new(
-        shapes: &BTreeMap<ShapeKey<'_>, (u64, u64)>,
+        shapes: &BTreeMap<ShapeKey<'_>, (u64, u64, bool)>,
         types: &BTreeMap<TypeKey<'_>, u64>,
     ) -> Result<Self, BoundError> {
         let cap: Vec<[f64; 4]> =
             types.iter().map(|(t, &m)| [t.cpu, t.mem, t.slots * 1000, t.slots].map(|c| m as f64 * c as f64)).collect();
         let mut p = Problem { shapes: Vec::new(), cap, start: vec![0], elig: Vec::new(), order: Vec::new() };
-        for (s, &(value, count)) in shapes {
+        for (s, &(value, count, must)) in shapes {
             let before = p.elig.len();
             p.elig.extend(types.keys().enumerate().filter(|(_, t)| fits(s, t)).map(|(t, _)| t as u32));
             if p.elig.len() == before {
+                if must {
+                    return Err(limit(
+                        "placed",
+                        format!("a placed pod ({} milli-CPU, {} MiB) fits no node of the cluster", s.cpu, s.mem),
+                    ));
+                }
                 continue;
             }
             if p.elig.len() > MAX_PAIRS {
@@ -166,7 +181,7 @@ impl Problem {
             let (gpus, milli) = (u64::from(s.gpus), u64::from(s.milli.min(1000)));
             let big = if milli > 500 { gpus } else { 0 };
             let uses = [s.cpu, s.mem, gpus * milli, big].map(|a| a as f64);
-            p.shapes.push(Shape { value: value as f64, count: count as f64, uses });
+            p.shapes.push(Shape { value: value as f64, count: count as f64, uses, must });
             p.start.push(p.elig.len());
         }
         let totals: [f64; 4] = std::array::from_fn(|r| p.cap.iter().map(|c| c[r]).sum());
@@ -180,7 +195,10 @@ impl Problem {
             })
             .collect();
         p.order = (0..p.shapes.len()).collect();
-        p.order.sort_by(|&a, &b| density[b].total_cmp(&density[a]).then(a.cmp(&b)));
+        // Pods that must be placed first (the greedy's value is feasible only when they are).
+        p.order.sort_by(|&a, &b| {
+            p.shapes[b].must.cmp(&p.shapes[a].must).then(density[b].total_cmp(&density[a])).then(a.cmp(&b))
+        });
         Ok(p)
     }
 
@@ -198,7 +216,8 @@ impl Problem {
             }
         }
         for (s, (sh, p)) in self.shapes.iter().zip(pick.iter_mut()).enumerate() {
-            let mut gain = 0.0;
+            // A pod that must be placed takes its cheapest pair, even at a loss.
+            let mut gain = if sh.must { f64::NEG_INFINITY } else { 0.0 };
             *p = None;
             for k in self.pairs(s) {
                 let price: f64 = sh.uses.iter().zip(&y[self.elig[k] as usize]).map(|(a, b)| a * b).sum();
@@ -245,6 +264,8 @@ impl Problem {
             .collect();
         let mut value = 0.0;
         let mut left: Vec<f64> = Vec::with_capacity(self.shapes.len());
+        let must_left =
+            |left: &[f64]| self.shapes.iter().zip(left).any(|(sh, l)| sh.must && *l > 1e-6 * sh.count.max(1.0));
         for (s, sh) in self.shapes.iter().enumerate() {
             let placed: f64 = self.pairs(s).map(|k| xsum[k] / weight * scale[self.elig[k] as usize]).sum();
             value += sh.value * placed;
@@ -273,7 +294,8 @@ impl Problem {
                 }
             }
         }
-        value
+        // Infeasible while a pod that must be placed is left over: no lower value (0 is one).
+        if must_left(&left) { 0.0 } else { value }
     }
 
     /// Minimizes L from u = 0, starting from the dual value `best`: the best dual value seen,
@@ -340,7 +362,7 @@ impl Problem {
         // Two dual points in closed form: u = 0 (every arrived pod that fits somewhere), and
         // the GPU rows priced at the largest value per GPU milli (the GPU capacity).
         let l0: f64 = self.shapes.iter().map(|s| s.count * s.value).sum();
-        let ratio = self.shapes.iter().map(|s| s.value / s.uses[2]).fold(0.0, f64::max);
+        let ratio = self.shapes.iter().filter(|s| s.uses[2] > 0.0).map(|s| s.value / s.uses[2]).fold(0.0, f64::max);
         let lcap = self.cap.iter().map(|c| c[2]).sum::<f64>() * ratio;
         let iterations = (WORK / self.elig.len().max(1)).clamp(MIN_ITERATIONS, ITERATIONS) as u32;
         let (best, lower, runs) = self.minimize(iterations, l0.min(lcap));
@@ -351,6 +373,27 @@ impl Problem {
 
 /// The bound for the pods of `seq` (indices into `pods`, with repeats) on `nodes`.
 pub fn upper_bound(nodes: &[Node], pods: &[TracePod], seq: &[usize]) -> Result<Bound, BoundError> {
+    bound_of(nodes, pods, seq, None)
+}
+
+/// The bound for the pods of `seq` when the CPU-only pods one run placed must be placed too:
+/// `placed[i]` is how many times the run placed pod `i` (entries of GPU pods are ignored).
+/// Valid for any policy that admits at least those CPU-only pods; an error when `placed` has
+/// another length than `pods`, places a pod more often than it arrived, or places one that
+/// fits no node.
+pub fn upper_bound_given(
+    nodes: &[Node],
+    pods: &[TracePod],
+    seq: &[usize],
+    placed: &[u32],
+) -> Result<Bound, BoundError> {
+    if placed.len() != pods.len() {
+        return Err(limit("placed", format!("{} entries for {} pods", placed.len(), pods.len())));
+    }
+    bound_of(nodes, pods, seq, Some(placed))
+}
+
+fn bound_of(nodes: &[Node], pods: &[TracePod], seq: &[usize], placed: Option<&[u32]>) -> Result<Bound, BoundError> {
     let total = nodes.iter().map(whole_gpus).sum::<u64>() * 1000;
     if total == 0 {
         return Err(limit("nodes", "the cluster has no GPUs".into()));
@@ -364,11 +407,25 @@ pub fn upper_bound(nodes: &[Node], pods: &[TracePod], seq: &[usize]) -> Result<B
         arrived = arrived.saturating_add(p.gpu_request_milli());
     }
     let mut shapes = BTreeMap::new();
-    for (p, &n) in pods.iter().zip(&times) {
+    let mut must_any = false;
+    for (i, (p, &n)) in pods.iter().zip(&times).enumerate() {
         let value = p.gpu_request_milli();
-        if n == 0 || value == 0 {
+        // A CPU-only pod counts only where the run placed it (then it must be placed).
+        let must = match placed {
+            Some(placed) if value == 0 => {
+                let k = u64::from(placed[i]);
+                if k > n {
+                    return Err(limit("placed", format!("pod {i} placed {k} times but arrived {n} times")));
+                }
+                k
+            }
+            _ => 0,
+        };
+        let n = if value == 0 { must } else { n };
+        if n == 0 {
             continue;
         }
+        must_any |= must > 0;
         let key = ShapeKey {
             cpu: p.cpu_milli,
             mem: p.memory_mib,
@@ -377,16 +434,17 @@ pub fn upper_bound(nodes: &[Node], pods: &[TracePod], seq: &[usize]) -> Result<B
             replicas: p.replicas,
             spec: &p.gpu_spec,
         };
-        shapes.entry(key).or_insert((value, 0)).1 += n;
+        shapes.entry(key).or_insert((value, 0, must > 0)).1 += n;
         if shapes.len() > MAX_SHAPES {
-            return Err(limit("shapes", format!("more than {MAX_SHAPES} distinct GPU pod shapes arrived")));
+            return Err(limit("shapes", format!("more than {MAX_SHAPES} distinct pod shapes arrived")));
         }
     }
     let mut types = BTreeMap::new();
     for n in nodes.iter().filter(|n| n.schedulable) {
         let models = gpu_models(n);
         let slots: u64 = models.iter().map(|(_, c)| c).sum();
-        if slots == 0 {
+        // Nodes without GPUs matter only as room for CPU-only pods that must be placed.
+        if slots == 0 && !must_any {
             continue;
         }
         *types.entry(TypeKey { cpu: n.cpu_milli, mem: n.memory_mib, slots, models }).or_insert(0u64) += 1;
@@ -422,20 +480,7 @@ mod tests {
     }
 
     fn pod(cores: u64, num_gpu: u32, gpu_milli: u32) -> TracePod {
-        TracePod {
-            name: "p".into(),
-            cpu_milli: cores * 1000,
-            memory_mib: 1024,
-            num_gpu,
-            gpu_milli,
-            gpu_spec: Vec::new(),
-            arrival_s: 0,
-            duration_s: None,
-            queue: "default".into(),
-            priority: 0,
-            replicas: 1,
-            qos: String::new(),
-        }
+        TracePod::single("p".into(), cores * 1000, 1024, num_gpu, gpu_milli)
     }
 
     #[test]
@@ -456,13 +501,16 @@ mod tests {
                 assert!(bound.alloc_pct <= bound.arrived_pct.min(100.0) + 1e-9, "{bound:?}");
                 assert_eq!(bound.alloc_pct < 90.0, cores.is_some(), "{bound:?}");
                 for policy in suanli_scheduler::POLICY_NAMES {
-                    let opts = FillOptions { policy: policy.into(), seed, ..Default::default() };
+                    let opts =
+                        FillOptions { policy: policy.into(), seed, bound_given_placed: true, ..Default::default() };
                     let run = fill(&nodes, &pods, &opts).expect("fill");
                     assert!(
                         bound.alloc_pct + 1e-9 >= run.final_alloc,
                         "{policy} {seed}: {} > {bound:?}",
                         run.final_alloc
                     );
+                    let given = run.bound_given_placed.expect("asked for");
+                    assert!(given + 1e-9 >= run.final_alloc, "{policy} {seed}: {} > {given}", run.final_alloc);
                 }
             }
         }
@@ -495,6 +543,25 @@ mod tests {
     }
 
     #[test]
+    fn placed_cpu_work_tightens_the_bound() {
+        let nodes = [node(0, 8, 1)];
+        // A 6-core CPU-only pod arrives, then a 4-core one-GPU pod: alone, the GPU pod fits.
+        let pods = vec![pod(4, 1, 1000), pod(6, 0, 0)];
+        let b = upper_bound(&nodes, &pods, &[1, 0]).expect("bound");
+        assert!(b.alloc_pct >= 100.0 - 1e-9, "{b:?}");
+        // Admitting the CPU pod leaves 2 cores: the LP takes half the GPU pod at most.
+        let b = upper_bound_given(&nodes, &pods, &[1, 0], &[0, 1]).expect("bound");
+        assert!((50.0 - 1e-6..=50.5).contains(&b.alloc_pct), "{b:?}");
+        assert!(b.alloc_pct >= b.lp_lower_pct - 1e-9, "{b:?}");
+        // A GPU pod's entry is ignored; a CPU pod not placed adds nothing.
+        let b = upper_bound_given(&nodes, &pods, &[1, 0], &[1, 0]).expect("bound");
+        assert!(b.alloc_pct >= 100.0 - 1e-9, "{b:?}");
+        // On a node without GPUs the CPU pod is out of the way.
+        let b = upper_bound_given(&[node(0, 8, 1), node(1, 8, 0)], &pods, &[1, 0], &[0, 1]).expect("bound");
+        assert!(b.alloc_pct >= 100.0 - 1e-6, "{b:?}");
+    }
+
+    #[test]
     fn limits_name_the_field() {
         let field_of = |r: Result<Bound, BoundError>| {
             let BoundError::Limit { field, message } = r.expect_err("limit");
@@ -513,5 +580,9 @@ mod tests {
         assert_eq!(field_of(upper_bound(&[node(0, 8, 0)], &pods[..1], &[0])), "nodes");
         let e = upper_bound(&one, &pods[..1], &[5]).expect_err("seq");
         assert!(e.to_string().starts_with("seq: "), "{e}");
+        let cpu = [pod(4, 1, 1000), pod(6, 0, 0), pod(100, 0, 0)];
+        assert_eq!(field_of(upper_bound_given(&one, &cpu, &[0, 1], &[0, 1])), "placed");
+        assert_eq!(field_of(upper_bound_given(&one, &cpu, &[0, 1], &[0, 2, 0])), "placed");
+        assert_eq!(field_of(upper_bound_given(&one, &cpu, &[0, 1, 2], &[0, 1, 1])), "placed");
     }
 }

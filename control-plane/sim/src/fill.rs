@@ -56,6 +56,9 @@ pub struct FillOptions {
     pub coverage: f64,
     /// Use the naive full-scan placement (benchmark baseline) instead of the class index.
     pub naive: bool,
+    /// Also compute the offline bound given the CPU-only pods this run placed
+    /// ([`crate::bound::upper_bound_given`]): [`FillRun::bound_given_placed`].
+    pub bound_given_placed: bool,
 }
 
 impl Default for FillOptions {
@@ -67,6 +70,7 @@ impl Default for FillOptions {
             weights: Weights::default(),
             coverage: 0.95,
             naive: false,
+            bound_given_placed: false,
         }
     }
 }
@@ -98,15 +102,18 @@ pub struct FillRun {
     pub place_seconds: f64,
     /// Placements made.
     pub placements: u64,
+    /// Upper bound on the final allocation (%) of any packing that admits the CPU-only pods
+    /// this run placed (with [`FillOptions::bound_given_placed`]).
+    pub bound_given_placed: Option<f64>,
 }
 
 /// The typical workload of a pod list, as FGD defines it.
-pub fn profile_of(cluster: &Cluster, pods: &[TracePod], coverage: f64, memory_aware: bool) -> Profile {
+pub fn profile_of(cluster: &Cluster, pods: &[TracePod], coverage: f64) -> Profile {
     let samples: Vec<WorkloadSample> = pods
         .iter()
         .map(|p| WorkloadSample { resources: p.resources(), device_models: p.gpu_spec.clone(), count: 1 })
         .collect();
-    build_profile(cluster, &samples, coverage, memory_aware)
+    build_profile(cluster, &samples, coverage)
 }
 
 /// The arrival sequence for a seed: shuffled list, then sampled clones (indices into `pods`);
@@ -157,7 +164,7 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
     if total == 0 {
         return Err(FillError::Param { field: "nodes", message: "the cluster has no GPUs to fill".into() });
     }
-    let profile = profile_of(&cluster, pods, opts.coverage, false);
+    let profile = profile_of(&cluster, pods, opts.coverage);
     let policy = policy::build(&opts.policy, Norms::of(cluster.groups()), &profile, opts.weights)?;
     let (seq, order) = arrival_sequence(pods, cluster.len(), total, opts.inflate, opts.seed);
     cluster.set_order(&order);
@@ -168,6 +175,7 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
     let mut arrived = 0u64;
     let mut used = 0u64;
     let (mut failed, mut failed_gpu, mut placements) = (0u64, 0u64, 0u64);
+    let mut placed_cpu_only = if opts.bound_given_placed { vec![0u32; pods.len()] } else { Vec::new() };
     let mut sums: BTreeMap<i64, (f64, u64)> = BTreeMap::new();
     let started = std::time::Instant::now();
     for &i in &seq {
@@ -192,6 +200,11 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
                 cluster.commit(shape, &c);
                 used += req;
                 placements += 1;
+                if req == 0
+                    && let Some(k) = placed_cpu_only.get_mut(i)
+                {
+                    *k += 1;
+                }
             }
             None => {
                 failed += 1;
@@ -222,6 +235,13 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
     let mut frag = 0.0;
     cluster.for_each_node(|g, v| frag += profile.fragmentation(g, &v));
     let free = total.saturating_sub(used) as f64;
+    let bound_given_placed = if opts.bound_given_placed {
+        let b = crate::bound::upper_bound_given(nodes, pods, &seq, &placed_cpu_only)
+            .map_err(|e| FillError::Param { field: "bound_given_placed", message: e.to_string() })?;
+        Some(b.alloc_pct)
+    } else {
+        None
+    };
     Ok(FillRun {
         policy: opts.policy.clone(),
         seed: opts.seed,
@@ -234,6 +254,7 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
         final_frag_of_free: if free > 0.0 { frag / free * 100.0 } else { 0.0 },
         place_seconds,
         placements,
+        bound_given_placed,
     })
 }
 

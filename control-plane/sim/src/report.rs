@@ -19,6 +19,11 @@ pub struct PolicySummary {
     pub alloc_at_130: f64,
     /// Standard deviation at 130% over seeds.
     pub alloc_at_130_sd: f64,
+    /// Allocation at 130% per seed, in the order of `seeds` (`None` where the run did not reach
+    /// it): for paired comparisons between policies run on the same seeds.
+    pub alloc_at_130_by_seed: Vec<Option<f64>>,
+    /// Mean offline bound given the CPU-only pods each run placed (when the runs computed it).
+    pub bound_given_placed: Option<f64>,
     /// Mean failed pods.
     pub failed_pods: f64,
     /// Mean final fragmentation, % of cluster GPUs.
@@ -53,6 +58,11 @@ pub fn summarize(policy: &str, runs: &[FillRun]) -> PolicySummary {
         alloc_at_100: mean(&at(100)),
         alloc_at_130: m130,
         alloc_at_130_sd: sd,
+        alloc_at_130_by_seed: runs.iter().map(|r| curve_at(&r.curve, 130)).collect(),
+        bound_given_placed: {
+            let b: Vec<f64> = runs.iter().filter_map(|r| r.bound_given_placed).collect();
+            (!b.is_empty() && b.len() == runs.len()).then(|| mean(&b))
+        },
         failed_pods: mean(&runs.iter().map(|r| r.failed_pods as f64).collect::<Vec<_>>()),
         frag: mean(&runs.iter().map(|r| r.final_frag).collect::<Vec<_>>()),
         frag_of_free: mean(&runs.iter().map(|r| r.final_frag_of_free).collect::<Vec<_>>()),

@@ -30,37 +30,52 @@ pub fn nodes(n: usize) -> Vec<Node> {
         .map(|i| {
             let (pool, model, region) =
                 if i % 4 == 3 { ("h100", "H100-80G", "east") } else { ("a100", "A100-80G", "west") };
-            Node {
-                id: NodeId::new(format!("node-{i:05}")),
-                pool: PoolId::new(pool),
-                datacenter: format!("{region}-dc{}", i % 2),
-                region: region.to_owned(),
-                labels: BTreeMap::from([
-                    (suanli_scheduler::cluster::RACK_LABEL.to_owned(), format!("rack-{:04}", i / NODES_PER_RACK)),
-                    (
-                        suanli_scheduler::cluster::BLOCK_LABEL.to_owned(),
-                        format!("block-{:03}", i / (NODES_PER_RACK * RACKS_PER_BLOCK)),
-                    ),
-                ]),
-                cpu_milli: 128_000,
-                memory_mib: 1024 * 1024,
-                devices: (0..GPUS_PER_NODE)
-                    .map(|g| Device {
-                        id: format!("gpu{g}"),
-                        kind: DeviceKind::Gpu,
-                        model: model.to_owned(),
-                        memory_mib: 81_920,
-                        health: Default::default(),
-                        numa: g / 4,
-                        peer_group: Some(g / 4),
-                        partition_of: None,
-                    })
-                    .collect(),
-                schedulable: true,
-                agent_addr: String::new(),
+            let mut node = gpu_node(format!("node-{i:05}"), pool, 128_000, 1024 * 1024, GPUS_PER_NODE, model);
+            node.datacenter = format!("{region}-dc{}", i % 2);
+            node.region = region.to_owned();
+            node.labels = BTreeMap::from([
+                (suanli_scheduler::cluster::RACK_LABEL.to_owned(), format!("rack-{:04}", i / NODES_PER_RACK)),
+                (
+                    suanli_scheduler::cluster::BLOCK_LABEL.to_owned(),
+                    format!("block-{:03}", i / (NODES_PER_RACK * RACKS_PER_BLOCK)),
+                ),
+            ]);
+            for (g, d) in node.devices.iter_mut().enumerate() {
+                let g = g as u32;
+                d.memory_mib = 81_920;
+                (d.numa, d.peer_group) = (g / 4, Some(g / 4));
             }
+            node
         })
         .collect()
+}
+
+/// A schedulable node in `pool` with `gpus` GPUs of `model` (ids `gpu0`..; memory unknown,
+/// NUMA 0, no NVLink group, no labels, region or datacenter): what synthetic clusters start from.
+pub fn gpu_node(id: String, pool: &str, cpu_milli: u64, memory_mib: u64, gpus: u32, model: &str) -> Node {
+    Node {
+        id: NodeId::new(id),
+        pool: PoolId::new(pool),
+        datacenter: String::new(),
+        region: String::new(),
+        labels: BTreeMap::new(),
+        cpu_milli,
+        memory_mib,
+        devices: (0..gpus)
+            .map(|g| Device {
+                id: format!("gpu{g}"),
+                kind: DeviceKind::Gpu,
+                model: model.to_owned(),
+                memory_mib: 0,
+                health: Default::default(),
+                numa: 0,
+                peer_group: None,
+                partition_of: None,
+            })
+            .collect(),
+        schedulable: true,
+        agent_addr: String::new(),
+    }
 }
 
 /// Team queues whose nominal GPU quotas split `total_gpus` evenly, all in cohort `shared`
@@ -172,18 +187,18 @@ pub fn trace_pods(count: usize, seed: u64, mean_gap_s: u64, gangs: bool) -> Vec<
             let g = &spec.groups[0];
             let dev = g.resources.devices.as_ref();
             crate::trace::TracePod {
-                name: spec.name.clone(),
-                cpu_milli: g.resources.cpu_milli,
-                memory_mib: g.resources.memory_mib,
-                num_gpu: dev.map_or(0, |d| d.count),
-                gpu_milli: dev.map_or(0, |d| d.milli),
                 gpu_spec: spec.constraints.device_models.clone(),
                 arrival_s: t,
                 duration_s: spec.runtime_estimate_s,
-                queue: "default".into(),
                 priority: spec.priority,
                 replicas: if gangs { g.replicas } else { 1 },
-                qos: String::new(),
+                ..crate::trace::TracePod::single(
+                    spec.name.clone(),
+                    g.resources.cpu_milli,
+                    g.resources.memory_mib,
+                    dev.map_or(0, |d| d.count),
+                    dev.map_or(0, |d| d.milli),
+                )
             }
         })
         .collect()

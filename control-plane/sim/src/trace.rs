@@ -136,6 +136,25 @@ pub fn compress_arrivals(pods: &mut [TracePod], factor: u64) {
 }
 
 impl TracePod {
+    /// A pod of one replica in queue `default`, any GPU model, no arrival time or run time, no
+    /// priority or QoS: what the synthetic workloads start from.
+    pub fn single(name: String, cpu_milli: u64, memory_mib: u64, num_gpu: u32, gpu_milli: u32) -> Self {
+        TracePod {
+            name,
+            cpu_milli,
+            memory_mib,
+            num_gpu,
+            gpu_milli,
+            gpu_spec: Vec::new(),
+            arrival_s: 0,
+            duration_s: None,
+            queue: "default".into(),
+            priority: 0,
+            replicas: 1,
+            qos: String::new(),
+        }
+    }
+
     /// The pod's device request, if it uses GPUs.
     pub fn devices(&self) -> Option<DeviceRequest> {
         (self.num_gpu > 0 && self.gpu_milli > 0).then_some(DeviceRequest {

@@ -107,7 +107,12 @@
  *                   unknown kind is kept, not refused;
  *                 - partition_of names a device of the same inventory (MIG, vNPU);
  *                 - at most 4096 devices (the agent keeps the first 1024);
- *                 - NUMA node ids unique.
+ *                 - NUMA node ids unique;
+ *                 - topology (optional, ABI 1.2 agents read it): the node's rack, network block
+ *                   (leaf switch) and multi-node NVLink domain, each empty (unknown) or 1..253
+ *                   bytes of printable ASCII without spaces; the agent turns them into the node
+ *                   labels topology.suanli.io/{rack,block,nvlink-domain} (its own config's
+ *                   labels win) and the scheduler keeps multi-node gangs in the fewest blocks.
  *                 A device is healthy for the scheduler when the plugin is up, its latest
  *                 fingerprint says healthy, and no health event marked it unhealthy since that
  *                 fingerprint (a later fingerprint replaces what the events said).

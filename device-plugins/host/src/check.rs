@@ -984,7 +984,8 @@ fn check_id(what: &str, id: &str, out: &mut Vec<String>) {
 }
 
 /// What is wrong with an inventory: unique, well-formed ids; kind `gpu` or `npu`; a model; links
-/// and partitions that name devices of the same inventory; unique NUMA node ids.
+/// and partitions that name devices of the same inventory; unique NUMA node ids; topology values
+/// (rack, block, NVLink domain) the agent can turn into node labels.
 pub fn validate_inventory(inv: &pb::Inventory) -> Vec<String> {
     let mut out = Vec::new();
     if inv.devices.len() > MAX_DEVICES {
@@ -1029,8 +1030,22 @@ pub fn validate_inventory(inv: &pb::Inventory) -> Vec<String> {
             out.push(format!("numa_nodes: id {} is not unique", n.id));
         }
     }
+    if let Some(t) = &inv.topology {
+        for (field, value) in [("rack", &t.rack), ("block", &t.block), ("nvlink_domain", &t.nvlink_domain)] {
+            if value.len() > MAX_TOPOLOGY_VALUE {
+                out.push(format!("topology.{field} is longer than {MAX_TOPOLOGY_VALUE} bytes"));
+            } else if !value.bytes().all(|b| b.is_ascii_graphic()) {
+                out.push(format!(
+                    "topology.{field} {value:?} is not printable ASCII without spaces (the agent would drop it)"
+                ));
+            }
+        }
+    }
     out
 }
+
+/// The longest topology value (rack, block, NVLink domain) an agent takes as a node label.
+pub const MAX_TOPOLOGY_VALUE: usize = 253;
 
 /// What is wrong with a reservation for `device`: a GPU or NPU must set at least one environment
 /// variable; names must be valid; device files and mounts need absolute paths.
@@ -1161,10 +1176,17 @@ mod tests {
         inv.devices[0].links.push(pb::PeerLink { peer: "zz".into(), ..Default::default() });
         inv.devices[1].partition_of = "nope".into();
         inv.devices.push(dev("", "gpu"));
+        inv.topology = Some(pb::NodeTopology { rack: "rack 1".into(), block: "b".repeat(254), ..Default::default() });
         let p = validate_inventory(&inv).join("\n");
-        for want in
-            ["not unique", "\"tpu\" is not gpu or npu", "\"zz\", which is not", "partition_of \"nope\"", "id is empty"]
-        {
+        for want in [
+            "not unique",
+            "\"tpu\" is not gpu or npu",
+            "\"zz\", which is not",
+            "partition_of \"nope\"",
+            "id is empty",
+            "topology.rack \"rack 1\" is not printable ASCII",
+            "topology.block is longer than 253 bytes",
+        ] {
             assert!(p.contains(want), "{want} missing in:\n{p}");
         }
     }

@@ -89,7 +89,6 @@ pub(super) struct Metrics {
     frag_sum: f64,
     frag_n: u64,
     typical_coverage: f64,
-    exact_profile: bool,
 }
 
 impl Metrics {
@@ -135,7 +134,6 @@ impl Metrics {
             frag_sum: 0.0,
             frag_n: 0,
             typical_coverage: opts.config.typical_coverage,
-            exact_profile: false,
         }
     }
 
@@ -233,7 +231,7 @@ impl Metrics {
         let profile: Profile = if samples.is_empty() {
             Profile::default()
         } else {
-            build_profile(&self.cluster, &samples, self.typical_coverage, self.exact_profile)
+            build_profile(&self.cluster, &samples, self.typical_coverage)
         };
         let mut frag = 0.0;
         self.cluster.for_each_node(|g, v| frag += profile.fragmentation(g, &v));
