@@ -38,7 +38,7 @@ pub enum Format {
 pub enum SuiteSet {
     /// The held-out mixes (drawn from a fixed seed; never used for tuning).
     HeldOut,
-    /// The tuning mixes (hand-made corners).
+    /// The tuning mixes (hand-made corners and the retired held-out draws)
     Tuning,
     /// Both.
     All,
@@ -154,7 +154,7 @@ fn run_fill(a: FillArgs) -> Result<()> {
         }
         _ => bail!("give --nodes and --pods, --synthetic N or --synthetic-suite SET"),
     };
-    let sums = run_many(&a, &nodes, &pods, &policies, &seeds)?;
+    let sums = run_many(&a, &nodes, &vec![&pods[..]; seeds.len()], &policies, &seeds)?;
     if let Some(svg) = &a.svg {
         std::fs::write(svg, report::curves_svg(&title, &sums))
             .with_context(|| format!("--svg: writing {}", svg.display()))?;
@@ -225,15 +225,17 @@ fn bound_lines(
 }
 
 /// Runs every (policy, seed) pair on all cores; one summary per policy, in order.
+/// `pods[k]` is the pod list seed `seeds[k]` runs on.
 fn run_many(
     a: &FillArgs,
     nodes: &[suanli_model::Node],
-    pods: &[trace::TracePod],
+    pods: &[&[trace::TracePod]],
     policies: &[String],
     seeds: &[u64],
 ) -> Result<Vec<PolicySummary>> {
+    anyhow::ensure!(pods.len() == seeds.len(), "one pod list per seed");
     let weights = Weights { fragmentation: a.w_frag, binpack: a.w_binpack, ..Weights::default() };
-    let jobs: Vec<(usize, u64)> = (0..policies.len()).flat_map(|p| seeds.iter().map(move |&s| (p, s))).collect();
+    let jobs: Vec<(usize, usize)> = (0..policies.len()).flat_map(|p| (0..seeds.len()).map(move |k| (p, k))).collect();
     let threads =
         a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).clamp(1, 256);
     let bar = ProgressBar::new(jobs.len() as u64);
@@ -249,16 +251,16 @@ fn run_many(
             scope.spawn(|| {
                 loop {
                     let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(&(p, seed)) = jobs.get(k) else { break };
+                    let Some(&(p, si)) = jobs.get(k) else { break };
                     let opts = FillOptions {
                         policy: policies[p].clone(),
-                        seed,
+                        seed: seeds[si],
                         inflate: a.inflate,
                         weights,
                         bound_given_placed: true,
                         ..FillOptions::default()
                     };
-                    match fill(nodes, pods, &opts) {
+                    match fill(nodes, pods[si], &opts) {
                         Ok(r) => {
                             if let Ok(mut v) = results.lock() {
                                 v[k] = Some(r);
@@ -311,13 +313,17 @@ fn run_suite(a: &FillArgs, set: SuiteSet, policies: &[String], seeds: &[u64]) ->
     let nodes = mix::hetero_nodes(mix::SUITE_NODES);
     let total_gpu: u64 = nodes.iter().map(|n| n.devices.len() as u64 * 1000).sum();
     let mut rows = Vec::new();
-    for (i, m) in mixes.into_iter().enumerate() {
-        let pods = mix::pods(&m, mix::SUITE_PODS, 1000 + i as u64);
-        let summaries = run_many(a, &nodes, &pods, policies, seeds)?;
+    for m in mixes {
+        // Each seed draws the mix's pods anew as well as their arrival order, so the standard
+        // error covers both.
+        let lists: Vec<Vec<trace::TracePod>> =
+            seeds.iter().map(|&s| mix::pods(&m, mix::SUITE_PODS, mix::pod_seed(&m, s))).collect();
+        let refs: Vec<&[trace::TracePod]> = lists.iter().map(Vec::as_slice).collect();
+        let summaries = run_many(a, &nodes, &refs, policies, seeds)?;
         let mut bound_sum = 0.0;
-        for &seed in seeds {
-            let (seq, _) = suanli_sim::fill::arrival_sequence(&pods, nodes.len(), total_gpu, a.inflate, seed);
-            bound_sum += suanli_sim::bound::upper_bound(&nodes, &pods, &seq)
+        for (&seed, pods) in seeds.iter().zip(&lists) {
+            let (seq, _) = suanli_sim::fill::arrival_sequence(pods, nodes.len(), total_gpu, a.inflate, seed);
+            bound_sum += suanli_sim::bound::upper_bound(&nodes, pods, &seq)
                 .with_context(|| format!("offline bound of mix {}", m.name))?
                 .alloc_pct;
         }

@@ -479,9 +479,12 @@ impl Policy for Fgd {
 // ---------------------------------------------------------------------------------------------
 // suanli's default
 
-/// suanli's default policy: a weighted sum of fragmentation (exact, unquantized FGD delta),
-/// bin-pack, spread and topology. Device choice inside a node minimizes fragmentation, then
-/// keeps multi-device tasks inside one topology block, then best-fits.
+/// suanli's default policy: FGD's integer score first, so the node chosen is always one FGD
+/// ranks first; inside that set ([`Ties`]) the exact fragmentation delta, bin-pack (for a
+/// CPU-only pod: the fewest free devices) and topology, or, when constrained work over-asks a
+/// device model, FGD's own device choice and order plus topology. Whole devices stay inside one
+/// NVLink block where they fit (best fit); a fractional pod takes the device that fragments
+/// least, then the best fit (docs/sim.md, "How the default decides").
 #[derive(Debug)]
 pub struct Suanli {
     norms: Norms,
@@ -649,7 +652,9 @@ impl Policy for Suanli {
                 let cpu_left = (n.cpu_free - s.cpu_milli) as f64 / self.norms.max_cpu_milli as f64;
                 let dev_left =
                     free_total(g, n, kind).saturating_sub(dev_total(s)) as f64 / self.norms.max_dev_milli as f64;
-                let fill = 1.0 - 0.5 * (cpu_left + dev_left);
+                // A CPU-only pod packs onto the nodes with the fewest free devices: its cores
+                // there strand no GPU (measured: docs/sim.md, "How the default decides").
+                let fill = if s.dev.is_none() { 1.0 - dev_left } else { 1.0 - 0.5 * (cpu_left + dev_left) };
                 let base = w.binpack * fill + w.spread * (1.0 - fill);
                 w.fragmentation * delta / 1000.0 + base + w.topology * topo
             }
