@@ -420,6 +420,37 @@ fn sigmoid_score(delta_milli: f64) -> i64 {
     (100.0 / (1.0 + (-delta_milli / 1000.0).exp())) as i64
 }
 
+/// FGD's device choice for a share of `milli` on one node: every eligible device tried, its
+/// integer score of the fragmentation avoided; returns the best score (`i64::MIN` when no device
+/// is eligible), the exact delta of the first best device and the mask of the best devices
+/// (the caller takes the lowest physical index, as the published simulator does).
+#[allow(clippy::too_many_arguments)]
+fn fgd_share(
+    profile: &Profile,
+    g: &StaticGroup,
+    n: &NodeView<'_>,
+    after_cpu: u64,
+    after_devs: &mut [DevState],
+    elig: u64,
+    milli: u16,
+    before: f64,
+) -> (i64, Option<f64>, u64) {
+    let (mut best, mut delta, mut mask) = (i64::MIN, None, 0u64);
+    for i in (0..g.devs.len()).filter(|&i| elig & (1 << i) != 0) {
+        after_devs[i].free_milli -= milli;
+        let after = profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n });
+        after_devs[i].free_milli += milli;
+        let sc = sigmoid_score(before - after);
+        if sc > best {
+            (best, delta, mask) = (sc, Some(before - after), 0);
+        }
+        if sc == best {
+            mask |= 1 << i;
+        }
+    }
+    (best, delta, mask)
+}
+
 impl Policy for Fgd {
     fn name(&self) -> &'static str {
         "fgd"
@@ -433,28 +464,8 @@ impl Policy for Fgd {
         let after_cpu = n.cpu_free - s.cpu_milli;
         match s.dev {
             Some(r) if r.is_share() => {
-                // Each candidate device; the integer score's ties go to the lowest device
-                // index, as in the published simulator.
-                let mut best = i64::MIN;
-                let mut mask = 0u64;
-                for i in 0..g.devs.len() {
-                    if elig & (1 << i) == 0 {
-                        continue;
-                    }
-                    after_devs[i].free_milli -= r.milli;
-                    let after =
-                        self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n });
-                    after_devs[i].free_milli += r.milli;
-                    let sc = sigmoid_score(before - after);
-                    if sc > best {
-                        best = sc;
-                        mask = 0;
-                    }
-                    if sc == best {
-                        mask |= 1 << i;
-                    }
-                }
-                Some(Eval { score: best, mask, pick: Pick::Lowest(1) })
+                let (score, _, mask) = fgd_share(&self.profile, g, n, after_cpu, after_devs, elig, r.milli, before);
+                Some(Eval { score, mask, pick: Pick::Lowest(1) })
             }
             Some(r) => {
                 let mask = lowest_n(elig, r.count);
@@ -505,9 +516,9 @@ pub enum Ties {
     Weighted,
     /// By topology, then FGD's own device choice (best integer score, lowest index) and node
     /// order, so that without topology labels the default places exactly as FGD: chosen when
-    /// work limited to some device models asks more of a model than its share of the cluster (the exact delta would pull
-    /// unconstrained work onto the models few typical tasks can use — the ones the constrained
-    /// work needs).
+    /// work limited to some device models asks more of a model than its share of the cluster
+    /// (the exact delta would pull unconstrained work onto the models few typical tasks can
+    /// use — the ones the constrained work needs).
     FirstFit,
 }
 
@@ -572,22 +583,9 @@ impl Policy for Suanli {
         after_devs.copy_from_slice(n.devs);
         let (delta, topo, mask, pick) = match s.dev {
             Some(r) if r.is_share() && self.ties == Ties::FirstFit => {
-                // FGD's own choice: the best integer score, ties to the lowest physical index.
-                let (mut best, mut mask) = (None::<(i64, f64)>, 0u64);
-                for i in (0..g.devs.len()).filter(|&i| elig & (1 << i) != 0) {
-                    after_devs[i].free_milli -= r.milli;
-                    let after =
-                        self.profile.fragmentation(g, &NodeView { cpu_free: after_cpu, devs: after_devs, ..*n });
-                    after_devs[i].free_milli += r.milli;
-                    let sc = sigmoid_score(before - after);
-                    if best.is_none_or(|(b, _)| sc > b) {
-                        (best, mask) = (Some((sc, before - after)), 0);
-                    }
-                    if best.is_some_and(|(b, _)| sc == b) {
-                        mask |= 1 << i;
-                    }
-                }
-                (best?.1, 1.0, mask, Pick::Lowest(1))
+                // FGD's own choice.
+                let (_, delta, mask) = fgd_share(&self.profile, g, n, after_cpu, after_devs, elig, r.milli, before);
+                (delta?, 1.0, mask, Pick::Lowest(1))
             }
             Some(r) if r.is_share() => {
                 let mut best: Option<(f64, u16, usize)> = None;
