@@ -594,6 +594,7 @@ pub(crate) async fn report_loop(agent: Arc<Agent>) {
                     exit_code: r.exit_code,
                     end: r.end.to_owned(),
                     exit_code_set: r.exit_code_set,
+                    ..Default::default()
                 };
                 let res = a
                     .servers

@@ -40,6 +40,7 @@ pub mod lease;
 mod logs;
 mod metrics;
 mod plugins;
+mod probe;
 pub mod shim;
 pub mod sys;
 mod tasks;

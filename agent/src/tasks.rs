@@ -419,9 +419,12 @@ fn final_report(k: Key, dir: &Path, exit: Option<&ExitRecord>, lost: &str) -> Re
         },
         (None, None) => (pb::AllocReport::Failed, lost.to_owned(), -1),
     };
+    let liveness = std::fs::read_to_string(dir.join(crate::probe::LIVENESS_FILE)).ok();
     let message = if end == "device_error" && status == pb::AllocReport::Failed {
         let which = std::fs::read_to_string(dir.join(crate::ckpt::DEVICE_ERROR_FILE)).unwrap_or_default();
         format!("{message}; a device turned unhealthy while it ran: {}", which.trim())
+    } else if let Some(why) = liveness.filter(|_| status == pb::AllocReport::Failed) {
+        format!("liveness check failed ({}): {message}", why.trim())
     } else {
         message
     };
@@ -1089,7 +1092,18 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
             return fail_start(&agent, k, &dir, format!("agent: writing the federation lease: {e}"));
         }
     }
-    let env = task_env(&agent, &a, &dir, plugin_env, restore.as_ref(), &device_files);
+    let mut env = task_env(&agent, &a, &dir, plugin_env, restore.as_ref(), &device_files);
+    // A service replica: its port (docs/services.md), kept for an agent that adopts it.
+    match crate::probe::ServiceRun::of(&a) {
+        Ok(Some(run)) => {
+            if let Err(e) = run.write(&dir) {
+                return fail_start(&agent, k, &dir, format!("agent: writing {}: {e}", crate::probe::SERVICE_FILE));
+            }
+            env.insert("SUANLI_PORT".into(), run.port.to_string());
+        }
+        Ok(None) => {}
+        Err(e) => return fail_start(&agent, k, &dir, format!("agent: {e}")),
+    }
     let shim = agent.shim_cmd();
     let mut cmd = tokio::process::Command::new(&shim[0]);
     cmd.args(&shim[1..]).arg("--dir").arg(&dir).arg("--max-log-bytes").arg(agent.cfg.max_log_bytes.to_string());
@@ -1225,6 +1239,10 @@ async fn supervise(
 ) {
     let (reported_tx, mut reported) = watch::channel(crate::ckpt::Progress::default());
     let (ended_tx, ended_rx) = watch::channel(false);
+    if let Some(run) = crate::probe::ServiceRun::read(&dir) {
+        let probe = crate::probe::watch(agent.clone(), k, dir.clone(), run, pgid, ended_rx.clone());
+        tokio::spawn(probe.in_current_span());
+    }
     let watcher = tokio::spawn(crate::ckpt::watch(agent.clone(), dir.clone(), reported_tx, ended_rx).in_current_span());
     let mut term_at: Option<(tokio::time::Instant, Duration)> = None;
     let mut ckpt: Option<(u64, Stop, CheckpointAsk)> = None;

@@ -376,6 +376,9 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
                 exit_code: k.small,
                 end: k.text.clone(),
                 exit_code_set: k.small % 2 == 0,
+                readiness_report: k.small % 3 == 0,
+                ready: k.small % 2 == 1,
+                endpoint: k.text.clone(),
             };
             AgentClient::new(ch).report_status(req).await.map(drop)
         }

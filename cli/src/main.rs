@@ -52,6 +52,9 @@ enum Cmd {
     Bench(bench::BenchCmd),
     /// Submit, inspect, list, cancel, watch jobs and show their logs; validate job spec files.
     Job(client::JobArgs),
+    /// Long-running services: `service endpoints NAME` (where the ready replicas serve),
+    /// `service status NAME`.
+    Service(client::ServiceArgs),
     /// Create, list, inspect and delete queues; validate queue files.
     Queue(client::QueueArgs),
     /// List resource pools.
@@ -132,6 +135,7 @@ fn main() -> std::process::ExitCode {
         cli.cmd,
         Cmd::Sim(_)
             | Cmd::Job(_)
+            | Cmd::Service(_)
             | Cmd::Queue(_)
             | Cmd::Pool(_)
             | Cmd::Node(_)
@@ -155,6 +159,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Sim(c) => sim::run(c),
         Cmd::Bench(c) => bench::run(c),
         Cmd::Job(c) => client::run(client::ClientCmd::Job(c)),
+        Cmd::Service(c) => client::run(client::ClientCmd::Service(c)),
         Cmd::Queue(c) => client::run(client::ClientCmd::Queue(c)),
         Cmd::Pool(c) => client::run(client::ClientCmd::Pool(c)),
         Cmd::Node(c) => client::run(client::ClientCmd::Node(c)),

@@ -170,6 +170,7 @@ mod tests {
                 restore_s: 3,
                 signal: CheckpointSignal::Usr2,
             }),
+            service: None,
         }
     }
 

@@ -104,6 +104,7 @@ fn gpu_job(gpus: u32) -> JobSpec {
         constraints: Constraints::default(),
         runtime_estimate_s: None,
         checkpoint: None,
+        service: None,
     }
 }
 

@@ -49,6 +49,7 @@ fn spec(gpus: u32, replicas: u32) -> JobSpec {
         constraints: Constraints::default(),
         runtime_estimate_s: None,
         checkpoint: None,
+        service: None,
     }
 }
 

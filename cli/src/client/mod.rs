@@ -20,11 +20,13 @@ mod job;
 mod node;
 mod queue;
 pub(crate) mod render;
+mod service;
 
 pub use cluster::ClusterArgs;
 pub use job::JobArgs;
 pub use node::NodeArgs;
 pub use queue::{PoolArgs, QueueArgs};
+pub use service::ServiceArgs;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -81,6 +83,8 @@ pub enum ClientCmd {
     Node(NodeArgs),
     /// `suanli cluster`.
     Cluster(ClusterArgs),
+    /// `suanli service`.
+    Service(ServiceArgs),
 }
 
 /// Runs a client command; the `validate` commands run without a runtime, the others on a
@@ -90,7 +94,7 @@ pub fn run(cmd: ClientCmd) -> anyhow::Result<()> {
         ClientCmd::Job(a) => a.offline(),
         ClientCmd::Queue(a) => a.offline(),
         ClientCmd::Node(a) => a.offline(),
-        ClientCmd::Pool(_) | ClientCmd::Cluster(_) => None,
+        ClientCmd::Pool(_) | ClientCmd::Cluster(_) | ClientCmd::Service(_) => None,
     } {
         return r;
     }
@@ -101,6 +105,7 @@ pub fn run(cmd: ClientCmd) -> anyhow::Result<()> {
             ClientCmd::Queue(a) => a.run().await,
             ClientCmd::Pool(a) => a.run().await,
             ClientCmd::Node(a) => a.run().await,
+            ClientCmd::Service(a) => a.run().await,
             ClientCmd::Cluster(a) => a.run().await,
         }
     })

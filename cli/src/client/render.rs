@@ -167,6 +167,15 @@ pub fn print_job(j: &pb::JobInfo) {
         ("revision", j.revision.to_string()),
         ("request id", dash(&j.client_request_id)),
     ];
+    if j.service {
+        let running = j.allocs.iter().filter(|a| a.state == "running").count();
+        let ready: Vec<&str> =
+            j.allocs.iter().filter(|a| a.state == "running" && a.ready).map(|a| a.endpoint.as_str()).collect();
+        kv.push((
+            "service",
+            format!("{running} running, {} ready ({}), {} restarts", ready.len(), ready.join(" "), j.restarts),
+        ));
+    }
     if j.queue_position > 0 {
         kv.push(("queue position", j.queue_position.to_string()));
     }

@@ -298,6 +298,10 @@ pub struct JobSpec {
     /// Checkpointing, if the job supports it.
     #[serde(default)]
     pub checkpoint: Option<CheckpointPolicy>,
+    /// A long-running service (docs/services.md): replicas are replaced when they end, whatever
+    /// the exit code, and report readiness. `kind = "inference"` implies it with its defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<crate::ServiceSpec>,
 }
 
 fn yes() -> bool {
@@ -305,6 +309,21 @@ fn yes() -> bool {
 }
 
 impl JobSpec {
+    /// The job's service section: its own, or the defaults for `kind = "inference"`; `None`
+    /// for work that runs to completion.
+    pub fn service(&self) -> Option<std::borrow::Cow<'_, crate::ServiceSpec>> {
+        match &self.service {
+            Some(s) => Some(std::borrow::Cow::Borrowed(s)),
+            None if self.kind == JobKind::Inference => Some(std::borrow::Cow::Owned(crate::ServiceSpec::default())),
+            None => None,
+        }
+    }
+
+    /// True for a long-running service (see [`JobSpec::service`]).
+    pub fn is_service(&self) -> bool {
+        self.service.is_some() || self.kind == JobKind::Inference
+    }
+
     /// Total resources of all replicas.
     pub fn total(&self) -> ResVec {
         let mut v = ResVec::ZERO;
@@ -425,6 +444,15 @@ impl JobSpec {
             check_range(|| "checkpoint.grace_s".into(), cp.grace_s, 0, limits.max_duration_s)?;
             check_range(|| "checkpoint.restore_s".into(), cp.restore_s, 0, limits.max_duration_s)?;
         }
+        if let Some(s) = &self.service {
+            s.validate(limits)?;
+        }
+        if self.is_service() && self.gang {
+            return Err(ValidationError::Invalid {
+                field: "gang".into(),
+                message: "a service's replicas are replaced one by one: gang must be false".into(),
+            });
+        }
         Ok(())
     }
 }
@@ -455,6 +483,7 @@ mod tests {
             constraints: Constraints::default(),
             runtime_estimate_s: Some(3600),
             checkpoint: None,
+            service: None,
         }
     }
 

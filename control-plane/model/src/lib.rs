@@ -27,6 +27,7 @@ pub mod node;
 pub mod plan;
 pub mod queue;
 pub mod resources;
+pub mod service;
 pub mod trace;
 
 pub use alloc::Allocation;
@@ -46,6 +47,7 @@ pub use node::Node;
 pub use plan::{DeviceShare, Placement, Plan, Preemption, PreemptionReason, Reservation, Unplaced};
 pub use queue::Queue;
 pub use resources::ResVec;
+pub use service::{Probe, ProbeKind, ServiceSpec};
 
 /// One whole device, in milli-units: a device is shared in thousandths.
 pub const WHOLE_DEVICE_MILLI: u32 = 1000;

@@ -1033,6 +1033,7 @@ mod tests {
                 constraints: Constraints::default(),
                 runtime_estimate_s: None,
                 checkpoint: None,
+                service: None,
             },
             submitted_at: 0,
             nominated: false,

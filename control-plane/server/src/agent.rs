@@ -13,7 +13,7 @@ use suanli_proto::v1 as pb;
 use suanli_proto::v1::agent_client::AgentClient;
 use suanli_proto::v1::agent_server::Agent;
 use suanli_state::{
-    AgentFence, AllocStatus, Command, DeviceHealth, EndClass, NodeCondition, NodeStatus, RegisterNode,
+    AgentFence, AllocReady, AllocStatus, Command, DeviceHealth, EndClass, NodeCondition, NodeStatus, RegisterNode,
     ReportCheckpoint, ReportedStatus,
 };
 use tokio::time::Instant;
@@ -192,6 +192,20 @@ impl Agent for AgentApi {
                 ));
             }
         };
+        if r.readiness_report {
+            if status != ReportedStatus::Running {
+                return Err(invalid("status", "a readiness report (readiness_report) must say RUNNING"));
+            }
+            let cmd = Command::AllocReady(AllocReady {
+                alloc: AllocId(r.alloc_id),
+                epoch: r.epoch,
+                ready: r.ready,
+                endpoint: r.endpoint,
+                now: self.0.now_s(),
+            });
+            self.0.propose(cmd).await?;
+            return ok(pb::ReportStatusResponse {});
+        }
         let end = reported_end(status, &r.end)?;
         let traced = if status == ReportedStatus::Running {
             None

@@ -849,6 +849,7 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
         | Command::SubmitJob(_)
         | Command::CancelJob(_)
         | Command::AllocStatus(_)
+        | Command::AllocReady(_)
         | Command::ReportCheckpoint(_)
         | Command::MigrateJob(_)
         | Command::IssueToken(_)

@@ -86,6 +86,13 @@ fn alloc_view(s: &State, a: &Alloc, job: Option<&Job>, view: JobView) -> pb::All
         lease_until_ms: fed.map_or(0, |f| f.lease_until_ms),
         fed_stop_before_ms: fed.map_or(0, |f| f.stop_before_ms),
         traceparent: job.and_then(crate::telemetry::job_traceparent).unwrap_or_default(),
+        service_json: job
+            .and_then(|j| j.spec.service())
+            .filter(|_| view == JobView::Full)
+            .and_then(|sv| serde_json::to_string(sv.as_ref()).ok())
+            .unwrap_or_default(),
+        ready: a.ready,
+        endpoint: a.endpoint.clone(),
     }
 }
 
@@ -137,6 +144,8 @@ pub fn job(s: &State, j: &Job, queue_position: u64, view: JobView) -> pb::JobInf
         latest_checkpoint_at: latest.map_or(0, |c| if c.wall_time > 0 { c.wall_time } else { c.at }),
         latest_checkpoint_hardware: latest.and_then(|c| c.hardware.as_ref()).map(hardware).unwrap_or_default(),
         infra_requeues: j.infra_requeues,
+        restarts: j.restarts,
+        service: j.spec.is_service(),
         lost_device_s: j.lost_device_s,
         nominated_victims: j.nomination.as_ref().map(|n| n.victims.iter().map(|v| v.0).collect()).unwrap_or_default(),
         migrating_to: j.migration.as_ref().map(migrating_to).unwrap_or_default(),

@@ -815,6 +815,7 @@ mod tests {
             constraints: Default::default(),
             runtime_estimate_s: None,
             checkpoint: None,
+            service: None,
         }
     }
 

@@ -31,7 +31,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicU64;
-use suanli_model::{DeviceKind, Health, JobKind, NodeId, WHOLE_DEVICE_MILLI};
+use suanli_model::{DeviceKind, Health, NodeId, WHOLE_DEVICE_MILLI};
 use suanli_state::{AllocState, EndClass, JobState, NodeStatus, State};
 
 /// A run longer than this (seconds) that ends by preemption or failure counts as an
@@ -379,27 +379,36 @@ fn governance(reg: &mut Reg, s: &State) {
 fn inference(reg: &mut Reg, s: &State) {
     let wanted = reg.gauge(
         "suanli_inference_replicas_wanted",
-        "Replicas wanted by live inference jobs, by queue (the family grows when services land).",
+        "Replicas wanted by live services (kind inference or a service section; docs/services.md), by queue.",
     );
-    let running = reg
-        .gauge("suanli_inference_replicas_running", "Replicas of live inference jobs whose allocation runs, by queue.");
-    let restarts =
-        reg.gauge("suanli_inference_restarts", "Requeues of live inference jobs (restarts of the service), by queue.");
-    let live = reg.gauge("suanli_inference_jobs", "Live inference jobs, by queue.");
+    let running =
+        reg.gauge("suanli_inference_replicas_running", "Replicas of live services whose allocation runs, by queue.");
+    let ready = reg.gauge(
+        "suanli_inference_replicas_ready",
+        "Replicas of live services that pass their readiness check, as their agents report, by queue.",
+    );
+    let restarts = reg.gauge(
+        "suanli_inference_restarts",
+        "Replicas of live services replaced after they ended, plus whole-service requeues, by queue.",
+    );
+    let live = reg.gauge("suanli_inference_jobs", "Live services, by queue.");
     for q in s.queues().keys() {
         let ql = l([("queue", q.as_str())]);
         add(&wanted, ql.clone(), 0.0);
         add(&running, ql.clone(), 0.0);
+        add(&ready, ql.clone(), 0.0);
         add(&restarts, ql.clone(), 0.0);
         add(&live, ql, 0.0);
     }
-    for j in s.jobs().values().filter(|j| j.spec.kind == JobKind::Inference && !j.state.is_terminal()) {
+    for j in s.jobs().values().filter(|j| j.spec.is_service() && !j.state.is_terminal()) {
         let ql = l([("queue", j.spec.queue.as_str())]);
         add(&live, ql.clone(), 1.0);
         add(&wanted, ql.clone(), j.spec.groups.iter().map(|g| f64::from(g.replicas)).sum());
-        let n = j.allocs.iter().filter_map(|a| s.allocs().get(a)).filter(|a| a.state == AllocState::Running).count();
+        let allocs = || j.allocs.iter().filter_map(|a| s.allocs().get(a));
+        let n = allocs().filter(|a| a.state == AllocState::Running).count();
         add(&running, ql.clone(), n as f64);
-        add(&restarts, ql, f64::from(j.requeues));
+        add(&ready, ql.clone(), allocs().filter(|a| a.state == AllocState::Running && a.ready).count() as f64);
+        add(&restarts, ql, f64::from(j.requeues) + f64::from(j.restarts));
     }
 }
 

@@ -342,6 +342,7 @@ fn pod_job(
         constraints: pod.constraints(),
         runtime_estimate_s: pod.duration_s.filter(|&d| d >= 1 && d <= max_d),
         checkpoint: opts.checkpoint,
+        service: None,
     };
     spec.validate(&opts.config.limits).map_err(|e| err(format!("not a valid job: {e}")))?;
     Ok((spec, queue))

@@ -152,6 +152,7 @@ pub fn job(rng: &mut DetRng, queue: &QueueId, name: String) -> JobSpec {
             restore_s: 120,
             signal: Default::default(),
         }),
+        service: None,
     }
 }
 

@@ -204,6 +204,25 @@ pub struct AllocStatus {
     pub now: u64,
 }
 
+/// A service replica's readiness as its agent's checks see it (docs/services.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocReady {
+    /// The allocation.
+    pub alloc: AllocId,
+    /// The epoch the agent runs; a report from another epoch is refused.
+    pub epoch: u64,
+    /// Whether it passes its readiness check.
+    pub ready: bool,
+    /// Where it serves (`host:port`); empty when it has no port.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub endpoint: String,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// Longest endpoint an agent may report (`host:port`).
+pub const MAX_ENDPOINT_LEN: usize = 300;
+
 /// A completed checkpoint of a running allocation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReportCheckpoint {
@@ -386,6 +405,8 @@ commands! {
     ApplyPlan(ApplyPlan) = "apply_plan", ignorable: false;
     /// An allocation's status changed.
     AllocStatus(AllocStatus) = "alloc_status", ignorable: false;
+    /// A service replica became ready or stopped being ready.
+    AllocReady(AllocReady) = "alloc_ready", ignorable: false;
     /// A checkpoint completed (metadata only: an older server may skip it safely).
     ReportCheckpoint(ReportCheckpoint) = "report_checkpoint", ignorable: true;
     /// Replace the replicated configuration.
@@ -430,6 +451,7 @@ impl Command {
             Command::SubmitJob(c) => c.now = now,
             Command::CancelJob(c) => c.now = now,
             Command::AllocStatus(c) => c.now = now,
+            Command::AllocReady(c) => c.now = now,
             Command::ReportCheckpoint(c) => c.now = now,
             Command::MigrateJob(c) => c.now = now,
             Command::IssueToken(c) => c.now = now,

@@ -400,6 +400,7 @@ mod tests {
             constraints: Constraints::default(),
             runtime_estimate_s: None,
             checkpoint: None,
+            service: None,
         };
         s.apply(Command::SubmitJob(Box::new(crate::SubmitJob {
             client_request_id: "a".into(),
@@ -520,6 +521,7 @@ mod tests {
                 constraints: Constraints::default(),
                 runtime_estimate_s: None,
                 checkpoint: None,
+                service: None,
             };
             s.apply(Command::SubmitJob(Box::new(SubmitJob {
                 client_request_id: format!("r{i}"),

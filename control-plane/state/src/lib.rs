@@ -30,10 +30,10 @@ mod state;
 mod usage;
 
 pub use command::{
-    AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth,
-    DrainOptions, MigrateJob, NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint,
-    ReportedStatus, Response, SetClusterId, SetNodeMode, SkipEntry, SubmitJob, UpdateConfig, UpsertQueue,
-    check_encoded_size, encode_command,
+    AllocReady, AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue,
+    DeviceHealth, DrainOptions, MAX_ENDPOINT_LEN, MigrateJob, NodeCondition, NodeDown, NodeMode, PlanOutcome,
+    RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetClusterId, SetNodeMode, SkipEntry, SubmitJob,
+    UpdateConfig, UpsertQueue, check_encoded_size, encode_command,
 };
 pub use config::{CHECKPOINT_STORE_SCHEMES, ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;

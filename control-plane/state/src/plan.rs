@@ -90,6 +90,16 @@ impl State {
         }
         let mut live_allocs = self.live.count;
         for (job, ps) in by_job {
+            // A running service's placements fill its missing replicas, named by position.
+            let filled = self.service_fill(job, &ps);
+            let ps: Vec<&Placement> = match &filled {
+                Some(Ok(mapped)) => mapped.iter().collect(),
+                Some(Err(refusal)) => {
+                    out.refused_jobs.push((job, refusal.clone()));
+                    continue;
+                }
+                None => ps,
+            };
             match self.check_job_placements(job, &ps, &mut usage, &mut quota, now, live_allocs) {
                 Ok(borrowed) => {
                     live_allocs += ps.len();
@@ -117,9 +127,10 @@ impl State {
 
         let max = self.config.max_message_len;
         for u in &plan.unplaced {
-            let why = cut(&u.reason, max);
+            let service = self.jobs.get(&u.job).is_some_and(Self::adds_replicas);
+            let why = if service { cut(&format!("replicas missing: {}", u.reason), max) } else { cut(&u.reason, max) };
             if let Some(j) = self.jobs.get_mut(&u.job)
-                && j.state == JobState::Pending
+                && (j.state == JobState::Pending || service)
                 && j.reason != why
             {
                 j.reason = why;
@@ -197,13 +208,14 @@ impl State {
         live_allocs: usize,
     ) -> Result<bool, R> {
         let j = self.jobs.get(&job).ok_or(R::JobGone { job })?;
-        if j.state != JobState::Pending {
+        let adds = Self::adds_replicas(j);
+        if j.state != JobState::Pending && !adds {
             return Err(R::JobNotPending { job, state: j.state.as_str().into() });
         }
         if j.not_before > now {
             return Err(R::InBackoff { job, until: j.not_before });
         }
-        if j.allocs.iter().any(|a| self.allocs.get(a).is_some_and(Alloc::is_live)) {
+        if !adds && j.allocs.iter().any(|a| self.allocs.get(a).is_some_and(Alloc::is_live)) {
             return Err(R::StillLive { job });
         }
         if live_allocs.saturating_add(ps.len()) > self.config.max_live_allocs {
@@ -233,7 +245,7 @@ impl State {
                 total += v;
                 *per_group.entry(p.group).or_default() += 1;
             }
-            for (gi, g) in spec.groups.iter().enumerate() {
+            for (gi, g) in spec.groups.iter().enumerate().filter(|_| !adds) {
                 let n = per_group.get(&(gi as u32)).copied().unwrap_or(0);
                 let need = if spec.gang { g.replicas } else { g.min() };
                 if n < need {
@@ -385,12 +397,43 @@ impl State {
         Ok(v)
     }
 
+    /// True for a running service: placements add replicas to its attempt.
+    fn adds_replicas(j: &crate::records::Job) -> bool {
+        j.spec.is_service() && matches!(j.state, JobState::Placed | JobState::Running)
+    }
+
+    /// For a running service, its placements with their (group, replica) taken from the
+    /// engine's view of it ([`State::missing_replicas`]: group 0 of the view is the first
+    /// group lacking replicas, replica `i` its `i`-th missing one); `None` for other jobs.
+    fn service_fill(&self, job: JobId, ps: &[&Placement]) -> Option<Result<Vec<Placement>, R>> {
+        let j = self.jobs.get(&job).filter(|j| Self::adds_replicas(j))?;
+        let Some((gi, missing)) = self.missing_replicas(j) else {
+            return Some(Err(R::StillLive { job }));
+        };
+        let name = j.spec.groups.get(gi as usize).map(|g| g.name.clone()).unwrap_or_default();
+        let mut out = Vec::with_capacity(ps.len());
+        for p in ps {
+            let Some(&replica) = missing.get(p.replica as usize).filter(|_| p.group == 0) else {
+                return Some(Err(R::ReplicaOutOfRange {
+                    group: name,
+                    replicas: u32::try_from(missing.len()).unwrap_or(u32::MAX),
+                    replica: p.replica,
+                }));
+            };
+            out.push(Placement { group: gi, replica, ..(*p).clone() });
+        }
+        Some(Ok(out))
+    }
+
     fn commit_placements(&mut self, job: JobId, ps: &[&Placement], borrowed: bool, now: u64, rev: u64) -> Vec<AllocId> {
         let Some(j) = self.jobs.get_mut(&job) else {
             return Vec::new();
         };
-        j.attempt += 1;
-        j.state = JobState::Placed;
+        let adds = Self::adds_replicas(j);
+        if !adds {
+            j.attempt += 1;
+            j.state = JobState::Placed;
+        }
         j.first_placed_at.get_or_insert(now);
         self.live.pending.remove(&job);
         j.reason.clear();
@@ -434,6 +477,8 @@ impl State {
                 exit_code: None,
                 lost_device_s: 0,
                 restored_step: None,
+                ready: false,
+                endpoint: String::new(),
             };
             // Node and device usage was reserved by the re-check.
             self.live.account(&rec, &self.nodes, 1);
@@ -442,7 +487,11 @@ impl State {
             self.cost_open(id);
         }
         if let Some(j) = self.jobs.get_mut(&job) {
-            j.allocs = ids.clone();
+            if adds {
+                j.allocs.extend(ids.iter().copied());
+            } else {
+                j.allocs = ids.clone();
+            }
         }
         ids
     }

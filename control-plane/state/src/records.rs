@@ -266,6 +266,13 @@ pub struct Job {
     /// When one of its tasks first reported running: its time to start ends there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_running_at: Option<u64>,
+    /// A service's replicas replaced after they ended (docs/services.md); 0 for other jobs.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub restarts: u32,
+    /// A service's replicas that ended by themselves since one was last ready: the restart
+    /// backoff doubles with each.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub restart_streak: u32,
 }
 
 /// How many ended allocations a job's [`Job::history`] keeps (the oldest go first).
@@ -400,6 +407,12 @@ pub struct Alloc {
     /// The checkpoint step its attempt was started from (none: from the start).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restored_step: Option<u64>,
+    /// A service replica that passes its readiness check, as its agent last reported.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ready: bool,
+    /// Where a service replica serves (`host:port`), as its agent reported; empty until then.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub endpoint: String,
 }
 
 impl Alloc {

@@ -1,9 +1,9 @@
 //! The state machine: records, `apply`, snapshots and the scheduler's view.
 
 use crate::command::{
-    AllocStatus, ApplyPlan, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, MigrateJob, NodeCondition,
-    NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetNodeMode, SubmitJob,
-    UpdateConfig, UpsertQueue,
+    AllocReady, AllocStatus, ApplyPlan, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, MigrateJob,
+    NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response,
+    SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
 };
 use crate::config::StateConfig;
 use crate::records::{
@@ -333,6 +333,7 @@ impl State {
             Command::CancelJob(c) => self.cancel_job(c, rev),
             Command::ApplyPlan(c) => self.apply_plan_and_follow(c, rev),
             Command::AllocStatus(c) => self.alloc_status(c, rev),
+            Command::AllocReady(c) => self.alloc_ready(c, rev),
             Command::ReportCheckpoint(c) => self.report_checkpoint(c, rev),
             Command::UpdateConfig(c) => self.update_config(*c),
             Command::SetClusterId(c) => self.set_cluster_id(c),
@@ -874,6 +875,8 @@ impl State {
                 trace: c.trace,
                 first_placed_at: None,
                 first_running_at: None,
+                restarts: 0,
+                restart_streak: 0,
             },
         );
         self.requests.insert(c.client_request_id, id);
@@ -987,7 +990,8 @@ impl State {
         let Some(job) = self.jobs.get_mut(&job_id) else {
             return;
         };
-        if matches!(job.state, JobState::Placed | JobState::Running) {
+        // A service keeps serving: only this replica moves, replaced when it has stopped.
+        if matches!(job.state, JobState::Placed | JobState::Running) && !job.spec.is_service() {
             job.state = JobState::Requeuing;
             job.reason = format!("moving: {}", stop_text(&reason));
             job.updated_at = now;
@@ -1047,6 +1051,7 @@ impl State {
         a.end = Some(class);
         a.exit_code = exit_code;
         a.lost_device_s = lost;
+        a.ready = false;
         let stop_requested = a.desired != Desired::Run;
         let node = a.alloc.node.clone();
         if let Some(j) = self.jobs.get_mut(&job_id) {
@@ -1058,7 +1063,7 @@ impl State {
         if let Some(p) = nominee {
             self.victim_ended(p, aid, rev);
         }
-        self.on_alloc_ended(job_id, state, class, stop_requested, message, now, rev);
+        self.on_alloc_ended(job_id, aid, state, class, stop_requested, message, now, rev);
     }
 
     /// One of the allocations preempted for job `p` ended: its pending reason says how many
@@ -1088,6 +1093,7 @@ impl State {
     fn on_alloc_ended(
         &mut self,
         id: JobId,
+        aid: AllocId,
         ended: AllocState,
         class: EndClass,
         stop_requested: bool,
@@ -1099,6 +1105,10 @@ impl State {
         let Some(job) = self.jobs.get(&id) else {
             return;
         };
+        if job.spec.is_service() && matches!(job.state, JobState::Placed | JobState::Running) && !ended.is_live() {
+            self.replace_replica(id, aid, ended, class, stop_requested, message, now, rev);
+            return;
+        }
         match job.state {
             JobState::Placed | JobState::Running => match ended {
                 AllocState::Succeeded => {
@@ -1208,8 +1218,18 @@ impl State {
         // The ended attempt's allocations are not needed any more: agents treat an unknown
         // allocation as one to stop.
         let old = std::mem::take(&mut job.allocs);
-        for a in old {
-            if let Some(x) = self.allocs.remove(&a) {
+        self.retire_allocs(id, &old);
+    }
+
+    /// Moves ended allocations of job `id` out of the live table into its history (the
+    /// newest [`MAX_ATTEMPT_HISTORY`] kept) and out of its allocation list.
+    fn retire_allocs(&mut self, id: JobId, ended: &[AllocId]) {
+        let Some(job) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        job.allocs.retain(|a| !ended.contains(a));
+        for a in ended {
+            if let Some(x) = self.allocs.remove(a) {
                 job.history.push(AttemptRecord {
                     attempt: x.alloc.epoch,
                     alloc: x.alloc.id,
@@ -1230,6 +1250,92 @@ impl State {
         }
         let over = job.history.len().saturating_sub(MAX_ATTEMPT_HISTORY);
         job.history.drain(..over);
+    }
+
+    /// A service replica ended (docs/services.md): the others keep serving, and this one is
+    /// replaced by the next scheduling pass after the restart backoff. The backoff grows only
+    /// for ends of the replica's own doing (an exit, an out-of-memory kill, a failed start,
+    /// a failed liveness check); a drained node, a lost node or a failed device replaces it at
+    /// once.
+    #[allow(clippy::too_many_arguments)]
+    fn replace_replica(
+        &mut self,
+        id: JobId,
+        aid: AllocId,
+        ended: AllocState,
+        class: EndClass,
+        stop_requested: bool,
+        message: &str,
+        now: u64,
+        rev: u64,
+    ) {
+        let max = self.config.max_message_len;
+        let Some(a) = self.allocs.get(&aid) else {
+            return;
+        };
+        let (group, replica) = (a.alloc.group, a.alloc.replica);
+        self.retire_allocs(id, &[aid]);
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        let task = match j.spec.groups.get(group as usize) {
+            Some(g) => format!("{}-{replica}", g.name),
+            None => format!("{group}-{replica}"),
+        };
+        j.restarts = j.restarts.saturating_add(1);
+        let by_itself = !stop_requested && !class.is_infrastructure();
+        let wait = if by_itself {
+            j.restart_streak = j.restart_streak.saturating_add(1);
+            j.spec.service().map_or(0, |s| s.backoff_s(j.restart_streak))
+        } else {
+            0
+        };
+        j.not_before = j.not_before.max(now.saturating_add(wait));
+        let word = match ended {
+            AllocState::Lost => "was lost",
+            AllocState::Succeeded => "exited 0",
+            AllocState::Failed => class.as_str(),
+            _ => "stopped",
+        };
+        j.reason = cut(&format!("replica {task} {word}: {message}; replaced after {wait} s"), max);
+        j.updated_at = now;
+        j.revision = rev;
+    }
+
+    /// The replicas a running service lacks: the first task group (by index) with replicas
+    /// that have no live allocation, and those replica indices in order. A scheduling pass
+    /// offers them as one pending request ([`State::cluster_view`]); a plan's placements for
+    /// the service name them by position ([`crate::plan`]).
+    pub fn missing_replicas(&self, j: &Job) -> Option<(u32, Vec<u32>)> {
+        let live: BTreeSet<(u32, u32)> = j
+            .allocs
+            .iter()
+            .filter_map(|a| self.allocs.get(a))
+            .filter(|a| a.is_live())
+            .map(|a| (a.alloc.group, a.alloc.replica))
+            .collect();
+        j.spec.groups.iter().enumerate().find_map(|(gi, g)| {
+            let gi = gi as u32;
+            let missing: Vec<u32> = (0..g.replicas).filter(|r| !live.contains(&(gi, *r))).collect();
+            (!missing.is_empty()).then_some((gi, missing))
+        })
+    }
+
+    /// How the engine sees a running service's missing replicas at `now` (none while in its
+    /// restart backoff): the job with one group, the missing replicas of the first group
+    /// lacking any, of which at least one must fit.
+    fn service_view(&self, j: &Job, now: u64) -> Option<PendingJob> {
+        if !j.spec.is_service() || !matches!(j.state, JobState::Placed | JobState::Running) || j.not_before > now {
+            return None;
+        }
+        let (gi, missing) = self.missing_replicas(j)?;
+        let mut g = j.spec.groups.get(gi as usize)?.clone();
+        g.replicas = u32::try_from(missing.len()).ok()?;
+        g.min_replicas = Some(1);
+        let mut spec = j.spec.clone();
+        spec.groups = vec![g];
+        spec.constraints = self.effective_constraints(j, now);
+        Some(PendingJob { id: j.id, spec, submitted_at: j.submitted_at, nominated: false })
     }
 
     /// Whether the ended attempt of `j` (its allocations, all ended) stopped for
@@ -1463,6 +1569,44 @@ impl State {
         Ok((Response::Done, Effect::Changed))
     }
 
+    fn alloc_ready(&mut self, c: AllocReady, rev: u64) -> Applied {
+        if c.endpoint.len() > crate::command::MAX_ENDPOINT_LEN
+            || c.endpoint.chars().any(|ch| ch.is_control() || ch.is_whitespace())
+        {
+            return Err(CommandError::Invalid {
+                field: "endpoint".into(),
+                message: format!(
+                    "must be host:port, at most {} bytes, without spaces or control characters",
+                    crate::command::MAX_ENDPOINT_LEN
+                ),
+            });
+        }
+        let a = self.check_report(c.alloc, c.epoch)?;
+        if !a.is_live() {
+            return Err(CommandError::Conflict {
+                field: "alloc".into(),
+                message: format!("allocation {} already ended as {:?}", c.alloc, a.state),
+            });
+        }
+        if a.ready == c.ready && a.endpoint == c.endpoint {
+            return Ok((Response::Done, Effect::Unchanged));
+        }
+        let job_id = a.alloc.job;
+        let now = self.tick(c.now);
+        if let Some(a) = self.allocs.get_mut(&c.alloc) {
+            a.ready = c.ready;
+            a.endpoint = c.endpoint;
+            a.updated_at = now;
+        }
+        if let Some(j) = self.jobs.get_mut(&job_id) {
+            if c.ready {
+                j.restart_streak = 0;
+            }
+            j.revision = rev;
+        }
+        Ok((Response::Done, Effect::Changed))
+    }
+
     fn report_checkpoint(&mut self, c: ReportCheckpoint, rev: u64) -> Applied {
         let a = self.check_report(c.alloc, c.epoch)?;
         if !a.is_live() {
@@ -1553,6 +1697,7 @@ impl State {
             .filter_map(|id| self.jobs.get(id))
             .filter(|j| j.state == JobState::Pending && j.not_before <= now)
             .filter_map(|j| self.pending_view(j, now))
+            .chain(self.live_jobs.iter().filter_map(|id| self.jobs.get(id)).filter_map(|j| self.service_view(j, now)))
             .collect();
         let running = self
             .allocs

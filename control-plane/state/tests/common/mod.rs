@@ -62,6 +62,7 @@ pub fn spec(queue: &str, replicas: u32, gpus: u32, priority: i32) -> JobSpec {
         constraints: Constraints::default(),
         runtime_estimate_s: Some(3600),
         checkpoint: None,
+        service: None,
     }
 }
 

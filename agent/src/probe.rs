@@ -1,0 +1,318 @@
+//! Service replicas (docs/services.md): the port a replica serves on, and the readiness and
+//! liveness checks the agent runs against it.
+//!
+//! ```text
+//!  start ─▶ port: the spec's, or a free one (SUANLI_PORT) ─▶ service.json in the alloc dir
+//!  running ─▶ every period: readiness ─▶ ready / not ready ─▶ ReportStatus(readiness_report)
+//!                           liveness  ─▶ failure_threshold failures in a row ─▶ SIGTERM the
+//!                                        task's group, SIGKILL 5 s later (the end says
+//!                                        "liveness check failed")
+//! ```
+//!
+//! A replica without a readiness check is ready once it runs. A replica is not ready until
+//! its first successful check, and stops being ready after `failure_threshold` failures in a
+//! row. Checks run from the node (127.0.0.1), so they see the replica as a local load
+//! balancer would.
+
+use crate::Agent;
+use crate::tasks::Key;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use suanli_model::{Probe, ProbeKind, ServiceSpec};
+use suanli_proto::v1 as pb;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// The replica's service settings, in its allocation directory (an agent that adopts the
+/// task after a restart reads its port from it).
+pub(crate) const SERVICE_FILE: &str = "service.json";
+/// Written when a liveness check killed the task: why (the final report says so).
+pub(crate) const LIVENESS_FILE: &str = "liveness-failed";
+
+/// Between the SIGTERM of a replica that failed its liveness check and the SIGKILL.
+const LIVENESS_KILL_GRACE: Duration = Duration::from_secs(5);
+
+/// A service replica as the agent runs it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct ServiceRun {
+    /// The job's service section.
+    pub spec: ServiceSpec,
+    /// The port the replica serves on (`SUANLI_PORT`).
+    pub port: u16,
+}
+
+impl ServiceRun {
+    /// The allocation's service settings (`None` for work that runs to completion), with the
+    /// port: the spec's, or a free one on the node.
+    pub fn of(a: &pb::AllocInfo) -> Result<Option<ServiceRun>, String> {
+        if a.service_json.is_empty() {
+            return Ok(None);
+        }
+        let spec: ServiceSpec =
+            serde_json::from_str(&a.service_json).map_err(|e| format!("its service section cannot be read: {e}"))?;
+        let port = if spec.port > 0 { spec.port } else { free_port().map_err(|e| format!("no free port: {e}"))? };
+        Ok(Some(ServiceRun { spec, port }))
+    }
+
+    /// As written by [`ServiceRun::write`] into `dir`.
+    pub fn read(dir: &Path) -> Option<ServiceRun> {
+        serde_json::from_slice(&std::fs::read(dir.join(SERVICE_FILE)).ok()?).ok()
+    }
+
+    pub fn write(&self, dir: &Path) -> std::io::Result<()> {
+        crate::sys::write_atomic(&dir.join(SERVICE_FILE), &serde_json::to_vec(self).unwrap_or_default())
+    }
+}
+
+/// A port no socket of this node holds now. The task binds it moments later; a port is not
+/// reserved in between, so another process of the node could take it first (the task then
+/// fails to start and the replica is replaced).
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The host part of `addr` (`host:port` or `[v6]:port`), or 127.0.0.1 when there is none.
+fn host_of(addr: &str) -> &str {
+    match addr.rsplit_once(':') {
+        Some((h, _)) if !h.is_empty() => h,
+        _ => "127.0.0.1",
+    }
+}
+
+/// One check of `p` against the replica; `Err(why)` when it fails.
+async fn check(p: &Probe, port: u16, dir: &Path, http: &reqwest::Client) -> Result<(), String> {
+    let t = Duration::from_millis(p.timeout_ms);
+    let late = || format!("no answer within {} ms", p.timeout_ms);
+    match p.kind {
+        ProbeKind::Http => {
+            let url = format!("http://127.0.0.1:{port}{}", p.path);
+            let r = tokio::time::timeout(t, http.get(&url).send()).await.map_err(|_| late())?;
+            let r = r.map_err(|e| format!("GET {url}: {e}"))?;
+            let code = r.status();
+            if code.is_success() || code.is_redirection() { Ok(()) } else { Err(format!("GET {url}: HTTP {code}")) }
+        }
+        ProbeKind::Tcp => {
+            let c = tokio::time::timeout(t, tokio::net::TcpStream::connect(("127.0.0.1", port)))
+                .await
+                .map_err(|_| late())?;
+            c.map(drop).map_err(|e| format!("connect 127.0.0.1:{port}: {e}"))
+        }
+        ProbeKind::Command => {
+            let mut c = tokio::process::Command::new(&p.command);
+            c.args(&p.args)
+                .current_dir(dir)
+                .env_clear()
+                .env("PATH", std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()))
+                .env("SUANLI_PORT", port.to_string())
+                .env("SUANLI_ALLOC_DIR", dir)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .kill_on_drop(true);
+            let s = tokio::time::timeout(t, c.status()).await.map_err(|_| late())?;
+            match s {
+                Ok(s) if s.success() => Ok(()),
+                Ok(s) => Err(format!("{} {s}", p.command)),
+                Err(e) => Err(format!("{}: {e}", p.command)),
+            }
+        }
+    }
+}
+
+/// A probe's schedule and its failures in a row.
+struct Due {
+    probe: Probe,
+    next: Instant,
+    failures: u32,
+}
+
+impl Due {
+    fn new(p: &Probe, started: Instant) -> Due {
+        Due { probe: p.clone(), next: started + Duration::from_millis(p.initial_delay_ms), failures: 0 }
+    }
+}
+
+/// Runs the replica's checks until `ended` turns true (its task ended) and reports its
+/// readiness whenever it changes (retried each period until the control plane takes it).
+pub(crate) async fn watch(
+    agent: Arc<Agent>,
+    k: Key,
+    dir: PathBuf,
+    run: ServiceRun,
+    pgid: i32,
+    mut ended: watch::Receiver<bool>,
+) {
+    let http = match reqwest::Client::builder().no_proxy().redirect(reqwest::redirect::Policy::none()).build() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot build the HTTP client for checks; the replica is never reported ready");
+            return;
+        }
+    };
+    let endpoint = format!("{}:{}", host_of(&agent.agent_addr), run.port);
+    let started = Instant::now();
+    let mut readiness = run.spec.readiness.as_ref().map(|p| Due::new(p, started));
+    let mut liveness = run.spec.liveness.as_ref().map(|p| Due::new(p, started));
+    let mut ready = readiness.is_none();
+    let mut told: Option<bool> = None;
+    let idle = Duration::from_secs(1);
+    loop {
+        if told != Some(ready) {
+            match tell(&agent, k, ready, &endpoint).await {
+                Ok(()) => {
+                    tracing::info!(ready, endpoint = %endpoint, "readiness reported");
+                    told = Some(ready);
+                }
+                Err(true) => return, // the allocation is gone or stale: nothing more to say
+                Err(false) => {}
+            }
+        }
+        let now = Instant::now();
+        let next = [readiness.as_ref(), liveness.as_ref()].into_iter().flatten().map(|d| d.next).min();
+        // An untold readiness is retried within a second.
+        let wake = match next {
+            Some(t) if told == Some(ready) => t,
+            Some(t) => t.min(now + idle),
+            None => now + if told == Some(ready) { Duration::from_secs(3600) } else { idle },
+        };
+        tokio::select! {
+            () = tokio::time::sleep_until(wake) => {}
+            r = ended.changed() => if r.is_err() || *ended.borrow() { return },
+        }
+        if *ended.borrow() {
+            return;
+        }
+        let now = Instant::now();
+        if let Some(d) = readiness.as_mut().filter(|d| d.next <= now) {
+            d.next = now + Duration::from_millis(d.probe.period_ms);
+            match check(&d.probe, run.port, &dir, &http).await {
+                Ok(()) => {
+                    d.failures = 0;
+                    ready = true;
+                }
+                Err(why) => {
+                    d.failures = d.failures.saturating_add(1);
+                    if ready && d.failures >= d.probe.failure_threshold {
+                        tracing::warn!(failures = d.failures, error = %why, "readiness check failing: not ready");
+                        ready = false;
+                    }
+                }
+            }
+        }
+        if let Some(d) = liveness.as_mut().filter(|d| d.next <= now) {
+            d.next = now + Duration::from_millis(d.probe.period_ms);
+            match check(&d.probe, run.port, &dir, &http).await {
+                Ok(()) => d.failures = 0,
+                Err(why) => {
+                    d.failures = d.failures.saturating_add(1);
+                    if d.failures >= d.probe.failure_threshold {
+                        let why = format!("{} failures in a row, last: {why}", d.failures);
+                        tracing::warn!(error = %why, "liveness check failed: killing the task");
+                        if let Err(e) = crate::sys::write_atomic(&dir.join(LIVENESS_FILE), why.as_bytes()) {
+                            tracing::warn!(error = %e, "recording the liveness failure");
+                        }
+                        // SIGTERM first: the shim outlives it and records how the task ended.
+                        if let Err(e) = crate::sys::kill_group(pgid, libc::SIGTERM) {
+                            tracing::warn!(error = %e, "SIGTERM after the liveness failure");
+                        }
+                        tokio::select! {
+                            () = tokio::time::sleep(LIVENESS_KILL_GRACE) => {
+                                tracing::warn!("the task outlived the liveness grace: SIGKILL");
+                                let _ = crate::sys::kill_group(pgid, libc::SIGKILL);
+                            }
+                            _ = ended.changed() => {}
+                        }
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reports the replica's readiness. `Err(true)`: refused for good (the allocation ended or
+/// is unknown); `Err(false)`: not delivered, try again.
+async fn tell(agent: &Agent, k: Key, ready: bool, endpoint: &str) -> Result<(), bool> {
+    let req = pb::ReportStatusRequest {
+        alloc_id: k.0,
+        epoch: k.1,
+        status: pb::AllocReport::Running as i32,
+        readiness_report: true,
+        ready,
+        endpoint: endpoint.to_owned(),
+        ..Default::default()
+    };
+    let r = agent
+        .servers
+        .call(|mut c| {
+            let req = req.clone();
+            async move { c.report_status(req).await }
+        })
+        .await;
+    match r {
+        Ok(_) => Ok(()),
+        Err(e) if matches!(e.code(), tonic::Code::FailedPrecondition | tonic::Code::NotFound) => Err(true),
+        Err(e) => {
+            tracing::debug!(error = %e, "readiness report failed; will retry");
+            Err(false)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_of_addresses() {
+        assert_eq!(host_of("10.0.0.7:7401"), "10.0.0.7");
+        assert_eq!(host_of("[::1]:7401"), "[::1]");
+        assert_eq!(host_of(""), "127.0.0.1");
+    }
+
+    #[tokio::test]
+    async fn checks_pass_and_fail() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        let dir = tempfile::tempdir().expect("dir");
+        let http = reqwest::Client::builder().no_proxy().build().expect("client");
+        let p = |kind| Probe {
+            kind,
+            path: "/healthz".into(),
+            command: "true".into(),
+            args: Vec::new(),
+            period_ms: 100,
+            timeout_ms: 500,
+            failure_threshold: 1,
+            initial_delay_ms: 0,
+        };
+        assert_eq!(check(&p(ProbeKind::Tcp), port, dir.path(), &http).await, Ok(()));
+        assert_eq!(check(&p(ProbeKind::Command), port, dir.path(), &http).await, Ok(()));
+        let f = Probe { command: "false".into(), ..p(ProbeKind::Command) };
+        assert!(check(&f, port, dir.path(), &http).await.is_err());
+        // An HTTP server (its own listener: the TCP check's connection waits in the first one's
+        // backlog) answering 503, then 200.
+        drop(l);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        let server = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            for status in ["503 Service Unavailable", "200 OK"] {
+                let (mut s, _) = l.accept().await.expect("accept");
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                let body = format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                s.write_all(body.as_bytes()).await.expect("write");
+            }
+        });
+        let e = check(&p(ProbeKind::Http), port, dir.path(), &http).await.expect_err("503 fails");
+        assert!(e.contains("503"), "{e}");
+        assert_eq!(check(&p(ProbeKind::Http), port, dir.path(), &http).await, Ok(()));
+        server.await.expect("server");
+        drop(dir);
+        let closed = free_port().expect("port");
+        assert!(check(&p(ProbeKind::Tcp), closed, Path::new("/"), &http).await.is_err());
+    }
+}
