@@ -139,7 +139,7 @@ mod tests {
         JobSpec {
             name: "j".into(),
             queue: QueueId::from("q"),
-            kind: JobKind::Inference,
+            kind: JobKind::Training,
             priority: -3,
             preemptible: false,
             gang: true,
@@ -174,12 +174,40 @@ mod tests {
         }
     }
 
+    /// A service with every `service` field set (a service is never a gang).
+    fn full_service() -> JobSpec {
+        let probe = |kind| suanli_model::Probe {
+            kind,
+            path: "/ready".into(),
+            command: "true".into(),
+            args: vec!["a".into()],
+            period_ms: 200,
+            timeout_ms: 300,
+            failure_threshold: 2,
+            initial_delay_ms: 5,
+        };
+        let mut job = full_job();
+        job.kind = JobKind::Inference;
+        job.gang = false;
+        job.constraints.gang_topology = suanli_model::GangTopology::default();
+        job.service = Some(suanli_model::ServiceSpec {
+            port: 8080,
+            readiness: Some(probe(suanli_model::ProbeKind::Http)),
+            liveness: Some(probe(suanli_model::ProbeKind::Command)),
+            restart_backoff_s: 2,
+            max_restart_backoff_s: 30,
+        });
+        job
+    }
+
     /// Every field the model serializes decodes again through the strict path (nothing the
     /// model writes is refused as unknown).
     #[test]
     fn model_round_trips_through_the_strict_path() {
         let round = job_from_value("f", serde_json::to_value(full_job()).expect("json")).expect("valid");
         assert_eq!(round, full_job());
+        let round = job_from_value("f", serde_json::to_value(full_service()).expect("json")).expect("valid");
+        assert_eq!(round, full_service());
         let q = Queue {
             id: QueueId::from("q"),
             team: "t".into(),
