@@ -7,6 +7,8 @@
 //!                           liveness  ─▶ failure_threshold failures in a row ─▶ SIGTERM the
 //!                                        task's group, SIGKILL 5 s later (the end says
 //!                                        "liveness check failed")
+//!  autoscaled ─▶ every period_s / 3 (≥ 1 s): the load (the `load` file, or a Prometheus
+//!                sample from /metrics) ─▶ reported when it changed, and at least every period_s
 //! ```
 //!
 //! A replica without a readiness check is ready once it runs. A replica is not ready until
@@ -20,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use suanli_model::{Probe, ProbeKind, ServiceSpec};
+use suanli_model::{Autoscale, LoadSource, Probe, ProbeKind, ServiceSpec};
 use suanli_proto::v1 as pb;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -30,6 +32,11 @@ use tokio::time::Instant;
 pub(crate) const SERVICE_FILE: &str = "service.json";
 /// Written when a liveness check killed the task: why (the final report says so).
 pub(crate) const LIVENESS_FILE: &str = "liveness-failed";
+
+/// The file a replica writes its load into (`source = "file"`): one number.
+pub(crate) const LOAD_FILE: &str = "load";
+/// Largest load a replica may report (in the metric's units); larger values are capped.
+const MAX_LOAD: f64 = 1e12;
 
 /// Between the SIGTERM of a replica that failed its liveness check and the SIGKILL.
 const LIVENESS_KILL_GRACE: Duration = Duration::from_secs(5);
@@ -122,6 +129,63 @@ async fn check(p: &Probe, port: u16, dir: &Path, http: &reqwest::Client) -> Resu
 }
 
 /// A probe's schedule and its failures in a row.
+/// A load value in thousandths, from its text (finite, not negative; capped).
+fn milli_of(text: &str) -> Result<u64, String> {
+    let v: f64 = text.trim().parse().map_err(|_| format!("{:?} is not a number", text.trim()))?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!("{v} is not a load (finite, at least 0)"));
+    }
+    Ok((v.min(MAX_LOAD) * 1000.0).round() as u64)
+}
+
+/// The value of `metric` in a Prometheus text exposition: its unlabelled sample, or the sum
+/// of its labelled ones.
+fn prometheus_value(body: &str, metric: &str) -> Result<u64, String> {
+    let mut total: Option<u64> = None;
+    for line in body.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let name_end = line.find(|c: char| c == '{' || c.is_whitespace()).unwrap_or(line.len());
+        if &line[..name_end] != metric {
+            continue;
+        }
+        let rest = &line[name_end..];
+        let rest = match rest.strip_prefix('{') {
+            Some(r) => r.split_once('}').map(|(_, v)| v).ok_or_else(|| format!("{metric}: unclosed labels"))?,
+            None => rest,
+        };
+        let value = rest.split_whitespace().next().ok_or_else(|| format!("{metric}: a sample without a value"))?;
+        total = Some(total.unwrap_or(0).saturating_add(milli_of(value)?));
+    }
+    total.ok_or_else(|| format!("no sample named {metric}"))
+}
+
+/// Reads the replica's load as its autoscaling section says.
+async fn read_load(a: &Autoscale, port: u16, dir: &Path, http: &reqwest::Client) -> Result<u64, String> {
+    match a.source {
+        LoadSource::File => {
+            let text = tokio::fs::read_to_string(dir.join(LOAD_FILE)).await.map_err(|e| format!("{LOAD_FILE}: {e}"))?;
+            milli_of(&text)
+        }
+        LoadSource::Prometheus => {
+            let url = format!("http://127.0.0.1:{port}/metrics");
+            let r = http.get(&url).timeout(Duration::from_secs(2)).send().await.map_err(|e| format!("{url}: {e}"))?;
+            if !r.status().is_success() {
+                return Err(format!("{url}: {}", r.status()));
+            }
+            // A scrape larger than 4 MiB is not read whole.
+            let body = r.text().await.map_err(|e| format!("{url}: {e}"))?;
+            prometheus_value(&body[..body.len().min(4 << 20)], &a.metric)
+        }
+    }
+}
+
+/// When the load is read next, and what was last told and when.
+struct LoadDue {
+    every: Duration,
+    refresh: Duration,
+    next: Instant,
+    told: Option<(u64, Instant)>,
+}
+
 struct Due {
     probe: Probe,
     next: Instant,
@@ -157,10 +221,15 @@ pub(crate) async fn watch(
     let mut liveness = run.spec.liveness.as_ref().map(|p| Due::new(p, started));
     let mut ready = readiness.is_none();
     let mut told: Option<bool> = None;
+    let autoscale = run.spec.autoscale.clone();
+    let mut load = autoscale.as_ref().map(|a| {
+        let period = Duration::from_secs(a.period_s);
+        LoadDue { every: (period / 3).max(Duration::from_secs(1)), refresh: period, next: started, told: None }
+    });
     let idle = Duration::from_secs(1);
     loop {
         if told != Some(ready) {
-            match tell(&agent, k, ready, &endpoint).await {
+            match tell(&agent, k, ready, &endpoint, None).await {
                 Ok(()) => {
                     tracing::info!(ready, endpoint = %endpoint, "readiness reported");
                     told = Some(ready);
@@ -170,7 +239,12 @@ pub(crate) async fn watch(
             }
         }
         let now = Instant::now();
-        let next = [readiness.as_ref(), liveness.as_ref()].into_iter().flatten().map(|d| d.next).min();
+        let next = [readiness.as_ref(), liveness.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|d| d.next)
+            .chain(load.as_ref().map(|l| l.next))
+            .min();
         // An untold readiness is retried within a second.
         let wake = match next {
             Some(t) if told == Some(ready) => t,
@@ -199,6 +273,25 @@ pub(crate) async fn watch(
                         ready = false;
                     }
                 }
+            }
+        }
+        if let (Some(l), Some(a)) = (load.as_mut().filter(|l| l.next <= now), autoscale.as_ref()) {
+            l.next = now + l.every;
+            match read_load(a, run.port, &dir, &http).await {
+                Ok(v) => {
+                    let stale = l.told.is_none_or(|(last, at)| last != v || now.duration_since(at) >= l.refresh);
+                    if stale {
+                        match tell(&agent, k, ready, &endpoint, Some(v)).await {
+                            Ok(()) => {
+                                l.told = Some((v, now));
+                                told = Some(ready);
+                            }
+                            Err(true) => return,
+                            Err(false) => {}
+                        }
+                    }
+                }
+                Err(why) => tracing::debug!(error = %why, "load not read"),
             }
         }
         if let Some(d) = liveness.as_mut().filter(|d| d.next <= now) {
@@ -234,7 +327,7 @@ pub(crate) async fn watch(
 
 /// Reports the replica's readiness. `Err(true)`: refused for good (the allocation ended or
 /// is unknown); `Err(false)`: not delivered, try again.
-async fn tell(agent: &Agent, k: Key, ready: bool, endpoint: &str) -> Result<(), bool> {
+async fn tell(agent: &Agent, k: Key, ready: bool, endpoint: &str, load_milli: Option<u64>) -> Result<(), bool> {
     let req = pb::ReportStatusRequest {
         alloc_id: k.0,
         epoch: k.1,
@@ -242,6 +335,7 @@ async fn tell(agent: &Agent, k: Key, ready: bool, endpoint: &str) -> Result<(), 
         readiness_report: true,
         ready,
         endpoint: endpoint.to_owned(),
+        load_milli,
         ..Default::default()
     };
     let r = agent
@@ -264,6 +358,19 @@ async fn tell(agent: &Agent, k: Key, ready: bool, endpoint: &str) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loads_are_read_from_text_and_prometheus_samples() {
+        assert_eq!(milli_of(" 12.5\n"), Ok(12_500));
+        assert!(milli_of("-1").is_err());
+        assert!(milli_of("NaN").is_err());
+        assert!(milli_of("lots").is_err());
+        let body =
+            "# HELP q queue\n# TYPE q gauge\nq 3\nq_total 99\nreq{path=\"/a\"} 2\nreq{path=\"/b\"} 1.5 1700000000\n";
+        assert_eq!(prometheus_value(body, "q"), Ok(3_000));
+        assert_eq!(prometheus_value(body, "req"), Ok(3_500));
+        assert!(prometheus_value(body, "missing").is_err());
+    }
 
     #[test]
     fn hosts_of_addresses() {

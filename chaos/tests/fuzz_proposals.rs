@@ -35,6 +35,7 @@ enum Rpc {
     Submit,
     SubmitMany,
     Cancel,
+    UpdateService,
     Upsert,
     DeleteQueue,
     SetMode,
@@ -49,6 +50,7 @@ const RPCS: &[Rpc] = &[
     Rpc::Submit,
     Rpc::SubmitMany,
     Rpc::Cancel,
+    Rpc::UpdateService,
     Rpc::Upsert,
     Rpc::DeleteQueue,
     Rpc::SetMode,
@@ -341,6 +343,11 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
         Rpc::Cancel => {
             JobsClient::new(ch).cancel(pb::CancelJobRequest { job_id: k.n.0, reason: k.text.clone() }).await.map(drop)
         }
+        Rpc::UpdateService => {
+            // A spec (or bytes) for one of the first jobs, which may be a service.
+            let req = pb::UpdateServiceRequest { job_id: k.n.0 % 8, spec_json: text };
+            JobsClient::new(ch).update_service(req).await.map(drop)
+        }
         Rpc::Upsert => QueuesClient::new(ch).upsert(pb::UpsertQueueRequest { queue_json: text }).await.map(drop),
         Rpc::DeleteQueue => QueuesClient::new(ch).delete(pb::DeleteQueueRequest { id: k.text.clone() }).await.map(drop),
         Rpc::SetMode => {
@@ -379,6 +386,7 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
                 readiness_report: k.small % 3 == 0,
                 ready: k.small % 2 == 1,
                 endpoint: k.text.clone(),
+                load_milli: (k.small % 4 == 0).then_some(k.n.0),
             };
             AgentClient::new(ch).report_status(req).await.map(drop)
         }

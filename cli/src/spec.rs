@@ -196,6 +196,21 @@ mod tests {
             liveness: Some(probe(suanli_model::ProbeKind::Command)),
             restart_backoff_s: 2,
             max_restart_backoff_s: 30,
+            spread: false,
+            update: suanli_model::UpdateStrategy { max_unavailable: 2, max_surge: 3 },
+            autoscale: Some(suanli_model::Autoscale {
+                min_replicas: 1,
+                max_replicas: 4,
+                source: suanli_model::LoadSource::Prometheus,
+                metric: "requests_in_flight".into(),
+                target: 7,
+                tolerance_pct: 5,
+                period_s: 3,
+                scale_up_window_s: 1,
+                scale_down_window_s: 9,
+                scale_up_step: 2,
+                scale_down_step: 1,
+            }),
         });
         job
     }

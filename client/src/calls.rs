@@ -200,6 +200,18 @@ impl Connection {
         .map(|r| r.revision)
     }
 
+    /// Replaces a service's spec (a rolling update, or a scale when only `replicas` changed);
+    /// returns its spec version now.
+    pub async fn update_service(&self, job_id: u64, spec_json: &str) -> Result<u32, ClientError> {
+        self.call(|ch| {
+            let req = pb::UpdateServiceRequest { job_id, spec_json: spec_json.to_owned() };
+            let mut c = self.jobs(ch);
+            async move { c.update_service(req).await }
+        })
+        .await
+        .map(|r| r.version)
+    }
+
     /// Job changes after `from_revision` (call on a [`Connection::streaming`] connection).
     pub async fn watch_jobs(
         &self,

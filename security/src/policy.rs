@@ -8,7 +8,7 @@
 //! | --- | --- |
 //! | admin | everything a user may: tokens, membership, configuration, backups, the audit log, queues |
 //! | operator | reads; nodes (cordon, drain, uncordon); job migration |
-//! | member | reads; submit to, cancel and migrate jobs of its team's queues; its team's jobs' logs |
+//! | member | reads; submit to, cancel and migrate jobs of its team's queues, update its services; its team's jobs' logs |
 //! | viewer | reads (no logs) |
 //! | node (agent) | the `Agent` service, for its own node only |
 //! | server | the peer listener (raft, `Internal`) |
@@ -98,6 +98,7 @@ pub static RULES: &[Rule] = &[
     r("/suanli.v1.Jobs/Cancel", Client, Roles(TEAM), Scope::Team, true),
     r("/suanli.v1.Jobs/Watch", Client, Roles(READERS), Scope::None, false),
     r("/suanli.v1.Jobs/Migrate", Client, Roles(TEAM_AND_OPERATORS), Scope::Team, true),
+    r("/suanli.v1.Jobs/UpdateService", Client, Roles(TEAM), Scope::Team, true),
     // Queues
     r("/suanli.v1.Queues/Upsert", Client, Roles(ADMIN), Scope::None, true),
     r("/suanli.v1.Queues/Delete", Client, Roles(ADMIN), Scope::None, true),

@@ -145,6 +145,7 @@ fn request(path: &str, job: u64) -> Vec<u8> {
         }),
         "/suanli.v1.Jobs/Cancel" => encode(&pb::CancelJobRequest { job_id: job, reason: "authz".into() }),
         "/suanli.v1.Jobs/Migrate" => encode(&pb::MigrateJobRequest { job_id: job, ..Default::default() }),
+        "/suanli.v1.Jobs/UpdateService" => encode(&pb::UpdateServiceRequest { job_id: job, spec_json: spec("q1") }),
         "/suanli.v1.Agent/Register" => encode(&pb::RegisterNodeRequest { node_json, ..Default::default() }),
         "/suanli.v1.Agent/Heartbeat" => encode(&pb::HeartbeatRequest { node_id: "n1".into(), ..Default::default() }),
         "/suanli.v1.Agent/WatchAllocations" => {

@@ -6,6 +6,9 @@
 //!   `host:port`s, each of which answers HTTP.
 //! - A replica's process is killed: that replica alone is replaced (after the restart
 //!   backoff), the other two keep their allocations, and the endpoints follow.
+//! - A rolling update (`suanli service update web FILE`, a new environment): the replicas are
+//!   replaced one at a time by the new version (max_surge 1, max_unavailable 0); sampled
+//!   throughout, never fewer than 3 are ready, and the endpoints follow.
 //! - An agent is SIGKILLed: once its node is declared down, its replicas are replaced on the
 //!   other node, the replicas there keep running, and the endpoints follow again.
 
@@ -131,6 +134,40 @@ async fn a_service_stays_at_three_ready_through_a_crash_and_an_agent_kill() {
     let eps: BTreeSet<String> = second.iter().map(|x| x.2.clone()).collect();
     assert_eq!(endpoints(&addr), eps);
     assert!(!eps.contains(&victim_ep) || answers(&victim_ep));
+
+    // A rolling update to a new environment: one replica at a time, never fewer than 3 ready.
+    let restarts_before = j.restarts;
+    let mut v1 = service_spec();
+    v1["groups"][0]["task"]["env"] = serde_json::json!({"WEB_VERSION": "1"});
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("web-v1.json");
+    std::fs::write(&file, v1.to_string()).unwrap();
+    let o = support::cli().args(["service", "update", "web"]).arg(&file).args(["--server", &addr]).output().unwrap();
+    assert!(o.status.success(), "service update: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("version 1"), "{}", String::from_utf8_lossy(&o.stdout));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (mut fewest, mut most_live) = (usize::MAX, 0);
+    let j = loop {
+        let j = job(&addr, id).await;
+        fewest = fewest.min(ready(&j).len());
+        most_live = most_live.max(j.allocs.iter().filter(|a| a.state == "pending" || a.state == "running").count());
+        let updated = j.allocs.iter().filter(|a| a.state == "running" && a.ready && a.version == 1).count();
+        if updated == 3 && j.allocs.iter().all(|a| a.version == 1) {
+            break j;
+        }
+        assert!(Instant::now() < deadline, "the rolling update did not finish: {j:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(j.version, 1);
+    assert!(fewest >= 3, "only {fewest} replicas were ready at one point of the update");
+    assert!(most_live <= 4, "{most_live} replicas ran at once (3 + max_surge 1 at most)");
+    assert_eq!(j.restarts, restarts_before, "replicas replaced by the update are not restarts: {j:?}");
+    let second = ready(&j);
+    let eps: BTreeSet<String> = second.iter().map(|x| x.2.clone()).collect();
+    assert_eq!(endpoints(&addr), eps);
+    for e in &eps {
+        assert!(answers(e), "{e} does not answer");
+    }
 
     // An agent dies: its replicas move to the other node once it is declared down.
     let (gone, stays) =

@@ -1,6 +1,7 @@
 //! `suanli service`: long-running services (docs/services.md). `service endpoints NAME`
 //! prints where the ready replicas serve, one `host:port` a line, for a load balancer's
-//! upstream list; `service status NAME` shows replicas wanted, running and ready.
+//! upstream list; `service status NAME` shows replicas wanted, running and ready;
+//! `service update NAME FILE` replaces its spec by a rolling update (or scales it).
 
 use super::render::{print_json, table};
 use super::{ConnArgs, Output};
@@ -29,6 +30,15 @@ pub enum ServiceCmd {
         /// Answer from the contacted server's local state (possibly stale).
         #[arg(long)]
         stale: bool,
+    },
+    /// Replace a service's spec: its replicas are replaced one step at a time as the new
+    /// spec's `[service.update]` allows (max_unavailable, max_surge); a new `replicas` alone
+    /// scales it. The queue and the task groups stay.
+    Update {
+        /// The service: its job name (the one live service of that name) or job id.
+        service: String,
+        /// The new spec file (TOML or JSON, as `job submit` reads it).
+        file: std::path::PathBuf,
     },
     /// A service's replicas: wanted, running, ready, restarts, and each replica's endpoint.
     Status {
@@ -95,6 +105,25 @@ impl ServiceArgs {
                     }
                 }
             }
+            ServiceCmd::Update { service, file } => {
+                let spec = crate::spec::load_job(&file)?;
+                let j = find(&conn, &service, false).await?;
+                let version = conn.update_service(j.id, &serde_json::to_string(&spec)?).await?;
+                match out {
+                    Output::Json => print_json(&json!({"job_id": j.id, "name": j.name, "version": version})),
+                    Output::Table => {
+                        if version == j.version {
+                            println!("service {} (job {}): unchanged at version {version}", j.name, j.id);
+                        } else {
+                            println!(
+                                "service {} (job {}): version {version}; follow with `suanli service status {}`",
+                                j.name, j.id, j.id
+                            );
+                        }
+                        Ok(())
+                    }
+                }
+            }
             ServiceCmd::Status { service, stale } => {
                 let j = find(&conn, &service, stale).await?;
                 let wanted = serde_json::from_str::<suanli_model::JobSpec>(&j.spec_json)
@@ -102,19 +131,25 @@ impl ServiceArgs {
                     .unwrap_or(0);
                 let running = j.allocs.iter().filter(|a| a.state == "running").count();
                 let n_ready = ready(&j).count();
+                let old = j.allocs.iter().filter(|a| a.version != j.version).count();
                 match out {
                     Output::Json => print_json(&json!({
                         "job_id": j.id, "name": j.name, "state": j.state, "wanted": wanted,
                         "running": running, "ready": n_ready, "restarts": j.restarts, "reason": j.reason,
+                        "version": j.version, "old_version_replicas": old,
                         "replicas": j.allocs.iter().map(|a| json!({
                             "alloc_id": a.id, "group": a.group_name, "replica": a.replica, "node": a.node,
-                            "state": a.state, "ready": a.ready, "endpoint": a.endpoint})).collect::<Vec<_>>(),
+                            "state": a.state, "ready": a.ready, "endpoint": a.endpoint,
+                            "version": a.version})).collect::<Vec<_>>(),
                     })),
                     Output::Table => {
                         println!(
-                            "service {} (job {}): {} · {wanted} wanted, {running} running, {n_ready} ready, {} restarts",
-                            j.name, j.id, j.state, j.restarts
+                            "service {} (job {}): {} · version {} · {wanted} wanted, {running} running, {n_ready} ready, {} restarts",
+                            j.name, j.id, j.state, j.version, j.restarts
                         );
+                        if old > 0 {
+                            println!("rolling update: {old} replicas of earlier versions still run");
+                        }
                         if !j.reason.is_empty() {
                             println!("reason: {}", j.reason);
                         }
@@ -129,10 +164,14 @@ impl ServiceArgs {
                                     a.state.clone(),
                                     if a.ready { "yes".into() } else { "no".into() },
                                     if a.endpoint.is_empty() { "-".into() } else { a.endpoint.clone() },
+                                    a.version.to_string(),
                                 ]
                             })
                             .collect();
-                        println!("{}", table(&["REPLICA", "ALLOC", "NODE", "STATE", "READY", "ENDPOINT"], &rows));
+                        println!(
+                            "{}",
+                            table(&["REPLICA", "ALLOC", "NODE", "STATE", "READY", "ENDPOINT", "VERSION"], &rows)
+                        );
                         Ok(())
                     }
                 }

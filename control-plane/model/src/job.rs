@@ -447,6 +447,12 @@ impl JobSpec {
         if let Some(s) = &self.service {
             s.validate(limits)?;
         }
+        if self.service.as_ref().is_some_and(|s| s.autoscale.is_some()) && self.groups.len() != 1 {
+            return Err(ValidationError::Invalid {
+                field: "service.autoscale".into(),
+                message: format!("scales one task group; this service has {}", self.groups.len()),
+            });
+        }
         if self.is_service() && self.gang {
             return Err(ValidationError::Invalid {
                 field: "gang".into(),

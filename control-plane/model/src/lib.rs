@@ -47,7 +47,7 @@ pub use node::Node;
 pub use plan::{DeviceShare, Placement, Plan, Preemption, PreemptionReason, Reservation, Unplaced};
 pub use queue::Queue;
 pub use resources::ResVec;
-pub use service::{Probe, ProbeKind, ServiceSpec};
+pub use service::{Autoscale, LoadSource, Probe, ProbeKind, ServiceSpec, UpdateStrategy};
 
 /// One whole device, in milli-units: a device is shared in thousandths.
 pub const WHOLE_DEVICE_MILLI: u32 = 1000;

@@ -15,6 +15,8 @@ pub const MAX_PROBE_MS: u64 = 3_600_000;
 pub const MAX_PROBE_THRESHOLD: u32 = 100;
 /// Longest restart backoff, in seconds.
 pub const MAX_RESTART_BACKOFF_S: u64 = 3600;
+/// Most replicas a rolling update may take down or add beyond `replicas` at once.
+pub const MAX_UPDATE_STEP: u32 = 10_000;
 
 /// The `service` section of a job (implied, with its defaults, by `kind = "inference"`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -38,6 +40,169 @@ pub struct ServiceSpec {
     /// The longest wait before a replacement, in seconds.
     #[serde(default = "sixty_s")]
     pub max_restart_backoff_s: u64,
+    /// Place a group's replicas on different nodes where the cluster allows (the default),
+    /// preferring nodes none of them runs on; `false`: placed like any task (packed).
+    #[serde(default = "yes")]
+    pub spread: bool,
+    /// How `suanli service update` replaces the replicas of the previous spec.
+    #[serde(default)]
+    pub update: UpdateStrategy,
+    /// Scale the (one) task group's `replicas` on a load signal the replicas report
+    /// (absent: `replicas` stays as the spec says).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscale: Option<Autoscale>,
+}
+
+/// Where a replica's load comes from (read by its agent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadSource {
+    /// The number in the file `$SUANLI_ALLOC_DIR/load`, which the replica rewrites.
+    #[default]
+    File,
+    /// The sample named `metric` (without labels, or the sum of its labelled samples) in
+    /// `GET http://127.0.0.1:$SUANLI_PORT/metrics`, the Prometheus text format.
+    Prometheus,
+}
+
+/// Autoscaling on a per-replica load signal, as the Kubernetes HPA computes it:
+/// `wanted = ceil(replicas × average load / target)` outside a tolerance, held by a
+/// stabilization window in each direction, bounded in step and by `min..max_replicas`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Autoscale {
+    /// Fewest replicas (≥ 1).
+    pub min_replicas: u32,
+    /// Most replicas.
+    pub max_replicas: u32,
+    /// Where the load is read.
+    #[serde(default)]
+    pub source: LoadSource,
+    /// The Prometheus sample to read (`source = "prometheus"`).
+    #[serde(default = "load_metric")]
+    pub metric: String,
+    /// The load one replica should carry, in the metric's units (requests/s, queue
+    /// length, milliseconds of latency): ≥ 1.
+    pub target: u64,
+    /// Changes of the load within this percentage of the target do not scale (default 10).
+    #[serde(default = "ten")]
+    pub tolerance_pct: u32,
+    /// How often the leader decides, in seconds (default 15).
+    #[serde(default = "fifteen")]
+    pub period_s: u64,
+    /// Scale up to the lowest recommendation of this window, in seconds (default 0).
+    #[serde(default)]
+    pub scale_up_window_s: u64,
+    /// Scale down to the highest recommendation of this window, in seconds (default 300).
+    #[serde(default = "three_hundred")]
+    pub scale_down_window_s: u64,
+    /// Most replicas added per decision (default 4; 0: no bound).
+    #[serde(default = "four")]
+    pub scale_up_step: u32,
+    /// Most replicas removed per decision (default 0: no bound).
+    #[serde(default)]
+    pub scale_down_step: u32,
+}
+
+fn load_metric() -> String {
+    "suanli_load".into()
+}
+fn ten() -> u32 {
+    10
+}
+fn fifteen() -> u64 {
+    15
+}
+fn three_hundred() -> u64 {
+    300
+}
+fn four() -> u32 {
+    4
+}
+
+/// Longest autoscaling period or window, in seconds.
+pub const MAX_AUTOSCALE_WINDOW_S: u64 = 86_400;
+
+impl Autoscale {
+    fn validate(&self, limits: &Limits) -> Result<(), ValidationError> {
+        check_range(|| "service.autoscale.min_replicas".into(), self.min_replicas, 1, limits.max_replicas)?;
+        check_range(
+            || "service.autoscale.max_replicas".into(),
+            self.max_replicas,
+            self.min_replicas,
+            limits.max_replicas,
+        )?;
+        check_range(|| "service.autoscale.target".into(), self.target, 1, u64::MAX / 1_000_000)?;
+        check_range(|| "service.autoscale.tolerance_pct".into(), self.tolerance_pct, 0, 100)?;
+        check_range(|| "service.autoscale.period_s".into(), self.period_s, 1, MAX_AUTOSCALE_WINDOW_S)?;
+        check_range(
+            || "service.autoscale.scale_up_window_s".into(),
+            self.scale_up_window_s,
+            0,
+            MAX_AUTOSCALE_WINDOW_S,
+        )?;
+        check_range(
+            || "service.autoscale.scale_down_window_s".into(),
+            self.scale_down_window_s,
+            0,
+            MAX_AUTOSCALE_WINDOW_S,
+        )?;
+        check_range(|| "service.autoscale.scale_up_step".into(), self.scale_up_step, 0, limits.max_replicas)?;
+        check_range(|| "service.autoscale.scale_down_step".into(), self.scale_down_step, 0, limits.max_replicas)?;
+        let ok = !self.metric.is_empty()
+            && self.metric.len() <= 200
+            && self.metric.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+            && !self.metric.starts_with(|c: char| c.is_ascii_digit());
+        if !ok {
+            return Err(ValidationError::Invalid {
+                field: "service.autoscale.metric".into(),
+                message: "must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*, at most 200 bytes)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The replicas wanted for `current` replicas whose reported loads (in thousandths of
+    /// the metric's unit) average `avg_milli`: `ceil(current × avg / target)`, or `current`
+    /// within the tolerance, bounded by `min..max_replicas`. Integer arithmetic: the same
+    /// inputs give the same answer everywhere.
+    pub fn recommend(&self, current: u32, avg_milli: u64) -> u32 {
+        let target_milli = u128::from(self.target) * 1000;
+        let avg = u128::from(avg_milli);
+        let off = avg.abs_diff(target_milli) * 100;
+        let raw = if current == 0 || off <= target_milli * u128::from(self.tolerance_pct) {
+            u128::from(current.max(1))
+        } else {
+            (u128::from(current) * avg).div_ceil(target_milli)
+        };
+        let raw = u32::try_from(raw).unwrap_or(u32::MAX);
+        raw.clamp(self.min_replicas, self.max_replicas)
+    }
+}
+
+/// A rolling update's pace, as a Kubernetes Deployment's `RollingUpdate` strategy (in
+/// replicas, not percentages): the service keeps at least `replicas - max_unavailable` ready
+/// replicas and runs at most `replicas + max_surge` at once while old ones are replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct UpdateStrategy {
+    /// Ready replicas the update may take away below `replicas` (default 0).
+    #[serde(default)]
+    pub max_unavailable: u32,
+    /// Replicas the update may start beyond `replicas` (default 1).
+    #[serde(default = "one")]
+    pub max_surge: u32,
+}
+
+impl Default for UpdateStrategy {
+    fn default() -> Self {
+        UpdateStrategy { max_unavailable: 0, max_surge: 1 }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+fn one() -> u32 {
+    1
 }
 
 fn one_s() -> u64 {
@@ -49,7 +214,16 @@ fn sixty_s() -> u64 {
 
 impl Default for ServiceSpec {
     fn default() -> Self {
-        ServiceSpec { port: 0, readiness: None, liveness: None, restart_backoff_s: 1, max_restart_backoff_s: 60 }
+        ServiceSpec {
+            port: 0,
+            readiness: None,
+            liveness: None,
+            restart_backoff_s: 1,
+            max_restart_backoff_s: 60,
+            spread: true,
+            update: UpdateStrategy::default(),
+            autoscale: None,
+        }
     }
 }
 
@@ -151,6 +325,18 @@ impl ServiceSpec {
         if let Some(p) = &self.liveness {
             p.validate("service.liveness", limits)?;
         }
+        if let Some(a) = &self.autoscale {
+            a.validate(limits)?;
+        }
+        check_range(|| "service.update.max_unavailable".into(), self.update.max_unavailable, 0, MAX_UPDATE_STEP)?;
+        check_range(|| "service.update.max_surge".into(), self.update.max_surge, 0, MAX_UPDATE_STEP)?;
+        if self.update.max_unavailable == 0 && self.update.max_surge == 0 {
+            return Err(ValidationError::Invalid {
+                field: "service.update".into(),
+                message: "max_unavailable and max_surge are both 0: a rolling update could never replace a replica"
+                    .into(),
+            });
+        }
         Ok(())
     }
 
@@ -172,6 +358,57 @@ mod tests {
         assert_eq!([1, 2, 3, 4, 40].map(|n| s.backoff_s(n)), [2, 4, 8, 10, 10]);
         let zero = ServiceSpec { restart_backoff_s: 0, ..ServiceSpec::default() };
         assert_eq!(zero.backoff_s(9), 0);
+    }
+
+    fn autoscale() -> Autoscale {
+        Autoscale {
+            min_replicas: 1,
+            max_replicas: 10,
+            source: LoadSource::File,
+            metric: load_metric(),
+            target: 10,
+            tolerance_pct: 10,
+            period_s: 15,
+            scale_up_window_s: 0,
+            scale_down_window_s: 300,
+            scale_up_step: 4,
+            scale_down_step: 0,
+        }
+    }
+
+    #[test]
+    fn recommendations_follow_the_hpa_formula_within_bounds() {
+        let a = autoscale();
+        // 2 replicas at 30 each against a target of 10: 6.
+        assert_eq!(a.recommend(2, 30_000), 6);
+        // Within 10% of the target: unchanged.
+        assert_eq!(a.recommend(3, 10_900), 3);
+        assert_eq!(a.recommend(3, 9_100), 3);
+        // 3 at 4 each: ceil(1.2) = 2; nothing at all: the minimum.
+        assert_eq!(a.recommend(3, 4_000), 2);
+        assert_eq!(a.recommend(3, 0), 1);
+        // The maximum holds.
+        assert_eq!(a.recommend(8, 1_000_000), 10);
+    }
+
+    #[test]
+    fn bad_autoscale_fields_are_named() {
+        let l = Limits::default();
+        let with = |a: Autoscale| ServiceSpec { autoscale: Some(a), ..ServiceSpec::default() };
+        let field = |s: ServiceSpec| s.validate(&l).map_err(|e| e.field().to_owned());
+        assert_eq!(field(with(autoscale())), Ok(()));
+        assert_eq!(
+            field(with(Autoscale { min_replicas: 0, ..autoscale() })),
+            Err("service.autoscale.min_replicas".into())
+        );
+        assert_eq!(
+            field(with(Autoscale { max_replicas: 0, ..autoscale() })),
+            Err("service.autoscale.max_replicas".into())
+        );
+        assert_eq!(field(with(Autoscale { target: 0, ..autoscale() })), Err("service.autoscale.target".into()));
+        assert_eq!(field(with(Autoscale { period_s: 0, ..autoscale() })), Err("service.autoscale.period_s".into()));
+        let bad_metric = Autoscale { metric: "http requests".into(), ..autoscale() };
+        assert_eq!(field(with(bad_metric)), Err("service.autoscale.metric".into()));
     }
 
     #[test]
@@ -198,5 +435,11 @@ mod tests {
         assert_eq!(s.validate(&l).map_err(|e| e.field().to_owned()), Err("service.liveness.path".into()));
         let s = ServiceSpec { restart_backoff_s: 30, max_restart_backoff_s: 10, ..ServiceSpec::default() };
         assert_eq!(s.validate(&l).map_err(|e| e.field().to_owned()), Err("service.max_restart_backoff_s".into()));
+        let stuck = UpdateStrategy { max_unavailable: 0, max_surge: 0 };
+        let s = ServiceSpec { update: stuck, ..ServiceSpec::default() };
+        assert_eq!(s.validate(&l).map_err(|e| e.field().to_owned()), Err("service.update".into()));
+        let wide = UpdateStrategy { max_unavailable: MAX_UPDATE_STEP + 1, max_surge: 1 };
+        let s = ServiceSpec { update: wide, ..ServiceSpec::default() };
+        assert_eq!(s.validate(&l).map_err(|e| e.field().to_owned()), Err("service.update.max_unavailable".into()));
     }
 }

@@ -764,6 +764,37 @@ impl Cluster {
         })
     }
 
+    /// `shape` without the nodes `avoid` (dense indices): how a service's replicas are spread
+    /// (the engine tries it first and falls back to `shape`).
+    pub fn exclude(&mut self, shape: ShapeId, avoid: &[u32]) -> ShapeId {
+        if avoid.is_empty() {
+            return shape;
+        }
+        let mut s = self.shapes[shape as usize].clone();
+        let mut bits: Vec<u64> = match &s.nodes {
+            Some(b) => b.to_vec(),
+            None => {
+                let mut all = vec![0u64; self.nodes.len().div_ceil(64).max(1)];
+                for i in 0..self.nodes.len() {
+                    all[i / 64] |= 1 << (i % 64);
+                }
+                all
+            }
+        };
+        for &i in avoid {
+            if let Some(w) = bits.get_mut(i as usize / 64) {
+                *w &= !(1 << (i % 64));
+            }
+        }
+        s.nodes = Some(Arc::from(bits));
+        self.intern(s)
+    }
+
+    /// The dense index of a node.
+    pub fn index_of(&self, id: &NodeId) -> Option<u32> {
+        self.node_index.get(id).copied()
+    }
+
     /// Interns a prepared shape.
     pub fn intern(&mut self, s: Shape) -> ShapeId {
         if let Some(&id) = self.shape_index.get(&s) {

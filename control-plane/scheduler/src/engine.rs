@@ -39,6 +39,10 @@ pub struct PendingJob {
     /// before every other job, so the victims' queues cannot take the capacity back.
     #[serde(default)]
     pub nominated: bool,
+    /// Nodes that already run replicas of this job (a running service's): with
+    /// `service.spread`, its new replicas go elsewhere where they fit.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub occupied: Vec<NodeId>,
 }
 
 /// A recently seen task shape, for the fragmentation profile.
@@ -486,6 +490,27 @@ impl Pass<'_> {
         }
     }
 
+    /// For a service that spreads (`service.spread`, the default): a node none of its
+    /// replicas runs on (`used`: those already running and those placed in this pass) where
+    /// one fits, else any node.
+    fn choose_spread(&mut self, shape: ShapeId, spread: bool, used: &[u32]) -> Option<Choice> {
+        if spread && !used.is_empty() {
+            let elsewhere = self.cluster.exclude(shape, used);
+            if let Some(c) = self.choose(elsewhere) {
+                return Some(c);
+            }
+        }
+        self.choose(shape)
+    }
+
+    /// Where a job's replicas run before this pass (dense node indices), when it spreads.
+    fn spread_from(&self, job: &PendingJob) -> (bool, Vec<u32>) {
+        let spread = job.spec.service().is_some_and(|s| s.spread);
+        let used =
+            if spread { job.occupied.iter().filter_map(|n| self.cluster.index_of(n)).collect() } else { Vec::new() };
+        (spread, used)
+    }
+
     /// Places the job's replicas: first every group's minimum (all replicas of a gang), all or
     /// nothing; then, for an elastic job, the replicas beyond the minimum while quota and
     /// capacity last. On failure nothing stays committed and the reason names the first group
@@ -505,12 +530,15 @@ impl Pass<'_> {
             }
         };
         if !spec.gang {
+            let (spread, mut used) = self.spread_from(job);
+            used.extend(placed.iter().map(|t| t.choice.node));
             for (gi, (g, &shape)) in spec.groups.iter().zip(&shapes).enumerate() {
                 let per = g.resources.as_resvec();
                 for r in g.min()..g.replicas {
                     // Replicas beyond the minimum were not admitted up front: check each.
                     let Ok(a) = self.quota.check(&spec.queue, per) else { break };
-                    let Some(choice) = self.choose(shape) else { break };
+                    let Some(choice) = self.choose_spread(shape, spread, &used) else { break };
+                    used.push(choice.node);
                     self.cluster.commit(shape, &choice);
                     self.quota.charge(&spec.queue, per);
                     placed.push(Tentative {
@@ -599,11 +627,18 @@ impl Pass<'_> {
         let spec = &job.spec;
         let mut placed: Vec<Tentative> = Vec::new();
         let mut at = 0usize;
+        let (spread, mut used) = self.spread_from(job);
         for (gi, (g, &shape)) in spec.groups.iter().zip(shapes).enumerate() {
             let min = if spec.gang { g.replicas } else { g.min() };
             for r in 0..min {
                 let choice = match &scope {
-                    Scope::Any => self.choose(shape),
+                    Scope::Any => {
+                        let c = self.choose_spread(shape, spread, &used);
+                        if let Some(c) = &c {
+                            used.push(c.node);
+                        }
+                        c
+                    }
                     Scope::Unit(level, unit) => {
                         let s = self.cluster.restrict(shape, *level, *unit);
                         self.choose(s)
@@ -1011,6 +1046,7 @@ mod tests {
 
     fn gpu_job(id: u64, queue: &str, priority: i32) -> PendingJob {
         PendingJob {
+            occupied: Vec::new(),
             id: JobId(id),
             spec: JobSpec {
                 name: format!("j{id}"),
@@ -1121,6 +1157,38 @@ mod tests {
             ..Default::default()
         };
         schedule(&view, 100, seed, &SchedulerConfig::default()).expect("plan")
+    }
+
+    /// A CPU-only service of `replicas`, spreading or not.
+    fn cpu_service(replicas: u32, spread: bool) -> PendingJob {
+        let mut j = gpu_job(1, "a", 0);
+        j.spec.kind = JobKind::Inference;
+        j.spec.groups[0].replicas = replicas;
+        j.spec.groups[0].resources.devices = None;
+        j.spec.service = Some(suanli_model::ServiceSpec { spread, ..Default::default() });
+        j
+    }
+
+    fn nodes_of(plan: &Plan) -> Vec<String> {
+        plan.placements.iter().map(|p| p.node.0.clone()).collect()
+    }
+
+    #[test]
+    fn a_service_spreads_its_replicas_and_packs_when_told_or_when_it_must() {
+        // Each node holds all three replicas (8 cores, 1 each).
+        let spread = place(nodes(3), vec![], cpu_service(3, true), 1);
+        let mut on: Vec<String> = nodes_of(&spread);
+        on.sort();
+        assert_eq!(on, ["n0", "n1", "n2"]);
+        let packed = place(nodes(3), vec![], cpu_service(3, false), 1);
+        let distinct: BTreeSet<String> = nodes_of(&packed).into_iter().collect();
+        assert!(distinct.len() < 3, "without spread the default packs: {:?}", nodes_of(&packed));
+        // Replacements avoid the nodes the running replicas occupy.
+        let mut one = cpu_service(1, true);
+        one.occupied = vec![NodeId::new("n0"), NodeId::new("n2")];
+        assert_eq!(nodes_of(&place(nodes(3), vec![], one, 1)), ["n1"]);
+        // One node only: every replica still lands (spread is a preference).
+        assert_eq!(nodes_of(&place(nodes(1), vec![], cpu_service(3, true), 1)), ["n0", "n0", "n0"]);
     }
 
     /// Golden scenario (issue 24): blocks `a` (6 nodes), `b` (8 nodes) and `c` (12 nodes) of

@@ -602,6 +602,7 @@ fn build_case(
                 _ => {}
             }
             PendingJob {
+                occupied: Vec::new(),
                 id: JobId(1 + k as u64),
                 spec: JobSpec {
                     name: format!("job{k}"),
@@ -949,6 +950,7 @@ fn mig_job(id: u64, kind: u8, priority: i32) -> PendingJob {
         _ => (1, 1000, vec!["A100".into()]),
     };
     PendingJob {
+        occupied: Vec::new(),
         id: JobId(id),
         spec: JobSpec {
             name: format!("mig{id}"),

@@ -550,6 +550,15 @@ fn inspect(path: &str, msg: &[u8], strict: bool) -> Result<Target, Status> {
             t.text = format!("job {}{to}", r.job_id);
             t.job = Some(JobId(r.job_id));
         }
+        ("suanli.v1.Jobs", "UpdateService") => {
+            let r = pb::UpdateServiceRequest::decode(msg).map_err(bad)?;
+            // The new spec's queue is checked too (the state machine refuses another queue,
+            // but a member must not learn that about another team's service).
+            let q = spec_queue("spec_json", &r.spec_json, strict)?;
+            t.text = format!("service {} in queue {q}", r.job_id);
+            t.queues.push(q);
+            t.job = Some(JobId(r.job_id));
+        }
         ("suanli.v1.Queues", "Upsert") => {
             let r = pb::UpsertQueueRequest::decode(msg).map_err(bad)?;
             #[derive(serde::Deserialize)]

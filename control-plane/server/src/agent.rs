@@ -201,6 +201,7 @@ impl Agent for AgentApi {
                 epoch: r.epoch,
                 ready: r.ready,
                 endpoint: r.endpoint,
+                load_milli: r.load_milli,
                 now: self.0.now_s(),
             });
             self.0.propose(cmd).await?;

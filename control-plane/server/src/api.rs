@@ -22,7 +22,8 @@ use suanli_proto::v1::queues_server::Queues;
 use suanli_raft::ServerNode;
 use suanli_raft::membership::{self, check_addr};
 use suanli_state::{
-    CancelJob, Command, DeleteQueue, MigrateJob, Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
+    CancelJob, Command, DeleteQueue, MigrateJob, Response, SetNodeMode, SubmitJob, UpdateConfig, UpdateService,
+    UpsertQueue,
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status};
@@ -244,6 +245,17 @@ impl Jobs for Api {
         // revision now is its migration's or a later one.
         let revision = self.0.state.read(|s| s.job(JobId(r.job_id)).map_or(s.revision(), |j| j.revision));
         ok(pb::MigrateJobResponse { revision })
+    }
+
+    async fn update_service(&self, req: Request<pb::UpdateServiceRequest>) -> Resp<pb::UpdateServiceResponse> {
+        let r = req.into_inner();
+        let spec: JobSpec = decode_json("spec_json", &r.spec_json, self.0.cfg.max_request_bytes)?;
+        let cmd = Command::UpdateService(Box::new(UpdateService { job: JobId(r.job_id), spec, now: self.0.now_s() }));
+        self.0.propose(cmd).await?;
+        self.0.kick.notify_one();
+        let (revision, version) =
+            self.0.state.read(|s| s.job(JobId(r.job_id)).map_or((s.revision(), 0), |j| (j.revision, j.version)));
+        ok(pb::UpdateServiceResponse { revision, version })
     }
 
     async fn watch(&self, req: Request<pb::WatchJobsRequest>) -> Resp<Self::WatchStream> {
@@ -852,6 +864,7 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
         | Command::AllocReady(_)
         | Command::ReportCheckpoint(_)
         | Command::MigrateJob(_)
+        | Command::UpdateService(_)
         | Command::IssueToken(_)
         | Command::RevokeToken(_)
         | Command::RecordAudit(_)

@@ -21,6 +21,7 @@ fn stop_reason(r: &StopReason) -> &'static str {
         StopReason::Drain => "drain",
         StopReason::DeviceUnhealthy => "device_unhealthy",
         StopReason::Migrate => "migrate",
+        StopReason::Update => "update",
     }
 }
 
@@ -35,8 +36,10 @@ pub fn alloc(s: &State, a: &Alloc) -> pb::AllocInfo {
 fn alloc_view(s: &State, a: &Alloc, job: Option<&Job>, view: JobView) -> pb::AllocInfo {
     let x = &a.alloc;
     let latest = job.and_then(|j| j.latest_checkpoint.as_ref());
-    let policy = job.and_then(|j| j.spec.checkpoint.as_ref());
-    let group = job.and_then(|j| j.spec.groups.get(x.group as usize));
+    // What this allocation runs: its own spec version's (a rolling update may be under way).
+    let spec = job.map(|j| j.spec_for(a.version));
+    let policy = spec.and_then(|sp| sp.checkpoint.as_ref());
+    let group = spec.and_then(|sp| sp.groups.get(x.group as usize));
     let task = group.and_then(|g| g.task.as_ref()).filter(|_| view == JobView::Full);
     let (desired, stop, ckpt, grace) = match &a.desired {
         Desired::Run => ("run", "", false, 0),
@@ -86,13 +89,14 @@ fn alloc_view(s: &State, a: &Alloc, job: Option<&Job>, view: JobView) -> pb::All
         lease_until_ms: fed.map_or(0, |f| f.lease_until_ms),
         fed_stop_before_ms: fed.map_or(0, |f| f.stop_before_ms),
         traceparent: job.and_then(crate::telemetry::job_traceparent).unwrap_or_default(),
-        service_json: job
-            .and_then(|j| j.spec.service())
+        service_json: spec
+            .and_then(|sp| sp.service())
             .filter(|_| view == JobView::Full)
             .and_then(|sv| serde_json::to_string(sv.as_ref()).ok())
             .unwrap_or_default(),
         ready: a.ready,
         endpoint: a.endpoint.clone(),
+        version: a.version,
     }
 }
 
@@ -146,6 +150,7 @@ pub fn job(s: &State, j: &Job, queue_position: u64, view: JobView) -> pb::JobInf
         infra_requeues: j.infra_requeues,
         restarts: j.restarts,
         service: j.spec.is_service(),
+        version: j.version,
         lost_device_s: j.lost_device_s,
         nominated_victims: j.nomination.as_ref().map(|n| n.victims.iter().map(|v| v.0).collect()).unwrap_or_default(),
         migrating_to: j.migration.as_ref().map(migrating_to).unwrap_or_default(),

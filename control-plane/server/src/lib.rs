@@ -22,6 +22,7 @@ mod access;
 mod access_api;
 mod agent;
 mod api;
+mod autoscale;
 pub mod backup;
 mod batch;
 mod clock;
@@ -224,6 +225,7 @@ pub async fn serve(
         tokio::spawn(lifecycle::bootstrap(core.clone(), stop_rx.clone(), ending_tx.clone())),
         tokio::spawn(loops::scheduling(core.clone(), stop_rx.clone())),
         tokio::spawn(loops::liveness(core.clone(), stop_rx.clone())),
+        tokio::spawn(autoscale::autoscaling(core.clone(), stop_rx.clone())),
         tokio::spawn(lifecycle::watch_membership(core.clone(), stop_rx.clone(), ending_tx)),
         tokio::spawn(loops::identity(core.clone(), stop_rx.clone())),
         tokio::spawn(federation_link::link(core.clone(), stop_rx.clone())),

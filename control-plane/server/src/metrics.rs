@@ -392,7 +392,24 @@ fn inference(reg: &mut Reg, s: &State) {
         "Replicas of live services replaced after they ended, plus whole-service requeues, by queue.",
     );
     let live = reg.gauge("suanli_inference_jobs", "Live services, by queue.");
+    let load = reg.gauge(
+        "suanli_inference_load",
+        "Average load its ready replicas last reported (the autoscaling metric's unit), by queue and service (autoscaled services only).",
+    );
+    let target = reg.gauge(
+        "suanli_inference_load_target",
+        "The load per replica an autoscaled service aims at (service.autoscale.target), by queue and service.",
+    );
+    let scaling = reg.gauge(
+        "suanli_inference_scale_out_pending",
+        "Live services with a scale-up whose replicas are not all ready yet, by queue.",
+    );
+    let scale_out = reg.histogram(
+        "suanli_inference_scale_out_seconds",
+        "Scale-out time of live services: from a scale-up to as many replicas ready (the latest 32 per service), by queue.",
+    );
     for q in s.queues().keys() {
+        add(&scaling, l([("queue", q.as_str())]), 0.0);
         let ql = l([("queue", q.as_str())]);
         add(&wanted, ql.clone(), 0.0);
         add(&running, ql.clone(), 0.0);
@@ -408,7 +425,20 @@ fn inference(reg: &mut Reg, s: &State) {
         let n = allocs().filter(|a| a.state == AllocState::Running).count();
         add(&running, ql.clone(), n as f64);
         add(&ready, ql.clone(), allocs().filter(|a| a.state == AllocState::Running && a.ready).count() as f64);
-        add(&restarts, ql, f64::from(j.requeues) + f64::from(j.restarts));
+        add(&restarts, ql.clone(), f64::from(j.requeues) + f64::from(j.restarts));
+        add(&scaling, ql.clone(), if j.scale_out.is_some() { 1.0 } else { 0.0 });
+        let h = scale_out.get_or_create(&ql);
+        for t in &j.scale_outs {
+            h.observe(*t as f64);
+        }
+        if let Some(a) = j.spec.service().and_then(|sv| sv.autoscale.clone()) {
+            let sl = l([("queue", j.spec.queue.as_str()), ("service", j.spec.name.as_str())]);
+            set(&target, sl.clone(), a.target as f64);
+            let loads: Vec<u64> = allocs().filter(|a| a.ready).filter_map(|a| a.load.map(|(v, _)| v)).collect();
+            if !loads.is_empty() {
+                set(&load, sl, loads.iter().sum::<u64>() as f64 / loads.len() as f64 / 1000.0);
+            }
+        }
     }
 }
 

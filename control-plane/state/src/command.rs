@@ -216,6 +216,9 @@ pub struct AllocReady {
     /// Where it serves (`host:port`); empty when it has no port.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub endpoint: String,
+    /// Its load for autoscaling, in thousandths of the metric's unit (absent: not read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_milli: Option<u64>,
     /// Leader's time, seconds.
     pub now: u64,
 }
@@ -259,6 +262,19 @@ pub struct MigrateJob {
     /// Only this node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub to_node: Option<NodeId>,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
+/// Replaces a service's spec; its replicas are replaced by a rolling update at the pace of
+/// the new spec's `service.update` (docs/services.md, "Rolling update"). Changing a group's
+/// `replicas` alone scales it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateService {
+    /// The service.
+    pub job: JobId,
+    /// Its new spec: the same queue and the same task groups (by name, in order).
+    pub spec: JobSpec,
     /// Leader's time, seconds.
     pub now: u64,
 }
@@ -419,6 +435,8 @@ commands! {
     SetClusterId(SetClusterId) = "set_cluster_id", ignorable: true;
     /// Move a job elsewhere, checkpoint first.
     MigrateJob(MigrateJob) = "migrate_job", ignorable: false;
+    /// Replace a service's spec (a rolling update or a scale).
+    UpdateService(Box<UpdateService>) = "update_service", ignorable: false;
     /// Record a bearer token (and the signing key, the first time).
     IssueToken(Box<crate::security::IssueToken>) = "issue_token", ignorable: false;
     /// Revoke a bearer token.
@@ -454,6 +472,7 @@ impl Command {
             Command::AllocReady(c) => c.now = now,
             Command::ReportCheckpoint(c) => c.now = now,
             Command::MigrateJob(c) => c.now = now,
+            Command::UpdateService(c) => c.now = now,
             Command::IssueToken(c) => c.now = now,
             Command::RevokeToken(c) => c.now = now,
             Command::NodeCondition(c) => c.now = now,

@@ -31,8 +31,9 @@ impl State {
     /// - `mig-exclusive`: a MIG partition and its physical parent (both devices of the node)
     ///   are never used at once.
     /// - `alloc-node`: live allocations run on known nodes that are not down.
-    /// - `one-live-alloc-per-task`: at most one live allocation per (job, group, replica), and
-    ///   at most one allocation per (job, group, replica, epoch).
+    /// - `one-live-alloc-per-task`: at most one live allocation per (job, group, replica,
+    ///   spec version), and at most one allocation per (job, group, replica, epoch, version)
+    ///   (a service's rolling update runs a replica's old and new version side by side).
     /// - `alloc-job`: a live allocation's job exists, and its epoch is the job's attempt.
     /// - `job-state`: pending jobs hold no live allocation; finished jobs' live allocations are
     ///   being stopped; the live-job index matches the jobs' states.
@@ -105,7 +106,7 @@ impl State {
         let mut live_by_job: BTreeMap<JobId, usize> = BTreeMap::new();
         for a in self.allocs.values() {
             let x = &a.alloc;
-            if !epochs.insert((x.job, x.group, x.replica, x.epoch)) {
+            if !epochs.insert((x.job, x.group, x.replica, x.epoch, a.version)) {
                 return fail(
                     "one-live-alloc-per-task",
                     format!("two allocations of job {} task {}/{} in epoch {}", x.job, x.group, x.replica, x.epoch),
@@ -114,7 +115,7 @@ impl State {
             if !a.is_live() {
                 continue;
             }
-            if !tasks.insert((x.job, x.group, x.replica)) {
+            if !tasks.insert((x.job, x.group, x.replica, a.version)) {
                 return fail(
                     "one-live-alloc-per-task",
                     format!("two live allocations of job {} task {}/{}", x.job, x.group, x.replica),

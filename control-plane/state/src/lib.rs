@@ -26,6 +26,8 @@ mod plan;
 pub mod records;
 pub mod refusal;
 pub mod security;
+mod service;
+pub use service::{AutoscaleHistory, AutoscaleInput};
 mod state;
 mod usage;
 
@@ -33,7 +35,7 @@ pub use command::{
     AllocReady, AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue,
     DeviceHealth, DrainOptions, MAX_ENDPOINT_LEN, MigrateJob, NodeCondition, NodeDown, NodeMode, PlanOutcome,
     RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetClusterId, SetNodeMode, SkipEntry, SubmitJob,
-    UpdateConfig, UpsertQueue, check_encoded_size, encode_command,
+    UpdateConfig, UpdateService, UpsertQueue, check_encoded_size, encode_command,
 };
 pub use config::{CHECKPOINT_STORE_SCHEMES, ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;

@@ -440,6 +440,7 @@ impl State {
         j.updated_at = now;
         j.revision = rev;
         let epoch = j.attempt;
+        let version = j.version;
         let spec = j.spec.clone();
         let mut ids = Vec::with_capacity(ps.len());
         for p in ps {
@@ -479,6 +480,8 @@ impl State {
                 restored_step: None,
                 ready: false,
                 endpoint: String::new(),
+                version,
+                load: None,
             };
             // Node and device usage was reserved by the re-check.
             self.live.account(&rec, &self.nodes, 1);

@@ -3,7 +3,7 @@
 use crate::command::NodeMode;
 use crate::config::RetryPolicy;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use suanli_model::{AllocId, Allocation, JobId, JobSpec, Node, NodeId};
 
 /// Where a job is in its life cycle.
@@ -273,7 +273,31 @@ pub struct Job {
     /// backoff doubles with each.
     #[serde(default, skip_serializing_if = "is_zero_u32")]
     pub restart_streak: u32,
+    /// A service's spec version: 0 as submitted, one more per `update_service`
+    /// (docs/services.md, "Rolling update"). New replicas run this version.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub version: u32,
+    /// The specs of earlier versions that still have live replicas (what those replicas run),
+    /// dropped when their last replica ends; at most [`MAX_LIVE_VERSIONS`].
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub old_specs: BTreeMap<u32, JobSpec>,
+    /// A scale-up under way: since when (seconds) and to how many replicas; it ends when as
+    /// many replicas are ready (its time goes into [`Job::scale_outs`]) or a scale-down
+    /// below the replicas ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_out: Option<(u64, u32)>,
+    /// The latest scale-up times (seconds from the scale-up to the replicas all ready), at
+    /// most [`MAX_SCALE_OUTS`], oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub scale_outs: Vec<u64>,
 }
+
+/// How many scale-up times a service keeps ([`Job::scale_outs`]).
+pub const MAX_SCALE_OUTS: usize = 32;
+
+/// Most earlier spec versions of a service that may still run during rolling updates (an
+/// update beyond it is refused until older replicas are gone).
+pub const MAX_LIVE_VERSIONS: usize = 4;
 
 /// How many ended allocations a job's [`Job::history`] keeps (the oldest go first).
 pub const MAX_ATTEMPT_HISTORY: usize = 20;
@@ -359,6 +383,9 @@ pub enum StopReason {
     DeviceUnhealthy,
     /// Moved by `job migrate`.
     Migrate,
+    /// A service replica replaced by a rolling update, or beyond its group's `replicas`
+    /// after a scale-down (docs/services.md).
+    Update,
 }
 
 /// What the agent should do with an allocation.
@@ -413,6 +440,13 @@ pub struct Alloc {
     /// Where a service replica serves (`host:port`), as its agent reported; empty until then.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub endpoint: String,
+    /// The service spec version it runs ([`Job::version`] when it was placed).
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub version: u32,
+    /// Its last reported load (thousandths of the autoscaling metric's unit) and when
+    /// (seconds); absent until its agent reports one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<(u64, u64)>,
 }
 
 impl Alloc {

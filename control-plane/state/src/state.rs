@@ -338,6 +338,7 @@ impl State {
             Command::UpdateConfig(c) => self.update_config(*c),
             Command::SetClusterId(c) => self.set_cluster_id(c),
             Command::MigrateJob(c) => self.migrate_job(c, rev),
+            Command::UpdateService(c) => self.update_service(*c, rev),
             Command::IssueToken(c) => self.issue_token(*c),
             Command::RevokeToken(c) => self.revoke_token(c),
             Command::RecordAudit(c) => self.record_audit(c),
@@ -877,6 +878,10 @@ impl State {
                 first_running_at: None,
                 restarts: 0,
                 restart_streak: 0,
+                version: 0,
+                old_specs: BTreeMap::new(),
+                scale_out: None,
+                scale_outs: Vec::new(),
             },
         );
         self.requests.insert(c.client_request_id, id);
@@ -1223,7 +1228,7 @@ impl State {
 
     /// Moves ended allocations of job `id` out of the live table into its history (the
     /// newest [`MAX_ATTEMPT_HISTORY`] kept) and out of its allocation list.
-    fn retire_allocs(&mut self, id: JobId, ended: &[AllocId]) {
+    pub(crate) fn retire_allocs(&mut self, id: JobId, ended: &[AllocId]) {
         let Some(job) = self.jobs.get_mut(&id) else {
             return;
         };
@@ -1250,92 +1255,6 @@ impl State {
         }
         let over = job.history.len().saturating_sub(MAX_ATTEMPT_HISTORY);
         job.history.drain(..over);
-    }
-
-    /// A service replica ended (docs/services.md): the others keep serving, and this one is
-    /// replaced by the next scheduling pass after the restart backoff. The backoff grows only
-    /// for ends of the replica's own doing (an exit, an out-of-memory kill, a failed start,
-    /// a failed liveness check); a drained node, a lost node or a failed device replaces it at
-    /// once.
-    #[allow(clippy::too_many_arguments)]
-    fn replace_replica(
-        &mut self,
-        id: JobId,
-        aid: AllocId,
-        ended: AllocState,
-        class: EndClass,
-        stop_requested: bool,
-        message: &str,
-        now: u64,
-        rev: u64,
-    ) {
-        let max = self.config.max_message_len;
-        let Some(a) = self.allocs.get(&aid) else {
-            return;
-        };
-        let (group, replica) = (a.alloc.group, a.alloc.replica);
-        self.retire_allocs(id, &[aid]);
-        let Some(j) = self.jobs.get_mut(&id) else {
-            return;
-        };
-        let task = match j.spec.groups.get(group as usize) {
-            Some(g) => format!("{}-{replica}", g.name),
-            None => format!("{group}-{replica}"),
-        };
-        j.restarts = j.restarts.saturating_add(1);
-        let by_itself = !stop_requested && !class.is_infrastructure();
-        let wait = if by_itself {
-            j.restart_streak = j.restart_streak.saturating_add(1);
-            j.spec.service().map_or(0, |s| s.backoff_s(j.restart_streak))
-        } else {
-            0
-        };
-        j.not_before = j.not_before.max(now.saturating_add(wait));
-        let word = match ended {
-            AllocState::Lost => "was lost",
-            AllocState::Succeeded => "exited 0",
-            AllocState::Failed => class.as_str(),
-            _ => "stopped",
-        };
-        j.reason = cut(&format!("replica {task} {word}: {message}; replaced after {wait} s"), max);
-        j.updated_at = now;
-        j.revision = rev;
-    }
-
-    /// The replicas a running service lacks: the first task group (by index) with replicas
-    /// that have no live allocation, and those replica indices in order. A scheduling pass
-    /// offers them as one pending request ([`State::cluster_view`]); a plan's placements for
-    /// the service name them by position ([`crate::plan`]).
-    pub fn missing_replicas(&self, j: &Job) -> Option<(u32, Vec<u32>)> {
-        let live: BTreeSet<(u32, u32)> = j
-            .allocs
-            .iter()
-            .filter_map(|a| self.allocs.get(a))
-            .filter(|a| a.is_live())
-            .map(|a| (a.alloc.group, a.alloc.replica))
-            .collect();
-        j.spec.groups.iter().enumerate().find_map(|(gi, g)| {
-            let gi = gi as u32;
-            let missing: Vec<u32> = (0..g.replicas).filter(|r| !live.contains(&(gi, *r))).collect();
-            (!missing.is_empty()).then_some((gi, missing))
-        })
-    }
-
-    /// How the engine sees a running service's missing replicas at `now` (none while in its
-    /// restart backoff): the job with one group, the missing replicas of the first group
-    /// lacking any, of which at least one must fit.
-    fn service_view(&self, j: &Job, now: u64) -> Option<PendingJob> {
-        if !j.spec.is_service() || !matches!(j.state, JobState::Placed | JobState::Running) || j.not_before > now {
-            return None;
-        }
-        let (gi, missing) = self.missing_replicas(j)?;
-        let mut g = j.spec.groups.get(gi as usize)?.clone();
-        g.replicas = u32::try_from(missing.len()).ok()?;
-        g.min_replicas = Some(1);
-        let mut spec = j.spec.clone();
-        spec.groups = vec![g];
-        spec.constraints = self.effective_constraints(j, now);
-        Some(PendingJob { id: j.id, spec, submitted_at: j.submitted_at, nominated: false })
     }
 
     /// Whether the ended attempt of `j` (its allocations, all ended) stopped for
@@ -1588,7 +1507,7 @@ impl State {
                 message: format!("allocation {} already ended as {:?}", c.alloc, a.state),
             });
         }
-        if a.ready == c.ready && a.endpoint == c.endpoint {
+        if a.ready == c.ready && a.endpoint == c.endpoint && c.load_milli.is_none() {
             return Ok((Response::Done, Effect::Unchanged));
         }
         let job_id = a.alloc.job;
@@ -1597,6 +1516,9 @@ impl State {
             a.ready = c.ready;
             a.endpoint = c.endpoint;
             a.updated_at = now;
+            if let Some(l) = c.load_milli {
+                a.load = Some((l, now));
+            }
         }
         if let Some(j) = self.jobs.get_mut(&job_id) {
             if c.ready {
@@ -1604,6 +1526,10 @@ impl State {
             }
             j.revision = rev;
         }
+        // A replica that became ready may let a rolling update stop an old one, and may
+        // complete a scale-up.
+        self.advance_rollout(job_id, now, rev);
+        self.note_scale_out(job_id, now);
         Ok((Response::Done, Effect::Changed))
     }
 
@@ -1737,7 +1663,7 @@ impl State {
         };
         let mut spec = j.spec.clone();
         spec.constraints = self.effective_constraints(j, now);
-        Some(PendingJob { id: j.id, spec, submitted_at: j.submitted_at, nominated })
+        Some(PendingJob { occupied: Vec::new(), id: j.id, spec, submitted_at: j.submitted_at, nominated })
     }
 
     /// A job's constraints at `now` as the scheduler's view gives them: its spec's, narrowed by
@@ -1853,6 +1779,7 @@ fn stop_text(r: &StopReason) -> String {
         StopReason::Drain => "node draining".into(),
         StopReason::DeviceUnhealthy => "device unhealthy".into(),
         StopReason::Migrate => "migrated".into(),
+        StopReason::Update => "replaced by the service's update".into(),
     }
 }
 
@@ -1894,6 +1821,7 @@ pub(crate) fn classify_end(desired: &Desired, state: AllocState, seen: Option<En
             StopReason::Drain => EndClass::Drained,
             StopReason::DeviceUnhealthy => EndClass::DeviceError,
             StopReason::Migrate => EndClass::Migrated,
+            StopReason::Update => EndClass::Stopped,
         };
     }
     match (seen, state) {

@@ -7,8 +7,8 @@ mod common;
 use common::*;
 use suanli_model::{AllocId, JobId, JobKind, NodeId, ServiceSpec};
 use suanli_state::{
-    AllocReady, AllocState, CancelJob, Command, CommandError, JobState, NodeDown, NodeMode, ReportedStatus, Response,
-    SetNodeMode, State,
+    AllocReady, AllocState, CancelJob, Command, CommandError, Desired, JobState, NodeDown, NodeMode, ReportedStatus,
+    Response, SetNodeMode, State, StopReason, UpdateService,
 };
 
 fn service(replicas: u32, backoff_s: u64) -> suanli_model::JobSpec {
@@ -43,7 +43,7 @@ fn run_all(s: &mut State, now: u64) {
 }
 
 fn ready(a: AllocId, epoch: u64, ready: bool, endpoint: &str, now: u64) -> Command {
-    Command::AllocReady(AllocReady { alloc: a, epoch, ready, endpoint: endpoint.into(), now })
+    Command::AllocReady(AllocReady { alloc: a, epoch, ready, endpoint: endpoint.into(), load_milli: None, now })
 }
 
 #[test]
@@ -174,4 +174,185 @@ fn a_service_may_not_be_a_gang() {
     sp.gang = true;
     let r = s.apply(submit("svc", sp, 1));
     assert!(matches!(&r, Response::Rejected(CommandError::Invalid { field, .. }) if field == "gang"), "{r:?}");
+}
+
+fn update(spec: suanli_model::JobSpec, now: u64) -> Command {
+    Command::UpdateService(Box::new(UpdateService { job: JobId(1), spec, now }))
+}
+
+/// Live allocations of job 1 asked to keep running, as (alloc, replica, version, ready).
+fn serving(s: &State) -> Vec<(AllocId, u32, u32, bool)> {
+    let j = s.job(JobId(1)).expect("job 1");
+    let mut v: Vec<_> = j
+        .allocs
+        .iter()
+        .filter_map(|a| s.allocs().get(a))
+        .filter(|a| a.is_live() && a.desired == Desired::Run)
+        .map(|a| (a.alloc.id, a.alloc.replica, a.version, a.ready))
+        .collect();
+    v.sort_by_key(|x| (x.1, x.2));
+    v
+}
+
+/// Every running replica of job 1 reports ready; every one asked to stop (then or as a
+/// consequence) has stopped.
+fn settle(s: &mut State, now: u64) {
+    run_all(s, now);
+    let epoch = s.job(JobId(1)).expect("job").attempt;
+    loop {
+        let mut changed = false;
+        for (a, _, _) in live(s) {
+            let x = &s.allocs()[&a];
+            if matches!(x.desired, Desired::Stop { .. }) {
+                apply_ok(s, report(a, epoch, ReportedStatus::Stopped, now));
+                changed = true;
+            } else if !x.ready {
+                apply_ok(s, ready(a, epoch, true, "127.0.0.1:9000", now));
+                changed = true;
+            }
+        }
+        if !changed {
+            return;
+        }
+    }
+}
+
+#[test]
+fn a_rolling_update_replaces_replicas_one_at_a_time_without_losing_a_ready_one() {
+    let mut s = cluster(3);
+    apply_ok(&mut s, submit("svc", service(3, 1), 1));
+    schedule_once(&mut s, 1);
+    settle(&mut s, 2);
+    assert_eq!(serving(&s).iter().filter(|x| x.3).count(), 3);
+
+    // Version 1: another command; max_unavailable 0, max_surge 1 (the defaults).
+    let mut v1 = service(3, 1);
+    v1.groups[0].task = Some(suanli_model::TaskSpec { command: "/bin/true".into(), ..Default::default() });
+    assert_eq!(apply_ok(&mut s, update(v1.clone(), 10)), Response::Done);
+    let j = s.job(JobId(1)).expect("job");
+    assert_eq!((j.version, j.old_specs.len()), (1, 1));
+    assert_eq!(serving(&s).len(), 3, "nothing stops before a new replica is ready");
+    assert_eq!(s.missing_replicas(j), Some((0, vec![0])), "one surge replica at a time");
+
+    let mut now = 10;
+    for step in 0..3u32 {
+        now += 1;
+        assert_eq!(schedule_once(&mut s, now).placed.len(), 1, "step {step}");
+        assert!(schedule_once(&mut s, now).placed.is_empty(), "never beyond replicas + max_surge");
+        // While the new replica starts, all three old ones keep serving.
+        assert_eq!(serving(&s).iter().filter(|x| x.3).count(), 3, "step {step}");
+        now += 1;
+        settle(&mut s, now);
+        // Ready: its old counterpart was asked to stop and has stopped.
+        let ready_now = serving(&s).iter().filter(|x| x.3).count();
+        assert_eq!(ready_now, 3, "step {step}: {:?}", serving(&s));
+        let updated = serving(&s).iter().filter(|x| x.2 == 1).count();
+        assert_eq!(updated as u32, step + 1, "step {step}: {:?}", serving(&s));
+    }
+    let j = s.job(JobId(1)).expect("job");
+    assert!(j.old_specs.is_empty(), "no replica runs version 0 any more");
+    assert_eq!(serving(&s).iter().map(|x| (x.1, x.2)).collect::<Vec<_>>(), [(0, 1), (1, 1), (2, 1)]);
+    assert_eq!(j.restarts, 0, "replicas replaced by the update are not restarts");
+    assert_eq!(j.reason, "updated to version 1");
+    assert_eq!(j.history.len(), 3, "the three old replicas, in the history");
+    // The allocations of the old version said why they stopped.
+    assert!(j.history.iter().all(|h| h.end == Some(suanli_state::EndClass::Stopped)), "{:?}", j.history);
+}
+
+#[test]
+fn max_unavailable_stops_first_and_a_bad_version_is_rolled_back() {
+    let mut s = cluster(3);
+    let mut v0 = service(2, 1);
+    v0.service.as_mut().expect("service").update = suanli_model::UpdateStrategy { max_unavailable: 1, max_surge: 0 };
+    apply_ok(&mut s, submit("svc", v0.clone(), 1));
+    schedule_once(&mut s, 1);
+    settle(&mut s, 2);
+    let mut v1 = v0.clone();
+    v1.groups[0].task = Some(suanli_model::TaskSpec { command: "/bin/false".into(), ..Default::default() });
+    apply_ok(&mut s, update(v1, 10));
+    // max_surge 0: one old replica stops first, the other keeps serving.
+    let stopping: Vec<_> = live(&s)
+        .iter()
+        .filter(|x| matches!(s.allocs()[&x.0].desired, Desired::Stop { reason: StopReason::Update, .. }))
+        .map(|x| x.1)
+        .collect();
+    assert_eq!(stopping, [0]);
+    assert!(schedule_once(&mut s, 10).placed.is_empty(), "no room until it has stopped");
+    let epoch = s.job(JobId(1)).expect("job").attempt;
+    let old0 = live(&s)[0].0;
+    apply_ok(&mut s, report(old0, epoch, ReportedStatus::Stopped, 11));
+    assert_eq!(schedule_once(&mut s, 11).placed.len(), 1);
+    // The new version never becomes ready; rolling back to version 0's spec is an update too.
+    run_all(&mut s, 12);
+    assert_eq!(serving(&s).iter().filter(|x| x.3).count(), 1, "one old replica still serves");
+    apply_ok(&mut s, update(v0, 13));
+    let j = s.job(JobId(1)).expect("job");
+    assert_eq!(j.version, 2);
+    // The version-1 replica (not ready) is stopped at once; the version-0 one keeps serving.
+    assert_eq!(serving(&s).iter().map(|x| (x.1, x.2, x.3)).collect::<Vec<_>>(), [(1, 0, true)]);
+    settle(&mut s, 14);
+    let mut now = 14;
+    let done = |s: &State| serving(s).iter().filter(|x| x.2 == 2 && x.3).count() == 2;
+    while !done(&s) && now < 40 {
+        now += 1;
+        schedule_once(&mut s, now);
+        settle(&mut s, now);
+    }
+    assert_eq!(serving(&s).iter().map(|x| (x.1, x.2, x.3)).collect::<Vec<_>>(), [(0, 2, true), (1, 2, true)]);
+}
+
+#[test]
+fn a_new_replica_count_scales_without_a_new_version() {
+    let mut s = cluster(3);
+    apply_ok(&mut s, submit("svc", service(3, 1), 1));
+    schedule_once(&mut s, 1);
+    settle(&mut s, 2);
+    let kept: Vec<AllocId> = serving(&s).iter().map(|x| x.0).collect();
+    apply_ok(&mut s, update(service(5, 1), 10));
+    let j = s.job(JobId(1)).expect("job");
+    assert_eq!((j.version, j.reason.as_str()), (0, "scaled to 5 replicas"));
+    assert_eq!(schedule_once(&mut s, 10).placed.len(), 2);
+    settle(&mut s, 11);
+    assert_eq!(serving(&s).len(), 5);
+    assert!(kept.iter().all(|a| serving(&s).iter().any(|x| x.0 == *a)), "the first three keep running");
+
+    // Down to 2: replicas 2, 3 and 4 stop and are not replaced.
+    apply_ok(&mut s, update(service(2, 1), 20));
+    settle(&mut s, 21);
+    assert!(schedule_once(&mut s, 22).placed.is_empty());
+    assert_eq!(serving(&s).iter().map(|x| x.1).collect::<Vec<_>>(), [0, 1]);
+    let j = s.job(JobId(1)).expect("job");
+    assert_eq!((j.restarts, j.state), (0, JobState::Running));
+}
+
+#[test]
+fn updates_that_would_change_what_the_service_is_are_refused_naming_the_field() {
+    let mut s = cluster(2);
+    apply_ok(&mut s, upsert_queue(queue("other", 8)));
+    apply_ok(&mut s, submit("svc", service(2, 1), 1));
+    let refused = |s: &mut State, sp: suanli_model::JobSpec| match s.apply(update(sp, 5)) {
+        Response::Rejected(CommandError::Invalid { field, .. } | CommandError::Conflict { field, .. }) => field,
+        other => panic!("not refused by field: {other:?}"),
+    };
+    let mut q = service(2, 1);
+    q.queue = "other".into();
+    assert_eq!(refused(&mut s, q), "spec.queue");
+    let mut g = service(2, 1);
+    g.groups[0].name = "renamed".into();
+    assert_eq!(refused(&mut s, g), "spec.groups");
+    let mut batch = service(2, 1);
+    batch.kind = JobKind::Batch;
+    batch.service = None;
+    assert_eq!(refused(&mut s, batch), "spec.kind");
+    let mut stuck = service(2, 1);
+    stuck.service.as_mut().expect("service").update = suanli_model::UpdateStrategy { max_unavailable: 0, max_surge: 0 };
+    assert_eq!(refused(&mut s, stuck), "service.update");
+    // The same spec again changes nothing.
+    let rev = s.revision();
+    assert_eq!(s.apply(update(service(2, 1), 6)), Response::Done);
+    assert_eq!(s.revision(), rev);
+    // Not a service: a batch job is not updated.
+    apply_ok(&mut s, submit("batch", spec("q", 1, 1, 0), 7));
+    let e = s.apply(Command::UpdateService(Box::new(UpdateService { job: JobId(2), spec: service(2, 1), now: 8 })));
+    assert!(matches!(e, Response::Rejected(CommandError::Conflict { .. })), "{e:?}");
 }
