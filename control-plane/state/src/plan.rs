@@ -155,7 +155,9 @@ impl State {
             return Err(R::NotPreemptible { alloc: p.alloc });
         }
         let f = self.jobs.get(&p.for_job).ok_or(R::JobGone { job: p.for_job })?;
-        if f.state != JobState::Pending {
+        // A running service preempts for its missing replicas as a pending job does (it
+        // gets no hold: its priority puts it first when the capacity frees up).
+        if f.state != JobState::Pending && !Self::adds_replicas(f) {
             return Err(R::BeneficiaryNotPending { job: p.for_job });
         }
         let outranked = a.alloc.priority < f.spec.priority;
