@@ -334,6 +334,40 @@ pub async fn job(addr: &str, id: u64) -> pb::JobInfo {
     c.get(pb::GetJobRequest { job_id: id, stale: false }).await.unwrap().into_inner()
 }
 
+/// Waits until `f` holds of job `id` (looked at every 100 ms); its last look.
+pub async fn wait_job(
+    addr: &str,
+    id: u64,
+    within: Duration,
+    what: &str,
+    f: impl Fn(&pb::JobInfo) -> bool,
+) -> pb::JobInfo {
+    let deadline = Instant::now() + within;
+    loop {
+        let j = job(addr, id).await;
+        if f(&j) {
+            return j;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}; job: {j:#?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Starts one agent per node id in `nodes`, each with the fake device config `fake`, and
+/// waits until all are registered and ready.
+pub async fn start_agents(addr: &str, nodes: &[&str], fake: &str) -> Vec<AgentProc> {
+    let mut agents: Vec<AgentProc> =
+        nodes.iter().map(|n| AgentProc::new(n, std::slice::from_ref(&addr.to_owned()), fake, "")).collect();
+    for a in &mut agents {
+        a.start();
+    }
+    wait_nodes(addr, Duration::from_secs(30), "every agent registered", |n| {
+        nodes.iter().all(|id| n.iter().any(|x| x.id == *id && x.status == "ready"))
+    })
+    .await;
+    agents
+}
+
 /// Waits until every job in `ids` is in a terminal state; the jobs, by id.
 pub async fn wait_terminal(addr: &str, ids: &[u64], within: Duration) -> BTreeMap<u64, pb::JobInfo> {
     let deadline = Instant::now() + within;

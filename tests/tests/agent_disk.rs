@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;
 use suanli_proto::v1::jobs_client::JobsClient;
-use support::{AgentProc, channel, fake_config, job, nodes, ready_healthy, submit, wait_nodes};
+use support::{AgentProc, channel, fake_config, job, nodes, ready_healthy, submit, wait_job, wait_nodes};
 
 /// A tmpfs mounted on a temporary directory; unmounted (lazily: tasks may still hold files)
 /// when dropped, also when the test fails.
@@ -68,18 +68,6 @@ fn job_spec(name: &str, script: &str) -> serde_json::Value {
             "task": {"command": "/bin/sh", "args": ["-c", script]}
         }]
     })
-}
-
-async fn wait_job(addr: &str, id: u64, within: Duration, what: &str, f: impl Fn(&pb::JobInfo) -> bool) -> pb::JobInfo {
-    let deadline = Instant::now() + within;
-    loop {
-        let j = job(addr, id).await;
-        if f(&j) {
-            return j;
-        }
-        assert!(Instant::now() < deadline, "{what} not within {within:?}: {j:#?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// The allocation directory of job `id`'s first allocation.

@@ -16,7 +16,7 @@ use suanli_tests as support;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;
-use support::{AgentProc, LocalPki, cluster, fake_config, job, submit, wait_nodes};
+use support::{AgentProc, LocalPki, cluster, fake_config, job, start_agents, submit, wait_job};
 
 fn batch_spec() -> serde_json::Value {
     serde_json::json!({
@@ -65,19 +65,6 @@ fn ready(j: &pb::JobInfo) -> usize {
     j.allocs.iter().filter(|a| a.state == "running" && a.ready).count()
 }
 
-/// Waits until `f` holds of job `id`; its last look.
-async fn wait_for(addr: &str, id: u64, within: Duration, what: &str, f: impl Fn(&pb::JobInfo) -> bool) -> pb::JobInfo {
-    let deadline = Instant::now() + within;
-    loop {
-        let j = job(addr, id).await;
-        if f(&j) {
-            return j;
-        }
-        assert!(Instant::now() < deadline, "{what}: not within {within:?}; job: {j:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// The allocation directory of `alloc` on any of the agents.
 fn alloc_dir(agents: &[AgentProc], alloc: u64) -> PathBuf {
     agents
@@ -97,26 +84,16 @@ fn set_load(agents: &[AgentProc], j: &pb::JobInfo, load: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_service_scales_out_over_batch_work_and_gives_the_gpu_back() {
     let (c, addr) = cluster(1).await;
-    let mut agents: Vec<AgentProc> = ["node-a", "node-b"]
-        .iter()
-        .map(|n| AgentProc::new(n, std::slice::from_ref(&addr), &fake_config(1, 0, 0), ""))
-        .collect();
-    for a in &mut agents {
-        a.start();
-    }
-    wait_nodes(&addr, Duration::from_secs(30), "both agents registered", |n| {
-        ["node-a", "node-b"].iter().all(|id| n.iter().any(|x| x.id == *id && x.status == "ready"))
-    })
-    .await;
+    let agents = start_agents(&addr, &["node-a", "node-b"], &fake_config(1, 0, 0)).await;
     let batch = submit(&addr, "fill", &batch_spec()).await;
-    wait_for(&addr, batch, Duration::from_secs(30), "the batch job running", |j| j.state == "running").await;
+    wait_job(&addr, batch, Duration::from_secs(30), "the batch job running", |j| j.state == "running").await;
     let svc = submit(&addr, "api", &service_spec()).await;
-    let j = wait_for(&addr, svc, Duration::from_secs(30), "one ready replica", |j| ready(j) == 1).await;
+    let j = wait_job(&addr, svc, Duration::from_secs(30), "one ready replica", |j| ready(j) == 1).await;
 
     // Load 50 against a target of 10: the autoscaler wants 5, bounded by max_replicas = 2.
     let t0 = Instant::now();
     set_load(&agents, &j, "50");
-    let j = wait_for(&addr, svc, Duration::from_secs(60), "scaled out to 2 ready replicas", |j| ready(j) == 2).await;
+    let j = wait_job(&addr, svc, Duration::from_secs(60), "scaled out to 2 ready replicas", |j| ready(j) == 2).await;
     let scale_out = t0.elapsed();
     assert!(j.reason.contains("scaled to 2") || j.reason.is_empty(), "{}", j.reason);
     let b = job(&addr, batch).await;
@@ -141,13 +118,13 @@ async fn a_service_scales_out_over_batch_work_and_gives_the_gpu_back() {
     // The load falls: back to one replica after the 3 s window; the batch job runs again.
     set_load(&agents, &j, "1");
     let t1 = Instant::now();
-    let j = wait_for(&addr, svc, Duration::from_secs(60), "scaled in to 1 replica", |j| {
+    let j = wait_job(&addr, svc, Duration::from_secs(60), "scaled in to 1 replica", |j| {
         ready(j) == 1 && j.allocs.iter().filter(|a| a.state == "running" || a.state == "pending").count() == 1
     })
     .await;
     let scale_in = t1.elapsed();
     assert!(scale_in >= Duration::from_secs(3), "scaled in after {scale_in:?}, inside the 3 s window");
-    wait_for(&addr, batch, Duration::from_secs(60), "the batch job back on the freed GPU", |b| b.state == "running")
+    wait_job(&addr, batch, Duration::from_secs(60), "the batch job back on the freed GPU", |b| b.state == "running")
         .await;
     eprintln!("scale-out (load written to 2 ready) {scale_out:?}; scale-in {scale_in:?}; restarts {}", j.restarts);
     drop(agents);

@@ -20,7 +20,7 @@ use std::collections::BTreeSet;
 use std::io::{Read as _, Write as _};
 use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;
-use support::{AgentProc, cluster, fake_config, job, submit, wait_nodes};
+use support::{cluster, fake_config, job, start_agents, submit, wait_job};
 
 fn service_spec() -> serde_json::Value {
     serde_json::json!({
@@ -59,19 +59,6 @@ fn ready(j: &pb::JobInfo) -> BTreeSet<(u64, String, String)> {
         .collect()
 }
 
-/// Waits until `f` holds of the job; its last look.
-async fn wait_job(addr: &str, id: u64, within: Duration, what: &str, f: impl Fn(&pb::JobInfo) -> bool) -> pb::JobInfo {
-    let deadline = Instant::now() + within;
-    loop {
-        let j = job(addr, id).await;
-        if f(&j) {
-            return j;
-        }
-        assert!(Instant::now() < deadline, "{what}: not within {within:?}; job: {j:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// GET / from `endpoint` answers 200.
 fn answers(endpoint: &str) -> bool {
     let Ok(mut s) = std::net::TcpStream::connect(endpoint) else { return false };
@@ -87,17 +74,7 @@ fn answers(endpoint: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_service_stays_at_three_ready_through_a_crash_and_an_agent_kill() {
     let (c, addr) = cluster(1).await;
-    let mut agents: Vec<AgentProc> = ["node-a", "node-b"]
-        .iter()
-        .map(|n| AgentProc::new(n, std::slice::from_ref(&addr), &fake_config(1, 0, 0), ""))
-        .collect();
-    for a in &mut agents {
-        a.start();
-    }
-    wait_nodes(&addr, Duration::from_secs(30), "both agents registered", |n| {
-        ["node-a", "node-b"].iter().all(|id| n.iter().any(|x| x.id == *id && x.status == "ready"))
-    })
-    .await;
+    let mut agents = start_agents(&addr, &["node-a", "node-b"], &fake_config(1, 0, 0)).await;
     let id = submit(&addr, "web", &service_spec()).await;
     let three = |j: &pb::JobInfo| ready(j).len() == 3;
     let j = wait_job(&addr, id, Duration::from_secs(40), "3 ready replicas", three).await;
