@@ -15,6 +15,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -24,6 +25,7 @@ use suanli_model::Health;
 use suanli_security::tls::PeerInfo;
 
 type G = Family<Vec<(String, String)>, Gauge<f64, AtomicU64>>;
+type C = Family<Vec<(String, String)>, Counter>;
 
 /// The router of the agent's HTTP listener.
 pub(crate) fn router(agent: Arc<Agent>) -> Router {
@@ -81,6 +83,31 @@ fn render(agent: &Agent) -> Result<String, std::fmt::Error> {
         health.get_or_create(&l).set(if d.device.health == Health::Healthy { 1.0 } else { 0.0 });
         total.get_or_create(&l).set(d.device.memory_mib as f64 * 1_048_576.0);
     }
+    let rv = agent.plugins.remedy_view();
+    let quarantined = gauge(
+        &mut reg,
+        "suanli_agent_device_quarantined",
+        "1 for each device quarantined after a fatal error or failed resets (alert on it; see docs/agent.md).",
+    );
+    let recovering = gauge(
+        &mut reg,
+        "suanli_agent_device_recovering",
+        "1 for each device out of service while a recoverable error is remedied (tasks moved, reset pending).",
+    );
+    for (ids, g) in [(&rv.quarantined, &quarantined), (&rv.recovering, &recovering)] {
+        for id in ids {
+            g.get_or_create(&labels(&[("node", node), ("device", id)])).set(1.0);
+        }
+    }
+    let events = C::default();
+    reg.register("suanli_agent_device_events", "Device health events since the agent started, by class.", events.clone());
+    for (class, n) in &rv.events {
+        events.get_or_create(&labels(&[("node", node), ("class", class)])).inc_by(*n);
+    }
+    let resets = C::default();
+    reg.register("suanli_agent_device_resets", "Device resets since the agent started, by result.", resets.clone());
+    resets.get_or_create(&labels(&[("node", node), ("result", "recovered")])).inc_by(rv.resets_ok);
+    resets.get_or_create(&labels(&[("node", node), ("result", "failed")])).inc_by(rv.resets_failed);
     for s in agent.plugins.stats() {
         let Some(d) = devices.iter().find(|d| d.device.id == s.id) else { continue };
         let l =

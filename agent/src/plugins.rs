@@ -7,12 +7,16 @@
 //!        Down ─▶ its devices unhealthy ("plugin X is down: …") ─▶ heartbeat now
 //!        Up again + fingerprint ok ─▶ healthy again (re-register if the inventory changed)
 //!  inventories' topology (rack, block, NVLink domain) ─▶ topology.suanli.io/* node labels
+//!  health event classes (ABI 1.3) ─▶ remediation: tell the task, reset, quarantine ([`remedy`])
 //! ```
 //!
 //! A plugin must never take the agent down: every call goes through the supervisor, which
 //! runs the library in a child process with deadlines and restarts it with backoff.
 
+mod remedy;
+
 use crate::config::AgentConfig;
+pub(crate) use remedy::DEVICE_EVENTS_FILE;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -174,6 +178,12 @@ pub(crate) struct Plugins {
     /// Reservations granted and not yet released (ABI 1.2), by reservation id: what a restarted
     /// plugin host is told again, and what `release` undoes. One per live task at most.
     held: Mutex<BTreeMap<String, Held>>,
+    /// Device remediation: recoveries, quarantine, counters.
+    remedy: Mutex<remedy::Remedies>,
+    /// Where the quarantine is kept.
+    quarantine_path: PathBuf,
+    /// Allocation directories (`<data_dir>/allocs`), where tasks are told of device events.
+    allocs_dir: PathBuf,
 }
 
 /// A reservation the agent holds on its plugins.
@@ -322,14 +332,29 @@ impl Plugins {
             stats_every_ms: Arc::new(AtomicU64::new(1000)),
             warned: Mutex::new(BTreeSet::new()),
             held: Mutex::new(BTreeMap::new()),
+            remedy: Mutex::new(remedy::Remedies {
+                quarantined: remedy::load_quarantine(&remedy::quarantine_path(&cfg.data_dir)),
+                ..Default::default()
+            }),
+            quarantine_path: remedy::quarantine_path(&cfg.data_dir),
+            allocs_dir: cfg.allocs_dir(),
         };
+        let q = p.lock_remedy().quarantined.clone();
+        for (device, q) in q {
+            tracing::error!(device = %device, reason = %q.reason, since_unix_s = q.since_unix_s,
+                "device quarantined (from quarantine.json): out of service until an operator clears it");
+        }
         for pl in &p.list {
             match fingerprint(pl, &p.inventory_changed).await {
                 Ok(()) if pl.view().inventory.is_some() => {
                     let v = pl.view();
                     let n = v.inventory.as_ref().map_or(0, |i| i.devices.len());
                     let fake = v.inventory.as_ref().is_some_and(|i| i.fake);
+                    let inv = v.inventory.clone();
                     drop(v);
+                    if let Some(inv) = inv {
+                        p.forget_replaced(&inv);
+                    }
                     pl.view().up = true;
                     tracing::info!(plugin = %pl.stem, devices = n, fake, "device plugin fingerprinted");
                 }
@@ -357,6 +382,7 @@ impl Plugins {
     pub fn devices(&self) -> Vec<LocalDevice> {
         let mut out: Vec<LocalDevice> = Vec::new();
         let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+        let remedy = self.lock_remedy();
         for (i, p) in self.list.iter().enumerate() {
             let v = p.view();
             let Some(inv) = &v.inventory else {
@@ -380,7 +406,9 @@ impl Plugins {
                     continue;
                 };
                 seen.insert(d.id.clone(), i);
-                let reason = if !v.up {
+                let reason = if let Some(r) = Self::remedy_reason(&remedy, &d.id) {
+                    r
+                } else if !v.up {
                     if v.down_reason.is_empty() {
                         format!("plugin {} is down", p.stem)
                     } else {
@@ -478,6 +506,12 @@ impl Plugins {
     ) -> Result<Reserved, String> {
         let devs = self.devices();
         let mut by_owner: BTreeMap<usize, Vec<pb::ReserveShare>> = BTreeMap::new();
+        {
+            let r = self.lock_remedy();
+            if let Some((id, why)) = shares.iter().find_map(|s| Self::remedy_reason(&r, &s.device_id).map(|w| (&s.device_id, w))) {
+                return Err(format!("device {id:?} is out of service: {why}"));
+            }
+        }
         for s in shares {
             let d = devs
                 .iter()
@@ -631,12 +665,22 @@ impl Plugins {
                     failure = Some(e);
                 }
             }
+            if failure.is_none() && last_fp.elapsed() < poll {
+                // Just fingerprinted: a card replaced under a quarantined id is back.
+                let inv = p.view().inventory.clone();
+                if let Some(inv) = inv {
+                    self.forget_replaced(&inv);
+                }
+            }
             if failure.is_none() {
                 match p.proc.health_events().await {
                     Ok(ev) => self.apply_events(&p, ev),
                     Err(e) if broken(&e) => failure = Some(e.to_string()),
                     Err(e) => tracing::debug!(plugin = %p.stem, error = %e, "health events"),
                 }
+            }
+            if failure.is_none() && was_up {
+                self.advance_recoveries(&p).await;
             }
             let every = Duration::from_millis(self.stats_every_ms.load(Ordering::Relaxed));
             if failure.is_none() && (!was_up || last_stats.is_none_or(|t| t.elapsed() >= every)) {
@@ -672,8 +716,9 @@ impl Plugins {
         if ev.events.is_empty() {
             return;
         }
+        let ev: Vec<pb::HealthEvent> = ev.events.into_iter().filter(|e| !self.remedy_event(p, e)).collect();
         let mut v = p.view();
-        for e in ev.events {
+        for e in ev {
             if e.healthy {
                 v.events.remove(&e.device);
             } else if v.events.len() < 4096 {

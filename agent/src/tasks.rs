@@ -935,6 +935,7 @@ fn task_env(
         ("SUANLI_NODE", agent.node_id.clone()),
         ("SUANLI_DEVICES", devices.join(",")),
         ("SUANLI_ALLOC_DIR", dir.display().to_string()),
+        ("SUANLI_DEVICE_EVENTS", dir.join(crate::plugins::DEVICE_EVENTS_FILE).display().to_string()),
         ("SUANLI_CPU_MILLI", a.cpu_milli.to_string()),
         ("SUANLI_MEMORY_MIB", a.memory_mib.to_string()),
     ];

@@ -6,7 +6,7 @@
  * check`) enforces and every agent behaviour a plugin depends on is stated here. Nothing else
  * about the agent may be assumed. docs/plugin-abi.md is a guided tour of the same rules.
  *
- * VERSIONING. The ABI has a major and a minor version (below: 1.2). A major change is breaking:
+ * VERSIONING. The ABI has a major and a minor version (below: 1.3). A major change is breaking:
  * the agent refuses a plugin whose major differs from its own and names both versions. A minor
  * change only appends: new function pointers at the END of SuanliDpApi, new fields at the END
  * of an argument struct. Every struct begins with `struct_size` (set by whoever fills the
@@ -19,7 +19,8 @@
  * struct_size must agree: a table claiming minor 2 must be at least the 1.2 size (the kit fails
  * a plugin whose struct_size covers less than its abi_minor claims; the agent then uses only the
  * calls the size covers). History: 1.0 init, fingerprint, reserve, stats, shutdown, errors,
- * buffers; 1.1 health_events; 1.2 release, and ReserveRequest.reservation_id / .shares.
+ * buffers; 1.1 health_events; 1.2 release, and ReserveRequest.reservation_id / .shares; 1.3
+ * reset, and HealthEvent.event_class (device-error remediation).
  *
  * PAYLOADS. Requests and responses are protocol buffers of package `suanli.v1` (message names
  * below). The schema is suanli's proto/suanli/v1/device.proto (proto3). For C, the file
@@ -56,6 +57,7 @@
  *     init, fingerprint      30 s
  *     reserve, release,       5 s
  *     stats, health_events
+ *     reset                  30 s   (the fingerprint deadline: a GPU reset takes seconds)
  *     shutdown                5 s   (then the host process is killed)
  * A call past its deadline gets the plugin host process killed (SIGKILL) and restarted.
  *
@@ -143,6 +145,20 @@
  *                 with healthy = false, fingerprint reports the device unhealthy and reserve
  *                 refuses it with FAILED_PRECONDITION until an event or fingerprint says it is
  *                 healthy again. A 1.0 plugin lacks it; health then comes from fingerprint.
+ *                 Since 1.3 an event carries event_class, which decides the remedy:
+ *                 1 application, sent with healthy = true (the task's own fault: the device
+ *                 stays in service, the tasks on it are told), and with healthy = false:
+ *                 2 recoverable (the device leaves service, its tasks
+ *                 checkpoint and move; once nothing holds it the agent calls reset and returns
+ *                 it after a healthy fingerprint), 3 fatal (quarantined until an operator clears
+ *                 it). 0 (a 1.2 plugin) keeps the 1.2 meaning: unhealthy until an event or a
+ *                 fingerprint says healthy. A device whose resets keep failing is quarantined.
+ *   reset         (1.3) ResetRequest -> ResetResponse. Return device_id to a clean state (a GPU
+ *                 reset). Called only when no reservation holds the device, after a recoverable
+ *                 event; the agent fingerprints right after and takes the device back only if the
+ *                 fingerprint says healthy. UNIMPLEMENTED: the plugin cannot reset; the agent
+ *                 then waits for the device to report healthy by itself. An unknown id:
+ *                 NOT_FOUND.
  *   shutdown      Releases the instance; no call follows.
  *
  * RESOURCES. Across repeated calls the plugin host's resident memory and open descriptors must
@@ -162,7 +178,7 @@ extern "C" {
 
 /* The version this header describes. */
 #define SUANLI_DP_ABI_MAJOR 1
-#define SUANLI_DP_ABI_MINOR 2
+#define SUANLI_DP_ABI_MINOR 3
 
 /* The one symbol a plugin exports. */
 #define SUANLI_DP_ENTRY_SYMBOL "suanli_device_plugin_entry"
@@ -251,6 +267,13 @@ typedef struct SuanliDpApi {
    * does not hold (a repeat, or one granted before the plugin host restarted) succeeds. A 1.1
    * plugin lacks it; reserve is then stateless by contract. */
   SuanliDpError *(*release)(SuanliDpCallArgs *args);
+
+  /* ---- ABI 1.3 ---- */
+
+  /* request: ResetRequest; response: ResetResponse (empty). Reset one device after a
+   * recoverable error; called only when no reservation holds it, then followed by a fingerprint.
+   * UNIMPLEMENTED when the plugin cannot reset. A 1.2 plugin lacks it. */
+  SuanliDpError *(*reset)(SuanliDpCallArgs *args);
 } SuanliDpApi;
 
 /*

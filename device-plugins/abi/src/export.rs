@@ -22,7 +22,7 @@ use std::sync::OnceLock;
 use prost::Message;
 
 use crate::ffi::{
-    API_SIZE_1_2, CallFn, StaticApi, SuanliDpApi, SuanliDpCallArgs, SuanliDpError, SuanliDpInitArgs, SuanliDpPlugin,
+    API_SIZE_1_3, CallFn, StaticApi, SuanliDpApi, SuanliDpCallArgs, SuanliDpError, SuanliDpInitArgs, SuanliDpPlugin,
     SuanliDpShutdownArgs,
 };
 use crate::{ABI_MAJOR, ABI_MINOR, Code, DevicePlugin, PluginError, pb};
@@ -91,7 +91,7 @@ impl Table {
         let name = CString::new(P::NAME).ok()?;
         let version = CString::new(P::VERSION).ok()?;
         let api = SuanliDpApi {
-            struct_size: API_SIZE_1_2,
+            struct_size: API_SIZE_1_3,
             abi_major: ABI_MAJOR,
             abi_minor: ABI_MINOR,
             // The CStrings' heap buffers do not move when the CStrings move into `Table`.
@@ -108,6 +108,7 @@ impl Table {
             shutdown: Some(shutdown::<P>),
             health_events: Some(health_events::<P> as CallFn),
             release: Some(release::<P> as CallFn),
+            reset: Some(reset::<P> as CallFn),
         };
         Some(Table { api: StaticApi(api), _name: name, _version: version })
     }
@@ -338,6 +339,11 @@ unsafe extern "C" fn release<P: DevicePlugin>(args: *mut SuanliDpCallArgs) -> *m
     unsafe {
         call::<P, pb::ReleaseRequest, _>("release", args, |p, req| p.release(req).map(|()| pb::ReleaseResponse {}))
     }
+}
+
+unsafe extern "C" fn reset<P: DevicePlugin>(args: *mut SuanliDpCallArgs) -> *mut SuanliDpError {
+    // SAFETY: forwarded from the agent; see `call`.
+    unsafe { call::<P, pb::ResetRequest, _>("reset", args, |p, req| p.reset(req).map(|()| pb::ResetResponse {})) }
 }
 
 unsafe extern "C" fn shutdown<P: DevicePlugin>(args: *mut SuanliDpShutdownArgs) -> *mut SuanliDpError {

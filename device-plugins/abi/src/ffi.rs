@@ -126,17 +126,23 @@ pub struct SuanliDpApi {
     // ---- ABI 1.2 ----
     /// `ReleaseRequest` -> `ReleaseResponse`.
     pub release: Option<CallFn>,
+    // ---- ABI 1.3 ----
+    /// `ResetRequest` -> `ResetResponse`.
+    pub reset: Option<CallFn>,
 }
 
 /// The size of the ABI 1.0 part of [`SuanliDpApi`]: a table must be at least this large.
 pub const API_SIZE_1_0: usize = offset_of!(SuanliDpApi, health_events);
 /// The size of the ABI 1.1 part of [`SuanliDpApi`] (up to `health_events`).
 pub const API_SIZE_1_1: usize = offset_of!(SuanliDpApi, release);
-/// The size of [`SuanliDpApi`] in ABI 1.2 (this crate's version).
-pub const API_SIZE_1_2: usize = size_of::<SuanliDpApi>();
+/// The size of the ABI 1.2 part of [`SuanliDpApi`] (up to `release`).
+pub const API_SIZE_1_2: usize = offset_of!(SuanliDpApi, reset);
+/// The size of [`SuanliDpApi`] in ABI 1.3 (this crate's version).
+pub const API_SIZE_1_3: usize = size_of::<SuanliDpApi>();
 
 /// The table size each minor version of major 1 implies, oldest first: `(minor, size)`.
-pub const API_SIZES: [(u32, usize); 3] = [(0, API_SIZE_1_0), (1, API_SIZE_1_1), (2, API_SIZE_1_2)];
+pub const API_SIZES: [(u32, usize); 4] =
+    [(0, API_SIZE_1_0), (1, API_SIZE_1_1), (2, API_SIZE_1_2), (3, API_SIZE_1_3)];
 
 /// The newest minor version whose whole table fits in `struct_size` bytes (`None`: not even 1.0).
 pub fn minor_covered_by(struct_size: usize) -> Option<u32> {
@@ -159,7 +165,7 @@ const _: () = {
     assert!(offset_of!(SuanliDpCallArgs, response_len) == 5 * P);
     // SuanliDpShutdownArgs: size_t, ptr.
     assert!(size_of::<SuanliDpShutdownArgs>() == 2 * P);
-    // SuanliDpApi: size_t, u32, u32, 2 strings, 9 functions (1.0), 1 function (1.1), 1 (1.2).
+    // SuanliDpApi: size_t, u32, u32, 2 strings, 9 functions (1.0), 1 function (1.1), 1 (1.2), 1 (1.3).
     assert!(offset_of!(SuanliDpApi, abi_major) == P);
     assert!(offset_of!(SuanliDpApi, abi_minor) == P + 4);
     assert!(offset_of!(SuanliDpApi, plugin_name) == P + 8);
@@ -168,6 +174,7 @@ const _: () = {
     assert!(API_SIZE_1_0 == 12 * P + 8);
     assert!(API_SIZE_1_1 == 13 * P + 8);
     assert!(API_SIZE_1_2 == 14 * P + 8);
+    assert!(API_SIZE_1_3 == 15 * P + 8);
 };
 
 /// A [`SuanliDpApi`] that may live in a `static`: the pointers it holds are to static strings and

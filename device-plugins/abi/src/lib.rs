@@ -29,7 +29,7 @@ pub use suanli_device_proto::v1 as pb;
 /// The ABI major version this crate implements (breaking changes).
 pub const ABI_MAJOR: u32 = 1;
 /// The ABI minor version this crate implements (additions only).
-pub const ABI_MINOR: u32 = 2;
+pub const ABI_MINOR: u32 = 3;
 
 /// Error codes a plugin returns (the header's `SUANLI_DP_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -114,6 +114,63 @@ impl PluginError {
     }
 }
 
+/// The class of an unhealthy health event (ABI 1.3, `HealthEvent.event_class`): what the agent
+/// does about it. docs/plugin-abi.md has the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum EventClass {
+    /// 0: a plugin before 1.3. The device is unhealthy until an event or a fingerprint says
+    /// healthy again (the 1.2 meaning).
+    Unspecified,
+    /// 1: the task's own error (an illegal address, a kernel fault). The device stays in service;
+    /// the tasks on it are told.
+    Application,
+    /// 2: the device leaves service, its tasks checkpoint and move, the agent resets it once
+    /// nothing holds it and returns it after a healthy fingerprint.
+    Recoverable,
+    /// 3: the device is quarantined until an operator clears it; an alert is raised.
+    Fatal,
+}
+
+impl EventClass {
+    /// The class of a raw `event_class`; values this version does not know are recoverable (the
+    /// device leaves service, but is not written off).
+    pub fn from_raw(v: u32) -> EventClass {
+        match v {
+            0 => EventClass::Unspecified,
+            1 => EventClass::Application,
+            3 => EventClass::Fatal,
+            _ => EventClass::Recoverable,
+        }
+    }
+
+    /// The wire value.
+    pub fn raw(self) -> u32 {
+        match self {
+            EventClass::Unspecified => 0,
+            EventClass::Application => 1,
+            EventClass::Recoverable => 2,
+            EventClass::Fatal => 3,
+        }
+    }
+
+    /// The lowercase name, for logs, metrics and fault files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventClass::Unspecified => "unspecified",
+            EventClass::Application => "application",
+            EventClass::Recoverable => "recoverable",
+            EventClass::Fatal => "fatal",
+        }
+    }
+
+    /// The class named `s` (as [`EventClass::as_str`] writes it).
+    pub fn parse(s: &str) -> Option<EventClass> {
+        [EventClass::Unspecified, EventClass::Application, EventClass::Recoverable, EventClass::Fatal]
+            .into_iter()
+            .find(|c| c.as_str() == s)
+    }
+}
+
 /// What a device plugin implements. [`export_plugin!`] turns an implementation into the C ABI.
 ///
 /// Calls may arrive from several threads at once (the header's "Threads" rule); `init` and
@@ -140,6 +197,13 @@ pub trait DevicePlugin: Send + Sync + Sized + 'static {
     /// An id the plugin does not hold is not an error. The default holds nothing, so does nothing.
     fn release(&self, _req: pb::ReleaseRequest) -> Result<(), PluginError> {
         Ok(())
+    }
+    /// Returns `req.device_id` to a clean state after a recoverable error (ABI 1.3), e.g. a GPU
+    /// reset. The agent calls it only when no reservation holds the device, then fingerprints:
+    /// the device is back in service when the fingerprint says it is healthy. The default cannot
+    /// reset (UNIMPLEMENTED): the agent then only waits for a healthy fingerprint.
+    fn reset(&self, req: pb::ResetRequest) -> Result<(), PluginError> {
+        Err(PluginError::new(Code::Unimplemented, format!("{} cannot reset device {:?}", Self::NAME, req.device_id)))
     }
     /// Releases vendor resources; the instance is dropped right after.
     fn shutdown(&self) {}

@@ -321,6 +321,9 @@ impl DevicePlugin for AscendPlugin {
                     healthy: c.healthy,
                     reason: if c.healthy { "healthy again".into() } else { c.reason.clone() },
                     code: 0,
+                    // DCMI's health state has no remediation class: the 1.2 meaning (unhealthy
+                    // while DCMI says so), no reset.
+                    event_class: 0,
                 });
             }
             last.insert(c.id.clone(), now);

@@ -16,11 +16,12 @@
  *   suanli plugin check /tmp/example-build/libsuanli_plugin_example.so
  *
  * Compile-time switches (EXTRA_CFLAGS="-D..."):
- *   EXAMPLE_ABI_MAJOR / EXAMPLE_ABI_MINOR  the ABI the table claims (default: the header's, 1.2).
+ *   EXAMPLE_ABI_MAJOR / EXAMPLE_ABI_MINOR  the ABI the table claims (default: the header's, 1.3).
  *       -DEXAMPLE_ABI_MAJOR=2 builds a plugin for a newer, incompatible major (the agent refuses
  *       it); -DEXAMPLE_ABI_MINOR=0 builds an ABI 1.0 plugin, whose table ends before
  *       health_events (struct_size = offsetof(SuanliDpApi, health_events)); -DEXAMPLE_ABI_MINOR=1
- *       an ABI 1.1 plugin, whose table ends before release (and whose reserve holds nothing).
+ *       an ABI 1.1 plugin, whose table ends before release (and whose reserve holds nothing);
+ *       -DEXAMPLE_ABI_MINOR=2 an ABI 1.2 plugin, whose table ends before reset.
  *   TEST ONLY, to exercise the agent and its checks; never ship a plugin built with them:
  *   EXAMPLE_CRASH=segv|hang|abort  fingerprint raises SIGSEGV, sleeps forever, or calls abort().
  *   EXAMPLE_CHATTY                 every call writes a line to stdout (which the plugin host
@@ -72,6 +73,8 @@
 #define EXAMPLE_API_SIZE offsetof(SuanliDpApi, health_events)
 #elif EXAMPLE_ABI_MAJOR == 1 && EXAMPLE_ABI_MINOR == 1
 #define EXAMPLE_API_SIZE offsetof(SuanliDpApi, release)
+#elif EXAMPLE_ABI_MAJOR == 1 && EXAMPLE_ABI_MINOR == 2
+#define EXAMPLE_API_SIZE offsetof(SuanliDpApi, reset)
 #else
 #define EXAMPLE_API_SIZE sizeof(SuanliDpApi)
 #endif
@@ -665,6 +668,38 @@ static SuanliDpError *release(SuanliDpCallArgs *args) {
 }
 #endif
 
+#if EXAMPLE_ABI_MINOR >= 3
+static SuanliDpError *reset(SuanliDpCallArgs *args) {
+  SuanliDpPlugin *p;
+  Suanli__V1__ResetRequest *req;
+  Suanli__V1__ResetResponse resp = SUANLI__V1__RESET_RESPONSE__INIT;
+  int i;
+  SuanliDpError *err = check_call(args, "reset");
+  if (err) return err;
+  CHATTER("reset");
+  p = args->plugin;
+  if (args->request == NULL && args->request_len != 0) {
+    return make_error(SUANLI_DP_INVALID_ARGUMENT, "reset: request is NULL but request_len is %zu", args->request_len);
+  }
+  req = UNPACK(Suanli__V1__ResetRequest, suanli__v1__reset_request__descriptor, args->request, args->request_len);
+  if (req == NULL) return make_error(SUANLI_DP_INVALID_ARGUMENT, "reset: the request does not decode");
+  i = find_device(req->device_id);
+  if (i < 0) {
+    err = make_error(SUANLI_DP_NOT_FOUND, "reset: unknown device id \"%.64s\" (known: example0, example1)",
+                     req->device_id ? req->device_id : "");
+  } else {
+    /* VENDOR: reset the device here (e.g. NVML's nvmlDeviceResetGpuLockedClocks, a driver reset);
+     * the agent fingerprints right after and takes the device back if it reports healthy. */
+    pthread_mutex_lock(&p->mu);
+    p->unhealthy[i] = 0;
+    pthread_mutex_unlock(&p->mu);
+  }
+  protobuf_c_message_free_unpacked(&req->base, NULL);
+  if (err) return err;
+  return respond(args, &resp.base); /* an empty ResetResponse is zero bytes */
+}
+#endif
+
 static SuanliDpError *stats(SuanliDpCallArgs *args) {
   Suanli__V1__StatsRequest *req;
   Suanli__V1__StatsResponse resp = SUANLI__V1__STATS_RESPONSE__INIT;
@@ -787,6 +822,11 @@ static const SuanliDpApi API = {
 #endif
 #if EXAMPLE_ABI_MINOR >= 2
     release,
+#else
+    NULL,
+#endif
+#if EXAMPLE_ABI_MINOR >= 3
+    reset,
 #else
     NULL,
 #endif

@@ -6,6 +6,10 @@
 //! ```toml
 //! unhealthy = ["gpu3"]                        # these report unhealthy (and an event on change)
 //! xid = [{ device = "gpu1", code = 79 }]      # one HealthEvent each, device unhealthy while listed
+//! # ABI 1.3 remediation: a class on the event (absent: 0, the 1.2 meaning)
+//! # application: the device stays healthy; recoverable: unhealthy until `reset`; fatal: unhealthy
+//! xid = [{ device = "gpu2", code = 13, class = "application" }]
+//! reset_fails = ["gpu2"]                      # reset of these fails (FAILED_PRECONDITION)
 //! utilization = { gpu0 = 90.0 }               # fixed utilization instead of the curve
 //! memory_used_mib = { gpu0 = 40000 }          # fixed memory use instead of the curve's share
 //! curve = { period_s = 300.0, min_pct = 5.0, max_pct = 95.0 }
@@ -17,6 +21,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Deserialize;
+use suanli_device_abi::EventClass;
 
 /// How the plugin misbehaves on purpose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +51,8 @@ pub enum Call {
     HealthEvents,
     /// `release` (ABI 1.2).
     Release,
+    /// `reset` (ABI 1.3).
+    Reset,
 }
 
 impl Call {
@@ -58,6 +65,7 @@ impl Call {
             Call::Stats => "stats",
             Call::HealthEvents => "health_events",
             Call::Release => "release",
+            Call::Reset => "reset",
         }
     }
 }
@@ -112,6 +120,16 @@ pub struct Xid {
     pub device: String,
     /// The vendor code (e.g. 79: "GPU has fallen off the bus").
     pub code: u64,
+    /// The event's class (ABI 1.3): application, recoverable or fatal; absent: unspecified.
+    #[serde(default)]
+    pub class: Option<String>,
+}
+
+impl Xid {
+    /// The event class it is reported with (validated by [`parse_faults`]).
+    pub fn class(&self) -> EventClass {
+        self.class.as_deref().and_then(EventClass::parse).unwrap_or(EventClass::Unspecified)
+    }
 }
 
 /// A validated fault file.
@@ -131,6 +149,8 @@ pub struct Faults {
     pub crash: Option<(Crash, Option<Call>)>,
     /// Crash only when the `.crashed` marker next to the fault file is absent.
     pub crash_once: bool,
+    /// Devices whose `reset` fails.
+    pub reset_fails: BTreeSet<String>,
 }
 
 #[derive(Deserialize)]
@@ -149,6 +169,8 @@ struct RawFaults {
     crash_on: Option<String>,
     #[serde(default)]
     crash_once: bool,
+    #[serde(default)]
+    reset_fails: Vec<String>,
 }
 
 /// The most entries of any one list or table in a fault file.
@@ -169,6 +191,7 @@ pub fn parse_faults(text: &str, known: &BTreeSet<String>) -> Result<Faults, Stri
         ("xid", raw.xid.len()),
         ("utilization", raw.utilization.len()),
         ("memory_used_mib", raw.memory_used_mib.len()),
+        ("reset_fails", raw.reset_fails.len()),
     ] {
         if n > MAX_FAULT_ENTRIES {
             return Err(format!("{name} has {n} entries, the limit is {MAX_FAULT_ENTRIES}"));
@@ -179,6 +202,14 @@ pub fn parse_faults(text: &str, known: &BTreeSet<String>) -> Result<Faults, Stri
     }
     for (i, x) in raw.xid.iter().enumerate() {
         check(&x.device, &format!("xid[{i}].device"))?;
+        if let Some(c) = &x.class
+            && !matches!(EventClass::parse(c), Some(EventClass::Application | EventClass::Recoverable | EventClass::Fatal))
+        {
+            return Err(format!("xid[{i}].class is {c:?}, expected application, recoverable or fatal"));
+        }
+    }
+    for id in &raw.reset_fails {
+        check(id, "reset_fails")?;
     }
     for (id, v) in &raw.utilization {
         check(id, "utilization")?;
@@ -225,9 +256,10 @@ pub fn parse_faults(text: &str, known: &BTreeSet<String>) -> Result<Faults, Stri
                 Some("stats") => Some(Call::Stats),
                 Some("health_events") => Some(Call::HealthEvents),
                 Some("release") => Some(Call::Release),
+                Some("reset") => Some(Call::Reset),
                 Some(o) => {
                     return Err(format!(
-                        "crash_on is {o:?}, expected init, fingerprint, reserve, stats, health_events, release or any"
+                        "crash_on is {o:?}, expected init, fingerprint, reserve, stats, health_events, release, reset or any"
                     ));
                 }
             };
@@ -242,13 +274,20 @@ pub fn parse_faults(text: &str, known: &BTreeSet<String>) -> Result<Faults, Stri
         curve,
         crash,
         crash_once: raw.crash_once,
+        reset_fails: raw.reset_fails.into_iter().collect(),
     })
 }
 
 impl Faults {
-    /// Why a device is unhealthy, or `None` when it is healthy.
-    pub fn health_reason(&self, id: &str) -> Option<String> {
-        let xids: Vec<String> = self.xid.iter().filter(|x| x.device == id).map(|x| x.code.to_string()).collect();
+    /// Why a device is unhealthy, or `None` when it is healthy. Application-class XIDs leave the
+    /// device healthy; those in `cleared` (a reset took them away) no longer count.
+    pub fn health_reason(&self, id: &str, cleared: &BTreeSet<Xid>) -> Option<String> {
+        let xids: Vec<String> = self
+            .xid
+            .iter()
+            .filter(|x| x.device == id && x.class() != EventClass::Application && !cleared.contains(x))
+            .map(|x| x.code.to_string())
+            .collect();
         if !xids.is_empty() {
             return Some(format!("injected XID {} (fake fault)", xids.join(", ")));
         }
@@ -290,9 +329,20 @@ crash_on = "stats"
 crash_once = true
 "#;
         let f = parse_faults(text, &known()).unwrap();
-        assert_eq!(f.health_reason("gpu3").unwrap(), "injected unhealthy (fake fault)");
-        assert_eq!(f.health_reason("gpu1").unwrap(), "injected XID 48, 79 (fake fault)");
-        assert_eq!(f.health_reason("gpu0"), None);
+        let none = BTreeSet::new();
+        assert_eq!(f.health_reason("gpu3", &none).unwrap(), "injected unhealthy (fake fault)");
+        assert_eq!(f.health_reason("gpu1", &none).unwrap(), "injected XID 48, 79 (fake fault)");
+        assert_eq!(f.health_reason("gpu0", &none), None);
+        let classes = parse_faults(
+            "xid = [{ device = \"gpu0\", code = 13, class = \"application\" }, { device = \"gpu1\", code = 79, class = \"recoverable\" }]\nreset_fails = [\"gpu1\"]",
+            &known(),
+        )
+        .unwrap();
+        assert_eq!(classes.health_reason("gpu0", &none), None, "an application error leaves the device healthy");
+        let cleared: BTreeSet<Xid> = classes.xid.iter().filter(|x| x.device == "gpu1").cloned().collect();
+        assert!(classes.health_reason("gpu1", &none).is_some());
+        assert_eq!(classes.health_reason("gpu1", &cleared), None, "a reset clears it");
+        assert!(classes.reset_fails.contains("gpu1"));
         assert_eq!(f.crash_for(Call::Stats), Some(Crash::Segfault));
         assert_eq!(f.crash_for(Call::Reserve), None);
         assert!(f.crash_once);
@@ -314,6 +364,8 @@ crash_once = true
         assert!(e("curve = { period_s = 0.0 }").contains("curve.period_s"));
         assert!(e("curve = { min_pct = 50.0, max_pct = 10.0 }").contains("min <= max"));
         assert!(e("surprise = 1").contains("surprise"));
+        assert!(e("xid = [{ device = \"gpu0\", code = 1, class = \"meh\" }]").contains("xid[0].class"));
+        assert!(e("reset_fails = [\"gpu9\"]").contains("reset_fails names"));
     }
 
     #[test]

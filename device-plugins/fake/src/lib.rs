@@ -6,7 +6,8 @@
 //!  every call ──▶ stat the fault file; re-read it when it changed ──▶ Faults
 //!             ──▶ misbehave if the fault file says so (test/demo faults: panic, hang, segfault, abort)
 //!  fingerprint ─▶ devices, health from the faults, the config's [topology] (rack, block, NVLink domain)
-//!  health_events ─▶ new XIDs, health transitions since the previous call
+//!  health_events ─▶ new XIDs (with their class, ABI 1.3), health transitions since the previous call
+//!  reset ─▶ clears the device's recoverable XIDs (unless the fault file says its reset fails)
 //!  stats ─▶ fixed values from the faults, else a deterministic sine of wall time
 //!  reserve ─▶ CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES (indexes) + SUANLI_FAKE_DEVICES
 //! ```
@@ -28,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use suanli_device_abi::{Code, DevicePlugin, PluginError, pb};
+use suanli_device_abi::{Code, DevicePlugin, EventClass, PluginError, pb};
 
 use config::{FakeDevice, Kind, MAX_FILE_BYTES};
 use faults::{Call, Crash, Faults};
@@ -64,6 +65,8 @@ struct State {
     reported: BTreeMap<String, bool>,
     /// XIDs already emitted (forgotten when removed from the file, so re-adding one re-emits it).
     xid_emitted: BTreeSet<faults::Xid>,
+    /// XIDs a reset cleared (forgotten when removed from the file).
+    cleared: BTreeSet<faults::Xid>,
     /// Reservations held (ABI 1.2): reservation id → (device, milli) per device.
     held: BTreeMap<String, Vec<(String, u32)>>,
 }
@@ -153,6 +156,7 @@ impl FakePlugin {
                 fault_error: None,
                 reported,
                 xid_emitted: BTreeSet::new(),
+                cleared: BTreeSet::new(),
                 held: BTreeMap::new(),
             }),
             enforce_shares: false,
@@ -239,7 +243,7 @@ impl FakePlugin {
             .devices
             .iter()
             .map(|d| {
-                let reason = st.faults.health_reason(&d.id);
+                let reason = st.faults.health_reason(&d.id, &st.cleared);
                 pb::PluginDevice {
                     id: d.id.clone(),
                     kind: d.kind.as_str().into(),
@@ -274,17 +278,24 @@ impl FakePlugin {
         let mut events = Vec::new();
         let current: BTreeSet<faults::Xid> = st.faults.xid.clone();
         for x in current.difference(&st.xid_emitted) {
+            let class = x.class();
+            let what = if class == EventClass::Unspecified { String::new() } else { format!(", {}", class.as_str()) };
             events.push(pb::HealthEvent {
                 device: x.device.clone(),
-                healthy: false,
-                reason: format!("injected XID {} (fake fault)", x.code),
+                // An application error leaves the device healthy (ABI 1.3).
+                healthy: class == EventClass::Application,
+                reason: format!("injected XID {}{what} (fake fault)", x.code),
                 code: x.code,
+                event_class: class.raw(),
             });
-            st.reported.insert(x.device.clone(), false);
+            if class != EventClass::Application {
+                st.reported.insert(x.device.clone(), false);
+            }
         }
+        st.cleared.retain(|x| current.contains(x));
         st.xid_emitted = current;
         for d in &self.devices {
-            let reason = st.faults.health_reason(&d.id);
+            let reason = st.faults.health_reason(&d.id, &st.cleared);
             let healthy = reason.is_none();
             if st.reported.get(&d.id) != Some(&healthy) {
                 st.reported.insert(d.id.clone(), healthy);
@@ -293,6 +304,7 @@ impl FakePlugin {
                     healthy,
                     reason: reason.unwrap_or_else(|| "fault cleared (fake fault)".into()),
                     code: 0,
+                    event_class: 0,
                 });
             }
         }
@@ -388,7 +400,7 @@ impl DevicePlugin for FakePlugin {
             if !seen.insert(id.as_str()) {
                 return Err(PluginError::invalid(format!("device_ids names {id:?} twice")));
             }
-            if let Some(reason) = st.faults.health_reason(id) {
+            if let Some(reason) = st.faults.health_reason(id, &st.cleared) {
                 return Err(PluginError::new(
                     Code::FailedPrecondition,
                     format!("device {id:?} is unhealthy: {reason}"),
@@ -442,6 +454,34 @@ impl DevicePlugin for FakePlugin {
             "call": "release", "reservation_id": req.reservation_id, "alloc_id": req.alloc_id,
             "device_ids": req.device_ids, "held": held.is_some(),
         }));
+        Ok(())
+    }
+
+    fn reset(&self, req: pb::ResetRequest) -> Result<(), PluginError> {
+        let mut st = self.enter(Call::Reset)?;
+        self.device(&req.device_id)?;
+        let fails = st.faults.reset_fails.contains(&req.device_id);
+        let cleared: Vec<faults::Xid> = if fails {
+            Vec::new()
+        } else {
+            st.faults
+                .xid
+                .iter()
+                .filter(|x| x.device == req.device_id && x.class() != EventClass::Fatal)
+                .cloned()
+                .collect()
+        };
+        let codes: Vec<u64> = cleared.iter().map(|x| x.code).collect();
+        st.cleared.extend(cleared);
+        self.log(&serde_json::json!({
+            "call": "reset", "device_id": req.device_id, "ok": !fails, "cleared_xids": codes,
+        }));
+        if fails {
+            return Err(PluginError::new(
+                Code::FailedPrecondition,
+                format!("device {:?} did not come back from its reset (fault file: reset_fails)", req.device_id),
+            ));
+        }
         Ok(())
     }
 }

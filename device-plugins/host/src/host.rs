@@ -28,7 +28,7 @@ use prost::Message;
 
 use crate::{ABI_MAJOR, ABI_MINOR, Code, PluginError, pb};
 use suanli_device_abi::ffi::{
-    API_SIZE_1_0, API_SIZE_1_1, API_SIZE_1_2, API_SIZE_PREAMBLE, CallFn, ENTRY_SYMBOL, EntryFn, SuanliDpApi,
+    API_SIZE_1_0, API_SIZE_1_1, API_SIZE_1_2, API_SIZE_1_3, API_SIZE_PREAMBLE, CallFn, ENTRY_SYMBOL, EntryFn, SuanliDpApi,
     SuanliDpCallArgs, SuanliDpError, SuanliDpInitArgs, SuanliDpPlugin, SuanliDpShutdownArgs,
 };
 
@@ -169,6 +169,8 @@ pub struct PluginInfo {
     pub has_health_events: bool,
     /// Whether `release` (ABI 1.2) is offered.
     pub has_release: bool,
+    /// Whether `reset` (ABI 1.3) is offered.
+    pub has_reset: bool,
     /// The newest minor version whose whole table `api_struct_size` covers: less than `abi_minor`
     /// when the plugin claims a version its table does not have (the newer calls are then unused).
     pub table_minor: u32,
@@ -257,6 +259,10 @@ impl Library {
     pub fn has_release(&self) -> bool {
         self.inner.info.has_release
     }
+    /// Whether the plugin offers `reset` (ABI 1.3 and its table covers it).
+    pub fn has_reset(&self) -> bool {
+        self.inner.info.has_reset
+    }
     /// The calls the plugin offers, by name.
     pub fn calls(&self) -> Vec<String> {
         let mut calls: Vec<String> = ["fingerprint", "reserve", "stats"].iter().map(|s| s.to_string()).collect();
@@ -265,6 +271,9 @@ impl Library {
         }
         if self.has_release() {
             calls.push("release".into());
+        }
+        if self.has_reset() {
+            calls.push("reset".into());
         }
         calls
     }
@@ -344,7 +353,7 @@ unsafe fn read_table(path: &Path, table: *const SuanliDpApi) -> Result<(SuanliDp
     // SAFETY: copy only what the plugin says it has (at most our own size); the rest stays zero,
     // which is NULL for pointers and None for Option<fn>, both valid values.
     let api = unsafe {
-        std::ptr::copy_nonoverlapping(table.cast::<u8>(), api.as_mut_ptr().cast::<u8>(), size.min(API_SIZE_1_2));
+        std::ptr::copy_nonoverlapping(table.cast::<u8>(), api.as_mut_ptr().cast::<u8>(), size.min(API_SIZE_1_3));
         api.assume_init()
     };
     // SAFETY: the strings are static in the loaded library (header: Ownership).
@@ -380,6 +389,7 @@ unsafe fn read_table(path: &Path, table: *const SuanliDpApi) -> Result<(SuanliDp
     }
     let has_health_events = api.abi_minor >= 1 && size >= API_SIZE_1_1 && api.health_events.is_some();
     let has_release = api.abi_minor >= 2 && size >= API_SIZE_1_2 && api.release.is_some();
+    let has_reset = api.abi_minor >= 3 && size >= API_SIZE_1_3 && api.reset.is_some();
     let table_minor = suanli_device_abi::ffi::minor_covered_by(size).unwrap_or(0);
     let info = PluginInfo {
         name,
@@ -389,6 +399,7 @@ unsafe fn read_table(path: &Path, table: *const SuanliDpApi) -> Result<(SuanliDp
         api_struct_size: size,
         has_health_events,
         has_release,
+        has_reset,
         table_minor,
     };
     Ok((api, info))
@@ -490,8 +501,20 @@ impl Instance {
         self.call_decoded("release", self.lib.inner.api.release, req)
     }
 
+    /// `reset` (ABI 1.3) of one device; UNIMPLEMENTED for a plugin without it.
+    pub fn reset(&self, req: &pb::ResetRequest) -> Result<pb::ResetResponse, PluginError> {
+        self.call_decoded("reset", self.reset_fn()?, req)
+    }
+
+    fn reset_fn(&self) -> Result<Option<CallFn>, PluginError> {
+        if !self.lib.has_reset() {
+            return Err(PluginError::new(Code::Unimplemented, "reset: the plugin does not offer it (ABI before 1.3)"));
+        }
+        Ok(self.lib.inner.api.reset)
+    }
+
     /// Calls `method` with an already encoded request; returns the encoded response.
-    /// `method` is one of `fingerprint`, `reserve`, `stats`, `health_events`, `release`.
+    /// `method` is one of `fingerprint`, `reserve`, `stats`, `health_events`, `release`, `reset`.
     pub fn call_raw(&self, method: &str, request: &[u8]) -> Result<Vec<u8>, PluginError> {
         let api = &self.lib.inner.api;
         let f = match method {
@@ -502,10 +525,11 @@ impl Instance {
             "health_events" => return Ok(Vec::new()),
             "release" if self.lib.has_release() => api.release,
             "release" => return Ok(Vec::new()),
+            "reset" => self.reset_fn()?,
             other => {
                 return Err(PluginError::new(
                     Code::Unimplemented,
-                    format!("unknown method {other:?} (valid: fingerprint, reserve, stats, health_events, release)"),
+                    format!("unknown method {other:?} (valid: fingerprint, reserve, stats, health_events, release, reset)"),
                 ));
             }
         };

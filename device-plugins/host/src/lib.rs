@@ -32,4 +32,4 @@ mod tests;
 
 /// The plugin side, re-exported for hosts: error codes, errors, the ABI version and the payload
 /// messages (package `suanli.v1`).
-pub use suanli_device_abi::{ABI_MAJOR, ABI_MINOR, Code, PluginError, pb};
+pub use suanli_device_abi::{ABI_MAJOR, ABI_MINOR, Code, EventClass, PluginError, pb};

@@ -166,7 +166,7 @@ fn dispatch(input: &mut File, tx: &SyncSender<pb::HostRequest>, out: &Writer) ->
         };
         match req.method.as_str() {
             "shutdown" => return (Some(req.id), ExitCode::SUCCESS),
-            "fingerprint" | "reserve" | "stats" | "health_events" | "release" => {
+            "fingerprint" | "reserve" | "stats" | "health_events" | "release" | "reset" => {
                 if tx.send(req).is_err() {
                     return (None, ExitCode::from(EXIT_PROTOCOL));
                 }
@@ -177,7 +177,7 @@ fn dispatch(input: &mut File, tx: &SyncSender<pb::HostRequest>, out: &Writer) ->
                 req.id,
                 code::PROTOCOL,
                 format!(
-                    "unknown method {other:?} (valid: init, fingerprint, reserve, stats, health_events, release, shutdown)"
+                    "unknown method {other:?} (valid: init, fingerprint, reserve, stats, health_events, release, reset, shutdown)"
                 ),
             ),
         }

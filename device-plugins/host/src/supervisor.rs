@@ -289,6 +289,18 @@ impl PluginProcess {
         self.call_decoded("release", &req, self.inner.opts.call_timeout).await
     }
 
+    /// Reset of one device after a recoverable error (ABI 1.3), under the fingerprint deadline
+    /// (a GPU reset takes seconds); UNIMPLEMENTED without a call for a plugin that lacks it.
+    pub async fn reset(&self, req: pb::ResetRequest) -> Result<pb::ResetResponse, HostError> {
+        if !self.offers("reset") {
+            return Err(HostError::Plugin(PluginError::new(
+                Code::Unimplemented,
+                "reset: the plugin does not offer it (ABI before 1.3)",
+            )));
+        }
+        self.call_decoded("reset", &req, self.inner.opts.fingerprint_timeout).await
+    }
+
     /// Whether the plugin offers `call` (from its Hello).
     pub fn offers(&self, call: &str) -> bool {
         lock(&self.inner.hello).calls.iter().any(|c| c == call)

@@ -511,7 +511,8 @@ fn watch_xids(
                 } else {
                     format!("XID {code}")
                 };
-                push_event(&mut h, pb::HealthEvent { device: id, healthy: app, reason, code });
+                let event_class = topo::xid_class(code).raw();
+                push_event(&mut h, pb::HealthEvent { device: id, healthy: app, reason, code, event_class });
             }
             Err(NvmlError::Timeout) => {}
             Err(e) => {
@@ -908,8 +909,8 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
         let ev = next_events(&p);
         assert_eq!(ev.len(), 1);
         assert_eq!(
-            (ev[0].device.as_str(), ev[0].healthy, ev[0].code, ev[0].reason.as_str()),
-            ("gpu2", false, 79, "XID 79")
+            (ev[0].device.as_str(), ev[0].healthy, ev[0].code, ev[0].reason.as_str(), ev[0].event_class),
+            ("gpu2", false, 79, "XID 79", 2)
         );
         let inv = p.fingerprint().unwrap();
         let g2 = inv.devices.iter().find(|d| d.id == "gpu2").unwrap();
@@ -923,7 +924,7 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
         // An application XID leaves the device healthy.
         xid(&stub, 0, 13);
         let ev = next_events(&p);
-        assert_eq!((ev[0].device.as_str(), ev[0].healthy, ev[0].code), ("gpu0", true, 13));
+        assert_eq!((ev[0].device.as_str(), ev[0].healthy, ev[0].code, ev[0].event_class), ("gpu0", true, 13, 1));
         assert!(p.fingerprint().unwrap().devices[0].healthy);
 
         // shutdown stops the watcher within one wait slice.

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::error::Error;
 
-use suanli_device_abi::pb;
+use suanli_device_abi::{EventClass, pb};
 
 /// The id of physical GPU `index`: `gpu0`.
 pub fn gpu_id(index: u32) -> String {
@@ -170,12 +170,29 @@ pub fn nvlink_topology(gpus: &[GpuLinks]) -> BTreeMap<String, (Vec<pb::PeerLink>
     out
 }
 
-/// XIDs that report an application's fault, not the device's (the NVIDIA Kubernetes device
-/// plugin skips the same set): 13 graphics engine exception, 31 GPU memory page fault, 43 GPU
-/// stopped processing, 45 preemptive cleanup, 68 video processor exception, 109 context switch
-/// timeout. These leave the device healthy; every other XID marks it unhealthy.
+/// The remediation class of an XID, from the "Resolution Bucket (Immediate Action)" column of
+/// NVIDIA's Xid catalog (docs.nvidia.com/deploy/xid-errors, Ampere and newer):
+/// - RESTART_APP: an application's fault, the device stays in service: 8 GPU stopped processing
+///   (idle timeout), 11 invalid push buffer, 13 graphics engine exception, 31 GPU memory page
+///   fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor exception,
+///   69 graphics engine class error, 94 contained ECC error, 109 context switch timeout;
+/// - a failure the device cannot recover from by a reset: 64 (the row remapper or page
+///   retirement failed to record: the memory is no longer protected): fatal, quarantined;
+/// - everything else (RESET_GPU, RESTART_BM and codes this table does not know, e.g. 48 double-bit
+///   ECC, 63 row remap pending, 74 NVLink, 79 fallen off the bus, 95 uncontained ECC, 119/120
+///   GSP): recoverable. The agent resets the device once nothing holds it and quarantines it when
+///   resets keep failing (a 79 whose reset cannot reach the device ends there).
+pub fn xid_class(code: u64) -> EventClass {
+    match code {
+        8 | 11 | 13 | 31 | 43 | 45 | 68 | 69 | 94 | 109 => EventClass::Application,
+        64 => EventClass::Fatal,
+        _ => EventClass::Recoverable,
+    }
+}
+
+/// Whether an XID is an application's fault (the device stays healthy).
 pub fn xid_is_application_error(code: u64) -> bool {
-    matches!(code, 13 | 31 | 43 | 45 | 68 | 109)
+    xid_class(code) == EventClass::Application
 }
 
 /// An error and its whole `source()` chain: `a: b: c` (libloading's Display alone hides the
