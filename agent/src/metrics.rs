@@ -100,7 +100,11 @@ fn render(agent: &Agent) -> Result<String, std::fmt::Error> {
         }
     }
     let events = C::default();
-    reg.register("suanli_agent_device_events", "Device health events since the agent started, by class.", events.clone());
+    reg.register(
+        "suanli_agent_device_events",
+        "Device health events since the agent started, by class.",
+        events.clone(),
+    );
     for (class, n) in &rv.events {
         events.get_or_create(&labels(&[("node", node), ("class", class)])).inc_by(*n);
     }

@@ -508,7 +508,9 @@ impl Plugins {
         let mut by_owner: BTreeMap<usize, Vec<pb::ReserveShare>> = BTreeMap::new();
         {
             let r = self.lock_remedy();
-            if let Some((id, why)) = shares.iter().find_map(|s| Self::remedy_reason(&r, &s.device_id).map(|w| (&s.device_id, w))) {
+            if let Some((id, why)) =
+                shares.iter().find_map(|s| Self::remedy_reason(&r, &s.device_id).map(|w| (&s.device_id, w)))
+            {
                 return Err(format!("device {id:?} is out of service: {why}"));
             }
         }

@@ -475,7 +475,7 @@ fn task_shim_journals_and_fences_by_its_lease() {
     }
 }
 
-/// Device plugin ABI 1.2 under a real agent: the fake plugin (1.2, enforcing shares, journaling
+/// Device plugin ABI 1.2 under a real agent: the fake plugin (1.3, enforcing shares, journaling
 /// its calls) and the C example built as an ABI 1.1 plugin, loaded side by side. Two half-GPU
 /// jobs share one fake GPU at once: each reserve carries its reservation id and a 500-milli
 /// share (the plugin would refuse a share past 1000: its unit tests), and every reservation is
@@ -499,7 +499,7 @@ async fn abi_1_2_shares_reach_the_plugin_and_are_released_and_a_1_1_plugin_still
     })
     .await;
     let log = a.log();
-    assert!(log.contains("abi=1.2") && log.contains("abi=1.1"), "both plugins loaded:\n{log}");
+    assert!(log.contains("abi=1.3") && log.contains("abi=1.1"), "both plugins loaded:\n{log}");
 
     let rec = tmp.path().join("record.txt");
     let half = |name: &str| {

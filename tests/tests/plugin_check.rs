@@ -57,14 +57,14 @@ fn c_example_passes_the_conformance_kit() {
     let lib = build_example(dir.path(), "suanli_plugin_example", &[]);
     let stdout = assert_passes(&lib, &["--option", "color=blue"]);
     assert!(stdout.contains("PASS reserve (") && stdout.contains("PASS health_events ("), "{stdout}");
-    assert!(stdout.contains("plugin example 0.1.0, ABI 1.2"), "{stdout}");
+    assert!(stdout.contains("plugin example 0.1.0, ABI 1.3"), "{stdout}");
 
     // --json: one machine-readable report.
     let (out, stdout, _) = check(&lib, &["--json"]);
     assert!(out.status.success());
     let v: serde_json::Value = serde_json::from_str(&stdout).expect("JSON report");
     assert_eq!(v["failed"], 0);
-    assert_eq!(v["plugin"]["abi"], "1.2");
+    assert_eq!(v["plugin"]["abi"], "1.3");
     assert!(v["checks"].as_array().is_some_and(|c| c.len() >= 12), "{v}");
 }
 
@@ -75,7 +75,7 @@ fn newer_major_is_refused_naming_both_versions() {
     let (out, stdout, stderr) = check(&lib, &[]);
     assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
     assert!(
-        stdout.contains("FAIL load: plugin example 0.1.0 implements device plugin ABI 2.2; this agent implements ABI 1.2 (major versions must match)"),
+        stdout.contains("FAIL load: plugin example 0.1.0 implements device plugin ABI 2.3; this agent implements ABI 1.3 (major versions must match)"),
         "{stdout}\n{stderr}"
     );
     assert!(stdout.contains("0 passed, 1 failed"), "{stdout}");
@@ -208,7 +208,7 @@ fn plugin_new_c_builds_with_make_and_passes_the_kit() {
     );
     let lib = out.join("build/libsuanli_plugin_mynpu.so");
     let stdout = assert_passes(&lib, &[]);
-    assert!(stdout.contains("plugin mynpu 0.1.0, ABI 1.2"), "{stdout}");
+    assert!(stdout.contains("plugin mynpu 0.1.0, ABI 1.3"), "{stdout}");
     assert!(stdout.contains("PASS exported symbols (") && stdout.contains("PASS reserve and release ("), "{stdout}");
 
     // A second scaffold into a non-empty directory, and a bad name, are refused.
@@ -253,7 +253,7 @@ fn plugin_new_rust_builds_with_cargo_and_passes_the_kit() {
     std::fs::copy(&lib, &local).expect("copy the library");
     std::fs::set_permissions(&local, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let stdout = assert_passes(&local, &[]);
-    assert!(stdout.contains("plugin mynpu 0.1.0, ABI 1.2"), "{stdout}");
+    assert!(stdout.contains("plugin mynpu 0.1.0, ABI 1.3"), "{stdout}");
     assert!(stdout.contains("PASS exported symbols (") && stdout.contains("PASS reserve and release ("), "{stdout}");
 }
 
@@ -270,7 +270,7 @@ fn the_kit_fails_a_leak_and_a_lying_minor_and_warns_of_stdout() {
     let lying = build_example(dir.path(), "lying", &["-DEXAMPLE_LYING_MINOR"]);
     let (out, stdout, _) = check(&lying, &["--repeats", "10"]);
     assert_eq!(out.status.code(), Some(2), "{stdout}");
-    assert!(stdout.contains("FAIL table size: abi_minor says 1.2 but struct_size"), "{stdout}");
+    assert!(stdout.contains("FAIL table size: abi_minor says 1.3 but struct_size"), "{stdout}");
 
     let chatty = build_example(dir.path(), "chatty", &["-DEXAMPLE_CHATTY"]);
     let (out, stdout, _) = check(&chatty, &["--repeats", "10"]);

@@ -323,10 +323,7 @@ impl Plugins {
                 tracing::warn!(plugin = %p.stem, device = %device, error = %e, "fingerprint after a reset failed");
             }
             let healthy = (res.is_ok() || !counts)
-                && p.view()
-                    .inventory
-                    .as_ref()
-                    .is_some_and(|i| i.devices.iter().any(|d| d.id == device && d.healthy));
+                && p.view().inventory.as_ref().is_some_and(|i| i.devices.iter().any(|d| d.id == device && d.healthy));
             let mut r = self.lock_remedy();
             if healthy {
                 if res.is_ok() {
@@ -351,7 +348,8 @@ impl Plugins {
             if counts {
                 rec.attempts += 1;
             }
-            rec.last_error = if error.is_empty() { "the device is still unhealthy after its reset".into() } else { error };
+            rec.last_error =
+                if error.is_empty() { "the device is still unhealthy after its reset".into() } else { error };
             let shift = rec.attempts.min(6);
             rec.next_try = Instant::now() + (RETRY_MIN * (1u32 << shift)).min(RETRY_MAX);
             tracing::warn!(plugin = %p.stem, device = %device, attempts = rec.attempts, error = %rec.last_error,

@@ -141,8 +141,7 @@ pub const API_SIZE_1_2: usize = offset_of!(SuanliDpApi, reset);
 pub const API_SIZE_1_3: usize = size_of::<SuanliDpApi>();
 
 /// The table size each minor version of major 1 implies, oldest first: `(minor, size)`.
-pub const API_SIZES: [(u32, usize); 4] =
-    [(0, API_SIZE_1_0), (1, API_SIZE_1_1), (2, API_SIZE_1_2), (3, API_SIZE_1_3)];
+pub const API_SIZES: [(u32, usize); 4] = [(0, API_SIZE_1_0), (1, API_SIZE_1_1), (2, API_SIZE_1_2), (3, API_SIZE_1_3)];
 
 /// The newest minor version whose whole table fits in `struct_size` bytes (`None`: not even 1.0).
 pub fn minor_covered_by(struct_size: usize) -> Option<u32> {

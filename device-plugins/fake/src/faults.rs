@@ -203,7 +203,10 @@ pub fn parse_faults(text: &str, known: &BTreeSet<String>) -> Result<Faults, Stri
     for (i, x) in raw.xid.iter().enumerate() {
         check(&x.device, &format!("xid[{i}].device"))?;
         if let Some(c) = &x.class
-            && !matches!(EventClass::parse(c), Some(EventClass::Application | EventClass::Recoverable | EventClass::Fatal))
+            && !matches!(
+                EventClass::parse(c),
+                Some(EventClass::Application | EventClass::Recoverable | EventClass::Fatal)
+            )
         {
             return Err(format!("xid[{i}].class is {c:?}, expected application, recoverable or fatal"));
         }

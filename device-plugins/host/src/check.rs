@@ -236,6 +236,9 @@ impl Caller {
         };
         self.timed("release", self.p.release(req)).await
     }
+    async fn reset(&self, id: &str) -> Result<pb::ResetResponse, HostError> {
+        self.timed("reset", self.p.reset(pb::ResetRequest { device_id: id.to_string() })).await
+    }
     async fn stats(&self, ids: &[String]) -> Result<pb::StatsResponse, HostError> {
         self.timed("stats", self.p.stats(pb::StatsRequest { device_ids: ids.to_vec() })).await
     }
@@ -501,6 +504,23 @@ pub async fn run(lib: &Path, opts: CheckOptions, on_result: &mut dyn FnMut(&Chec
     } else {
         let why = if no_inventory.is_empty() { "no healthy whole device".to_string() } else { no_inventory.clone() };
         run.skip("reserve and release", &why);
+    }
+
+    // reset (ABI 1.3): an unknown id is refused; an idle healthy device stays healthy after it
+    p.wait_up(wait_up).await;
+    if !p.offers("reset") {
+        let abi = run.report.plugin.as_ref().map(|s| s.abi.clone()).unwrap_or_default();
+        run.skip(
+            "reset",
+            &format!("reset not offered (an ABI {abi} plugin: recoverable device errors wait for the device to heal)"),
+        );
+    } else if let Some(d) = healthy.first() {
+        let t = Instant::now();
+        let res = reset_check(&caller, &d.id).await;
+        run.result("reset", t, res);
+    } else {
+        let why = if no_inventory.is_empty() { "no healthy whole device".to_string() } else { no_inventory.clone() };
+        run.skip("reset", &why);
     }
 
     // stats
@@ -769,6 +789,32 @@ async fn reserve_release(c: &Caller, dev: &str) -> Result<String, String> {
         Err(e) => return Err(format!("reserve of a 500-milli share: {e}")),
     };
     Ok(format!("reserve, repeat, release, release again; {half}"))
+}
+
+/// reset (ABI 1.3): of an unknown id, NOT_FOUND or INVALID_ARGUMENT; of an idle healthy device,
+/// success or UNIMPLEMENTED, and the next fingerprint still reports it healthy.
+async fn reset_check(c: &Caller, dev: &str) -> Result<String, String> {
+    match c.reset(UNKNOWN_DEVICE_ID).await {
+        Err(HostError::Plugin(e)) if matches!(e.code, Code::NotFound | Code::InvalidArgument | Code::Unimplemented) => {
+        }
+        Ok(_) => {
+            return Err(format!("reset of the unknown device {UNKNOWN_DEVICE_ID:?} succeeded (expected not_found)"));
+        }
+        Err(e) => {
+            return Err(format!("reset of the unknown device {UNKNOWN_DEVICE_ID:?}: expected not_found, got {e}"));
+        }
+    }
+    let what = match c.reset(dev).await {
+        Ok(_) => "reset",
+        Err(HostError::Plugin(e)) if e.code == Code::Unimplemented => "unimplemented",
+        Err(e) => return Err(format!("reset of the idle healthy device {dev}: {e}")),
+    };
+    let inv = c.fingerprint().await.map_err(|e| format!("fingerprint after the reset of {dev}: {e}"))?;
+    match inv.devices.iter().find(|d| d.id == dev) {
+        Some(d) if d.healthy => Ok(format!("{dev}: {what}, healthy after it; unknown id refused")),
+        Some(d) => Err(format!("{dev} is unhealthy after its reset: {}", d.health_reason)),
+        None => Err(format!("{dev} is gone from the inventory after its reset")),
+    }
 }
 
 /// After a health event marked `dev` unhealthy: fingerprint says so, reserve is refused.

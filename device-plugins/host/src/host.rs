@@ -28,8 +28,8 @@ use prost::Message;
 
 use crate::{ABI_MAJOR, ABI_MINOR, Code, PluginError, pb};
 use suanli_device_abi::ffi::{
-    API_SIZE_1_0, API_SIZE_1_1, API_SIZE_1_2, API_SIZE_1_3, API_SIZE_PREAMBLE, CallFn, ENTRY_SYMBOL, EntryFn, SuanliDpApi,
-    SuanliDpCallArgs, SuanliDpError, SuanliDpInitArgs, SuanliDpPlugin, SuanliDpShutdownArgs,
+    API_SIZE_1_0, API_SIZE_1_1, API_SIZE_1_2, API_SIZE_1_3, API_SIZE_PREAMBLE, CallFn, ENTRY_SYMBOL, EntryFn,
+    SuanliDpApi, SuanliDpCallArgs, SuanliDpError, SuanliDpInitArgs, SuanliDpPlugin, SuanliDpShutdownArgs,
 };
 
 /// The longest plugin name or version string accepted, in bytes.
@@ -529,7 +529,9 @@ impl Instance {
             other => {
                 return Err(PluginError::new(
                     Code::Unimplemented,
-                    format!("unknown method {other:?} (valid: fingerprint, reserve, stats, health_events, release, reset)"),
+                    format!(
+                        "unknown method {other:?} (valid: fingerprint, reserve, stats, health_events, release, reset)"
+                    ),
                 ));
             }
         };

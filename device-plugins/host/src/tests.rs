@@ -81,7 +81,7 @@ fn config(node: &str, mode: Option<&str>) -> pb::PluginConfig {
 #[test]
 fn calls_cross_the_boundary_and_panics_become_errors() {
     let lib = library(table()).expect("load");
-    assert_eq!((lib.name(), lib.version(), lib.abi()), ("test", "9.9.9", (1, 2)));
+    assert_eq!((lib.name(), lib.version(), lib.abi()), ("test", "9.9.9", (1, 3)));
     assert!(lib.has_health_events());
 
     let inst = lib.init(&config("n1", None)).expect("init");
@@ -161,7 +161,7 @@ fn tables_are_checked_before_anything_is_called() {
     let e = library(newer).expect_err("newer major");
     assert_eq!(
         e.to_string(),
-        "plugin test 9.9.9 implements device plugin ABI 2.0; this agent implements ABI 1.2 (major versions must match)"
+        "plugin test 9.9.9 implements device plugin ABI 2.0; this agent implements ABI 1.3 (major versions must match)"
     );
 
     let older = copy_of(good);
@@ -173,13 +173,13 @@ fn tables_are_checked_before_anything_is_called() {
     assert!(inst.health_events().expect("empty").events.is_empty());
     drop(inst);
 
-    // 1.2 claimed, but the table is too short to hold health_events: not offered, and the
+    // 1.3 claimed, but the table is too short to hold health_events: not offered, and the
     // loader says which minor the table covers (the kit fails the mismatch).
     let short = copy_of(good);
     short.struct_size = API_SIZE_1_0;
     let lib = library(short).expect("loads");
     assert!(!lib.has_health_events() && !lib.has_release());
-    assert_eq!((lib.info().abi_minor, lib.info().table_minor), (2, 0));
+    assert_eq!((lib.info().abi_minor, lib.info().table_minor), (3, 0));
 
     let tiny = copy_of(good);
     tiny.struct_size = 16;

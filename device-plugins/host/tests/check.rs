@@ -28,8 +28,8 @@ async fn the_example_conforms_and_a_crashing_variant_does_not() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (r, lines) = run(&build_example(dir.path(), "example", &[])).await;
     assert!(r.ok(), "{}", lines.join("\n"));
-    assert_eq!((r.passed, r.failed, r.skipped, r.warned), (22, 0, 1, 0), "{}", lines.join("\n"));
-    assert_eq!(r.summary(), "22 passed, 0 failed, 1 skipped");
+    assert_eq!((r.passed, r.failed, r.skipped, r.warned), (23, 0, 1, 0), "{}", lines.join("\n"));
+    assert_eq!(r.summary(), "23 passed, 0 failed, 1 skipped");
     // The only skip: no health event turned a device unhealthy (EXAMPLE_HEALTH_FLIP does, below).
     assert!(
         lines.iter().all(|l| l.starts_with("PASS ") || l.starts_with("SKIP health scenario: ")),
@@ -42,6 +42,7 @@ async fn the_example_conforms_and_a_crashing_variant_does_not() {
         "reserve empty",
         "reserve several",
         "reserve and release",
+        "reset",
         "stats unknown device",
         "resources",
         "stdout",
@@ -78,7 +79,7 @@ async fn the_example_conforms_and_a_crashing_variant_does_not() {
 
     let (r, lines) = run(&build_example(dir.path(), "major2", &["-DEXAMPLE_ABI_MAJOR=2"])).await;
     assert_eq!((r.passed, r.failed), (0, 1));
-    assert!(lines[0].contains("implements device plugin ABI 2.2; this agent implements ABI 1.2"), "{lines:?}");
+    assert!(lines[0].contains("implements device plugin ABI 2.3; this agent implements ABI 1.3"), "{lines:?}");
 }
 
 fn line<'a>(lines: &'a [String], prefix: &str) -> &'a str {
@@ -102,7 +103,7 @@ async fn the_kit_names_each_cause() {
     let (r, lines) = run(&build_example(dir.path(), "lying", &["-DEXAMPLE_LYING_MINOR"])).await;
     assert!(!r.ok());
     let l = line(&lines, "FAIL table size: ");
-    assert!(l.contains("abi_minor says 1.2 but struct_size") && l.contains("covers only the ABI 1.0 table"), "{l}");
+    assert!(l.contains("abi_minor says 1.3 but struct_size") && l.contains("covers only the ABI 1.0 table"), "{l}");
     assert_eq!(outcome(&r, "health_events"), Outcome::Skip);
 
     // Writes to stdout and exports a second symbol: warnings, not failures.

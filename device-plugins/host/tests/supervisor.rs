@@ -46,8 +46,8 @@ async fn example_plugin_serves_every_call_and_shuts_down() {
     let p = PluginProcess::start(lib, config(), opts()).await.expect("start");
     let hello = p.hello();
     assert_eq!((hello.plugin_name.as_str(), hello.plugin_version.as_str()), ("example", "0.1.0"));
-    assert_eq!((hello.abi_major, hello.abi_minor), (1, 2));
-    assert_eq!(hello.calls, ["fingerprint", "reserve", "stats", "health_events", "release"]);
+    assert_eq!((hello.abi_major, hello.abi_minor), (1, 3));
+    assert_eq!(hello.calls, ["fingerprint", "reserve", "stats", "health_events", "release", "reset"]);
     assert!(p.is_up());
 
     let inv = p.fingerprint().await.expect("fingerprint");
@@ -201,7 +201,7 @@ async fn versions_are_negotiated_at_load() {
     let msg = err.to_string();
     assert!(matches!(err, HostError::Load(_)), "{err:?}");
     assert!(
-        msg.contains("plugin example 0.1.0 implements device plugin ABI 2.2; this agent implements ABI 1.2"),
+        msg.contains("plugin example 0.1.0 implements device plugin ABI 2.3; this agent implements ABI 1.3"),
         "{msg}"
     );
     assert!(t.elapsed() < Duration::from_secs(5));
