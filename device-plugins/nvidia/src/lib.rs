@@ -24,6 +24,11 @@
 //! `nvlink_domain`: the node's place in the datacenter network, passed through into every
 //! inventory's `topology` (each 1 to 63 bytes of ASCII letters, digits, '.', '_' and '-'; a bad
 //! value fails init and names the option). NVML does not tell a node's rack or block.
+//! `reset_command` (ABI 1.3 `reset`): the command that resets one GPU after a recoverable XID,
+//! split on whitespace, `{index}` and `{uuid}` replaced, e.g. `nvidia-smi --gpu-reset -i {index}`
+//! (NVML has no reset call). It runs for at most 25 s; exit status 0 clears the GPU's XID mark, so
+//! the next fingerprint says healthy. Without it `reset` is UNIMPLEMENTED and a GPU marked by an
+//! XID stays unhealthy until the plugin restarts.
 
 pub mod topo;
 
@@ -61,6 +66,53 @@ pub struct NvidiaPlugin {
     backend: Backend,
     /// The options `rack`, `block` and `nvlink_domain`, reported in every inventory.
     topology: Option<pb::NodeTopology>,
+    /// The option `reset_command`, split (empty: reset is unimplemented).
+    reset_command: Vec<String>,
+}
+
+/// The most arguments and bytes of the `reset_command` option.
+pub const MAX_RESET_ARGS: usize = 32;
+/// How long a reset command may run before it is killed.
+pub const RESET_TIMEOUT: Duration = Duration::from_secs(25);
+
+/// The option `reset_command`, split on whitespace; names the limit it breaks.
+fn reset_command_option(options: &BTreeMap<String, String>) -> Result<Vec<String>, PluginError> {
+    let Some(v) = options.get("reset_command") else {
+        return Ok(Vec::new());
+    };
+    let args: Vec<String> = v.split_whitespace().map(str::to_owned).collect();
+    if args.is_empty() || args.len() > MAX_RESET_ARGS || v.len() > 1024 {
+        return Err(PluginError::invalid(format!(
+            "option reset_command must be 1 to {MAX_RESET_ARGS} words and at most 1024 bytes, e.g. \"nvidia-smi --gpu-reset -i {{index}}\""
+        )));
+    }
+    Ok(args)
+}
+
+/// Runs `argv` for at most `timeout`; `Ok` on exit status 0, else why not.
+fn run_bounded(argv: &[String], timeout: Duration) -> Result<(), String> {
+    let (cmd, args) = argv.split_first().ok_or("an empty command")?;
+    let mut child = std::process::Command::new(cmd)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot run {cmd}: {e}"))?;
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) if st.success() => return Ok(()),
+            Ok(Some(st)) => return Err(format!("{} exited with {st}", argv.join(" "))),
+            Ok(None) if std::time::Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("{} ran past {timeout:?} and was killed", argv.join(" ")));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => return Err(format!("waiting for {cmd}: {e}")),
+        }
+    }
 }
 
 /// The node topology from the plugin options `rack`, `block` and `nvlink_domain` (`None` when
@@ -544,6 +596,7 @@ impl DevicePlugin for NvidiaPlugin {
 
     fn init(config: pb::PluginConfig) -> Result<Self, PluginError> {
         let topology = topology_options(&config.options)?;
+        let reset_command = reset_command_option(&config.options)?;
         let lib = config.options.get("nvml_lib").cloned();
         let loaded = match &lib {
             Some(path) => Nvml::builder().lib_path(std::ffi::OsStr::new(path)).init(),
@@ -555,7 +608,7 @@ impl DevicePlugin for NvidiaPlugin {
                 let what = lib.as_deref().unwrap_or("libnvidia-ml.so.1");
                 let message = format!("NVML not available: {what}: {}", topo::error_chain(&e));
                 eprintln!("suanli nvidia plugin: {message}");
-                return Ok(NvidiaPlugin { backend: Backend::Absent { message }, topology });
+                return Ok(NvidiaPlugin { backend: Backend::Absent { message }, topology, reset_command });
             }
         };
         let driver_version = nvml.sys_driver_version().unwrap_or_default();
@@ -596,7 +649,7 @@ impl DevicePlugin for NvidiaPlugin {
                 }
             }
         }
-        Ok(NvidiaPlugin { backend: Backend::Live(live), topology })
+        Ok(NvidiaPlugin { backend: Backend::Live(live), topology, reset_command })
     }
 
     fn fingerprint(&self) -> Result<pb::Inventory, PluginError> {
@@ -628,6 +681,39 @@ impl DevicePlugin for NvidiaPlugin {
             }
             Backend::Live(l) => l.stats(&req),
         }
+    }
+
+    fn reset(&self, req: pb::ResetRequest) -> Result<(), PluginError> {
+        let Backend::Live(l) = &self.backend else {
+            return Err(PluginError::not_found(format!("no GPU {:?}: NVML is not available", req.device_id)));
+        };
+        let index: u32 = req
+            .device_id
+            .strip_prefix("gpu")
+            .and_then(|n| n.parse().ok())
+            .filter(|i| *i < l.device_count().unwrap_or(0))
+            .ok_or_else(|| {
+                PluginError::not_found(format!(
+                    "{:?} is not a whole GPU of this node (a MIG instance is reset with its GPU)",
+                    req.device_id
+                ))
+            })?;
+        if self.reset_command.is_empty() {
+            return Err(PluginError::new(
+                Code::Unimplemented,
+                "no reset_command option (e.g. \"nvidia-smi --gpu-reset -i {index}\"): the GPU stays out of service until the plugin restarts",
+            ));
+        }
+        let uuid = l.nvml.device_by_index(index).and_then(|d| d.uuid()).unwrap_or_default();
+        let argv: Vec<String> = self
+            .reset_command
+            .iter()
+            .map(|a| a.replace("{index}", &index.to_string()).replace("{uuid}", &uuid))
+            .collect();
+        run_bounded(&argv, RESET_TIMEOUT)
+            .map_err(|e| PluginError::new(Code::FailedPrecondition, format!("reset of {}: {e}", req.device_id)))?;
+        l.health()?.bad.remove(&req.device_id);
+        Ok(())
     }
 
     fn health_events(&self) -> Result<pb::HealthEvents, PluginError> {
@@ -920,6 +1006,19 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
             .unwrap_err();
         assert_eq!(e.code, Code::FailedPrecondition);
         assert_eq!(p.stats(pb::StatsRequest { device_ids: vec!["gpu2".into()] }).unwrap().devices[0].xid_errors, 1);
+
+        // reset (ABI 1.3): unimplemented without reset_command; with one, exit 0 clears the mark.
+        let e = p.reset(pb::ResetRequest { device_id: "gpu2".into() }).unwrap_err();
+        assert_eq!(e.code, Code::Unimplemented, "{e}");
+        let failing = NvidiaPlugin { reset_command: vec!["/bin/false".into(), "{index}".into()], ..p };
+        let e = failing.reset(pb::ResetRequest { device_id: "gpu2".into() }).unwrap_err();
+        assert_eq!(e.code, Code::FailedPrecondition, "{e}");
+        assert!(e.message.contains("/bin/false 2 exited"), "{e}");
+        let e = failing.reset(pb::ResetRequest { device_id: "gpu1-mig0".into() }).unwrap_err();
+        assert_eq!(e.code, Code::NotFound, "{e}");
+        let p = NvidiaPlugin { reset_command: vec!["/bin/true".into(), "-i".into(), "{index}".into()], ..failing };
+        p.reset(pb::ResetRequest { device_id: "gpu2".into() }).unwrap();
+        assert!(p.fingerprint().unwrap().devices.iter().find(|d| d.id == "gpu2").unwrap().healthy);
 
         // An application XID leaves the device healthy.
         xid(&stub, 0, 13);
