@@ -728,7 +728,16 @@ fn reconcile(agent: &Arc<Agent>, u: pb::AllocationsUpdate) {
             renew_fed_locked(agent, &mut t, a.id, a.lease_until_ms);
         }
         match alloc_action(&a, handled, !handled && dir.exists(), running, cfg.max_tasks) {
-            AllocAction::Keep => {}
+            AllocAction::Keep => {
+                // An elastic job grew or shrank: its running tasks see the new membership.
+                if a.desired == "run"
+                    && t.map.get(&k).is_some_and(|e| !e.ended)
+                    && dir.join(WORLD_FILE).exists()
+                    && let Err(e) = write_world(&dir, &a)
+                {
+                    tracing::warn!(alloc = k.0, error = %e, "updating {WORLD_FILE}");
+                }
+            }
             AllocAction::Stop(why) => {
                 if let Some(e) = t.map.get(&k) {
                     request_stop(e, why, grace(cfg, a.grace_s), checkpoint_ask(cfg, &a));
@@ -937,6 +946,8 @@ fn task_env(
         ("SUANLI_ALLOC_DIR", dir.display().to_string()),
         ("SUANLI_DEVICE_EVENTS", dir.join(crate::plugins::DEVICE_EVENTS_FILE).display().to_string()),
         ("SUANLI_CPU_MILLI", a.cpu_milli.to_string()),
+        ("SUANLI_WORLD_SIZE", a.world_size.to_string()),
+        ("SUANLI_WORLD_FILE", dir.join(WORLD_FILE).display().to_string()),
         ("SUANLI_MEMORY_MIB", a.memory_mib.to_string()),
     ];
     env.extend(ours.into_iter().map(|(k, v)| (k.to_owned(), v)));
@@ -1051,6 +1062,9 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
     if let Err(e) = std::fs::create_dir(dir.join(crate::ckpt::CHECKPOINT_DIR)) {
         return fail_start(&agent, k, &dir, format!("agent: creating the checkpoint directory: {e}"));
     }
+    if let Err(e) = write_world(&dir, &a) {
+        return fail_start(&agent, k, &dir, format!("agent: writing {WORLD_FILE}: {e}"));
+    }
     let cg_name = dir_name(k);
     let cgroup = match &agent.cgroups {
         Some(c) => match c.create(&cg_name, a.cpu_milli, a.memory_mib) {
@@ -1155,6 +1169,23 @@ async fn start(agent: Arc<Agent>, a: pb::AllocInfo, mut stop: watch::Receiver<Op
     tracing::info!(pid, command = %a.command, devices = %env.get("SUANLI_DEVICES").map_or("", String::as_str), "task started");
     agent.reporter.enqueue(Report::running(k.0, k.1, String::new()));
     supervise(agent, k, dir, Waiter::Child(child), pid, stop).await;
+}
+
+/// The file in an allocation directory that holds the job's membership
+/// (`$SUANLI_WORLD_FILE`): `{"world_size": N, "generation": G, "attempt": A}`, rewritten
+/// (atomically) when an elastic job grows or shrinks.
+pub(crate) const WORLD_FILE: &str = "world.json";
+
+/// Writes [`WORLD_FILE`] for `a` when it says something else than it holds now.
+fn write_world(dir: &Path, a: &pb::AllocInfo) -> std::io::Result<()> {
+    let body = serde_json::json!({"world_size": a.world_size, "generation": a.world_gen, "attempt": a.epoch});
+    let mut bytes = serde_json::to_vec(&body).unwrap_or_default();
+    bytes.push(b'\n');
+    let path = dir.join(WORLD_FILE);
+    if std::fs::read(&path).is_ok_and(|old| old == bytes) {
+        return Ok(());
+    }
+    sys::write_atomic(&path, &bytes)
 }
 
 /// `alloc.json`: the allocation as received, with the node and the task name (the shim reads

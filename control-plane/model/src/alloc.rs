@@ -51,6 +51,32 @@ pub struct Allocation {
     /// Part of a gang: stopping one replica stops the whole job.
     #[serde(default)]
     pub gang: bool,
+    /// Its place in an elastic job (the scheduling view sets it; stored records keep the
+    /// default): preemption takes an elastic job's surplus replicas before other work, and
+    /// its minimum only after every other acceptable victim.
+    #[serde(default, skip_serializing_if = "ElasticRole::is_none")]
+    pub elastic: ElasticRole,
+}
+
+/// How an allocation of an elastic job ([`crate::JobSpec::is_elastic`]) counts when victims
+/// are chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ElasticRole {
+    /// Not part of an elastic job (or not known to be).
+    #[default]
+    None,
+    /// One of the replicas its group needs (`min_replicas`): stopping it stops the whole job.
+    Minimum,
+    /// A replica beyond its group's minimum: stopping it shrinks the job, which keeps running.
+    Surplus,
+}
+
+impl ElasticRole {
+    /// True for [`ElasticRole::None`].
+    pub fn is_none(&self) -> bool {
+        *self == ElasticRole::None
+    }
 }
 
 impl Allocation {

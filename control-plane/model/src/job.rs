@@ -324,6 +324,14 @@ impl JobSpec {
         self.service.is_some() || self.kind == JobKind::Inference
     }
 
+    /// True for elastic work (docs/job-spec.md, "Elastic jobs"): not a service, not a gang,
+    /// and some group may run with fewer replicas than it asks for (`min_replicas <
+    /// replicas`). A running elastic job grows into idle capacity and is shrunk, newest
+    /// replicas first, before anything of its minimum is preempted.
+    pub fn is_elastic(&self) -> bool {
+        !self.gang && !self.is_service() && self.groups.iter().any(|g| g.min() < g.replicas)
+    }
+
     /// Total resources of all replicas.
     pub fn total(&self) -> ResVec {
         let mut v = ResVec::ZERO;

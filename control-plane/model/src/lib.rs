@@ -30,7 +30,7 @@ pub mod resources;
 pub mod service;
 pub mod trace;
 
-pub use alloc::Allocation;
+pub use alloc::{Allocation, ElasticRole};
 pub use checkpoint::{
     CheckpointHardware, CheckpointManifest, MANIFEST_FILE, ManifestDecodeError, check_checkpoint_path,
 };

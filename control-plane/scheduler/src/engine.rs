@@ -21,8 +21,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use suanli_model::{
-    Allocation, DeviceKind, GangTopology, JobId, JobSpec, Limits, Node, NodeId, Placement, Plan, Preemption,
-    PreemptionReason, Queue, QueueId, ResVec, Reservation, TaskResources, Unplaced,
+    Allocation, DeviceKind, ElasticRole, GangTopology, JobId, JobSpec, Limits, Node, NodeId, Placement, Plan,
+    Preemption, PreemptionReason, Queue, QueueId, ResVec, Reservation, TaskResources, Unplaced,
 };
 use thiserror::Error;
 
@@ -43,6 +43,11 @@ pub struct PendingJob {
     /// `service.spread`, its new replicas go elsewhere where they fit.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub occupied: Vec<NodeId>,
+    /// A running elastic job's missing replicas (docs/job-spec.md, "Elastic jobs"): placed only
+    /// into capacity that is idle after every other pending job of the pass had its turn;
+    /// never preempts and never holds a reservation.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub grow: bool,
 }
 
 /// A recently seen task shape, for the fragmentation profile.
@@ -338,8 +343,9 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
     }
     for l in lists.values_mut() {
         l.sort_by(|a, b| {
-            b.nominated
-                .cmp(&a.nominated)
+            a.grow
+                .cmp(&b.grow)
+                .then(b.nominated.cmp(&a.nominated))
                 .then(b.spec.priority.cmp(&a.spec.priority))
                 .then(a.submitted_at.cmp(&b.submitted_at))
                 .then(a.id.cmp(&b.id))
@@ -348,8 +354,8 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
     }
     let mut considered = 0usize;
     while considered < cfg.max_jobs_per_pass {
-        // Head of each queue: nominated first, then highest priority, then lowest weighted
-        // dominant share, then oldest.
+        // Head of each queue: elastic growth last, nominated first, then highest priority,
+        // then lowest weighted dominant share, then oldest.
         let mut best: Option<(&QueueId, &PendingJob, f64)> = None;
         for (q, l) in &lists {
             let Some(&job) = l.last() else { continue };
@@ -358,12 +364,14 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
                 None => true,
                 Some((_, b, bs)) => {
                     (
+                        !job.grow,
                         job.nominated,
                         job.spec.priority,
                         std::cmp::Reverse(share_key(share)),
                         std::cmp::Reverse(job.submitted_at),
                         std::cmp::Reverse(job.id),
                     ) > (
+                        !b.grow,
                         b.nominated,
                         b.spec.priority,
                         std::cmp::Reverse(share_key(bs)),
@@ -420,15 +428,17 @@ impl Pass<'_> {
         // preemption too: a job kept off the reserved nodes must not reach them by preempting
         // (or by the placement that follows when no victim turns out to be needed).
         let held = self.hold_for(job);
+        // Elastic growth takes only idle capacity: no preemption, no reservation.
+        let may_preempt = self.cfg.preemption && !job.grow;
         let outcome = match self.quota.check(&spec.queue, need) {
             // A queue within its nominal quota may reclaim what others borrowed.
-            Err(reason) => Err((reason.to_string(), self.cfg.preemption && self.try_preempt(job, true), false)),
+            Err(reason) => Err((reason.to_string(), may_preempt && self.try_preempt(job, true), false)),
             Ok(admission) => match self.place_all(job, admission.borrowed) {
                 Ok(list) => {
                     self.emit(job, list);
                     Ok(())
                 }
-                Err(reason) => Err((reason, self.cfg.preemption && self.try_preempt(job, false), true)),
+                Err(reason) => Err((reason, may_preempt && self.try_preempt(job, false), !job.grow)),
             },
         };
         self.release_hold(&held);
@@ -745,6 +755,25 @@ impl Pass<'_> {
         !a.borrowed && (0..4).any(|i| used[i] > 0 && nominal[i] != u64::MAX)
     }
 
+    /// What stopping `a` costs: an elastic job's surplus replica first (the most recently
+    /// started first: shrinking newest replicas first), then other work by the configured
+    /// victim order, an elastic job's minimum last (taking it stops the whole job, so it gives
+    /// way only when no other acceptable victim set frees enough).
+    fn victim_cost(&self, a: &Allocation) -> u128 {
+        // Scaled so that sums keep the configured order's comparisons exactly, any set of
+        // surplus replicas (at most `max_preemptions_per_job`, each below 2^32) costs less
+        // than one other victim with work to lose, and one minimum replica more than any
+        // set of others.
+        const SCALE: u128 = 1 << 40;
+        const LAST: u128 = 1 << 110;
+        let base = || self.cfg.victim_order.cost(a, self.now).saturating_mul(SCALE);
+        match a.elastic {
+            ElasticRole::Surplus => u128::from(self.now.saturating_sub(a.started_at).min(u64::from(u32::MAX))),
+            ElasticRole::None => base(),
+            ElasticRole::Minimum => base().saturating_add(LAST),
+        }
+    }
+
     /// All allocations of the same job when `a` is part of a gang, else just `a`.
     fn victim_unit(&self, i: usize) -> Vec<usize> {
         let a = &self.running[i];
@@ -784,8 +813,7 @@ impl Pass<'_> {
             }
             let Some(n) = self.cluster.node_index(&a.node) else { continue };
             let unit = self.victim_unit(i);
-            let order = self.cfg.victim_order;
-            let cost: u128 = unit.iter().map(|&j| order.cost(&self.running[j], self.now)).sum();
+            let cost: u128 = unit.iter().map(|&j| self.victim_cost(&self.running[j])).sum();
             by_node.entry(n).or_default().push((cost, i));
         }
         for v in by_node.values_mut() {
@@ -1046,6 +1074,7 @@ mod tests {
 
     fn gpu_job(id: u64, queue: &str, priority: i32) -> PendingJob {
         PendingJob {
+            grow: false,
             occupied: Vec::new(),
             id: JobId(id),
             spec: JobSpec {
@@ -1097,6 +1126,7 @@ mod tests {
             runtime_estimate_s: None,
             borrowed,
             gang: false,
+            elastic: ElasticRole::None,
         }
     }
 

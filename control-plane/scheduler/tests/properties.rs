@@ -510,6 +510,7 @@ fn build_case(
                 runtime_estimate_s: rg.estimate_s,
                 borrowed,
                 gang: rg.gang,
+                elastic: Default::default(),
             });
             next_alloc += 1;
         }
@@ -602,6 +603,7 @@ fn build_case(
                 _ => {}
             }
             PendingJob {
+                grow: false,
                 occupied: Vec::new(),
                 id: JobId(1 + k as u64),
                 spec: JobSpec {
@@ -950,6 +952,7 @@ fn mig_job(id: u64, kind: u8, priority: i32) -> PendingJob {
         _ => (1, 1000, vec!["A100".into()]),
     };
     PendingJob {
+        grow: false,
         occupied: Vec::new(),
         id: JobId(id),
         spec: JobSpec {
@@ -1071,6 +1074,7 @@ proptest! {
                     runtime_estimate_s: None,
                     borrowed: p.borrowed,
                     gang: false,
+                    elastic: Default::default(),
                 }));
                 ends.insert(AllocId(next_alloc), pass + u64::from(jobs[p.job.0 as usize - 1].2));
                 next_alloc += 1;
@@ -1110,6 +1114,7 @@ fn checker_rejects_a_partition_next_to_its_used_parent() {
         runtime_estimate_s: None,
         borrowed: false,
         gang: false,
+        elastic: Default::default(),
     };
     let view = ClusterView {
         nodes,

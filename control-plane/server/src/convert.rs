@@ -97,6 +97,8 @@ fn alloc_view(s: &State, a: &Alloc, job: Option<&Job>, view: JobView) -> pb::All
         ready: a.ready,
         endpoint: a.endpoint.clone(),
         version: a.version,
+        world_size: job.map_or(0, |j| s.world_size(j)),
+        world_gen: job.map_or(0, |j| j.world_gen),
     }
 }
 

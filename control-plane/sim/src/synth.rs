@@ -168,7 +168,14 @@ pub fn pending(queues: &[Queue], total_gpus: u64, gpu_fraction: f64, seed: u64) 
         let q = &queues[(i % queues.len() as u64) as usize].id;
         let spec = job(&mut rng, q, format!("job-{i}"));
         gpu += spec.total().gpu_milli;
-        out.push(PendingJob { occupied: Vec::new(), id: JobId(i + 1), spec, submitted_at: i / 64, nominated: false });
+        out.push(PendingJob {
+            grow: false,
+            occupied: Vec::new(),
+            id: JobId(i + 1),
+            spec,
+            submitted_at: i / 64,
+            nominated: false,
+        });
         i += 1;
     }
     out

@@ -127,7 +127,7 @@ impl State {
 
         let max = self.config.max_message_len;
         for u in &plan.unplaced {
-            let service = self.jobs.get(&u.job).is_some_and(Self::adds_replicas);
+            let service = self.jobs.get(&u.job).is_some_and(|j| self.adds_replicas_to(j));
             let why = if service { cut(&format!("replicas missing: {}", u.reason), max) } else { cut(&u.reason, max) };
             if let Some(j) = self.jobs.get_mut(&u.job)
                 && (j.state == JobState::Pending || service)
@@ -157,7 +157,7 @@ impl State {
         let f = self.jobs.get(&p.for_job).ok_or(R::JobGone { job: p.for_job })?;
         // A running service preempts for its missing replicas as a pending job does (it
         // gets no hold: its priority puts it first when the capacity frees up).
-        if f.state != JobState::Pending && !Self::adds_replicas(f) {
+        if f.state != JobState::Pending && !self.adds_replicas_to(f) {
             return Err(R::BeneficiaryNotPending { job: p.for_job });
         }
         let outranked = a.alloc.priority < f.spec.priority;
@@ -180,8 +180,14 @@ impl State {
 
     /// The victim's whole attempt stops (with a checkpoint first when it supports one), and
     /// the job is requeued once every allocation has ended.
+    ///
+    /// An elastic job's surplus replica is the exception: it alone stops and the job shrinks
+    /// ([`State::shrink_elastic`]).
     fn preempt(&mut self, p: &Preemption, now: u64, rev: u64) {
         let reason = StopReason::Preempted { for_job: p.for_job };
+        if self.shrink_elastic(p.alloc, reason.clone(), now, rev) {
+            return;
+        }
         let Some(job) = self.jobs.get_mut(&p.job) else {
             return;
         };
@@ -210,7 +216,7 @@ impl State {
         live_allocs: usize,
     ) -> Result<bool, R> {
         let j = self.jobs.get(&job).ok_or(R::JobGone { job })?;
-        let adds = Self::adds_replicas(j);
+        let adds = self.adds_replicas_to(j);
         if j.state != JobState::Pending && !adds {
             return Err(R::JobNotPending { job, state: j.state.as_str().into() });
         }
@@ -399,16 +405,11 @@ impl State {
         Ok(v)
     }
 
-    /// True for a running service: placements add replicas to its attempt.
-    fn adds_replicas(j: &crate::records::Job) -> bool {
-        j.spec.is_service() && matches!(j.state, JobState::Placed | JobState::Running)
-    }
-
-    /// For a running service, its placements with their (group, replica) taken from the
+    /// For a running service or elastic job, its placements with their (group, replica) taken from the
     /// engine's view of it ([`State::missing_replicas`]: group 0 of the view is the first
     /// group lacking replicas, replica `i` its `i`-th missing one); `None` for other jobs.
     fn service_fill(&self, job: JobId, ps: &[&Placement]) -> Option<Result<Vec<Placement>, R>> {
-        let j = self.jobs.get(&job).filter(|j| Self::adds_replicas(j))?;
+        let j = self.jobs.get(&job).filter(|j| self.adds_replicas_to(j))?;
         let Some((gi, missing)) = self.missing_replicas(j) else {
             return Some(Err(R::StillLive { job }));
         };
@@ -428,10 +429,10 @@ impl State {
     }
 
     fn commit_placements(&mut self, job: JobId, ps: &[&Placement], borrowed: bool, now: u64, rev: u64) -> Vec<AllocId> {
+        let adds = self.jobs.get(&job).is_some_and(|j| self.adds_replicas_to(j));
         let Some(j) = self.jobs.get_mut(&job) else {
             return Vec::new();
         };
-        let adds = Self::adds_replicas(j);
         if !adds {
             j.attempt += 1;
             j.state = JobState::Placed;
@@ -469,6 +470,7 @@ impl State {
                 runtime_estimate_s: spec.runtime_estimate_s,
                 borrowed: borrowed || p.borrowed,
                 gang: spec.gang,
+                elastic: suanli_model::ElasticRole::None,
             };
             let rec = Alloc {
                 alloc: std::sync::Arc::new(alloc),
@@ -496,6 +498,14 @@ impl State {
                 j.allocs.extend(ids.iter().copied());
             } else {
                 j.allocs = ids.clone();
+            }
+        }
+        // An elastic job grew: its tasks learn the new membership.
+        if adds && let Some(size) = self.jobs.get(&job).filter(|j| j.spec.is_elastic()).map(|j| self.world_size(j)) {
+            let max = self.config.max_message_len;
+            if let Some(j) = self.jobs.get_mut(&job) {
+                j.world_gen = j.world_gen.saturating_add(1);
+                j.reason = cut(&format!("grew to {size} replicas"), max);
             }
         }
         ids

@@ -290,6 +290,10 @@ pub struct Job {
     /// most [`MAX_SCALE_OUTS`], oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub scale_outs: Vec<u64>,
+    /// An elastic job's membership generation: one more each time it grows or shrinks
+    /// (docs/job-spec.md, "Elastic jobs"); its tasks see it in `$SUANLI_WORLD_FILE`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub world_gen: u64,
 }
 
 /// How many scale-up times a service keeps ([`Job::scale_outs`]).

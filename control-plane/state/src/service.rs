@@ -295,11 +295,12 @@ impl State {
         })
     }
 
-    /// How the engine sees a running service's missing replicas at `now` (none while in its
-    /// restart backoff): the job with one group, the missing replicas of the first group
-    /// lacking any, of which at least one must fit.
+    /// How the engine sees a running service's or elastic job's missing replicas at `now`
+    /// (none while a service is in its restart backoff): the job with one group, the missing
+    /// replicas of the first group lacking any, of which at least one must fit. An elastic
+    /// job's request is growth ([`PendingJob::grow`]: idle capacity only).
     pub(crate) fn service_view(&self, j: &Job, now: u64) -> Option<PendingJob> {
-        if !j.spec.is_service() || !matches!(j.state, JobState::Placed | JobState::Running) || j.not_before > now {
+        if !self.adds_replicas_to(j) || j.not_before > now {
             return None;
         }
         let (gi, missing) = self.missing_replicas(j)?;
@@ -313,12 +314,145 @@ impl State {
         let occupied: BTreeSet<NodeId> =
             self.live_allocs(j).filter(|a| a.alloc.group == gi).map(|a| a.alloc.node.clone()).collect();
         Some(PendingJob {
+            grow: j.spec.is_elastic(),
             id: j.id,
             spec,
             submitted_at: j.submitted_at,
             nominated: false,
             occupied: occupied.into_iter().collect(),
         })
+    }
+
+    /// True when a plan may add replicas to `j` while it runs: a placed or running service,
+    /// or a placed or running elastic job none of whose replicas has ended (one that finished
+    /// means the work is finishing: nothing is added back).
+    pub(crate) fn adds_replicas_to(&self, j: &Job) -> bool {
+        if !matches!(j.state, JobState::Placed | JobState::Running) {
+            return false;
+        }
+        j.spec.is_service()
+            || (j.spec.is_elastic() && j.allocs.iter().all(|a| self.allocs.get(a).is_some_and(Alloc::is_live)))
+    }
+
+    /// An elastic job's allocations that are surplus now: per group, the live replicas asked
+    /// to run beyond its `min_replicas`, the most recently started ones (then the highest
+    /// replica index). Empty for other jobs and for an elastic job that is stopping.
+    pub fn elastic_surplus(&self, j: &Job) -> BTreeSet<AllocId> {
+        let mut out = BTreeSet::new();
+        if !j.spec.is_elastic() || !matches!(j.state, JobState::Placed | JobState::Running) {
+            return out;
+        }
+        for (gi, g) in j.spec.groups.iter().enumerate() {
+            let mut run: Vec<&Alloc> =
+                self.live_allocs(j).filter(|a| a.alloc.group == gi as u32 && a.desired == Desired::Run).collect();
+            run.sort_by_key(|a| (a.alloc.started_at, a.alloc.replica));
+            out.extend(run.iter().skip(g.min() as usize).map(|a| a.alloc.id));
+        }
+        out
+    }
+
+    /// How many replicas of `j` run or start now and are not asked to stop (its world size,
+    /// `$SUANLI_WORLD_SIZE`). For work that is not elastic, its spec's replicas.
+    pub fn world_size(&self, j: &Job) -> u32 {
+        if !j.spec.is_elastic() {
+            return j.spec.groups.iter().map(|g| g.replicas).sum();
+        }
+        let n = self.live_allocs(j).filter(|a| a.desired == Desired::Run).count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// An elastic job's replica `aid` stops without stopping the job (docs/job-spec.md,
+    /// "Elastic jobs"): when it is surplus ([`State::elastic_surplus`]), it alone is asked
+    /// to stop (checkpoint first, for the reasons that save one), the job's membership
+    /// generation moves on, and `true` is returned; otherwise nothing changes.
+    pub(crate) fn shrink_elastic(&mut self, aid: AllocId, reason: StopReason, now: u64, rev: u64) -> bool {
+        let Some(id) = self.allocs.get(&aid).map(|a| a.alloc.job) else {
+            return false;
+        };
+        let Some(j) = self.jobs.get(&id) else {
+            return false;
+        };
+        if !self.elastic_surplus(j).contains(&aid) {
+            return false;
+        }
+        let why = stop_word(&reason);
+        self.ask_stop(aid, reason, now);
+        let size = self.jobs.get(&id).map_or(0, |j| self.world_size(j));
+        let max = self.config.max_message_len;
+        if let Some(j) = self.jobs.get_mut(&id) {
+            j.world_gen = j.world_gen.saturating_add(1);
+            j.reason = cut(&format!("shrinking to {size} replicas: {why}"), max);
+            j.updated_at = now;
+            j.revision = rev;
+        }
+        true
+    }
+
+    /// After an elastic job's replica ended: when it was shrunk away (asked to stop for a
+    /// preemption, a drain or a failed device), or was lost to the infrastructure while its
+    /// group keeps its minimum, it leaves the job, which keeps running with the others, and
+    /// `true` is returned. Otherwise (an exit of its own, or the minimum is gone) `false`:
+    /// the caller stops the whole attempt as for any job.
+    pub(crate) fn elastic_replica_ended(
+        &mut self,
+        id: JobId,
+        aid: AllocId,
+        class: EndClass,
+        message: &str,
+        now: u64,
+        rev: u64,
+    ) -> bool {
+        let Some(j) = self.jobs.get(&id) else {
+            return false;
+        };
+        if !j.spec.is_elastic() || !matches!(j.state, JobState::Placed | JobState::Running) {
+            return false;
+        }
+        let Some(a) = self.allocs.get(&aid) else {
+            return false;
+        };
+        let (group, replica) = (a.alloc.group, a.alloc.replica);
+        let shrunk = matches!(
+            a.desired,
+            Desired::Stop {
+                reason: StopReason::Preempted { .. } | StopReason::Drain | StopReason::DeviceUnhealthy,
+                ..
+            }
+        );
+        let Some(g) = j.spec.groups.get(group as usize) else {
+            return false;
+        };
+        let others = self
+            .live_allocs(j)
+            .filter(|x| x.alloc.id != aid && x.alloc.group == group && x.desired == Desired::Run)
+            .count();
+        let lost_but_enough = a.desired == Desired::Run && class.is_infrastructure() && others >= g.min() as usize;
+        if !shrunk && !lost_but_enough {
+            return false;
+        }
+        let task = format!("{}-{replica}", g.name);
+        self.retire_allocs(id, &[aid]);
+        let size = self.jobs.get(&id).map_or(0, |j| self.world_size(j));
+        let max = self.config.max_message_len;
+        if let Some(j) = self.jobs.get_mut(&id) {
+            if lost_but_enough {
+                j.world_gen = j.world_gen.saturating_add(1);
+            }
+            j.reason = cut(&format!("shrank to {size} replicas: {task} ended ({}): {message}", class.as_str()), max);
+            j.updated_at = now;
+            j.revision = rev;
+        }
+        true
+    }
+}
+
+/// A few words for why a replica is shrunk away.
+fn stop_word(r: &StopReason) -> String {
+    match r {
+        StopReason::Preempted { for_job } => format!("a replica preempted for job {for_job}"),
+        StopReason::Drain => "a replica's node drains".into(),
+        StopReason::DeviceUnhealthy => "a replica's device failed".into(),
+        other => format!("a replica stopped ({other:?})"),
     }
 }
 

@@ -882,6 +882,7 @@ impl State {
                 old_specs: BTreeMap::new(),
                 scale_out: None,
                 scale_outs: Vec::new(),
+                world_gen: 0,
             },
         );
         self.requests.insert(c.client_request_id, id);
@@ -991,6 +992,10 @@ impl State {
         let Some(job_id) = self.allocs.get(&aid).map(|a| a.alloc.job) else {
             return;
         };
+        // An elastic job's surplus replica: the job shrinks and keeps running.
+        if self.shrink_elastic(aid, reason.clone(), now, rev) {
+            return;
+        }
         self.ask_stop(aid, reason.clone(), now);
         let Some(job) = self.jobs.get_mut(&job_id) else {
             return;
@@ -1114,6 +1119,12 @@ impl State {
             self.replace_replica(id, aid, ended, class, stop_requested, message, now, rev);
             return;
         }
+        if !ended.is_live() && self.elastic_replica_ended(id, aid, class, message, now, rev) {
+            return;
+        }
+        let Some(job) = self.jobs.get(&id) else {
+            return;
+        };
         match job.state {
             JobState::Placed | JobState::Running => match ended {
                 AllocState::Succeeded => {
@@ -1625,6 +1636,19 @@ impl State {
             .filter_map(|j| self.pending_view(j, now))
             .chain(self.live_jobs.iter().filter_map(|id| self.jobs.get(id)).filter_map(|j| self.service_view(j, now)))
             .collect();
+        // Elastic jobs' replicas: surplus (shrunk first) or minimum (taken last).
+        let mut elastic: BTreeMap<AllocId, suanli_model::ElasticRole> = BTreeMap::new();
+        for j in self.live_jobs.iter().filter_map(|id| self.jobs.get(id)).filter(|j| j.spec.is_elastic()) {
+            let surplus = self.elastic_surplus(j);
+            for aid in &j.allocs {
+                let role = if surplus.contains(aid) {
+                    suanli_model::ElasticRole::Surplus
+                } else {
+                    suanli_model::ElasticRole::Minimum
+                };
+                elastic.insert(*aid, role);
+            }
+        }
         let running = self
             .allocs
             .values()
@@ -1633,6 +1657,9 @@ impl State {
                 let mut x = a.alloc.clone();
                 if a.desired != Desired::Run {
                     std::sync::Arc::make_mut(&mut x).preemptible = false;
+                }
+                if let Some(role) = elastic.get(&x.id) {
+                    std::sync::Arc::make_mut(&mut x).elastic = *role;
                 }
                 if victim == Some(x.id) {
                     std::sync::Arc::make_mut(&mut x).devices.clear();
@@ -1663,7 +1690,7 @@ impl State {
         };
         let mut spec = j.spec.clone();
         spec.constraints = self.effective_constraints(j, now);
-        Some(PendingJob { occupied: Vec::new(), id: j.id, spec, submitted_at: j.submitted_at, nominated })
+        Some(PendingJob { grow: false, occupied: Vec::new(), id: j.id, spec, submitted_at: j.submitted_at, nominated })
     }
 
     /// A job's constraints at `now` as the scheduler's view gives them: its spec's, narrowed by
