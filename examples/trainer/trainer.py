@@ -6,8 +6,13 @@ and when it receives the checkpoint signal (SIGUSR1 by default: a flag, checked 
 the current step). A checkpoint is `ckpt-<step>/state.json` (plus --bytes of padding) under
 $SUANLI_CHECKPOINT_DIR, committed by writing `suanli-checkpoint.json` atomically (temp file,
 then rename). It resumes from $SUANLI_RESTORE_FROM, exits 0 after --steps steps and 143 on
-SIGTERM. Each event is one JSON line appended to $TRAINER_JOURNAL (when set):
-{"job", "attempt", "alloc", "step", "t", "event": "start"|"restore"|"step"|"checkpoint"|"exit"}.
+SIGTERM. An elastic job's replica (docs/job-spec.md, "Elastic jobs") starts with its world
+size in $SUANLI_WORLD_SIZE and watches $SUANLI_WORLD_FILE each step: a new membership
+generation is journalled as a "world" event (a real trainer would re-form its process group
+there, from its last checkpoint). Each event is one JSON line appended to $TRAINER_JOURNAL
+(when set): {"job", "attempt", "alloc", "step", "t", "event":
+"start"|"restore"|"step"|"checkpoint"|"world"|"exit"}; "start" and "world" carry
+"world_size" (and "world" the "generation").
 Python 3 standard library only.
 """
 
@@ -33,6 +38,9 @@ class Trainer:
             "alloc": os.environ.get("SUANLI_ALLOC_ID", ""),
         }
         self.step = 0
+        self.world_file = os.environ.get("SUANLI_WORLD_FILE", "")
+        self.world_size = int(os.environ.get("SUANLI_WORLD_SIZE", "1") or "1")
+        self.world_gen = None
         self.want_checkpoint = False
         self.want_stop = False
         self.committed = []
@@ -103,11 +111,30 @@ class Trainer:
                     os.rmdir(os.path.join(root, d))
             os.rmdir(old)
 
+    def watch_world(self):
+        """Reads $SUANLI_WORLD_FILE; journals a membership generation not seen before."""
+        if not self.world_file:
+            return
+        try:
+            with open(self.world_file) as f:
+                w = json.load(f)
+        except (OSError, ValueError):
+            return  # between the agent's write and rename, or not there: next step
+        gen = int(w.get("generation", 0))
+        if self.world_gen is None:
+            self.world_gen = gen
+        if gen != self.world_gen:
+            self.world_gen = gen
+            self.world_size = int(w.get("world_size", self.world_size))
+            self.journal("world", world_size=self.world_size, generation=gen)
+
     def run(self):
         self.restore()
-        self.journal("start")
+        self.journal("start", world_size=self.world_size)
+        self.watch_world()
         while self.step < self.args.steps:
             time.sleep(self.args.step_s)
+            self.watch_world()
             if self.want_stop and not self.want_checkpoint:
                 self.journal("exit", code=143)
                 return 143

@@ -535,6 +535,7 @@ pub fn preemptions(inp: &Inputs<'_>, plan: &Plan, cfg: &SchedulerConfig) -> Chec
             a.node
         );
         ensure!(P, a.preemptible, "non-preemptible alloc {alloc} preempted for job {for_job}");
+        ensure!(P, !f.grow, "alloc {alloc} preempted for job {for_job}'s elastic growth (idle capacity only)");
         let lower = a.priority < f.spec.priority;
         let reclaim = a.borrowed && a.queue != f.spec.queue;
         ensure!(

@@ -32,8 +32,8 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
 use std::collections::{BTreeMap, BTreeSet};
 use suanli_model::{
-    AllocId, Allocation, CheckpointPolicy, Constraints, Device, DeviceKind, DeviceRequest, DeviceShare, Health, JobId,
-    JobKind, JobSpec, Node, NodeId, Plan, PoolId, Queue, QueueId, ResVec, TaskGroup, TaskResources,
+    AllocId, Allocation, CheckpointPolicy, Constraints, Device, DeviceKind, DeviceRequest, DeviceShare, ElasticRole,
+    Health, JobId, JobKind, JobSpec, Node, NodeId, Plan, PoolId, Queue, QueueId, ResVec, TaskGroup, TaskResources,
 };
 use suanli_scheduler::check::{
     self, Check, Inputs, backfill as check_backfill, capacity as check_capacity, preemptions as check_preemptions,
@@ -510,7 +510,13 @@ fn build_case(
                 runtime_estimate_s: rg.estimate_s,
                 borrowed,
                 gang: rg.gang,
-                elastic: Default::default(),
+                // A non-gang group of several replicas stands for an elastic job: its first
+                // replica is the minimum, the others surplus (shrunk first).
+                elastic: match (rg.gang, rg.replicas > 1, r) {
+                    (false, true, 0) => ElasticRole::Minimum,
+                    (false, true, _) => ElasticRole::Surplus,
+                    _ => ElasticRole::None,
+                },
             });
             next_alloc += 1;
         }

@@ -128,7 +128,19 @@ impl State {
         let max = self.config.max_message_len;
         for u in &plan.unplaced {
             let service = self.jobs.get(&u.job).is_some_and(|j| self.adds_replicas_to(j));
-            let why = if service { cut(&format!("replicas missing: {}", u.reason), max) } else { cut(&u.reason, max) };
+            let elastic = self.jobs.get(&u.job).filter(|j| service && j.spec.is_elastic()).map(|j| {
+                let wanted: u32 = j.spec.groups.iter().map(|g| g.replicas).sum();
+                format!(
+                    "{} of {wanted} replicas run; the others wait for idle capacity: {}",
+                    self.world_size(j),
+                    u.reason
+                )
+            });
+            let why = match elastic {
+                Some(text) => cut(&text, max),
+                None if service => cut(&format!("replicas missing: {}", u.reason), max),
+                None => cut(&u.reason, max),
+            };
             if let Some(j) = self.jobs.get_mut(&u.job)
                 && (j.state == JobState::Pending || service)
                 && j.reason != why

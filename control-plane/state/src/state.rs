@@ -1627,6 +1627,12 @@ impl State {
                 n
             })
             .collect();
+        let nominee_waiting = self
+            .live
+            .pending
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .any(|j| j.state == JobState::Pending && j.nomination.is_some());
         let pending = self
             .live
             .pending
@@ -1635,6 +1641,9 @@ impl State {
             .filter(|j| j.state == JobState::Pending && j.not_before <= now)
             .filter_map(|j| self.pending_view(j, now))
             .chain(self.live_jobs.iter().filter_map(|id| self.jobs.get(id)).filter_map(|j| self.service_view(j, now)))
+            // Elastic growth waits while a preemption's beneficiary waits for its victims: the
+            // capacity they free is held for it, not idle.
+            .filter(|p: &PendingJob| !p.grow || !nominee_waiting)
             .collect();
         // Elastic jobs' replicas: surplus (shrunk first) or minimum (taken last).
         let mut elastic: BTreeMap<AllocId, suanli_model::ElasticRole> = BTreeMap::new();

@@ -112,8 +112,11 @@ fn an_elastic_job_grows_into_idle_capacity_and_shrinks_newest_first_before_its_m
     assert_eq!(world(&s, 3), (1, 3));
     assert_eq!(s.job(JobId(2)).expect("job").state, JobState::Preempted);
 
-    // The shrunk replicas stop: they leave the job, which runs on with its minimum.
+    // The shrunk replicas stop: they leave the job, which runs on with its minimum. While
+    // job 4 still waits for job 2, the freed GPUs are not idle: job 3 does not grow into them.
     stop_all_asked(&mut s, 3, 11);
+    let out = schedule_once(&mut s, 11);
+    assert!(out.placed.is_empty() && out.preempted.is_empty(), "{out:?}");
     stop_all_asked(&mut s, 2, 11);
     let j = s.job(JobId(3)).expect("job");
     assert_eq!(j.state, JobState::Running);
