@@ -790,6 +790,22 @@ impl Cluster {
         self.intern(s)
     }
 
+    /// Every node (dense indices) in a pool that one of `nodes` is in: what a service spreading
+    /// across pools avoids first.
+    pub fn pool_mates(&self, nodes: &[u32]) -> Vec<u32> {
+        let pools: BTreeSet<&PoolId> = nodes
+            .iter()
+            .filter_map(|&i| self.nodes.get(i as usize))
+            .filter_map(|n| self.groups.get(n.group as usize))
+            .map(|g| &g.pool)
+            .collect();
+        (0..self.nodes.len() as u32)
+            .filter(|&i| {
+                self.groups.get(self.nodes[i as usize].group as usize).is_some_and(|g| pools.contains(&g.pool))
+            })
+            .collect()
+    }
+
     /// The dense index of a node.
     pub fn index_of(&self, id: &NodeId) -> Option<u32> {
         self.node_index.get(id).copied()

@@ -500,11 +500,20 @@ impl Pass<'_> {
         }
     }
 
-    /// For a service that spreads (`service.spread`, the default): a node none of its
-    /// replicas runs on (`used`: those already running and those placed in this pass) where
-    /// one fits, else any node.
+    /// For a service that spreads (`service.spread`, the default): a node in a pool none of
+    /// its replicas runs in (`used`: those already running and those placed in this pass)
+    /// where one fits, else a node none of them runs on, else any node.
     fn choose_spread(&mut self, shape: ShapeId, spread: bool, used: &[u32]) -> Option<Choice> {
         if spread && !used.is_empty() {
+            // Another pool first (a pool is a failure domain: its own power, network, agents),
+            // then another node of the same pools.
+            let mates = self.cluster.pool_mates(used);
+            if mates.len() < self.cluster.len() {
+                let other_pool = self.cluster.exclude(shape, &mates);
+                if let Some(c) = self.choose(other_pool) {
+                    return Some(c);
+                }
+            }
             let elsewhere = self.cluster.exclude(shape, used);
             if let Some(c) = self.choose(elsewhere) {
                 return Some(c);
@@ -1201,6 +1210,23 @@ mod tests {
 
     fn nodes_of(plan: &Plan) -> Vec<String> {
         plan.placements.iter().map(|p| p.node.0.clone()).collect()
+    }
+
+    #[test]
+    fn a_service_spreads_across_pools_first() {
+        // Pool a: n0, n1; pool b: n2. Three replicas: one in b, then the other node of a.
+        let mut ns = nodes(3);
+        for n in &mut ns[..2] {
+            n.pool = suanli_model::PoolId::new("a");
+        }
+        ns[2].pool = suanli_model::PoolId::new("b");
+        let plan = place(ns.clone(), vec![], cpu_service(2, true), 1);
+        let pools: BTreeSet<String> =
+            nodes_of(&plan).iter().map(|n| if n == "n2" { "b".into() } else { "a".into() }).collect();
+        assert_eq!(pools.len(), 2, "{:?}", nodes_of(&plan));
+        let mut three = nodes_of(&place(ns, vec![], cpu_service(3, true), 1));
+        three.sort();
+        assert_eq!(three, ["n0", "n1", "n2"]);
     }
 
     #[test]
