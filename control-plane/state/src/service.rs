@@ -375,13 +375,13 @@ impl State {
         if !self.elastic_surplus(j).contains(&aid) {
             return false;
         }
-        let why = stop_word(&reason);
+        let why = crate::state::stop_text(&reason);
         self.ask_stop(aid, reason, now);
         let size = self.jobs.get(&id).map_or(0, |j| self.world_size(j));
         let max = self.config.max_message_len;
         if let Some(j) = self.jobs.get_mut(&id) {
             j.world_gen = j.world_gen.saturating_add(1);
-            j.reason = cut(&format!("shrinking to {size} replicas: {why}"), max);
+            j.reason = cut(&format!("shrinking to {size} replicas: a replica {why}"), max);
             j.updated_at = now;
             j.revision = rev;
         }
@@ -443,16 +443,6 @@ impl State {
             j.revision = rev;
         }
         true
-    }
-}
-
-/// A few words for why a replica is shrunk away.
-fn stop_word(r: &StopReason) -> String {
-    match r {
-        StopReason::Preempted { for_job } => format!("a replica preempted for job {for_job}"),
-        StopReason::Drain => "a replica's node drains".into(),
-        StopReason::DeviceUnhealthy => "a replica's device failed".into(),
-        other => format!("a replica stopped ({other:?})"),
     }
 }
 

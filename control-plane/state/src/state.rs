@@ -1806,7 +1806,8 @@ impl State {
     }
 }
 
-fn stop_text(r: &StopReason) -> String {
+/// A few words for why an allocation was asked to stop.
+pub(crate) fn stop_text(r: &StopReason) -> String {
     match r {
         StopReason::Preempted { for_job } => format!("preempted for job {for_job}"),
         StopReason::Cancelled => "cancelled".into(),
