@@ -9,6 +9,8 @@
 //!                                        "liveness check failed")
 //!  autoscaled ─▶ every period_s / 3 (≥ 1 s): the load (the `load` file, or a Prometheus
 //!                sample from /metrics) ─▶ reported when it changed, and at least every period_s
+//!  report ─────▶ every period_s: latency and success ratio (the `latency_ms` and
+//!                `success_ratio` files, or Prometheus samples) ─▶ reported when either is read
 //! ```
 //!
 //! A replica without a readiness check is ready once it runs. A replica is not ready until
@@ -22,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use suanli_model::{Autoscale, LoadSource, Probe, ProbeKind, ServiceSpec};
+use suanli_model::{Autoscale, LoadSource, MAX_REPORTED_LATENCY_MS, Probe, ProbeKind, ServiceReport, ServiceSpec};
 use suanli_proto::v1 as pb;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -37,6 +39,14 @@ pub(crate) const LIVENESS_FILE: &str = "liveness-failed";
 pub(crate) const LOAD_FILE: &str = "load";
 /// Largest load a replica may report (in the metric's units); larger values are capped.
 const MAX_LOAD: f64 = 1e12;
+/// The file a replica writes its request latency into (`service.report`, `source = "file"`):
+/// one number, in ms.
+pub(crate) const LATENCY_FILE: &str = "latency_ms";
+/// The file a replica writes the fraction of its requests that succeeded into: one number,
+/// 0 to 1.
+pub(crate) const SUCCESS_FILE: &str = "success_ratio";
+/// Largest scrape of a replica's `/metrics` that is read, in bytes.
+const MAX_SCRAPE_BYTES: usize = 4 << 20;
 
 /// Between the SIGTERM of a replica that failed its liveness check and the SIGKILL.
 const LIVENESS_KILL_GRACE: Duration = Duration::from_secs(5);
@@ -128,20 +138,41 @@ async fn check(p: &Probe, port: u16, dir: &Path, http: &reqwest::Client) -> Resu
     }
 }
 
-/// A probe's schedule and its failures in a row.
+/// A finite number from its text.
+fn number(text: &str) -> Result<f64, String> {
+    let v: f64 = text.trim().parse().map_err(|_| format!("{:?} is not a number", text.trim()))?;
+    if v.is_finite() { Ok(v) } else { Err(format!("{v} is not a finite number")) }
+}
+
 /// A load value in thousandths, from its text (finite, not negative; capped).
 fn milli_of(text: &str) -> Result<u64, String> {
-    let v: f64 = text.trim().parse().map_err(|_| format!("{:?} is not a number", text.trim()))?;
-    if !v.is_finite() || v < 0.0 {
+    let v = number(text)?;
+    if v < 0.0 {
         return Err(format!("{v} is not a load (finite, at least 0)"));
     }
     Ok((v.min(MAX_LOAD) * 1000.0).round() as u64)
 }
 
-/// The value of `metric` in a Prometheus text exposition: its unlabelled sample, or the sum
-/// of its labelled ones.
-fn prometheus_value(body: &str, metric: &str) -> Result<u64, String> {
-    let mut total: Option<u64> = None;
+/// A latency in ms as microseconds (not negative; capped at an hour).
+fn latency_us_of(ms: f64) -> Result<u64, String> {
+    if ms < 0.0 {
+        return Err(format!("{ms} is not a latency (at least 0 ms)"));
+    }
+    Ok((ms.min(MAX_REPORTED_LATENCY_MS as f64) * 1000.0).round() as u64)
+}
+
+/// A success ratio (0 to 1) in parts per million.
+fn success_ppm_of(ratio: f64) -> Result<u32, String> {
+    if !(0.0..=1.0).contains(&ratio) {
+        return Err(format!("{ratio} is not a success ratio (0 to 1)"));
+    }
+    Ok((ratio * 1e6).round() as u32)
+}
+
+/// The value texts of the samples of `metric` in a Prometheus text exposition (its
+/// unlabelled sample, or its labelled ones); an error when there is none.
+fn prometheus_samples<'a>(body: &'a str, metric: &str) -> Result<Vec<&'a str>, String> {
+    let mut out = Vec::new();
     for line in body.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
         let name_end = line.find(|c: char| c == '{' || c.is_whitespace()).unwrap_or(line.len());
         if &line[..name_end] != metric {
@@ -152,10 +183,47 @@ fn prometheus_value(body: &str, metric: &str) -> Result<u64, String> {
             Some(r) => r.split_once('}').map(|(_, v)| v).ok_or_else(|| format!("{metric}: unclosed labels"))?,
             None => rest,
         };
-        let value = rest.split_whitespace().next().ok_or_else(|| format!("{metric}: a sample without a value"))?;
-        total = Some(total.unwrap_or(0).saturating_add(milli_of(value)?));
+        out.push(rest.split_whitespace().next().ok_or_else(|| format!("{metric}: a sample without a value"))?);
     }
-    total.ok_or_else(|| format!("no sample named {metric}"))
+    if out.is_empty() { Err(format!("no sample named {metric}")) } else { Ok(out) }
+}
+
+/// The value of `metric` in thousandths: its unlabelled sample, or the sum of its labelled
+/// ones (a load).
+fn prometheus_value(body: &str, metric: &str) -> Result<u64, String> {
+    let mut total = 0u64;
+    for v in prometheus_samples(body, metric)? {
+        total = total.saturating_add(milli_of(v)?);
+    }
+    Ok(total)
+}
+
+/// The mean of the samples of `metric` (a latency, a ratio).
+fn prometheus_mean(body: &str, metric: &str) -> Result<f64, String> {
+    let samples = prometheus_samples(body, metric)?;
+    let mut sum = 0.0;
+    for v in &samples {
+        sum += number(v).map_err(|e| format!("{metric}: {e}"))?;
+    }
+    Ok(sum / samples.len() as f64)
+}
+
+/// `GET http://127.0.0.1:{port}/metrics` (its first 4 MiB).
+async fn scrape(port: u16, http: &reqwest::Client) -> Result<String, String> {
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let r = http.get(&url).timeout(Duration::from_secs(2)).send().await.map_err(|e| format!("{url}: {e}"))?;
+    if !r.status().is_success() {
+        return Err(format!("{url}: {}", r.status()));
+    }
+    let mut body = r.text().await.map_err(|e| format!("{url}: {e}"))?;
+    if body.len() > MAX_SCRAPE_BYTES {
+        let mut end = MAX_SCRAPE_BYTES;
+        while !body.is_char_boundary(end) {
+            end -= 1;
+        }
+        body.truncate(end);
+    }
+    Ok(body)
 }
 
 /// Reads the replica's load as its autoscaling section says.
@@ -165,17 +233,44 @@ async fn read_load(a: &Autoscale, port: u16, dir: &Path, http: &reqwest::Client)
             let text = tokio::fs::read_to_string(dir.join(LOAD_FILE)).await.map_err(|e| format!("{LOAD_FILE}: {e}"))?;
             milli_of(&text)
         }
-        LoadSource::Prometheus => {
-            let url = format!("http://127.0.0.1:{port}/metrics");
-            let r = http.get(&url).timeout(Duration::from_secs(2)).send().await.map_err(|e| format!("{url}: {e}"))?;
-            if !r.status().is_success() {
-                return Err(format!("{url}: {}", r.status()));
-            }
-            // A scrape larger than 4 MiB is not read whole.
-            let body = r.text().await.map_err(|e| format!("{url}: {e}"))?;
-            prometheus_value(&body[..body.len().min(4 << 20)], &a.metric)
-        }
+        LoadSource::Prometheus => prometheus_value(&scrape(port, http).await?, &a.metric),
     }
+}
+
+/// What a replica reports with its readiness (each absent when not read).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Measured {
+    /// Its load (`service.autoscale`), in thousandths.
+    load_milli: Option<u64>,
+    /// Its request latency (`service.report`), in microseconds.
+    latency_us: Option<u64>,
+    /// The fraction of its requests that succeeded, in parts per million.
+    success_ppm: Option<u32>,
+}
+
+/// Reads the replica's latency and success ratio as its `service.report` section says; one
+/// that cannot be read (no file yet, no sample, not a number, out of range) is left out.
+async fn read_report(r: &ServiceReport, port: u16, dir: &Path, http: &reqwest::Client) -> Measured {
+    let (latency, success) = match r.source {
+        LoadSource::File => {
+            let read = |name: &'static str| {
+                let path = dir.join(name);
+                async move {
+                    let text = tokio::fs::read_to_string(path).await.map_err(|e| format!("{name}: {e}"))?;
+                    number(&text).map_err(|e| format!("{name}: {e}"))
+                }
+            };
+            (read(LATENCY_FILE).await, read(SUCCESS_FILE).await)
+        }
+        LoadSource::Prometheus => match scrape(port, http).await {
+            Ok(body) => (prometheus_mean(&body, &r.latency_metric), prometheus_mean(&body, &r.success_metric)),
+            Err(e) => (Err(e.clone()), Err(e)),
+        },
+    };
+    let latency_us = latency.and_then(latency_us_of).map_err(|e| tracing::debug!(error = %e, "latency not read")).ok();
+    let success_ppm =
+        success.and_then(success_ppm_of).map_err(|e| tracing::debug!(error = %e, "success ratio not read")).ok();
+    Measured { latency_us, success_ppm, ..Measured::default() }
 }
 
 /// When the load is read next, and what was last told and when.
@@ -186,6 +281,7 @@ struct LoadDue {
     told: Option<(u64, Instant)>,
 }
 
+/// A probe's schedule and its failures in a row.
 struct Due {
     probe: Probe,
     next: Instant,
@@ -226,10 +322,13 @@ pub(crate) async fn watch(
         let period = Duration::from_secs(a.period_s);
         LoadDue { every: (period / 3).max(Duration::from_secs(1)), refresh: period, next: started, told: None }
     });
+    // When the latency and success ratio are read next (once a period).
+    let report = run.spec.report.clone();
+    let mut report_next = report.as_ref().map(|_| started);
     let idle = Duration::from_secs(1);
     loop {
         if told != Some(ready) {
-            match tell(&agent, k, ready, &endpoint, None).await {
+            match tell(&agent, k, ready, &endpoint, Measured::default()).await {
                 Ok(()) => {
                     tracing::info!(ready, endpoint = %endpoint, "readiness reported");
                     told = Some(ready);
@@ -244,6 +343,7 @@ pub(crate) async fn watch(
             .flatten()
             .map(|d| d.next)
             .chain(load.as_ref().map(|l| l.next))
+            .chain(report_next)
             .min();
         // An untold readiness is retried within a second.
         let wake = match next {
@@ -281,7 +381,8 @@ pub(crate) async fn watch(
                 Ok(v) => {
                     let stale = l.told.is_none_or(|(last, at)| last != v || now.duration_since(at) >= l.refresh);
                     if stale {
-                        match tell(&agent, k, ready, &endpoint, Some(v)).await {
+                        let m = Measured { load_milli: Some(v), ..Measured::default() };
+                        match tell(&agent, k, ready, &endpoint, m).await {
                             Ok(()) => {
                                 l.told = Some((v, now));
                                 told = Some(ready);
@@ -292,6 +393,17 @@ pub(crate) async fn watch(
                     }
                 }
                 Err(why) => tracing::debug!(error = %why, "load not read"),
+            }
+        }
+        if let (Some(next), Some(r)) = (report_next.as_mut().filter(|n| **n <= now), report.as_ref()) {
+            *next = now + Duration::from_secs(r.period_s);
+            let m = read_report(r, run.port, &dir, &http).await;
+            if m != Measured::default() {
+                match tell(&agent, k, ready, &endpoint, m).await {
+                    Ok(()) => told = Some(ready),
+                    Err(true) => return,
+                    Err(false) => {}
+                }
             }
         }
         if let Some(d) = liveness.as_mut().filter(|d| d.next <= now) {
@@ -325,9 +437,9 @@ pub(crate) async fn watch(
     }
 }
 
-/// Reports the replica's readiness. `Err(true)`: refused for good (the allocation ended or
-/// is unknown); `Err(false)`: not delivered, try again.
-async fn tell(agent: &Agent, k: Key, ready: bool, endpoint: &str, load_milli: Option<u64>) -> Result<(), bool> {
+/// Reports the replica's readiness, with what was measured. `Err(true)`: refused for good
+/// (the allocation ended or is unknown); `Err(false)`: not delivered, try again.
+async fn tell(agent: &Agent, k: Key, ready: bool, endpoint: &str, m: Measured) -> Result<(), bool> {
     let req = pb::ReportStatusRequest {
         alloc_id: k.0,
         epoch: k.1,
@@ -335,7 +447,9 @@ async fn tell(agent: &Agent, k: Key, ready: bool, endpoint: &str, load_milli: Op
         readiness_report: true,
         ready,
         endpoint: endpoint.to_owned(),
-        load_milli,
+        load_milli: m.load_milli,
+        latency_us: m.latency_us,
+        success_ppm: m.success_ppm,
         ..Default::default()
     };
     let r = agent
@@ -370,6 +484,34 @@ mod tests {
         assert_eq!(prometheus_value(body, "q"), Ok(3_000));
         assert_eq!(prometheus_value(body, "req"), Ok(3_500));
         assert!(prometheus_value(body, "missing").is_err());
+    }
+
+    #[tokio::test]
+    async fn latency_and_success_are_read_from_files_and_prometheus_samples() {
+        let dir = tempfile::tempdir().expect("dir");
+        let http = reqwest::Client::builder().no_proxy().build().expect("client");
+        let file = ServiceReport::default();
+        // Nothing written yet: nothing to report.
+        assert_eq!(read_report(&file, 1, dir.path(), &http).await, Measured::default());
+        std::fs::write(dir.path().join(LATENCY_FILE), "12.25\n").expect("write");
+        std::fs::write(dir.path().join(SUCCESS_FILE), "0.995").expect("write");
+        let m = read_report(&file, 1, dir.path(), &http).await;
+        assert_eq!((m.latency_us, m.success_ppm, m.load_milli), (Some(12_250), Some(995_000), None));
+        // A ratio above 1 is left out, the latency still goes; a day of latency is capped.
+        std::fs::write(dir.path().join(SUCCESS_FILE), "1.5").expect("write");
+        std::fs::write(dir.path().join(LATENCY_FILE), "86400000").expect("write");
+        let m = read_report(&file, 1, dir.path(), &http).await;
+        assert_eq!((m.latency_us, m.success_ppm), (Some(MAX_REPORTED_LATENCY_MS * 1000), None));
+        assert!(latency_us_of(-1.0).is_err());
+        assert!(success_ppm_of(-0.1).is_err());
+        assert!(number("NaN").is_err());
+
+        // Prometheus samples: the mean of labelled ones.
+        let body = "# TYPE p99 gauge\np99{route=\"/a\"} 10\np99{route=\"/b\"} 30\nok 0.75\n";
+        assert_eq!(prometheus_mean(body, "p99"), Ok(20.0));
+        assert_eq!(prometheus_mean(body, "ok"), Ok(0.75));
+        assert!(prometheus_mean(body, "missing").is_err());
+        assert!(prometheus_mean("ok +Inf\n", "ok").is_err());
     }
 
     #[test]

@@ -387,6 +387,8 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
                 ready: k.small % 2 == 1,
                 endpoint: k.text.clone(),
                 load_milli: (k.small % 4 == 0).then_some(k.n.0),
+                latency_us: (k.small % 5 == 0).then_some(k.n.1),
+                success_ppm: (k.small % 7 == 0).then_some(k.small.unsigned_abs()),
             };
             AgentClient::new(ch).report_status(req).await.map(drop)
         }

@@ -102,6 +102,25 @@ pub struct ReplayArgs {
     /// `LS=10,Guaranteed=10,Burstable=5,BE=0`.
     #[arg(long)]
     pub qos_priority: Option<String>,
+    /// Inference services to run beside the trace (CSV: name,queue,priority,gpu_milli,
+    /// gpu_model,cpu_milli,memory_mib,min_replicas,max_replicas,capacity_rps,target_pct,
+    /// trough_rps,peak_rps,peak_hour,startup_s,period_s,scale_down_window_s; see docs/sim.md):
+    /// each one's diurnal request rate is reported by its replicas and autoscaled. Needs
+    /// --until-s.
+    #[arg(long)]
+    pub services: Option<PathBuf>,
+    /// End the replay at this simulated time, seconds (pods arriving later are left out).
+    #[arg(long)]
+    pub until_s: Option<u64>,
+    /// Leave out the pods arriving before this simulated time, seconds (after
+    /// --compress-arrivals): the replay starts at the first pod left, on an empty cluster.
+    #[arg(long, default_value_t = 0)]
+    pub from_s: u64,
+    /// With --services: replay twice in this process, once with services and batch sharing
+    /// every node (services preempt batch at peaks) and once with a static partition (the
+    /// services' own nodes sized for their peak, batch on the rest), and compare them.
+    #[arg(long)]
+    pub compare_static: bool,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -148,6 +167,20 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         trace::read_alibaba_nodes(&a.nodes).context("--nodes")?.into_iter().step_by(a.node_stride).collect();
     let mut pods = trace::read_pods(&a.pods).context("--pods")?;
     trace::compress_arrivals(&mut pods, a.compress_arrivals);
+    if a.until_s.is_some_and(|u| u < a.from_s) {
+        bail!("--until-s: must not be before --from-s ({})", a.from_s);
+    }
+    pods.retain(|p| p.arrival_s >= a.from_s && a.until_s.is_none_or(|u| p.arrival_s <= u));
+    let services = match &a.services {
+        Some(p) => replay::read_services(p).context("--services")?,
+        None => Vec::new(),
+    };
+    if a.compare_static && services.is_empty() {
+        bail!("--compare-static: needs --services (the services to partition for)");
+    }
+    if !services.is_empty() && a.until_s.is_none() {
+        bail!("--services: needs --until-s (services run forever; say when the replay ends)");
+    }
     if let Some(m) = &qos {
         trace::priority_by_qos(&mut pods, m);
     }
@@ -177,7 +210,13 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             restore_s: a.restore_s,
             signal: Default::default(),
         }),
+        services,
+        static_partition: false,
+        until_s: a.until_s,
     };
+    if a.compare_static {
+        return compare_static(&a, &nodes, &pods, &queues, opts);
+    }
     if a.compare_victim_orders {
         return compare(&a, &nodes, &pods, &queues, opts);
     }
@@ -268,4 +307,83 @@ fn compare(
         }
     }
     Ok(())
+}
+
+/// `--compare-static`: services and batch sharing every node, then on a static partition;
+/// same trace, services, options and seed.
+fn compare_static(
+    a: &ReplayArgs,
+    nodes: &[suanli_model::Node],
+    pods: &[trace::TracePod],
+    queues: &[suanli_model::Queue],
+    opts: ReplayOptions,
+) -> Result<()> {
+    let mut reports = Vec::new();
+    for static_partition in [false, true] {
+        let o = ReplayOptions { static_partition, ..opts.clone() };
+        let mode = if static_partition { "static" } else { "shared" };
+        let started = Instant::now();
+        let r = replay::replay(nodes, pods, queues, &o).with_context(|| format!("replay {mode}"))?;
+        if !a.quiet {
+            eprintln!("{mode}: replayed in {:.2}s wall", started.elapsed().as_secs_f64());
+        }
+        reports.push(r);
+    }
+    match a.format {
+        ReplayFormat::Json => {
+            let v = serde_json::json!({ "shared": reports[0], "static": reports[1] });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        _ => {
+            println!("{} on {}: {} pod(s), {} queue(s)", a.pods.display(), a.nodes.display(), pods.len(), queues.len());
+            for r in &reports {
+                let mode = r.inference.as_ref().map_or("", |i| i.mode.as_str());
+                println!("== {mode}");
+                print!("{}", r.table());
+            }
+            print!("{}", static_comparison(&reports[0], &reports[1]));
+        }
+    }
+    Ok(())
+}
+
+/// The side-by-side table of `--compare-static`.
+fn static_comparison(shared: &replay::ReplayReport, fixed: &replay::ReplayReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let (Some(x), Some(y)) = (&shared.inference, &fixed.inference) else {
+        return s;
+    };
+    let _ = writeln!(s, "{:<34} {:>14} {:>14}", "", "shared", "static");
+    let mut row = |name: &str, a: String, b: String| {
+        let _ = writeln!(s, "{name:<34} {a:>14} {b:>14}");
+    };
+    row(
+        "inference scale-out p99",
+        replay::format_duration(x.scale_out_s.p99),
+        replay::format_duration(y.scale_out_s.p99),
+    );
+    row("scale-outs", x.scale_out_s.count.to_string(), y.scale_out_s.count.to_string());
+    row(
+        "SLO violated, % of service-time",
+        format!("{:.2}", x.slo_violation_pct),
+        format!("{:.2}", y.slo_violation_pct),
+    );
+    row("requests unserved, %", format!("{:.3}", x.unserved_pct), format!("{:.3}", y.unserved_pct));
+    row(
+        "batch goodput, GPU-h",
+        format!("{:.1}", x.batch_goodput_gpu_hours),
+        format!("{:.1}", y.batch_goodput_gpu_hours),
+    );
+    row("batch jobs completed", x.batch_completed.to_string(), y.batch_completed.to_string());
+    row("batch preemptions", shared.preemptions.to_string(), fixed.preemptions.to_string());
+    row(
+        "GPU allocation, mean %",
+        format!("{:.2}", shared.gpu_util_mean_pct),
+        format!("{:.2}", fixed.gpu_util_mean_pct),
+    );
+    let ratio =
+        if y.batch_goodput_gpu_hours > 0.0 { x.batch_goodput_gpu_hours / y.batch_goodput_gpu_hours } else { f64::NAN };
+    let _ = writeln!(s, "batch goodput, shared / static: {ratio:.2}x");
+    s
 }

@@ -211,6 +211,12 @@ mod tests {
                 scale_up_step: 2,
                 scale_down_step: 1,
             }),
+            report: Some(suanli_model::ServiceReport {
+                source: suanli_model::LoadSource::Prometheus,
+                latency_metric: "p99_ms".into(),
+                success_metric: "ok_ratio".into(),
+                period_s: 5,
+            }),
         });
         job
     }

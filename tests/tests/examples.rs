@@ -67,11 +67,32 @@ fn every_example_validates() {
             seen += 1;
         }
     }
-    // The trainer's job (examples/trainer/job.toml; not run here: it trains for minutes).
-    for f in toml_files(&root.join("trainer")) {
+    // The trainer's job (examples/trainer/job.toml; not run here: it trains for minutes) and
+    // the model server's (examples/server/service.toml; its server.py runs in services_e2e).
+    for f in toml_files(&root.join("trainer")).into_iter().chain(toml_files(&root.join("server"))) {
         let path = f.display().to_string();
         let o = suanli(&["job", "validate", &path]);
         assert!(o.status.success(), "{path} should validate: {}", String::from_utf8_lossy(&o.stderr));
+        seen += 1;
+    }
+    // Simulator inputs: the services file replays (a short run on a small made-up cluster).
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let nodes = tmp.path().join("nodes.csv");
+    let rows: String = (0..6).map(|i| format!("n{i},96000,786432,8,V100M32\n")).collect();
+    std::fs::write(&nodes, format!("sn,cpu_milli,memory_mib,gpu,model\n{rows}")).expect("write nodes");
+    let pods = tmp.path().join("pods.csv");
+    std::fs::write(
+        &pods,
+        "name,arrival_s,duration_s,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,queue,priority,replicas\nb,0,60,1000,1024,1,1000,,default,0,1\n",
+    )
+    .expect("write pods");
+    for f in files(&root.join("sim")) {
+        let path = f.display().to_string();
+        let args = ["sim", "replay", "--nodes", &nodes.display().to_string(), "--pods", &pods.display().to_string()];
+        let o =
+            suanli(&[&args[..], &["--services", &path, "--until-s", "600", "--compare-static", "--quiet"]].concat());
+        assert!(o.status.success(), "{path} should replay: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(String::from_utf8_lossy(&o.stdout).contains("batch goodput, shared / static"), "{path}");
         seen += 1;
     }
     // Fake device plugin configurations: checked by `suanli plugin check` in the plugin tests;
@@ -86,7 +107,8 @@ fn every_example_validates() {
     for d in files(&root).into_iter().filter(|d| d.is_dir()) {
         let name = d.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
         assert!(
-            ["jobs", "dev", "federation", "queues", "nodes", "plugins", "trainer"].contains(&name.as_str()),
+            ["jobs", "dev", "federation", "queues", "nodes", "plugins", "trainer", "server", "sim"]
+                .contains(&name.as_str()),
             "unchecked examples entry {name}"
         );
     }

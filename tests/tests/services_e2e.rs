@@ -1,14 +1,21 @@
 //! Services end to end (docs/services.md), with real processes: one `suanli server`, two
-//! `suanli agent`s, and a service of 3 replicas, each a Python HTTP server on the port its
-//! agent picked (`SUANLI_PORT`) with an HTTP readiness check.
+//! `suanli agent`s, and a service of 3 replicas, each the example model server
+//! (`examples/server/server.py`) on the port its agent picked (`SUANLI_PORT`) with an HTTP
+//! readiness check.
 //!
 //! - All 3 replicas become ready, and `suanli service endpoints` lists exactly their
 //!   `host:port`s, each of which answers HTTP.
+//! - Requests to each replica (one failing, four of 20 ms) are measured by the replica and
+//!   reported (`service.report`, read from its Prometheus `/metrics`): `suanli service status`
+//!   shows each replica's success ratio of 0.8 and latency of at least 20 ms, and the
+//!   server's `/metrics` exports their means (`suanli_inference_latency_ms`,
+//!   `suanli_inference_success_ratio`).
 //! - A replica's process is killed: that replica alone is replaced (after the restart
 //!   backoff), the other two keep their allocations, and the endpoints follow.
 //! - A rolling update (`suanli service update web FILE`, a new environment): the replicas are
 //!   replaced one at a time by the new version (max_surge 1, max_unavailable 0); sampled
-//!   throughout, never fewer than 3 are ready, and the endpoints follow.
+//!   throughout, never fewer than 3 are ready, and the endpoints follow. The new version reads
+//!   its reports from the files the server writes (`source = "file"`), measured again.
 //! - An agent is SIGKILLed: once its node is declared down, its replicas are replaced on the
 //!   other node, the replicas there keep running, and the endpoints follow again.
 
@@ -20,9 +27,13 @@ use std::collections::BTreeSet;
 use std::io::{Read as _, Write as _};
 use std::time::{Duration, Instant};
 use suanli_proto::v1 as pb;
-use support::{cluster, fake_config, job, start_agents, submit, wait_job};
+use support::{LocalPki, cluster, fake_config, job, start_agents, submit, wait_job};
+
+/// The example model server (`examples/server/server.py`).
+const SERVER_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/server/server.py");
 
 fn service_spec() -> serde_json::Value {
+    let run = format!("echo $$ > \"$SUANLI_ALLOC_DIR/pid\"; exec python3 {SERVER_PY}");
     serde_json::json!({
         "name": "web",
         "queue": "default",
@@ -33,12 +44,13 @@ fn service_spec() -> serde_json::Value {
             "resources": {"cpu_milli": 500, "memory_mib": 64},
             "task": {
                 "command": "/bin/sh",
-                "args": ["-c", "echo $$ > \"$SUANLI_ALLOC_DIR/pid\"; exec python3 -m http.server \"$SUANLI_PORT\" --bind 127.0.0.1"],
+                "args": ["-c", run],
             },
         }],
         "service": {
-            "readiness": {"kind": "http", "path": "/", "period_ms": 200, "timeout_ms": 1000},
+            "readiness": {"kind": "http", "path": "/healthz", "period_ms": 200, "timeout_ms": 1000},
             "restart_backoff_s": 1,
+            "report": {"source": "prometheus", "period_s": 1},
         },
     })
 }
@@ -59,16 +71,68 @@ fn ready(j: &pb::JobInfo) -> BTreeSet<(u64, String, String)> {
         .collect()
 }
 
-/// GET / from `endpoint` answers 200.
-fn answers(endpoint: &str) -> bool {
-    let Ok(mut s) = std::net::TcpStream::connect(endpoint) else { return false };
+/// The HTTP status `GET path` from `endpoint` answers (`None`: no answer).
+fn get(endpoint: &str, path: &str) -> Option<u16> {
+    let mut s = std::net::TcpStream::connect(endpoint).ok()?;
     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    if s.write_all(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n").is_err() {
-        return false;
-    }
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).ok()?;
     let mut buf = String::new();
     let _ = s.read_to_string(&mut buf);
-    buf.starts_with("HTTP/1.0 200") || buf.starts_with("HTTP/1.1 200")
+    let status = buf.strip_prefix("HTTP/1.0 ").or_else(|| buf.strip_prefix("HTTP/1.1 "))?;
+    status.get(..3)?.parse().ok()
+}
+
+/// GET / from `endpoint` answers 200.
+fn answers(endpoint: &str) -> bool {
+    get(endpoint, "/") == Some(200)
+}
+
+/// Each endpoint serves one failing request and four of 20 ms; waits until every ready
+/// replica reports a success ratio of 0.8 and a latency of at least 20 ms (`suanli service
+/// status --output json`) and the server's `/metrics` exports their means. Returns how long
+/// the reports took to arrive.
+async fn requests_are_measured_and_reported(http_addr: &str, addr: &str, eps: &BTreeSet<String>) -> Duration {
+    for e in eps {
+        assert_eq!(get(e, "/infer?fail=1"), Some(500), "{e}");
+        for _ in 0..4 {
+            assert_eq!(get(e, "/infer?ms=20"), Some(200), "{e}");
+        }
+    }
+    let t0 = Instant::now();
+    let http = support::http::Http::with(http_addr, &LocalPki::get().admin_tls());
+    loop {
+        let m = http.get("/metrics", None).await;
+        assert_eq!(m.status, 200, "{}", m.body);
+        let sample = |name: &str| {
+            let series = format!("{name}{{queue=\"default\",service=\"web\"}} ");
+            m.body.lines().find_map(|l| l.strip_prefix(series.as_str())).and_then(|v| v.parse::<f64>().ok())
+        };
+        let o =
+            support::cli().args(["service", "status", "web", "--server", addr, "--output", "json"]).output().unwrap();
+        assert!(o.status.success(), "service status: {}", String::from_utf8_lossy(&o.stderr));
+        let st: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let serving: Vec<&serde_json::Value> = st["replicas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["state"] == "running" && r["ready"] == true)
+            .collect();
+        let all_reported = serving.len() == eps.len()
+            && serving.iter().all(|r| r["success_ratio"].as_f64().is_some_and(|x| (x - 0.8).abs() < 1e-9));
+        if let (true, Some(latency), Some(success)) =
+            (all_reported, sample("suanli_inference_latency_ms"), sample("suanli_inference_success_ratio"))
+        {
+            assert!((success - 0.8).abs() < 1e-9, "mean success ratio {success}");
+            assert!((20.0..5000.0).contains(&latency), "mean latency {latency} ms");
+            for r in &serving {
+                let ms = r["latency_ms"].as_f64().unwrap();
+                assert!((20.0..5000.0).contains(&ms), "{r}");
+            }
+            return t0.elapsed();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "not reported within 30 s: {st}\n{}", m.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -85,6 +149,7 @@ async fn a_service_stays_at_three_ready_through_a_crash_and_an_agent_kill() {
     for e in &eps {
         assert!(answers(e), "{e} does not answer");
     }
+    let reported = requests_are_measured_and_reported(&c.http_addrs[0], &addr, &eps).await;
 
     // A replica's process dies: that replica alone is replaced.
     let (victim, _, victim_ep) = first.iter().next().cloned().unwrap();
@@ -116,6 +181,7 @@ async fn a_service_stays_at_three_ready_through_a_crash_and_an_agent_kill() {
     let restarts_before = j.restarts;
     let mut v1 = service_spec();
     v1["groups"][0]["task"]["env"] = serde_json::json!({"WEB_VERSION": "1"});
+    v1["service"]["report"]["source"] = "file".into();
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("web-v1.json");
     std::fs::write(&file, v1.to_string()).unwrap();
@@ -145,6 +211,8 @@ async fn a_service_stays_at_three_ready_through_a_crash_and_an_agent_kill() {
     for e in &eps {
         assert!(answers(e), "{e} does not answer");
     }
+    let reported_from_files = requests_are_measured_and_reported(&c.http_addrs[0], &addr, &eps).await;
+    eprintln!("reports in /metrics after the requests: {reported:?} (prometheus), {reported_from_files:?} (files)");
 
     // An agent dies: its replicas move to the other node once it is declared down.
     let (gone, stays) =

@@ -40,7 +40,8 @@ pub enum ServiceCmd {
         /// The new spec file (TOML or JSON, as `job submit` reads it).
         file: std::path::PathBuf,
     },
-    /// A service's replicas: wanted, running, ready, restarts, and each replica's endpoint.
+    /// A service's replicas: wanted, running, ready, restarts, and each replica's endpoint,
+    /// with the latency and success ratio it last reported (`service.report`).
     Status {
         /// The service: its job name (the one live service of that name) or job id.
         service: String,
@@ -140,7 +141,9 @@ impl ServiceArgs {
                         "replicas": j.allocs.iter().map(|a| json!({
                             "alloc_id": a.id, "group": a.group_name, "replica": a.replica, "node": a.node,
                             "state": a.state, "ready": a.ready, "endpoint": a.endpoint,
-                            "version": a.version})).collect::<Vec<_>>(),
+                            "version": a.version, "latency_ms": a.latency_us.map(|l| l as f64 / 1000.0),
+                            "success_ratio": a.success_ppm.map(|p| f64::from(p) / 1e6),
+                            "reported_at": a.reported_at})).collect::<Vec<_>>(),
                     })),
                     Output::Table => {
                         println!(
@@ -165,12 +168,21 @@ impl ServiceArgs {
                                     if a.ready { "yes".into() } else { "no".into() },
                                     if a.endpoint.is_empty() { "-".into() } else { a.endpoint.clone() },
                                     a.version.to_string(),
+                                    a.latency_us.map_or_else(|| "-".into(), |l| format!("{:.1}ms", l as f64 / 1000.0)),
+                                    a.success_ppm
+                                        .map_or_else(|| "-".into(), |p| format!("{:.2}%", f64::from(p) / 10_000.0)),
                                 ]
                             })
                             .collect();
                         println!(
                             "{}",
-                            table(&["REPLICA", "ALLOC", "NODE", "STATE", "READY", "ENDPOINT", "VERSION"], &rows)
+                            table(
+                                &[
+                                    "REPLICA", "ALLOC", "NODE", "STATE", "READY", "ENDPOINT", "VERSION", "LATENCY",
+                                    "SUCCESS"
+                                ],
+                                &rows
+                            )
                         );
                         Ok(())
                     }

@@ -47,7 +47,9 @@ pub use node::Node;
 pub use plan::{DeviceShare, Placement, Plan, Preemption, PreemptionReason, Reservation, Unplaced};
 pub use queue::Queue;
 pub use resources::ResVec;
-pub use service::{Autoscale, LoadSource, Probe, ProbeKind, ServiceSpec, UpdateStrategy};
+pub use service::{
+    Autoscale, LoadSource, MAX_REPORTED_LATENCY_MS, Probe, ProbeKind, ServiceReport, ServiceSpec, UpdateStrategy,
+};
 
 /// One whole device, in milli-units: a device is shared in thousandths.
 pub const WHOLE_DEVICE_MILLI: u32 = 1000;

@@ -51,18 +51,93 @@ pub struct ServiceSpec {
     /// (absent: `replicas` stays as the spec says).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscale: Option<Autoscale>,
+    /// The request latency and success rate each replica measures, read by its agent and
+    /// exported per service (absent: neither is read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub report: Option<ServiceReport>,
 }
 
-/// Where a replica's load comes from (read by its agent).
+/// Where the numbers a replica reports (its load; its latency and success rate) come from,
+/// read by its agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LoadSource {
-    /// The number in the file `$SUANLI_ALLOC_DIR/load`, which the replica rewrites.
+    /// One number per file in `$SUANLI_ALLOC_DIR`, which the replica rewrites: `load`;
+    /// `latency_ms` and `success_ratio`.
     #[default]
     File,
-    /// The sample named `metric` (without labels, or the sum of its labelled samples) in
-    /// `GET http://127.0.0.1:$SUANLI_PORT/metrics`, the Prometheus text format.
+    /// Samples of `GET http://127.0.0.1:$SUANLI_PORT/metrics`, the Prometheus text format:
+    /// the load is `metric` (without labels, or the sum of its labelled samples); the latency
+    /// and success ratio are `latency_metric` and `success_metric` (the mean of their samples).
     Prometheus,
+}
+
+/// Longest request latency a replica may report, in ms (an hour); the agent caps larger
+/// values, and the control plane refuses them.
+pub const MAX_REPORTED_LATENCY_MS: u64 = 3_600_000;
+
+/// What a replica reports besides its load (docs/services.md, "Latency and success rate"):
+/// its request latency in ms (p99, mean: the replica's choice) and the fraction of its
+/// requests that succeeded (0 to 1), both as the replica measures them. The agent reads them
+/// once a period; the control plane keeps the latest of each per replica and exports, per
+/// service, the mean over its ready replicas that reported within three periods.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ServiceReport {
+    /// Where they are read (default `file`: `$SUANLI_ALLOC_DIR/latency_ms` and
+    /// `$SUANLI_ALLOC_DIR/success_ratio`).
+    #[serde(default)]
+    pub source: LoadSource,
+    /// The Prometheus sample of the latency, in ms (`source = "prometheus"`).
+    #[serde(default = "latency_metric")]
+    pub latency_metric: String,
+    /// The Prometheus sample of the success ratio, 0 to 1 (`source = "prometheus"`).
+    #[serde(default = "success_metric")]
+    pub success_metric: String,
+    /// How often the agent reads and reports them, in seconds (default 15, 1 .. 86,400).
+    #[serde(default = "fifteen")]
+    pub period_s: u64,
+}
+
+fn latency_metric() -> String {
+    "suanli_latency_ms".into()
+}
+fn success_metric() -> String {
+    "suanli_success_ratio".into()
+}
+
+impl Default for ServiceReport {
+    fn default() -> Self {
+        ServiceReport {
+            source: LoadSource::File,
+            latency_metric: latency_metric(),
+            success_metric: success_metric(),
+            period_s: fifteen(),
+        }
+    }
+}
+
+impl ServiceReport {
+    fn validate(&self) -> Result<(), ValidationError> {
+        check_range(|| "service.report.period_s".into(), self.period_s, 1, MAX_AUTOSCALE_WINDOW_S)?;
+        check_metric_name("service.report.latency_metric", &self.latency_metric)?;
+        check_metric_name("service.report.success_metric", &self.success_metric)
+    }
+}
+
+/// A Prometheus metric name (`[a-zA-Z_:][a-zA-Z0-9_:]*`, at most 200 bytes), or an error
+/// naming `field`.
+fn check_metric_name(field: &str, name: &str) -> Result<(), ValidationError> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+        && !name.starts_with(|c: char| c.is_ascii_digit());
+    if ok {
+        return Ok(());
+    }
+    Err(ValidationError::Invalid {
+        field: field.into(),
+        message: "must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*, at most 200 bytes)".into(),
+    })
 }
 
 /// Autoscaling on a per-replica load signal, as the Kubernetes HPA computes it:
@@ -148,17 +223,7 @@ impl Autoscale {
         )?;
         check_range(|| "service.autoscale.scale_up_step".into(), self.scale_up_step, 0, limits.max_replicas)?;
         check_range(|| "service.autoscale.scale_down_step".into(), self.scale_down_step, 0, limits.max_replicas)?;
-        let ok = !self.metric.is_empty()
-            && self.metric.len() <= 200
-            && self.metric.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
-            && !self.metric.starts_with(|c: char| c.is_ascii_digit());
-        if !ok {
-            return Err(ValidationError::Invalid {
-                field: "service.autoscale.metric".into(),
-                message: "must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*, at most 200 bytes)".into(),
-            });
-        }
-        Ok(())
+        check_metric_name("service.autoscale.metric", &self.metric)
     }
 
     /// The replicas wanted for `current` replicas whose reported loads (in thousandths of
@@ -223,6 +288,7 @@ impl Default for ServiceSpec {
             spread: true,
             update: UpdateStrategy::default(),
             autoscale: None,
+            report: None,
         }
     }
 }
@@ -328,6 +394,9 @@ impl ServiceSpec {
         if let Some(a) = &self.autoscale {
             a.validate(limits)?;
         }
+        if let Some(r) = &self.report {
+            r.validate()?;
+        }
         check_range(|| "service.update.max_unavailable".into(), self.update.max_unavailable, 0, MAX_UPDATE_STEP)?;
         check_range(|| "service.update.max_surge".into(), self.update.max_surge, 0, MAX_UPDATE_STEP)?;
         if self.update.max_unavailable == 0 && self.update.max_surge == 0 {
@@ -409,6 +478,27 @@ mod tests {
         assert_eq!(field(with(Autoscale { period_s: 0, ..autoscale() })), Err("service.autoscale.period_s".into()));
         let bad_metric = Autoscale { metric: "http requests".into(), ..autoscale() };
         assert_eq!(field(with(bad_metric)), Err("service.autoscale.metric".into()));
+    }
+
+    #[test]
+    fn bad_report_fields_are_named_with_their_limit() {
+        let l = Limits::default();
+        let with = |r: ServiceReport| ServiceSpec { report: Some(r), ..ServiceSpec::default() };
+        assert_eq!(with(ServiceReport::default()).validate(&l), Ok(()));
+        let e = with(ServiceReport { period_s: 0, ..ServiceReport::default() }).validate(&l).expect_err("period 0");
+        assert_eq!(e.field(), "service.report.period_s");
+        assert!(e.to_string().contains("between 1 and 86400"), "{e}");
+        let e = with(ServiceReport { latency_metric: "9lives".into(), ..ServiceReport::default() })
+            .validate(&l)
+            .expect_err("a digit first");
+        assert_eq!(e.field(), "service.report.latency_metric");
+        let e = with(ServiceReport { success_metric: String::new(), ..ServiceReport::default() })
+            .validate(&l)
+            .expect_err("empty");
+        assert_eq!(e.field(), "service.report.success_metric");
+        // Absent fields take their defaults.
+        let r: ServiceReport = serde_json::from_value(serde_json::json!({"source": "prometheus"})).expect("decodes");
+        assert_eq!(r, ServiceReport { source: LoadSource::Prometheus, ..ServiceReport::default() });
     }
 
     #[test]

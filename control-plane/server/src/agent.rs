@@ -202,6 +202,8 @@ impl Agent for AgentApi {
                 ready: r.ready,
                 endpoint: r.endpoint,
                 load_milli: r.load_milli,
+                latency_us: r.latency_us,
+                success_ppm: r.success_ppm,
                 now: self.0.now_s(),
             });
             self.0.propose(cmd).await?;

@@ -40,11 +40,7 @@ pub async fn autoscaling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
             if wanted == x.current {
                 continue;
             }
-            let mut spec = x.spec.clone();
-            if let Some(g) = spec.groups.first_mut() {
-                g.replicas = wanted;
-                g.min_replicas = g.min_replicas.map(|m| m.min(wanted));
-            }
+            let spec = x.scaled_spec(wanted);
             let avg = x.loads.iter().sum::<u64>() / x.loads.len().max(1) as u64;
             let cmd = Command::UpdateService(Box::new(UpdateService { job: x.job, spec, now }));
             match core.propose_local(cmd).await {

@@ -99,6 +99,9 @@ fn alloc_view(s: &State, a: &Alloc, job: Option<&Job>, view: JobView) -> pb::All
         version: a.version,
         world_size: job.map_or(0, |j| s.world_size(j)),
         world_gen: job.map_or(0, |j| j.world_gen),
+        latency_us: a.latency_us.map(|(l, _)| l),
+        success_ppm: a.success_ppm.map(|(p, _)| p),
+        reported_at: a.latency_us.map_or(0, |(_, t)| t).max(a.success_ppm.map_or(0, |(_, t)| t)),
     }
 }
 

@@ -99,7 +99,10 @@ pub(crate) fn render(core: &crate::core::Core) -> Result<String, std::fmt::Error
     let t0 = std::time::Instant::now();
     let mut reg = Reg(Registry::default());
     let now = core.state.read(State::clock);
-    core.state.read(|s| replicated(&mut reg, s, now));
+    // The cluster time the autoscaler uses: what replicas reported is fresh within three
+    // periods of it (this server's clock where it does not lead).
+    let fresh_now = core.now_s();
+    core.state.read(|s| replicated(&mut reg, s, now, fresh_now));
     let leader = core.is_leader();
     leader_only(&mut reg, core, leader);
     raft(&mut reg, core);
@@ -110,12 +113,13 @@ pub(crate) fn render(core: &crate::core::Core) -> Result<String, std::fmt::Error
     Ok(out)
 }
 
-/// The families derived from the replicated state (any server answers the same).
-fn replicated(reg: &mut Reg, s: &State, now: u64) {
+/// The families derived from the replicated state (any server answers the same, but for
+/// which reported latencies and success ratios are still fresh at `fresh_now`).
+fn replicated(reg: &mut Reg, s: &State, now: u64, fresh_now: u64) {
     efficiency(reg, s);
     delivery(reg, s, now);
     governance(reg, s);
-    inference(reg, s);
+    inference(reg, s, fresh_now);
     let rev = reg.gauge("suanli_state_revision", "Revision of the replicated state this server has applied.");
     set(&rev, l([]), s.revision() as f64);
     let clock = reg.gauge("suanli_state_clock_seconds", "The replicated clock (seconds since the epoch).");
@@ -376,7 +380,7 @@ fn governance(reg: &mut Reg, s: &State) {
     }
 }
 
-fn inference(reg: &mut Reg, s: &State) {
+fn inference(reg: &mut Reg, s: &State, now: u64) {
     let wanted = reg.gauge(
         "suanli_inference_replicas_wanted",
         "Replicas wanted by live services (kind inference or a service section; docs/services.md), by queue.",
@@ -408,6 +412,14 @@ fn inference(reg: &mut Reg, s: &State) {
         "suanli_inference_scale_out_seconds",
         "Scale-out time of live services: from a scale-up to as many replicas ready (the latest 32 per service), by queue.",
     );
+    let latency = reg.gauge(
+        "suanli_inference_latency_ms",
+        "Mean request latency its ready replicas measured and reported within three service.report periods, by queue and service.",
+    );
+    let success = reg.gauge(
+        "suanli_inference_success_ratio",
+        "Mean fraction of requests that succeeded, as its ready replicas measured and reported within three service.report periods, by queue and service.",
+    );
     for q in s.queues().keys() {
         add(&scaling, l([("queue", q.as_str())]), 0.0);
         let ql = l([("queue", q.as_str())]);
@@ -438,6 +450,14 @@ fn inference(reg: &mut Reg, s: &State) {
             if !loads.is_empty() {
                 set(&load, sl, loads.iter().sum::<u64>() as f64 / loads.len() as f64 / 1000.0);
             }
+        }
+        let reported = s.reported(j, now);
+        let sl = || l([("queue", j.spec.queue.as_str()), ("service", j.spec.name.as_str())]);
+        if let Some(ms) = reported.mean_latency_ms() {
+            set(&latency, sl(), ms);
+        }
+        if let Some(r) = reported.mean_success_ratio() {
+            set(&success, sl(), r);
         }
     }
 }
@@ -576,7 +596,7 @@ fn raft(reg: &mut Reg, core: &crate::core::Core) {
 #[cfg(test)]
 pub fn render_state(s: &State) -> Result<String, std::fmt::Error> {
     let mut reg = Reg(Registry::default());
-    replicated(&mut reg, s, s.clock());
+    replicated(&mut reg, s, s.clock(), s.clock());
     let mut out = String::new();
     encode(&mut out, &reg.0)?;
     Ok(out)
@@ -695,6 +715,71 @@ mod tests {
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
         }
+    }
+
+    /// Two replicas of a service report their latency and success ratio: the means are
+    /// exported by queue and service while the reports are fresh (within three
+    /// `service.report` periods), and not after.
+    #[test]
+    fn reported_latency_and_success_are_exported_while_fresh() {
+        use suanli_state::{AllocReady, AllocStatus, ApplyPlan, ReportedStatus};
+        let mut s = state(0);
+        let mut q = Queue::new("q", ResVec { gpu_milli: 4000, ..ResVec::MAX });
+        q.team = "ml".into();
+        s.apply(Command::UpsertQueue(UpsertQueue { queue: q }));
+        let spec = serde_json::from_value(serde_json::json!({"name": "api", "queue": "q", "kind": "inference",
+            "groups": [{"name": "w", "replicas": 2, "resources": {"cpu_milli": 100}}],
+            "service": {"report": {"period_s": 5}}}))
+        .expect("spec");
+        s.apply(Command::SubmitJob(Box::new(SubmitJob {
+            client_request_id: "api".into(),
+            spec,
+            retry: None,
+            now: 10,
+            trace: None,
+        })));
+        let plan = suanli_scheduler::schedule(&s.cluster_view(20), 20, 1, &Default::default()).expect("engine");
+        s.apply(Command::ApplyPlan(ApplyPlan { plan, now: 20 }));
+        let allocs: Vec<_> = s.allocs().values().map(|a| a.alloc.clone()).collect();
+        assert_eq!(allocs.len(), 2);
+        for (a, (latency_us, success_ppm)) in allocs.iter().zip([(10_000, 1_000_000), (30_000, 900_000)]) {
+            s.apply(Command::AllocStatus(AllocStatus {
+                alloc: a.id,
+                epoch: a.epoch,
+                status: ReportedStatus::Running,
+                message: String::new(),
+                end: None,
+                exit_code: None,
+                now: 21,
+            }));
+            s.apply(Command::AllocReady(AllocReady {
+                alloc: a.id,
+                epoch: a.epoch,
+                ready: true,
+                endpoint: "127.0.0.1:9000".into(),
+                load_milli: None,
+                latency_us: Some(latency_us),
+                success_ppm: Some(success_ppm),
+                now: 22,
+            }));
+        }
+        let text = |fresh_now: u64| {
+            let mut reg = Reg(Registry::default());
+            replicated(&mut reg, &s, s.clock(), fresh_now);
+            let mut out = String::new();
+            encode(&mut out, &reg.0).expect("encodes");
+            out
+        };
+        let fresh = text(37);
+        for want in [
+            "suanli_inference_latency_ms{queue=\"q\",service=\"api\"} 20.0",
+            "suanli_inference_success_ratio{queue=\"q\",service=\"api\"} 0.95",
+        ] {
+            assert!(fresh.contains(want), "missing {want:?} in\n{fresh}");
+        }
+        let stale = text(38);
+        assert!(!stale.contains("suanli_inference_latency_ms{"), "{stale}");
+        assert!(!stale.contains("suanli_inference_success_ratio{"), "{stale}");
     }
 
     /// The cost of a scrape's replicated part for 10,000 jobs (docs/metrics.md quotes it).

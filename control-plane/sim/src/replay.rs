@@ -41,15 +41,24 @@
 //! plan is applied to, so a refusal shows the engine planning something the servers refuse.
 
 mod events;
+mod inference;
 mod metrics;
 mod queues;
 mod report;
 
+pub use inference::{
+    MAX_RPS, MAX_SERVICES, MAX_SERVICES_BYTES, PARTITION_LABEL, SERVICE_COLUMNS, ServiceLoad, parse_services_str,
+    read_services, static_partition,
+};
 pub use queues::{MAX_QUEUES, MAX_QUEUES_BYTES, QUEUE_COLUMNS, default_queue, parse_queues_str, read_queues};
-pub use report::{JobOutcome, Percentiles, QueueReport, ReplayReport, Sample, Unstarted, format_duration};
+pub use report::{
+    InferenceReport, JobOutcome, Percentiles, QueueReport, ReplayReport, Sample, ServiceReport, Unstarted,
+    format_duration,
+};
 
 use crate::trace::TracePod;
-use suanli_model::{CheckpointPolicy, JobKind, JobSpec, Node, Queue, QueueId, TaskGroup};
+use std::collections::BTreeMap;
+use suanli_model::{CheckpointPolicy, Constraints, JobKind, JobSpec, Node, Queue, QueueId, TaskGroup};
 use suanli_scheduler::POLICY_NAMES;
 use suanli_scheduler::cluster::ClusterError;
 use suanli_scheduler::engine::{ScheduleError, SchedulerConfig};
@@ -83,15 +92,17 @@ pub enum ReplayError {
         /// Cause.
         source: std::io::Error,
     },
-    /// A queues file is larger than [`MAX_QUEUES_BYTES`].
-    #[error("{path}: {size} bytes is larger than the limit of {MAX_QUEUES_BYTES} bytes")]
+    /// A queues or services file is larger than its limit.
+    #[error("{path}: {size} bytes is larger than the limit of {limit} bytes")]
     TooLarge {
         /// File.
         path: String,
         /// Its size.
         size: u64,
+        /// The limit ([`MAX_QUEUES_BYTES`], [`MAX_SERVICES_BYTES`]).
+        limit: u64,
     },
-    /// A bad value in a queues file.
+    /// A bad value in a queues or services file.
     #[error("{path}: line {line}: field {field:?}: {message}")]
     QueueField {
         /// File.
@@ -103,7 +114,7 @@ pub enum ReplayError {
         /// What is wrong and what would be valid.
         message: String,
     },
-    /// A malformed queues file (ragged row, bad UTF-8, unknown column, no rows).
+    /// A malformed queues or services file (ragged row, bad UTF-8, unknown column, no rows).
     #[error("{path}: line {line}: {message}")]
     QueueFile {
         /// File.
@@ -217,6 +228,15 @@ pub struct ReplayOptions {
     /// A job preempted this many times is not offered for preemption again (it runs as
     /// non-preemptible), so preemption rules that contradict each other cannot cycle forever.
     pub max_preemptions_per_job: u32,
+    /// Inference services beside the trace (docs/sim.md, "Inference services"): submitted at
+    /// the start, their load reported and autoscaled every `period_s`. Needs `until_s`.
+    pub services: Vec<ServiceLoad>,
+    /// Services and batch on partitions of their own ([`static_partition`]) instead of sharing
+    /// every node.
+    pub static_partition: bool,
+    /// End the replay at this simulated time (events after it are not played; work still
+    /// running is reported as running at the end).
+    pub until_s: Option<u64>,
 }
 
 impl Default for ReplayOptions {
@@ -231,6 +251,9 @@ impl Default for ReplayOptions {
             checkpoint: None,
             record_jobs: false,
             max_preemptions_per_job: 5,
+            services: Vec::new(),
+            static_partition: false,
+            until_s: None,
         }
     }
 }
@@ -264,6 +287,21 @@ impl ReplayOptions {
             0,
             u64::from(MAX_PREEMPTIONS_PER_JOB),
         )?;
+        if let Some(u) = self.until_s {
+            range("until_s", u, 0, MAX_SIM_TIME_S)?;
+        }
+        if !self.services.is_empty() && self.until_s.is_none() {
+            return Err(ReplayError::Param {
+                field: "until_s",
+                message: "a replay with services must say when it ends (services run forever)".into(),
+            });
+        }
+        if self.static_partition && self.services.is_empty() {
+            return Err(ReplayError::Param {
+                field: "static_partition",
+                message: "a static partition is made for services; give some".into(),
+            });
+        }
         if let Some(c) = &self.checkpoint {
             range("checkpoint.interval_s", c.interval_s, 1, self.config.limits.max_duration_s)?;
             range("checkpoint.grace_s", c.grace_s, 0, self.config.limits.max_duration_s)?;
@@ -307,6 +345,7 @@ fn pod_job(
     pod: &TracePod,
     queues: &[Queue],
     opts: &ReplayOptions,
+    labels: &BTreeMap<String, String>,
 ) -> Result<(JobSpec, usize), ReplayError> {
     let err = |message: String| ReplayError::Pod { index, name: pod.name.clone(), message };
     if pod.arrival_s > MAX_SIM_TIME_S {
@@ -339,7 +378,7 @@ fn pod_job(
             min_replicas: None,
             resources: pod.resources(),
         }],
-        constraints: pod.constraints(),
+        constraints: Constraints { labels: labels.clone(), ..pod.constraints() },
         runtime_estimate_s: pod.duration_s.filter(|&d| d >= 1 && d <= max_d),
         checkpoint: opts.checkpoint,
         service: None,
@@ -379,13 +418,38 @@ pub fn replay_with_progress(
             message: format!("{} pods is more than a replay takes", pods.len()),
         });
     }
+    let label = |part: &str| -> BTreeMap<String, String> {
+        if opts.static_partition {
+            BTreeMap::from([(PARTITION_LABEL.to_owned(), part.to_owned())])
+        } else {
+            BTreeMap::new()
+        }
+    };
+    let (nodes, partition_milli) =
+        if opts.static_partition { static_partition(nodes, &opts.services)? } else { (nodes.to_vec(), 0) };
     // Job ids grow with submission order: (arrival, position in the file).
     let mut order: Vec<usize> = (0..pods.len()).collect();
     order.sort_by_key(|&i| (pods[i].arrival_s, i));
     let mut jobs = Vec::with_capacity(pods.len());
+    let batch = label("batch");
     for &i in &order {
-        let (spec, queue) = pod_job(i, &pods[i], queues, opts)?;
+        let (spec, queue) = pod_job(i, &pods[i], queues, opts, &batch)?;
         jobs.push(events::SimJob::new(i, &pods[i], spec, queue));
     }
-    events::Sim::new(nodes, pods, queues, opts, jobs)?.run(progress)
+    let inference = label("inference");
+    let mut services = Vec::with_capacity(opts.services.len());
+    for (i, s) in opts.services.iter().enumerate() {
+        let err =
+            |message: String| ReplayError::Param { field: "services", message: format!("{:?}: {message}", s.name) };
+        let Some(queue) = queues.iter().position(|q| q.id.as_str() == s.queue) else {
+            return Err(err(format!("queue {:?} is not defined", s.queue)));
+        };
+        if queues.iter().any(|q| q.parent.as_ref().is_some_and(|p| p.as_str() == s.queue)) {
+            return Err(err(format!("queue {:?} is a parent queue; services go to leaf queues", s.queue)));
+        }
+        let spec = s.spec(&inference);
+        spec.validate(&opts.config.limits).map_err(|e| err(format!("not a valid service: {e}")))?;
+        services.push(events::SimService::new(i, spec, queue));
+    }
+    events::Sim::new(&nodes, pods, queues, opts, jobs, services, partition_milli)?.run(progress)
 }

@@ -219,12 +219,24 @@ pub struct AllocReady {
     /// Its load for autoscaling, in thousandths of the metric's unit (absent: not read).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load_milli: Option<u64>,
+    /// Its request latency as it measures it (`service.report`), in microseconds, at most
+    /// [`MAX_LATENCY_US`] (absent: not read; older entries have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_us: Option<u64>,
+    /// The fraction of its requests that succeeded, in parts per million, at most
+    /// [`MAX_SUCCESS_PPM`] (absent: not read; older entries have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub success_ppm: Option<u32>,
     /// Leader's time, seconds.
     pub now: u64,
 }
 
 /// Longest endpoint an agent may report (`host:port`).
 pub const MAX_ENDPOINT_LEN: usize = 300;
+/// Longest latency a replica may report, in microseconds ([`suanli_model::MAX_REPORTED_LATENCY_MS`]).
+pub const MAX_LATENCY_US: u64 = suanli_model::MAX_REPORTED_LATENCY_MS * 1000;
+/// A success ratio of 1, in parts per million.
+pub const MAX_SUCCESS_PPM: u32 = 1_000_000;
 
 /// A completed checkpoint of a running allocation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -498,6 +498,8 @@ impl State {
                 endpoint: String::new(),
                 version,
                 load: None,
+                latency_us: None,
+                success_ppm: None,
             };
             // Node and device usage was reserved by the re-check.
             self.live.account(&rec, &self.nodes, 1);

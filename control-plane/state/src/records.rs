@@ -451,6 +451,14 @@ pub struct Alloc {
     /// (seconds); absent until its agent reports one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load: Option<(u64, u64)>,
+    /// Its last reported request latency (microseconds) and when (seconds); absent until its
+    /// agent reports one (`service.report`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_us: Option<(u64, u64)>,
+    /// Its last reported success ratio (parts per million) and when (seconds); absent until
+    /// its agent reports one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub success_ppm: Option<(u32, u64)>,
 }
 
 impl Alloc {

@@ -464,20 +464,83 @@ pub struct AutoscaleInput {
 impl State {
     /// Every running service with `service.autoscale`, with its ready replicas' fresh loads.
     pub fn autoscaled(&self, now: u64) -> Vec<AutoscaleInput> {
-        let mut out = Vec::new();
-        for j in self.live_jobs.iter().filter_map(|id| self.jobs.get(id)) {
-            if !matches!(j.state, JobState::Placed | JobState::Running) {
-                continue;
+        self.live_jobs.iter().filter_map(|id| self.autoscale_input(*id, now)).collect()
+    }
+
+    /// [`State::autoscaled`] for one job: `None` unless it is a running service with
+    /// `service.autoscale`.
+    pub fn autoscale_input(&self, id: JobId, now: u64) -> Option<AutoscaleInput> {
+        let j = self.jobs.get(&id)?;
+        if !matches!(j.state, JobState::Placed | JobState::Running) {
+            return None;
+        }
+        let a = j.spec.service().and_then(|s| s.autoscale.clone())?;
+        let fresh = now.saturating_sub(a.period_s.saturating_mul(3));
+        let loads = self
+            .live_allocs(j)
+            .filter(|x| x.alloc.group == 0 && x.desired == Desired::Run && x.ready)
+            .filter_map(|x| x.load.filter(|(_, at)| *at >= fresh).map(|(l, _)| l))
+            .collect();
+        let current = j.spec.groups.first().map_or(0, |g| g.replicas);
+        Some(AutoscaleInput { job: j.id, spec: j.spec.clone(), autoscale: a, current, loads })
+    }
+}
+
+impl AutoscaleInput {
+    /// The spec the autoscaler proposes for `wanted` replicas (`update_service`): the same
+    /// spec with the group's `replicas` set, and its `min_replicas` lowered to fit.
+    pub fn scaled_spec(&self, wanted: u32) -> JobSpec {
+        let mut spec = self.spec.clone();
+        if let Some(g) = spec.groups.first_mut() {
+            g.replicas = wanted;
+            g.min_replicas = g.min_replicas.map(|m| m.min(wanted));
+        }
+        spec
+    }
+}
+
+/// What a service's replicas measured of their requests lately (`service.report`;
+/// docs/services.md, "Latency and success rate"), one entry per replica that reported.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reported {
+    /// Request latencies (microseconds).
+    pub latency_us: Vec<u64>,
+    /// Success ratios (parts per million).
+    pub success_ppm: Vec<u32>,
+}
+
+impl Reported {
+    /// The mean latency, in ms (`None`: no replica reported one).
+    pub fn mean_latency_ms(&self) -> Option<f64> {
+        let n = self.latency_us.len();
+        (n > 0).then(|| self.latency_us.iter().map(|l| *l as f64).sum::<f64>() / n as f64 / 1000.0)
+    }
+
+    /// The mean success ratio, 0 to 1 (`None`: no replica reported one).
+    pub fn mean_success_ratio(&self) -> Option<f64> {
+        let n = self.success_ppm.len();
+        (n > 0).then(|| self.success_ppm.iter().map(|p| f64::from(*p)).sum::<f64>() / n as f64 / 1e6)
+    }
+}
+
+impl State {
+    /// The latencies and success ratios the running, ready replicas of `j` reported within
+    /// three of its `service.report` periods before `now` (seconds), the autoscaler's
+    /// freshness rule: a replica whose agent stopped reporting drops out. Empty for a job
+    /// without `service.report`.
+    pub fn reported(&self, j: &Job, now: u64) -> Reported {
+        let Some(r) = j.spec.service.as_ref().and_then(|sv| sv.report.as_ref()) else {
+            return Reported::default();
+        };
+        let fresh = now.saturating_sub(r.period_s.saturating_mul(3));
+        let mut out = Reported::default();
+        for a in self.live_allocs(j).filter(|a| a.state == AllocState::Running && a.ready) {
+            if let Some((l, _)) = a.latency_us.filter(|(_, at)| *at >= fresh) {
+                out.latency_us.push(l);
             }
-            let Some(a) = j.spec.service().and_then(|s| s.autoscale.clone()) else { continue };
-            let fresh = now.saturating_sub(a.period_s.saturating_mul(3));
-            let loads = self
-                .live_allocs(j)
-                .filter(|x| x.alloc.group == 0 && x.desired == Desired::Run && x.ready)
-                .filter_map(|x| x.load.filter(|(_, at)| *at >= fresh).map(|(l, _)| l))
-                .collect();
-            let current = j.spec.groups.first().map_or(0, |g| g.replicas);
-            out.push(AutoscaleInput { job: j.id, spec: j.spec.clone(), autoscale: a, current, loads });
+            if let Some((p, _)) = a.success_ppm.filter(|(_, at)| *at >= fresh) {
+                out.success_ppm.push(p);
+            }
         }
         out
     }

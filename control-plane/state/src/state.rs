@@ -299,16 +299,16 @@ impl State {
     }
 
     /// Runs [`invariants()`](State::invariants) after a command that changed the state: after
-    /// every one while the state holds at most `DEBUG_INVARIANTS_EVERY_APPLY` jobs and
-    /// allocations, then at every k-th revision with k = size / that bound + 1, so the
-    /// amortized cost per command stays bounded (the check is linear in the state).
+    /// every one while the state holds at most `DEBUG_INVARIANTS_EVERY_APPLY` jobs,
+    /// allocations and nodes, then at every k-th revision with k = size / that bound + 1, so
+    /// the amortized cost per command stays bounded (the check is linear in the state).
     #[cfg(debug_assertions)]
     fn debug_check_invariants(&self, before: u64, kind: &str) {
         if self.revision == before || self.double_assign_victim().is_some() {
             // Unchanged (rejected or a no-op), or deliberately broken by a failpoint.
             return;
         }
-        let size = self.jobs.len() + self.allocs.len();
+        let size = self.jobs.len() + self.allocs.len() + self.nodes.len();
         let every = (size / DEBUG_INVARIANTS_EVERY_APPLY + 1) as u64;
         // A batch advances many revisions at once: check when it crossed a multiple of k.
         if before / every == self.revision / every {
@@ -1511,6 +1511,18 @@ impl State {
                 ),
             });
         }
+        if let Some(l) = c.latency_us.filter(|l| *l > crate::command::MAX_LATENCY_US) {
+            return Err(CommandError::Invalid {
+                field: "latency_us".into(),
+                message: format!("{l} must be at most {} (an hour)", crate::command::MAX_LATENCY_US),
+            });
+        }
+        if let Some(p) = c.success_ppm.filter(|p| *p > crate::command::MAX_SUCCESS_PPM) {
+            return Err(CommandError::Invalid {
+                field: "success_ppm".into(),
+                message: format!("{p} must be at most {} (a ratio of 1)", crate::command::MAX_SUCCESS_PPM),
+            });
+        }
         let a = self.check_report(c.alloc, c.epoch)?;
         if !a.is_live() {
             return Err(CommandError::Conflict {
@@ -1518,7 +1530,8 @@ impl State {
                 message: format!("allocation {} already ended as {:?}", c.alloc, a.state),
             });
         }
-        if a.ready == c.ready && a.endpoint == c.endpoint && c.load_milli.is_none() {
+        let measured = c.load_milli.is_some() || c.latency_us.is_some() || c.success_ppm.is_some();
+        if a.ready == c.ready && a.endpoint == c.endpoint && !measured {
             return Ok((Response::Done, Effect::Unchanged));
         }
         let job_id = a.alloc.job;
@@ -1529,6 +1542,12 @@ impl State {
             a.updated_at = now;
             if let Some(l) = c.load_milli {
                 a.load = Some((l, now));
+            }
+            if let Some(l) = c.latency_us {
+                a.latency_us = Some((l, now));
+            }
+            if let Some(p) = c.success_ppm {
+                a.success_ppm = Some((p, now));
             }
         }
         if let Some(j) = self.jobs.get_mut(&job_id) {

@@ -5,10 +5,10 @@
 mod common;
 
 use common::*;
-use suanli_model::{AllocId, JobId, JobKind, NodeId, ServiceSpec};
+use suanli_model::{AllocId, JobId, JobKind, NodeId, ServiceReport, ServiceSpec};
 use suanli_state::{
-    AllocReady, AllocState, CancelJob, Command, CommandError, Desired, JobState, NodeDown, NodeMode, ReportedStatus,
-    Response, SetNodeMode, State, StopReason, UpdateService,
+    AllocReady, AllocState, CancelJob, Command, CommandError, Desired, JobState, MAX_LATENCY_US, NodeDown, NodeMode,
+    Reported, ReportedStatus, Response, SetNodeMode, State, StopReason, UpdateService,
 };
 
 fn service(replicas: u32, backoff_s: u64) -> suanli_model::JobSpec {
@@ -43,7 +43,95 @@ fn run_all(s: &mut State, now: u64) {
 }
 
 fn ready(a: AllocId, epoch: u64, ready: bool, endpoint: &str, now: u64) -> Command {
-    Command::AllocReady(AllocReady { alloc: a, epoch, ready, endpoint: endpoint.into(), load_milli: None, now })
+    Command::AllocReady(AllocReady {
+        alloc: a,
+        epoch,
+        ready,
+        endpoint: endpoint.into(),
+        load_milli: None,
+        latency_us: None,
+        success_ppm: None,
+        now,
+    })
+}
+
+/// A ready replica's report of what it measured (`service.report`).
+fn measured(a: AllocId, epoch: u64, latency_us: Option<u64>, success_ppm: Option<u32>, now: u64) -> Command {
+    Command::AllocReady(AllocReady {
+        alloc: a,
+        epoch,
+        ready: true,
+        endpoint: "127.0.0.1:9000".into(),
+        load_milli: None,
+        latency_us,
+        success_ppm,
+        now,
+    })
+}
+
+/// What job 1's replicas reported that is fresh at `now`, sorted.
+fn fresh(s: &State, now: u64) -> Reported {
+    let mut r = s.reported(s.job(JobId(1)).expect("job 1"), now);
+    r.latency_us.sort_unstable();
+    r.success_ppm.sort_unstable();
+    r
+}
+
+#[test]
+fn reported_latency_and_success_are_kept_per_replica_and_dropped_when_stale() {
+    let mut s = cluster(2);
+    let mut sp = service(3, 1);
+    sp.service.as_mut().expect("a service").report = Some(ServiceReport { period_s: 5, ..ServiceReport::default() });
+    apply_ok(&mut s, submit("svc", sp, 1));
+    schedule_once(&mut s, 1);
+    run_all(&mut s, 2);
+    let epoch = s.job(JobId(1)).expect("job").attempt;
+    let r = live(&s).into_iter().map(|x| x.0).collect::<Vec<_>>();
+    assert_eq!(r.len(), 3);
+
+    // Replica 0 reports both at 10, replica 1 only a latency at 20; replica 2 nothing.
+    assert_eq!(apply_ok(&mut s, measured(r[0], epoch, Some(12_000), Some(990_000), 10)), Response::Done);
+    let a = &s.allocs()[&r[0]];
+    assert_eq!((a.latency_us, a.success_ppm, a.ready), (Some((12_000, 10)), Some((990_000, 10)), true));
+    apply_ok(&mut s, measured(r[1], epoch, Some(30_000), None, 20));
+    apply_ok(&mut s, ready(r[2], epoch, true, "127.0.0.1:9000", 20));
+    assert_eq!(fresh(&s, 20), Reported { latency_us: vec![12_000, 30_000], success_ppm: vec![990_000] });
+
+    // A report without values keeps the last ones and their time.
+    apply_ok(&mut s, ready(r[0], epoch, true, "127.0.0.1:9001", 21));
+    assert_eq!(s.allocs()[&r[0]].latency_us, Some((12_000, 10)));
+
+    // Three periods (15 s) after replica 0's report it still counts; a second later it is
+    // stale and drops out, while replica 1's stays.
+    assert_eq!(fresh(&s, 25).latency_us, [12_000, 30_000]);
+    assert_eq!(fresh(&s, 26), Reported { latency_us: vec![30_000], success_ppm: vec![] });
+
+    // A replica that is not ready, or has ended, does not count.
+    apply_ok(&mut s, measured(r[0], epoch, Some(14_000), Some(1_000_000), 30));
+    apply_ok(&mut s, ready(r[1], epoch, false, "127.0.0.1:9000", 30));
+    assert_eq!(fresh(&s, 30), Reported { latency_us: vec![14_000], success_ppm: vec![1_000_000] });
+    apply_ok(&mut s, report(r[0], epoch, ReportedStatus::Failed, 31));
+    assert_eq!(fresh(&s, 31), Reported::default());
+
+    // Out of range: refused, naming the field.
+    let e = s.apply(measured(r[2], epoch, Some(MAX_LATENCY_US + 1), None, 32));
+    assert!(matches!(&e, Response::Rejected(CommandError::Invalid { field, .. }) if field == "latency_us"), "{e:?}");
+    let e = s.apply(measured(r[2], epoch, None, Some(1_000_001), 32));
+    assert!(matches!(&e, Response::Rejected(CommandError::Invalid { field, .. }) if field == "success_ppm"), "{e:?}");
+    assert_eq!(s.allocs()[&r[2]].latency_us, None);
+}
+
+#[test]
+fn without_a_report_section_nothing_reported_is_exported() {
+    let mut s = cluster(1);
+    apply_ok(&mut s, submit("svc", service(1, 1), 1));
+    schedule_once(&mut s, 1);
+    run_all(&mut s, 2);
+    let epoch = s.job(JobId(1)).expect("job").attempt;
+    let a = live(&s)[0].0;
+    apply_ok(&mut s, measured(a, epoch, Some(5_000), Some(500_000), 3));
+    assert_eq!(s.allocs()[&a].latency_us, Some((5_000, 3)), "kept on the allocation");
+    assert_eq!(fresh(&s, 3), Reported::default());
 }
 
 #[test]

@@ -8,6 +8,11 @@
 //!   ├ placed      AllocStatus Running per allocation          (its agent: the task starts)
 //!   └ preempted   AllocStatus Stopped per allocation of the job (its agents stop it at once)
 //!  Complete(job)  AllocStatus Succeeded per allocation        (its agents: the task exited 0)
+//!  services:      SubmitJob at the start; a placed replica runs, and is ready startup_s later
+//!   Ready         AllocReady ready                            (its agent's readiness probe)
+//!   Tick          AllocReady load per ready replica, then     (the replicas' load reports)
+//!                 State::autoscale_input ─▶ decide ─▶ UpdateService (the leader's autoscaler);
+//!                 AllocStatus Stopped per replica it stops    (its agents stop it at once)
 //! ```
 //!
 //! Every command is stamped with the simulated time, as the leader stamps what it proposes
@@ -16,7 +21,7 @@
 //! the measurements of [`super::metrics`].
 
 use super::metrics::{Metrics, quota_ratio};
-use super::report::{JobOutcome, Percentiles, QueueReport, ReplayReport, Unstarted};
+use super::report::{InferenceReport, JobOutcome, Percentiles, QueueReport, ReplayReport, ServiceReport, Unstarted};
 use super::{Progress, REFUSED_EXAMPLES, ReplayError, ReplayOptions, UNSTARTED_EXAMPLES, pass_seed};
 use crate::trace::TracePod;
 use std::cmp::Reverse;
@@ -27,8 +32,8 @@ use suanli_scheduler::cluster::Cluster;
 use suanli_scheduler::engine::ClusterView;
 use suanli_scheduler::policy::TieBreak;
 use suanli_state::{
-    AllocStatus, ApplyPlan, Command, JobState, PlanOutcome, RegisterNode, ReportedStatus, Response, State, StateConfig,
-    SubmitJob, UpsertQueue,
+    AllocReady, AllocStatus, ApplyPlan, AutoscaleHistory, Command, Desired, JobState, PlanOutcome, RegisterNode,
+    ReportedStatus, Response, State, StateConfig, SubmitJob, UpdateService, UpsertQueue,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -37,6 +42,10 @@ enum Ev {
     Complete { job: u32, run: u32 },
     /// A job is submitted.
     Arrive { job: u32 },
+    /// A service replica becomes ready (ignored when it stopped meanwhile).
+    Ready { svc: u32, alloc: AllocId },
+    /// A service's replicas report their load and the autoscaler decides.
+    Tick { svc: u32 },
     /// A wake-up for a pass delayed by the interval.
     Wake,
 }
@@ -105,6 +114,67 @@ impl SimJob {
     }
 }
 
+/// One inference service: its job and what its replicas and load did.
+#[derive(Debug, Clone)]
+pub(super) struct SimService {
+    /// Position in `ReplayOptions::services`.
+    load: usize,
+    spec: JobSpec,
+    queue: usize,
+    id: Option<JobId>,
+    usage: ResVec,
+    gpu_milli: u64,
+    /// Replicas running now (placed and not stopped), and those of them that are ready.
+    live: BTreeMap<AllocId, Arc<Allocation>>,
+    ready: BTreeSet<AllocId>,
+    /// The leader's autoscaler memory for this service.
+    history: AutoscaleHistory,
+    last_tick: u64,
+    observed_s: u64,
+    violation_s: u64,
+    ready_s: u128,
+    demand_milli_s: u128,
+    unserved_milli_s: u128,
+    /// Fewest and most ready replicas at a load report since the first one was ready.
+    ready_min: Option<u32>,
+    ready_max: u32,
+    ever_ready: bool,
+    scale_ups: u64,
+    scale_downs: u64,
+    scale_outs: Vec<u64>,
+    gpu_milli_s: u128,
+}
+
+impl SimService {
+    pub(super) fn new(load: usize, spec: JobSpec, queue: usize) -> Self {
+        let usage = spec.groups.first().map_or(ResVec::ZERO, |g| g.resources.as_resvec());
+        Self {
+            load,
+            gpu_milli: usage.gpu_milli,
+            usage,
+            spec,
+            queue,
+            id: None,
+            live: BTreeMap::new(),
+            ready: BTreeSet::new(),
+            history: AutoscaleHistory::default(),
+            last_tick: 0,
+            observed_s: 0,
+            violation_s: 0,
+            ready_s: 0,
+            demand_milli_s: 0,
+            unserved_milli_s: 0,
+            ready_min: None,
+            ready_max: 0,
+            ever_ready: false,
+            scale_ups: 0,
+            scale_downs: 0,
+            scale_outs: Vec::new(),
+            gpu_milli_s: 0,
+        }
+    }
+}
+
 /// A replay in progress.
 pub(super) struct Sim<'a> {
     opts: &'a ReplayOptions,
@@ -127,6 +197,11 @@ pub(super) struct Sim<'a> {
     /// Jobs pending now.
     pending: usize,
     m: Metrics,
+    /// Inference services, and their state machine ids.
+    svcs: Vec<SimService>,
+    svc_by_id: BTreeMap<JobId, usize>,
+    /// GPU milli of a static inference partition (0: shared).
+    partition_milli: u64,
 }
 
 /// The state machine's limits for a replay: the defaults, raised where the trace needs more
@@ -138,10 +213,12 @@ fn state_config(
     opts: &ReplayOptions,
 ) -> Result<StateConfig, ReplayError> {
     let replicas: usize = jobs.iter().map(|j| j.spec.groups.iter().map(|g| g.replicas as usize).sum::<usize>()).sum();
+    // A service runs at most max_replicas, plus one surge replica while it is replaced.
+    let replicas = replicas + opts.services.iter().map(|s| s.max_replicas as usize + 1).sum::<usize>();
     let d = StateConfig::default();
     let cfg = StateConfig {
         limits: opts.config.limits.clone(),
-        max_live_jobs: d.max_live_jobs.max(jobs.len()),
+        max_live_jobs: d.max_live_jobs.max(jobs.len() + opts.services.len()),
         max_nodes: d.max_nodes.max(nodes.len()),
         max_queues: d.max_queues.max(queues.len()),
         max_live_allocs: d.max_live_allocs.max(replicas),
@@ -162,6 +239,8 @@ impl<'a> Sim<'a> {
         queues: &'a [Queue],
         opts: &'a ReplayOptions,
         jobs: Vec<SimJob>,
+        svcs: Vec<SimService>,
+        partition_milli: u64,
     ) -> Result<Self, ReplayError> {
         let cluster = Cluster::new(nodes, &opts.config.limits, false, TieBreak::FixedOrder)?;
         let state = State::new(state_config(nodes, queues, &jobs, opts)?);
@@ -188,13 +267,45 @@ impl<'a> Sim<'a> {
             pending: 0,
             m: Metrics::new(cluster, queues, opts),
             jobs,
+            svcs,
+            svc_by_id: BTreeMap::new(),
+            partition_milli,
         };
         sim.define_queues()?;
         for n in nodes {
             let cmd = Command::RegisterNode(Box::new(RegisterNode { node: n.clone(), now: 0, fence: None }));
             sim.apply(cmd, || format!("register node {:?}", n.id.as_str()))?;
         }
+        sim.submit_services()?;
         Ok(sim)
+    }
+
+    /// Submits every service at the start; each one's first load report follows one period
+    /// later.
+    fn submit_services(&mut self) -> Result<(), ReplayError> {
+        for i in 0..self.svcs.len() {
+            let name = self.svcs[i].spec.name.clone();
+            let what = format!("submit service {name:?}");
+            let cmd = Command::SubmitJob(Box::new(SubmitJob {
+                client_request_id: format!("service-{i}"),
+                spec: self.svcs[i].spec.clone(),
+                retry: None,
+                now: 0,
+                trace: None,
+            }));
+            let id = match self.apply(cmd, || what.clone())? {
+                Response::JobSubmitted { job, created: true } => job,
+                other => return Err(self.unexpected(what, &other)),
+            };
+            self.svc_by_id.insert(id, i);
+            let period = self.opts.services[self.svcs[i].load].period_s;
+            let s = &mut self.svcs[i];
+            s.id = Some(id);
+            s.last_tick = self.now;
+            self.heap.push(Reverse((self.now.saturating_add(period), Ev::Tick { svc: i as u32 })));
+            self.dirty = true;
+        }
+        Ok(())
     }
 
     /// Stamps `cmd` with the simulated time (as the leader stamps what it proposes) and
@@ -238,6 +349,9 @@ impl<'a> Sim<'a> {
         let mut next_sample = self.m.sample_stride;
         let mut next_progress = 0u64;
         while let Some(&Reverse((t, _))) = self.heap.peek() {
+            if self.opts.until_s.is_some_and(|u| t > u) {
+                break;
+            }
             self.advance(t);
             while let Some(&Reverse((te, ev))) = self.heap.peek() {
                 if te != t {
@@ -248,10 +362,12 @@ impl<'a> Sim<'a> {
                 match ev {
                     Ev::Complete { job, run } => self.complete(job as usize, run)?,
                     Ev::Arrive { job } => self.arrive(job as usize)?,
+                    Ev::Ready { svc, alloc } => self.replica_ready(svc as usize, alloc)?,
+                    Ev::Tick { svc } => self.tick(svc as usize)?,
                     Ev::Wake => self.wake_at = None,
                 }
             }
-            if self.dirty && self.pending > 0 {
+            if self.dirty && self.wants_pass() {
                 let allowed = self.last_pass.map_or(t, |l| l.saturating_add(self.opts.interval_s));
                 if t >= allowed {
                     self.count_event()?;
@@ -260,7 +376,7 @@ impl<'a> Sim<'a> {
             }
             // Changes the last pass could not see yet (or made itself: preemptions) wait for a
             // wake-up one interval after it.
-            if self.dirty && self.pending > 0 && self.wake_at.is_none() {
+            if self.dirty && self.wake_at.is_none() && self.wants_pass() {
                 let at = self.last_pass.map_or(t, |l| l.saturating_add(self.opts.interval_s)).max(t);
                 self.wake_at = Some(at);
                 self.heap.push(Reverse((at, Ev::Wake)));
@@ -273,6 +389,11 @@ impl<'a> Sim<'a> {
                 progress(&self.progress());
                 next_progress = self.events + 4096;
             }
+        }
+        if let Some(u) = self.opts.until_s
+            && u > self.now
+        {
+            self.advance(u);
         }
         self.sample();
         progress(&self.progress());
@@ -307,8 +428,20 @@ impl<'a> Sim<'a> {
 
     /// Moves the clock to `t`, integrating usage over the elapsed time.
     fn advance(&mut self, t: u64) {
-        self.m.advance(t.saturating_sub(self.now), self.queues);
+        let dt = t.saturating_sub(self.now);
+        self.m.advance(dt, self.queues);
+        for s in &mut self.svcs {
+            s.gpu_milli_s += u128::from(s.gpu_milli) * s.live.len() as u128 * u128::from(dt);
+        }
         self.now = self.now.max(t);
+    }
+
+    /// A pass could place something: a job is pending, or a service misses replicas.
+    fn wants_pass(&self) -> bool {
+        self.pending > 0
+            || self.svcs.iter().any(|s| {
+                s.id.and_then(|id| self.state.job(id)).is_some_and(|j| self.state.missing_replicas(j).is_some())
+            })
     }
 
     fn sample(&mut self) {
@@ -483,7 +616,7 @@ impl<'a> Sim<'a> {
                 .unwrap_or_else(|| format!("node:{n}"))
         };
         let mut by_job: BTreeMap<suanli_model::JobId, Vec<String>> = BTreeMap::new();
-        for p in placements {
+        for p in placements.iter().filter(|p| !self.svc_by_id.contains_key(&p.job)) {
             by_job.entry(p.job).or_default().push(block(&p.node));
         }
         by_job
@@ -517,7 +650,12 @@ impl<'a> Sim<'a> {
             }
         };
         let mut victims: BTreeSet<usize> = BTreeSet::new();
+        let mut svc_stopped: Vec<(usize, AllocId)> = Vec::new();
         for id in &out.preempted {
+            if let Some((k, _)) = self.svc_alloc(id) {
+                svc_stopped.push((k, *id));
+                continue;
+            }
             victims.insert(job_of(self, id)?.0);
         }
         // A preemption of a gang's other replicas is refused as "already stopping" once the
@@ -541,13 +679,25 @@ impl<'a> Sim<'a> {
             self.dirty = true;
         }
         let mut placed: BTreeMap<usize, Vec<Arc<Allocation>>> = BTreeMap::new();
+        let mut svc_placed: Vec<(usize, Arc<Allocation>)> = Vec::new();
         for id in &out.placed {
+            if let Some(x) = self.svc_alloc(id) {
+                svc_placed.push(x);
+                continue;
+            }
             let (j, a) = job_of(self, id)?;
             placed.entry(j).or_default().push(a);
         }
         for &j in &victims {
             self.preempt(j, t)?;
         }
+        for (k, id) in svc_stopped {
+            self.stop_replica(k, id, "stopped for preemption")?;
+        }
+        for (k, a) in svc_placed {
+            self.replica_started(pass, k, a, t)?;
+        }
+
         for (j, allocs) in placed {
             self.start(pass, j, t, allocs)?;
         }
@@ -626,6 +776,225 @@ impl<'a> Sim<'a> {
         self.charge(j, true);
         self.debug_check(j);
         Ok(())
+    }
+
+    /// The service and allocation of a service replica's allocation id.
+    fn svc_alloc(&self, id: &AllocId) -> Option<(usize, Arc<Allocation>)> {
+        let a = self.state.allocs().get(id)?;
+        self.svc_by_id.get(&a.alloc.job).map(|&k| (k, a.alloc.clone()))
+    }
+
+    /// The endpoint a replica's agent reports (any host:port will do: nothing dials it).
+    fn endpoint(a: &Allocation) -> String {
+        format!("{}:8000", a.node)
+    }
+
+    /// A service replica was placed: its agent starts it, and it is ready `startup_s` later.
+    fn replica_started(&mut self, pass: u64, k: usize, a: Arc<Allocation>, t: u64) -> Result<(), ReplayError> {
+        if !self.m.occupy(&a) {
+            let msg = format!("placing a replica of service {} over-commits node {}", self.svcs[k].spec.name, a.node);
+            return Err(self.plan_err(pass, t, msg));
+        }
+        let cmd = Command::AllocStatus(AllocStatus {
+            alloc: a.id,
+            epoch: a.epoch,
+            status: ReportedStatus::Running,
+            message: String::new(),
+            end: None,
+            exit_code: None,
+            now: 0,
+        });
+        self.apply(cmd, || format!("replica {} of service {} running", a.id, a.job))?;
+        let s = &mut self.svcs[k];
+        s.live.insert(a.id, a.clone());
+        let (q, usage, gpu) = (s.queue, s.usage, s.gpu_milli);
+        let startup = self.opts.services[s.load].startup_s;
+        self.m.charge(q, usage, gpu, true, self.queues);
+        self.heap.push(Reverse((t.saturating_add(startup), Ev::Ready { svc: k as u32, alloc: a.id })));
+        Ok(())
+    }
+
+    /// A service replica passed its readiness probe; the state machine may count a scale-out
+    /// as served.
+    fn replica_ready(&mut self, k: usize, alloc: AllocId) -> Result<(), ReplayError> {
+        let Some(a) = self.svcs[k].live.get(&alloc).cloned() else {
+            return Ok(()); // stopped before it was ready
+        };
+        let id = a.job;
+        let before = self.state.job(id).and_then(|j| j.scale_out);
+        let cmd = Command::AllocReady(AllocReady {
+            alloc,
+            epoch: a.epoch,
+            ready: true,
+            endpoint: Self::endpoint(&a),
+            load_milli: None,
+            latency_us: None,
+            success_ppm: None,
+            now: 0,
+        });
+        self.apply(cmd, || format!("replica {alloc} of service {id} ready"))?;
+        self.svcs[k].ready.insert(alloc);
+        self.svcs[k].ever_ready = true;
+        let after = self.state.job(id).map(|j| (j.scale_out, j.scale_outs.last().copied()));
+        if before.is_some()
+            && let Some((None, Some(took))) = after
+        {
+            self.svcs[k].scale_outs.push(took);
+        }
+        self.stop_unwanted(k)
+    }
+
+    /// A service's load reports and its autoscaler's decision, every `period_s`: measures the
+    /// period that ended, each ready replica reports `demand / ready`, and a scale the
+    /// autoscaler decides is committed as the leader's autoscaler would (`UpdateService`).
+    fn tick(&mut self, k: usize) -> Result<(), ReplayError> {
+        let t = self.now;
+        let load = &self.opts.services[self.svcs[k].load];
+        let (period, capacity) = (load.period_s, load.capacity_rps);
+        let demand = load.demand_milli(t);
+        let s = &mut self.svcs[k];
+        let dt = t.saturating_sub(s.last_tick);
+        s.last_tick = t;
+        let ready = s.ready.len() as u64;
+        let cap = ready.saturating_mul(capacity).saturating_mul(1000);
+        s.observed_s += dt;
+        s.ready_s += u128::from(ready) * u128::from(dt);
+        s.demand_milli_s += u128::from(demand) * u128::from(dt);
+        if demand > cap {
+            s.violation_s += dt;
+            s.unserved_milli_s += u128::from(demand - cap) * u128::from(dt);
+        }
+        if s.ever_ready {
+            let r = ready as u32;
+            s.ready_min = Some(s.ready_min.map_or(r, |m| m.min(r)));
+            s.ready_max = s.ready_max.max(r);
+        }
+        if let Some(each) = demand.checked_div(ready) {
+            let reports: Vec<Arc<Allocation>> = s.ready.iter().filter_map(|id| s.live.get(id).cloned()).collect();
+            for a in reports {
+                let cmd = Command::AllocReady(AllocReady {
+                    alloc: a.id,
+                    epoch: a.epoch,
+                    ready: true,
+                    endpoint: Self::endpoint(&a),
+                    load_milli: Some(each),
+                    latency_us: None,
+                    success_ppm: None,
+                    now: 0,
+                });
+                self.apply(cmd, || format!("load report of replica {} of service {}", a.id, a.job))?;
+            }
+        }
+        if let Some(x) = self.svcs[k].id.and_then(|id| self.state.autoscale_input(id, t))
+            && let Some(wanted) = self.svcs[k].history.decide(&x.autoscale, x.current, &x.loads, t)
+            && wanted != x.current
+        {
+            let cmd =
+                Command::UpdateService(Box::new(UpdateService { job: x.job, spec: x.scaled_spec(wanted), now: 0 }));
+            self.apply(cmd, || format!("autoscale service {} to {wanted} replicas", x.job))?;
+            let s = &mut self.svcs[k];
+            if wanted > x.current {
+                s.scale_ups += 1;
+            } else {
+                s.scale_downs += 1;
+            }
+            self.dirty = true;
+            self.stop_unwanted(k)?;
+        }
+        self.heap.push(Reverse((t.saturating_add(period), Ev::Tick { svc: k as u32 })));
+        Ok(())
+    }
+
+    /// The agents stop the replicas the state machine no longer wants (a scale-down).
+    fn stop_unwanted(&mut self, k: usize) -> Result<(), ReplayError> {
+        let unwanted: Vec<AllocId> = self.svcs[k]
+            .live
+            .keys()
+            .filter(|id| self.state.allocs().get(id).is_some_and(|a| a.desired != Desired::Run))
+            .copied()
+            .collect();
+        for id in unwanted {
+            self.stop_replica(k, id, "stopped: scaled down")?;
+        }
+        Ok(())
+    }
+
+    /// A service replica's agent reports it stopped; its resources are free again.
+    fn stop_replica(&mut self, k: usize, id: AllocId, message: &str) -> Result<(), ReplayError> {
+        let Some(a) = self.svcs[k].live.remove(&id) else {
+            return Ok(());
+        };
+        self.svcs[k].ready.remove(&id);
+        let cmd = Command::AllocStatus(AllocStatus {
+            alloc: a.id,
+            epoch: a.epoch,
+            status: ReportedStatus::Stopped,
+            message: message.to_owned(),
+            end: None,
+            exit_code: None,
+            now: 0,
+        });
+        self.apply(cmd, || format!("replica {} of service {} stopped", a.id, a.job))?;
+        self.m.vacate(&a);
+        let s = &self.svcs[k];
+        let (q, usage, gpu) = (s.queue, s.usage, s.gpu_milli);
+        self.m.charge(q, usage, gpu, false, self.queues);
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// The services' results, and the batch work beside them.
+    fn inference_report(&self, completed: u64, cluster_milli_s: f64) -> Option<InferenceReport> {
+        if self.svcs.is_empty() {
+            return None;
+        }
+        let pct = |a: u128, b: u128| if b > 0 { a as f64 / b as f64 * 100.0 } else { 0.0 };
+        let mut all_outs = Vec::new();
+        let (mut viol, mut obs, mut unserved, mut demand, mut svc_milli_s) = (0u64, 0u64, 0u128, 0u128, 0u128);
+        let services = self
+            .svcs
+            .iter()
+            .map(|s| {
+                all_outs.extend_from_slice(&s.scale_outs);
+                viol += s.violation_s;
+                obs += s.observed_s;
+                unserved += s.unserved_milli_s;
+                demand += s.demand_milli_s;
+                svc_milli_s += s.gpu_milli_s;
+                ServiceReport {
+                    name: s.spec.name.clone(),
+                    scale_out_s: Percentiles::of(&mut s.scale_outs.clone()),
+                    scale_ups: s.scale_ups,
+                    scale_downs: s.scale_downs,
+                    ready_min: s.ready_min.unwrap_or(0),
+                    ready_max: s.ready_max,
+                    ready_mean: if s.observed_s > 0 { s.ready_s as f64 / s.observed_s as f64 } else { 0.0 },
+                    slo_violation_pct: pct(u128::from(s.violation_s), u128::from(s.observed_s)),
+                    unserved_pct: pct(s.unserved_milli_s, s.demand_milli_s),
+                    gpu_hours: s.gpu_milli_s as f64 / 1000.0 / 3600.0,
+                }
+            })
+            .collect();
+        let batch_milli_s = self.m.alloc_gpu_milli_s.saturating_sub(svc_milli_s);
+        let goodput_milli_s = batch_milli_s.saturating_sub(self.m.lost_gpu_milli_s);
+        let h = |x: u128| x as f64 / 1000.0 / 3600.0;
+        Some(InferenceReport {
+            mode: if self.partition_milli > 0 { "static" } else { "shared" }.into(),
+            partition_gpu_milli: self.partition_milli,
+            services,
+            scale_out_s: Percentiles::of(&mut all_outs),
+            slo_violation_pct: pct(u128::from(viol), u128::from(obs)),
+            unserved_pct: pct(unserved, demand),
+            service_gpu_hours: h(svc_milli_s),
+            batch_gpu_hours: h(batch_milli_s),
+            batch_goodput_gpu_hours: h(goodput_milli_s),
+            batch_goodput_pct: if cluster_milli_s > 0.0 {
+                goodput_milli_s as f64 / cluster_milli_s * 100.0
+            } else {
+                0.0
+            },
+            batch_completed: completed,
+        })
     }
 
     /// Why a job still waits, as the state machine last recorded it.
@@ -739,6 +1108,7 @@ impl<'a> Sim<'a> {
             refused_examples: self.m.refused_examples(),
             queues,
             never_started_examples: examples,
+            inference: self.inference_report(completed, cluster_milli_s),
             series: self.m.series.clone(),
             job_outcomes: if self.opts.record_jobs {
                 self.jobs

@@ -38,7 +38,7 @@ pub fn read_queues(path: &Path) -> Result<Vec<Queue>, ReplayError> {
     let file = std::fs::File::open(path).map_err(|source| ReplayError::Io { path: p.clone(), source })?;
     let size = file.metadata().map_err(|source| ReplayError::Io { path: p.clone(), source })?.len();
     if size > MAX_QUEUES_BYTES {
-        return Err(ReplayError::TooLarge { path: p, size });
+        return Err(ReplayError::TooLarge { path: p, size, limit: MAX_QUEUES_BYTES });
     }
     let mut bytes = Vec::new();
     file.take(MAX_QUEUES_BYTES)

@@ -119,6 +119,113 @@ pub struct JobOutcome {
     pub preemptions: u32,
 }
 
+/// One inference service's results (docs/sim.md, "Inference services").
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ServiceReport {
+    /// Service name.
+    pub name: String,
+    /// Scale-out times, seconds: from the autoscaler's scale-up (at the first load report
+    /// over the target) until the replicas it asked for are all ready, as the state machine
+    /// measures it for `suanli_inference_scale_out_seconds`.
+    pub scale_out_s: Percentiles,
+    /// Scale-ups the autoscaler committed.
+    pub scale_ups: u64,
+    /// Scale-downs the autoscaler committed.
+    pub scale_downs: u64,
+    /// Fewest ready replicas seen at a load report, once the first replica was ready.
+    pub ready_min: u32,
+    /// Most ready replicas seen at a load report.
+    pub ready_max: u32,
+    /// Time-weighted mean of ready replicas.
+    pub ready_mean: f64,
+    /// % of the time the demand exceeded the ready replicas' capacity (SLO violated).
+    pub slo_violation_pct: f64,
+    /// % of the requests beyond the ready replicas' capacity.
+    pub unserved_pct: f64,
+    /// GPU-hours its replicas held.
+    pub gpu_hours: f64,
+}
+
+/// What the inference services of a replay measured, and the batch work beside them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct InferenceReport {
+    /// `shared` (services and batch on every node, services preempt batch) or `static`
+    /// (services on a partition of their own, sized for their peak).
+    pub mode: String,
+    /// GPU milli of the inference partition (`static` only; 0 when shared).
+    pub partition_gpu_milli: u64,
+    /// Per service, in file order.
+    pub services: Vec<ServiceReport>,
+    /// Scale-out times of every service, seconds.
+    pub scale_out_s: Percentiles,
+    /// % of service-time over the SLO (all services, time-weighted).
+    pub slo_violation_pct: f64,
+    /// % of all requests beyond the ready replicas' capacity.
+    pub unserved_pct: f64,
+    /// GPU-hours the services held.
+    pub service_gpu_hours: f64,
+    /// GPU-hours batch work held (including work later lost to preemption).
+    pub batch_gpu_hours: f64,
+    /// Batch goodput: batch GPU-hours minus those lost to preemption.
+    pub batch_goodput_gpu_hours: f64,
+    /// Batch goodput as % of the cluster's GPU-hours over the replayed span.
+    pub batch_goodput_pct: f64,
+    /// Batch jobs completed.
+    pub batch_completed: u64,
+}
+
+impl InferenceReport {
+    fn table(&self, s: &mut String) {
+        let h = |x: u64| format_duration(x);
+        let _ = writeln!(
+            s,
+            "inference ({}{}): scale-outs {}, scale-out p50 {} p99 {} max {}; SLO violated {:.2}% of service-time, {:.3}% of requests unserved",
+            self.mode,
+            if self.partition_gpu_milli > 0 {
+                format!(", partition of {:.0} GPU(s)", self.partition_gpu_milli as f64 / 1000.0)
+            } else {
+                String::new()
+            },
+            self.scale_out_s.count,
+            h(self.scale_out_s.p50),
+            h(self.scale_out_s.p99),
+            h(self.scale_out_s.max),
+            self.slo_violation_pct,
+            self.unserved_pct
+        );
+        let _ = writeln!(
+            s,
+            "{:<20} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}",
+            "service", "ups", "downs", "ready", "min", "max", "p99 out", "SLO viol%", "unserved%", "GPU-hours"
+        );
+        for x in &self.services {
+            let _ = writeln!(
+                s,
+                "{:<20} {:>6} {:>6} {:>8.2} {:>8} {:>8} {:>8} {:>9.2} {:>10.3} {:>10.1}",
+                x.name,
+                x.scale_ups,
+                x.scale_downs,
+                x.ready_mean,
+                x.ready_min,
+                x.ready_max,
+                h(x.scale_out_s.p99),
+                x.slo_violation_pct,
+                x.unserved_pct,
+                x.gpu_hours
+            );
+        }
+        let _ = writeln!(
+            s,
+            "batch: {} completed, {:.1} GPU-h held, goodput {:.1} GPU-h ({:.2}% of the cluster); services {:.1} GPU-h",
+            self.batch_completed,
+            self.batch_gpu_hours,
+            self.batch_goodput_gpu_hours,
+            self.batch_goodput_pct,
+            self.service_gpu_hours
+        );
+    }
+}
+
 /// Everything a replay measured. Deterministic for a seed: it holds no wall-clock times.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReplayReport {
@@ -191,6 +298,10 @@ pub struct ReplayReport {
     /// Every job's outcome, in submission order (only with [`super::ReplayOptions::record_jobs`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub job_outcomes: Vec<JobOutcome>,
+    /// The inference services' results (only with [`super::ReplayOptions::services`]); the
+    /// job counts above are the trace's (batch) jobs only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inference: Option<InferenceReport>,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -302,6 +413,9 @@ impl ReplayReport {
         }
         for u in &self.never_started_examples {
             let _ = writeln!(s, "never started: {} (queue {}): {}", u.name, u.queue, u.reason);
+        }
+        if let Some(i) = &self.inference {
+            i.table(&mut s);
         }
         s
     }
