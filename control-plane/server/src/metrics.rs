@@ -398,7 +398,7 @@ fn inference(reg: &mut Reg, s: &State, now: u64) {
     let live = reg.gauge("suanli_inference_jobs", "Live services, by queue.");
     let load = reg.gauge(
         "suanli_inference_load",
-        "Average load its ready replicas last reported (the autoscaling metric's unit), by queue and service (autoscaled services only).",
+        "Average load its ready replicas reported within three autoscaling periods, as the autoscaler sees it (the autoscaling metric's unit), by queue and service (running autoscaled services only; absent without fresh reports).",
     );
     let target = reg.gauge(
         "suanli_inference_load_target",
@@ -446,7 +446,8 @@ fn inference(reg: &mut Reg, s: &State, now: u64) {
         if let Some(a) = j.spec.service().and_then(|sv| sv.autoscale.clone()) {
             let sl = l([("queue", j.spec.queue.as_str()), ("service", j.spec.name.as_str())]);
             set(&target, sl.clone(), a.target as f64);
-            let loads: Vec<u64> = allocs().filter(|a| a.ready).filter_map(|a| a.load.map(|(v, _)| v)).collect();
+            // The loads the autoscaler decides on: fresh reports of ready replicas.
+            let loads = s.autoscale_input(j.id, now).map(|x| x.loads).unwrap_or_default();
             if !loads.is_empty() {
                 set(&load, sl, loads.iter().sum::<u64>() as f64 / loads.len() as f64 / 1000.0);
             }
@@ -721,7 +722,7 @@ mod tests {
     /// exported by queue and service while the reports are fresh (within three
     /// `service.report` periods), and not after.
     #[test]
-    fn reported_latency_and_success_are_exported_while_fresh() {
+    fn reported_latency_success_and_load_are_exported_while_fresh() {
         use suanli_state::{AllocReady, AllocStatus, ApplyPlan, ReportedStatus};
         let mut s = state(0);
         let mut q = Queue::new("q", ResVec { gpu_milli: 4000, ..ResVec::MAX });
@@ -729,7 +730,8 @@ mod tests {
         s.apply(Command::UpsertQueue(UpsertQueue { queue: q }));
         let spec = serde_json::from_value(serde_json::json!({"name": "api", "queue": "q", "kind": "inference",
             "groups": [{"name": "w", "replicas": 2, "resources": {"cpu_milli": 100}}],
-            "service": {"report": {"period_s": 5}}}))
+            "service": {"report": {"period_s": 5},
+                        "autoscale": {"min_replicas": 1, "max_replicas": 4, "target": 10, "period_s": 5}}}))
         .expect("spec");
         s.apply(Command::SubmitJob(Box::new(SubmitJob {
             client_request_id: "api".into(),
@@ -742,7 +744,8 @@ mod tests {
         s.apply(Command::ApplyPlan(ApplyPlan { plan, now: 20 }));
         let allocs: Vec<_> = s.allocs().values().map(|a| a.alloc.clone()).collect();
         assert_eq!(allocs.len(), 2);
-        for (a, (latency_us, success_ppm)) in allocs.iter().zip([(10_000, 1_000_000), (30_000, 900_000)]) {
+        let reports = [(10_000, 1_000_000, 5_000), (30_000, 900_000, 15_000)];
+        for (a, (latency_us, success_ppm, load)) in allocs.iter().zip(reports) {
             s.apply(Command::AllocStatus(AllocStatus {
                 alloc: a.id,
                 epoch: a.epoch,
@@ -757,7 +760,7 @@ mod tests {
                 epoch: a.epoch,
                 ready: true,
                 endpoint: "127.0.0.1:9000".into(),
-                load_milli: None,
+                load_milli: Some(load),
                 latency_us: Some(latency_us),
                 success_ppm: Some(success_ppm),
                 now: 22,
@@ -774,12 +777,16 @@ mod tests {
         for want in [
             "suanli_inference_latency_ms{queue=\"q\",service=\"api\"} 20.0",
             "suanli_inference_success_ratio{queue=\"q\",service=\"api\"} 0.95",
+            "suanli_inference_load{queue=\"q\",service=\"api\"} 10.0",
         ] {
             assert!(fresh.contains(want), "missing {want:?} in\n{fresh}");
         }
         let stale = text(38);
         assert!(!stale.contains("suanli_inference_latency_ms{"), "{stale}");
         assert!(!stale.contains("suanli_inference_success_ratio{"), "{stale}");
+        // The load too, as the autoscaler sees it: three autoscaling periods.
+        assert!(!stale.contains("suanli_inference_load{"), "{stale}");
+        assert!(stale.contains("suanli_inference_load_target{queue=\"q\",service=\"api\"} 10"), "{stale}");
     }
 
     /// The cost of a scrape's replicated part for 10,000 jobs (docs/metrics.md quotes it).

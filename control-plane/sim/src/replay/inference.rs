@@ -14,7 +14,6 @@
 
 use super::ReplayError;
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::Path;
 use suanli_model::{
     Autoscale, Constraints, DeviceKind, DeviceRequest, JobKind, JobSpec, LoadSource, Node, QueueId, ServiceSpec,
@@ -171,21 +170,16 @@ impl ServiceLoad {
 /// Reads a services file (see [`SERVICE_COLUMNS`] and docs/sim.md). Errors name the file,
 /// line and field.
 pub fn read_services(path: &Path) -> Result<Vec<ServiceLoad>, ReplayError> {
-    let p = path.display().to_string();
-    let file = std::fs::File::open(path).map_err(|source| ReplayError::Io { path: p.clone(), source })?;
-    let size = file.metadata().map_err(|source| ReplayError::Io { path: p.clone(), source })?.len();
-    if size > MAX_SERVICES_BYTES {
-        return Err(ReplayError::TooLarge { path: p, size, limit: MAX_SERVICES_BYTES });
-    }
-    let mut text = String::new();
-    file.take(MAX_SERVICES_BYTES)
-        .read_to_string(&mut text)
-        .map_err(|source| ReplayError::Io { path: p.clone(), source })?;
-    parse_services_str(&p, &text)
+    let (p, bytes) = super::queues::read_bounded(path, MAX_SERVICES_BYTES)?;
+    parse_services(&p, &bytes)
 }
 
 /// Same as [`read_services`] from text; `name` is used in error messages.
 pub fn parse_services_str(path: &str, text: &str) -> Result<Vec<ServiceLoad>, ReplayError> {
+    parse_services(path, text.as_bytes())
+}
+
+fn parse_services(path: &str, bytes: &[u8]) -> Result<Vec<ServiceLoad>, ReplayError> {
     let file_err = |line: u64, message: String| ReplayError::QueueFile { path: path.to_owned(), line, message };
     let field_err = |line: u64, field: &str, message: String| ReplayError::QueueField {
         path: path.to_owned(),
@@ -193,25 +187,11 @@ pub fn parse_services_str(path: &str, text: &str) -> Result<Vec<ServiceLoad>, Re
         field: field.to_owned(),
         message,
     };
-    let mut rdr =
-        csv::ReaderBuilder::new().has_headers(true).flexible(false).comment(Some(b'#')).from_reader(text.as_bytes());
+    let mut rdr = csv::ReaderBuilder::new().has_headers(true).flexible(false).comment(Some(b'#')).from_reader(bytes);
     let csv_err = |e: csv::Error| file_err(e.position().map_or(0, |p| p.line()), e.to_string());
     let headers = rdr.headers().map_err(csv_err)?.clone();
-    let mut col: BTreeMap<&str, usize> = BTreeMap::new();
-    for (i, h) in headers.iter().enumerate() {
-        let h = h.trim();
-        let Some(known) = SERVICE_COLUMNS.iter().find(|c| **c == h) else {
-            return Err(file_err(1, format!("unknown column {h:?}; valid columns: {}", SERVICE_COLUMNS.join(","))));
-        };
-        if col.insert(known, i).is_some() {
-            return Err(file_err(1, format!("column {h:?} appears twice")));
-        }
-    }
-    for c in ["name", "max_replicas", "capacity_rps", "peak_rps"] {
-        if !col.contains_key(c) {
-            return Err(file_err(1, format!("missing column {c:?} (columns: {})", SERVICE_COLUMNS.join(","))));
-        }
-    }
+    let required = ["name", "max_replicas", "capacity_rps", "peak_rps"];
+    let col = super::queues::header_columns(path, &headers, &SERVICE_COLUMNS, &required)?;
     let limits = suanli_model::Limits::default();
     let mut out: Vec<ServiceLoad> = Vec::new();
     let mut seen: BTreeMap<String, u64> = BTreeMap::new();

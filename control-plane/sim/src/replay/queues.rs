@@ -34,17 +34,47 @@ pub fn default_queue() -> Queue {
 /// Reads a queues file (`name,team,parent,cohort,weight,cpu_milli,memory_mib,gpu_milli,
 /// npu_milli,borrow_gpu_milli`; see docs/sim.md). Errors name the file, line and field.
 pub fn read_queues(path: &Path) -> Result<Vec<Queue>, ReplayError> {
+    let (p, bytes) = read_bounded(path, MAX_QUEUES_BYTES)?;
+    parse_queues(&p, &bytes)
+}
+
+/// A small input file of a replay (queues, services), refused when larger than `limit`
+/// bytes; returns its name for messages and its bytes.
+pub(super) fn read_bounded(path: &Path, limit: u64) -> Result<(String, Vec<u8>), ReplayError> {
     let p = path.display().to_string();
     let file = std::fs::File::open(path).map_err(|source| ReplayError::Io { path: p.clone(), source })?;
     let size = file.metadata().map_err(|source| ReplayError::Io { path: p.clone(), source })?.len();
-    if size > MAX_QUEUES_BYTES {
-        return Err(ReplayError::TooLarge { path: p, size, limit: MAX_QUEUES_BYTES });
+    if size > limit {
+        return Err(ReplayError::TooLarge { path: p, size, limit });
     }
     let mut bytes = Vec::new();
-    file.take(MAX_QUEUES_BYTES)
-        .read_to_end(&mut bytes)
-        .map_err(|source| ReplayError::Io { path: p.clone(), source })?;
-    parse_queues(&p, &bytes)
+    file.take(limit).read_to_end(&mut bytes).map_err(|source| ReplayError::Io { path: p.clone(), source })?;
+    Ok((p, bytes))
+}
+
+/// The column positions of a CSV header whose columns must all be among `known` (each at
+/// most once), with `required` ones present. Errors name the file and line 1.
+pub(super) fn header_columns(
+    path: &str,
+    headers: &csv::StringRecord,
+    known: &[&'static str],
+    required: &[&'static str],
+) -> Result<BTreeMap<&'static str, usize>, ReplayError> {
+    let err = |message: String| ReplayError::QueueFile { path: path.to_owned(), line: 1, message };
+    let mut col: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for (i, h) in headers.iter().enumerate() {
+        let h = h.trim();
+        let Some(k) = known.iter().find(|c| **c == h) else {
+            return Err(err(format!("unknown column {h:?}; valid columns: {}", known.join(","))));
+        };
+        if col.insert(k, i).is_some() {
+            return Err(err(format!("column {h:?} appears twice")));
+        }
+    }
+    if let Some(c) = required.iter().find(|c| !col.contains_key(**c)) {
+        return Err(err(format!("missing column {c:?} (columns: {})", known.join(","))));
+    }
+    Ok(col)
 }
 
 /// Same as [`read_queues`] from text; `name` is used in error messages.
@@ -63,19 +93,7 @@ fn parse_queues(path: &str, bytes: &[u8]) -> Result<Vec<Queue>, ReplayError> {
     let mut rdr = csv::ReaderBuilder::new().has_headers(true).flexible(false).comment(Some(b'#')).from_reader(bytes);
     let csv_err = |e: csv::Error| file_err(e.position().map_or(0, |p| p.line()), e.to_string());
     let headers = rdr.headers().map_err(csv_err)?.clone();
-    let mut col: BTreeMap<&str, usize> = BTreeMap::new();
-    for (i, h) in headers.iter().enumerate() {
-        let h = h.trim();
-        let Some(known) = QUEUE_COLUMNS.iter().find(|c| **c == h) else {
-            return Err(file_err(1, format!("unknown column {h:?}; valid columns: {}", QUEUE_COLUMNS.join(","))));
-        };
-        if col.insert(known, i).is_some() {
-            return Err(file_err(1, format!("column {h:?} appears twice")));
-        }
-    }
-    if !col.contains_key("name") {
-        return Err(file_err(1, format!("missing column \"name\" (columns: {})", QUEUE_COLUMNS.join(","))));
-    }
+    let col = header_columns(path, &headers, &QUEUE_COLUMNS, &["name"])?;
     let limits = suanli_model::Limits::default();
     let mut queues: Vec<Queue> = Vec::new();
     let mut lines: Vec<u64> = Vec::new();
