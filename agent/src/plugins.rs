@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use suanli_device_host::supervisor::{HostError, Options, PluginProcess, PluginState};
 use suanli_device_host::{Code, pb};
-use suanli_model::{Device, DeviceKind, Health};
+use suanli_model::{Device, DeviceKind, Health, ShareIsolation};
 use tokio::sync::{Notify, watch};
 
 /// What the agent knows about one plugin right now.
@@ -434,6 +434,11 @@ impl Plugins {
                     numa: d.numa_node,
                     peer_group: d.peer_group,
                     partition_of: if d.partition_of.is_empty() { None } else { Some(d.partition_of.clone()) },
+                    share_isolation: if d.share_isolation == 1 {
+                        ShareIsolation::Enforced
+                    } else {
+                        ShareIsolation::Advisory
+                    },
                 };
                 out.push(LocalDevice { device, reason, owner: i });
             }

@@ -38,7 +38,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use suanli_model::DeviceKind;
+use suanli_model::{DeviceKind, ShareIsolation};
 use suanli_proto::v1 as pb;
 use tokio::sync::watch;
 use tracing::Instrument as _;
@@ -933,8 +933,12 @@ fn task_env(
     env.extend(plugin_env);
     let group = if a.group_name.is_empty() { a.group.to_string() } else { a.group_name.clone() };
     let devices: Vec<String> = a.devices.iter().map(|d| format!("{}:{}", d.device, d.milli)).collect();
-    let kinds: BTreeMap<String, DeviceKind> =
-        agent.plugins.devices().into_iter().map(|d| (d.device.id.clone(), d.device.kind)).collect();
+    let kinds: BTreeMap<String, (DeviceKind, ShareIsolation)> = agent
+        .plugins
+        .devices()
+        .into_iter()
+        .map(|d| (d.device.id.clone(), (d.device.kind, d.device.share_isolation)))
+        .collect();
     let ours = [
         ("SUANLI_JOB_ID", a.job_id.to_string()),
         ("SUANLI_JOB_NAME", a.job_name.clone()),
@@ -962,17 +966,17 @@ fn task_env(
     if !device_files.is_empty() {
         env.insert("SUANLI_DEVICE_FILES".into(), device_files.join(":"));
     }
-    // A fractional share: tell the task how much of the device is its own.
+    // A fractional share: tell the task how much of the device is its own, and whether the
+    // node holds it to that (the plugin's reserve set the limits: MPS variables for an NVIDIA
+    // GPU) or only tells it.
     for d in a.devices.iter().filter(|d| d.milli < 1000) {
-        let kind = kinds.get(&d.device).copied().unwrap_or(DeviceKind::Gpu);
+        let (kind, isolation) = kinds.get(&d.device).copied().unwrap_or((DeviceKind::Gpu, ShareIsolation::Advisory));
         let p = kind.as_str().to_ascii_uppercase();
         env.insert(format!("SUANLI_{p}_MILLI"), d.milli.to_string());
         if d.memory_mib > 0 {
             env.insert(format!("SUANLI_{p}_MEMORY_MIB"), d.memory_mib.to_string());
         }
-        if kind == DeviceKind::Gpu {
-            env.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), d.milli.div_ceil(10).max(1).to_string());
-        }
+        env.insert(format!("SUANLI_{p}_SHARE_ISOLATION"), isolation.as_str().into());
     }
     env
 }

@@ -162,6 +162,7 @@ mod tests {
                 nodes: vec![NodeId::from("n1")],
                 avoid_nodes: vec![NodeId::from("n2")],
                 gang_topology: suanli_model::GangTopology::RequireBlock,
+                share_isolation: suanli_model::ShareIsolation::Enforced,
             },
             runtime_estimate_s: Some(5),
             checkpoint: Some(CheckpointPolicy {
@@ -257,6 +258,7 @@ mod tests {
                 numa: 1,
                 peer_group: Some(0),
                 partition_of: Some("x".into()),
+                share_isolation: suanli_model::ShareIsolation::Enforced,
             }],
             schedulable: false,
             agent_addr: "127.0.0.1:7401".into(),

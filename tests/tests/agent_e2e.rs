@@ -502,13 +502,23 @@ async fn abi_1_2_shares_reach_the_plugin_and_are_released_and_a_1_1_plugin_still
     assert!(log.contains("abi=1.3") && log.contains("abi=1.1"), "both plugins loaded:\n{log}");
 
     let rec = tmp.path().join("record.txt");
-    let half = |name: &str| {
+    let limits = tmp.path().join("limits.txt");
+    // Each half records the limits it was given before the usual record lines.
+    let half = |name: &str, model: &str| {
         let mut spec = record_job(name, &rec, 1.5, 1, false, Some(("gpu", 1, 500)));
-        spec["constraints"] = serde_json::json!({"device_models": ["A100-80G"]});
+        spec["constraints"] = serde_json::json!({"device_models": [model], "share_isolation": "enforced"});
+        let script = spec["groups"][0]["task"]["args"][1].as_str().unwrap().to_owned();
+        spec["groups"][0]["task"]["args"][1] = serde_json::Value::from(format!(
+            "echo \"$SUANLI_JOB_ID $SUANLI_GPU_SHARE_ISOLATION $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $CUDA_MPS_PINNED_DEVICE_MEM_LIMIT\" >> {:?}; {script}",
+            limits.display().to_string()
+        ));
         spec
     };
-    let h1 = submit(&addr, "half-1", &half("half-1")).await;
-    let h2 = submit(&addr, "half-2", &half("half-2")).await;
+    let h1 = submit(&addr, "half-1", &half("half-1", "A100-80G")).await;
+    let h2 = submit(&addr, "half-2", &half("half-2", "A100-80G")).await;
+    // The 1.1 example plugin's GPU does not limit shares: a half that requires it waits, and
+    // says why.
+    let advisory = submit(&addr, "half-advisory", &half("half-advisory", "ExampleGPU-16G")).await;
     let mut whole = record_job("on-1.1", &rec, 0.2, 1, false, Some(("gpu", 1, 1000)));
     whole["constraints"] = serde_json::json!({"device_models": ["ExampleGPU-16G"]});
     let w = submit(&addr, "on-1.1", &whole).await;
@@ -516,6 +526,14 @@ async fn abi_1_2_shares_reach_the_plugin_and_are_released_and_a_1_1_plugin_still
     for (id, j) in &jobs {
         assert_eq!(j.state, "succeeded", "job {id}: {j:?}\n{}", a.log());
     }
+    // Share isolation: both halves ran on the fake GPU, which enforces shares, with its limits;
+    // the one asking it of the example's GPU still waits, naming the constraint.
+    let got: BTreeSet<String> = std::fs::read_to_string(&limits).unwrap().lines().map(str::to_owned).collect();
+    assert_eq!(got, BTreeSet::from([h1, h2].map(|j| format!("{j} enforced 50 0=20480M"))), "{got:?}");
+    let j = support::job(&addr, advisory).await;
+    assert_eq!(j.state, "pending", "{j:?}");
+    assert!(j.reason.contains("gpu shares not isolated (constraints.share_isolation = enforced)"), "{}", j.reason);
+
     let lines = read_lines(&rec);
     let on_example = lines.iter().find(|l| l.start && l.job == w).expect("the 1.1 job ran");
     assert!(on_example.devices.iter().all(|(d, _)| d.starts_with("example")), "{on_example:?}");

@@ -40,6 +40,42 @@ pub enum Health {
     Unhealthy,
 }
 
+/// How far a fractional share of a device is limited by the node, not only accounted by the
+/// scheduler (docs/services.md, "Isolation of shared GPUs").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ShareIsolation {
+    /// The task is told its share (`SUANLI_GPU_MILLI`) and nothing on the node holds it to it:
+    /// co-located shares rely on the scheduler's accounting and the tasks' restraint. What a
+    /// device is unless its plugin says otherwise.
+    #[default]
+    Advisory,
+    /// The plugin limits each share (an MPS control daemon with per-client active-thread and
+    /// pinned-memory limits, a vNPU): a task cannot take more compute threads or device memory
+    /// than it was given.
+    Enforced,
+}
+
+impl ShareIsolation {
+    /// The lowercase name used in specs and listings.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ShareIsolation::Advisory => "advisory",
+            ShareIsolation::Enforced => "enforced",
+        }
+    }
+    /// True for the default ([`ShareIsolation::Advisory`]).
+    pub fn is_advisory(&self) -> bool {
+        *self == ShareIsolation::Advisory
+    }
+}
+
+impl fmt::Display for ShareIsolation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// One schedulable device on a node. A MIG or vNPU partition is a device of its own whose
 /// `partition_of` names the physical device.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -66,6 +102,9 @@ pub struct Device {
     /// For a partition (MIG, vNPU), the id of the physical device it is carved from.
     #[serde(default)]
     pub partition_of: Option<String>,
+    /// Whether fractional shares of it are limited on the node (its plugin's report).
+    #[serde(default, skip_serializing_if = "ShareIsolation::is_advisory")]
+    pub share_isolation: ShareIsolation,
 }
 
 impl Device {
@@ -80,6 +119,7 @@ impl Device {
             numa: 0,
             peer_group: None,
             partition_of: None,
+            share_isolation: ShareIsolation::Advisory,
         }
     }
 }

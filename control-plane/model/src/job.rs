@@ -1,7 +1,7 @@
 //! Job specifications: what a team asks for.
 
 use crate::error::{ValidationError, check_name, check_range, check_value};
-use crate::{DeviceKind, Limits, NodeId, PoolId, QueueId, ResVec, WHOLE_DEVICE_MILLI};
+use crate::{DeviceKind, Limits, NodeId, PoolId, QueueId, ResVec, ShareIsolation, WHOLE_DEVICE_MILLI};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -208,6 +208,11 @@ pub struct Constraints {
     /// How a gang spanning nodes is kept together in the network (gangs only).
     #[serde(skip_serializing_if = "GangTopology::is_default")]
     pub gang_topology: GangTopology,
+    /// The least isolation a fractional device share needs: `enforced` places the job's
+    /// fractional replicas only on devices whose plugin limits each share (MPS); whole-device
+    /// requests are not affected (a whole device is not shared).
+    #[serde(skip_serializing_if = "ShareIsolation::is_advisory")]
+    pub share_isolation: ShareIsolation,
 }
 
 /// How a job checkpoints, so preemption can save its work.

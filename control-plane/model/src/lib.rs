@@ -34,7 +34,7 @@ pub use alloc::{Allocation, ElasticRole};
 pub use checkpoint::{
     CheckpointHardware, CheckpointManifest, MANIFEST_FILE, ManifestDecodeError, check_checkpoint_path,
 };
-pub use device::{Device, DeviceKind, Health};
+pub use device::{Device, DeviceKind, Health, ShareIsolation};
 pub use error::ValidationError;
 pub use ids::{AllocId, JobId, NodeId, PoolId, QueueId};
 pub use input::InputError;

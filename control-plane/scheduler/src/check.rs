@@ -289,6 +289,16 @@ pub fn capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
                     );
                     ensure!(
                         P,
+                        req.milli >= suanli_model::WHOLE_DEVICE_MILLI || c.share_isolation <= d.share_isolation,
+                        "job {} needs {} share isolation and got {}/{} ({})",
+                        p.job,
+                        c.share_isolation,
+                        p.node,
+                        d.id,
+                        d.share_isolation
+                    );
+                    ensure!(
+                        P,
                         s.milli == req.milli && s.memory_mib == req.memory_mib,
                         "job {} share {s:?} does not match request {req:?}",
                         p.job

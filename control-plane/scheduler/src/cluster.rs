@@ -22,7 +22,8 @@ use std::collections::BTreeSet;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use suanli_model::{
-    Constraints, DeviceKind, DeviceShare, Health, Limits, Node, NodeId, PoolId, TaskResources, WHOLE_DEVICE_MILLI,
+    Constraints, DeviceKind, DeviceShare, Health, Limits, Node, NodeId, PoolId, ShareIsolation, TaskResources,
+    WHOLE_DEVICE_MILLI,
 };
 use thiserror::Error;
 
@@ -77,6 +78,9 @@ pub struct DevStatic {
     /// slice serves only single-device requests (CUDA shows a process one MIG instance), and
     /// adds no capacity of its own: the physical device is counted once, as the parent.
     pub partition: bool,
+    /// Its plugin limits fractional shares (`ShareIsolation::Enforced`): the only devices a
+    /// share that requires isolation may use.
+    pub isolated: bool,
 }
 
 /// Nodes that are identical in everything but their current usage.
@@ -151,6 +155,9 @@ pub struct DevReq {
     pub milli: u16,
     /// Memory slice per device, MiB.
     pub memory_mib: u64,
+    /// A share that needs a device whose plugin limits shares (`constraints.share_isolation =
+    /// "enforced"`); always false for whole devices.
+    pub isolated: bool,
 }
 
 impl DevReq {
@@ -449,7 +456,11 @@ impl Cluster {
                 let model = c.intern_model(&d.model)?;
                 let block = block_of(&mut blocks, d.numa, d.peer_group);
                 let partition = parent[i].is_some();
-                slots.push((DevStatic { kind: d.kind, model, memory_mib: d.memory_mib, block, partition }, i as u16));
+                let isolated = d.share_isolation == ShareIsolation::Enforced;
+                slots.push((
+                    DevStatic { kind: d.kind, model, memory_mib: d.memory_mib, block, partition, isolated },
+                    i as u16,
+                ));
             }
             let mig = parent.iter().any(Option::is_some).then(|| {
                 let mut children = vec![Vec::new(); n.devices.len()];
@@ -461,12 +472,13 @@ impl Cluster {
                 Box::new(MigLinks { parent: parent.clone(), children })
             });
             slots.sort_by(|a, b| {
-                (a.0.block, a.0.kind, a.0.model, a.0.memory_mib, a.0.partition).cmp(&(
+                (a.0.block, a.0.kind, a.0.model, a.0.memory_mib, a.0.partition, a.0.isolated).cmp(&(
                     b.0.block,
                     b.0.kind,
                     b.0.model,
                     b.0.memory_mib,
                     b.0.partition,
+                    b.0.isolated,
                 ))
             });
             let devs: Vec<DevStatic> = slots.iter().map(|s| s.0.clone()).collect();
@@ -722,6 +734,7 @@ impl Cluster {
             count: d.count,
             milli: d.milli.min(WHOLE_DEVICE_MILLI) as u16,
             memory_mib: d.memory_mib,
+            isolated: d.milli < WHOLE_DEVICE_MILLI && constraints.share_isolation == ShareIsolation::Enforced,
         });
         let model_names = (!constraints.device_models.is_empty()).then(|| Arc::from(constraints.device_models.clone()));
         let topo_cons: Vec<(&String, &String)> = constraints.labels.iter().filter(|(k, _)| is_topo(k)).collect();
@@ -1424,6 +1437,7 @@ impl Cluster {
                     .filter(|(slot, d)| {
                         d.kind == r.kind
                             && s.models & (1u128 << d.model) != 0
+                            && (!r.isolated || d.isolated)
                             && n.slot_dev.get(*slot).and_then(|&i| n.devs.get(usize::from(i))).is_some_and(|x| x.healthy)
                     })
                     .count()

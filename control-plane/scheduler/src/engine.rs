@@ -209,6 +209,7 @@ fn dev_req_of(a: &Allocation, kinds: &Kinds<'_>) -> Option<DevReq> {
         count: a.devices.len() as u32,
         milli: first.milli.min(1000) as u16,
         memory_mib: first.memory_mib,
+        isolated: false,
     })
 }
 
@@ -233,6 +234,7 @@ pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f6
             count: d.count,
             milli: d.milli.min(1000) as u16,
             memory_mib: d.memory_mib,
+            isolated: false,
         });
         let key = TypicalKey::new(s.resources.cpu_milli, dev, cluster.model_set(&s.device_models));
         *counts.entry(key).or_default() += s.count;
@@ -1063,7 +1065,8 @@ pub type NodeList = Vec<NodeId>;
 mod tests {
     use super::*;
     use suanli_model::{
-        AllocId, Constraints, Device, DeviceRequest, DeviceShare, JobKind, NodeId, PoolId, TaskGroup, TaskResources,
+        AllocId, Constraints, Device, DeviceRequest, DeviceShare, JobKind, NodeId, PoolId, ShareIsolation, TaskGroup,
+        TaskResources,
     };
 
     fn node() -> Node {
@@ -1376,6 +1379,46 @@ mod tests {
             let plan = place(vec![n.clone()], vec![], job, seed);
             assert_eq!(plan.placements[0].devices[0].device, "gpu1");
         }
+    }
+
+    /// `constraints.share_isolation = "enforced"` keeps a fractional replica on devices whose
+    /// plugin limits shares; whole-device requests and unconstrained shares go anywhere; with no
+    /// such device the job waits and says why.
+    #[test]
+    fn enforced_share_isolation_narrows_shares_only() {
+        let mut n = node();
+        n.devices =
+            vec![Device::simple("gpu0", DeviceKind::Gpu, "A100"), Device::simple("gpu1", DeviceKind::Gpu, "A100")];
+        n.devices[1].share_isolation = ShareIsolation::Enforced;
+        let share = |isolation| {
+            let mut j = gpu_job(1, "a", 0);
+            j.spec.groups[0].resources.devices =
+                Some(DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli: 300, memory_mib: 0 });
+            j.spec.constraints.share_isolation = isolation;
+            j
+        };
+        let mut seen = BTreeSet::new();
+        for seed in 0..10 {
+            let plan = place(vec![n.clone()], vec![], share(ShareIsolation::Enforced), seed);
+            assert_eq!(plan.placements[0].devices[0].device, "gpu1");
+            seen.insert(
+                place(vec![n.clone()], vec![], share(ShareIsolation::Advisory), seed).placements[0].devices[0]
+                    .device
+                    .clone(),
+            );
+            // The constraint does not narrow whole devices.
+            let mut whole = gpu_job(1, "a", 0);
+            whole.spec.constraints.share_isolation = ShareIsolation::Enforced;
+            whole.spec.groups[0].resources.devices =
+                Some(DeviceRequest { kind: DeviceKind::Gpu, count: 2, milli: 1000, memory_mib: 0 });
+            assert_eq!(place(vec![n.clone()], vec![], whole, seed).placements.len(), 1);
+        }
+        assert!(seen.contains("gpu0"), "an unconstrained share may use the advisory GPU: {seen:?}");
+        n.devices[1].share_isolation = ShareIsolation::Advisory;
+        let plan = place(vec![n], vec![], share(ShareIsolation::Enforced), 0);
+        assert!(plan.placements.is_empty(), "{plan:?}");
+        let why = &plan.unplaced[0].reason;
+        assert!(why.contains("gpu shares not isolated (constraints.share_isolation = enforced)"), "{why}");
     }
 
     fn mig_node() -> Node {

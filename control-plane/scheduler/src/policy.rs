@@ -145,6 +145,7 @@ pub fn eligible(g: &StaticGroup, n: &NodeView<'_>, req: &DevReq, models: ModelSe
         if d.kind == req.kind
             && models & (1u128 << d.model) != 0
             && (req.count == 1 || !d.partition)
+            && (!req.isolated || d.isolated)
             && st.healthy
             && st.free_milli >= req.milli
             && st.free_mem_mib >= req.memory_mib
@@ -194,6 +195,9 @@ pub fn misfit(g: &StaticGroup, n: &NodeView<'_>, s: &Shape, models: &[String]) -
                 .collect(),
         };
         return Some(format!("{kind} model not in [{}]", allowed.join(",")));
+    }
+    if req.isolated && !g.devs.iter().any(|d| d.kind == kind && s.models & (1u128 << d.model) != 0 && d.isolated) {
+        return Some(format!("{kind} shares not isolated (constraints.share_isolation = enforced)"));
     }
     let m = eligible(g, n, &req, s.models);
     if m.count_ones() >= req.count {

@@ -346,6 +346,12 @@ fn build_node(i: usize, g: &NodeGen) -> Node {
                 _ => Some(half),
             },
             partition_of: None,
+            // Every other GPU of a NUMA-split node limits its shares (MPS).
+            share_isolation: if g.numa_split && k % 2 == 0 {
+                suanli_model::ShareIsolation::Enforced
+            } else {
+                suanli_model::ShareIsolation::Advisory
+            },
         });
     }
     for k in 0..u32::from(g.npus) {
@@ -358,6 +364,7 @@ fn build_node(i: usize, g: &NodeGen) -> Node {
             numa: 0,
             peer_group: Some(9),
             partition_of: None,
+            share_isolation: suanli_model::ShareIsolation::Advisory,
         });
     }
     let mut labels = BTreeMap::new();
@@ -606,6 +613,7 @@ fn build_case(
                 9 => constraints.device_models = vec!["B200".into()],
                 10 => constraints.nodes = vec![NodeId::new("n0"), NodeId::new("n1")],
                 11 => constraints.avoid_nodes = vec![NodeId::new("n0")],
+                12 => constraints.share_isolation = suanli_model::ShareIsolation::Enforced,
                 _ => {}
             }
             PendingJob {

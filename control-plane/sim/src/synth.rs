@@ -71,6 +71,7 @@ pub fn gpu_node(id: String, pool: &str, cpu_milli: u64, memory_mib: u64, gpus: u
                 numa: 0,
                 peer_group: None,
                 partition_of: None,
+                share_isolation: Default::default(),
             })
             .collect(),
         schedulable: true,

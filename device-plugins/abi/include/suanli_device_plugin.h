@@ -108,6 +108,9 @@
  *                   are packed into islands) and uses links only for display and bandwidth; an
  *                   unknown kind is kept, not refused;
  *                 - partition_of names a device of the same inventory (MIG, vNPU);
+ *                 - share_isolation: 0 advisory (a fractional share is only told its size), 1
+ *                   enforced (reserve limits each share: MPS, a vNPU); another value fails
+ *                   the kit; jobs may require enforced devices for their fractional shares;
  *                 - at most 4096 devices (the agent keeps the first 1024);
  *                 - NUMA node ids unique;
  *                 - topology (optional, ABI 1.2 agents read it): the node's rack, network block

@@ -44,8 +44,10 @@ pub struct FakePlugin {
     topology: Option<pb::NodeTopology>,
     fault_path: PathBuf,
     state: Mutex<State>,
-    /// Plugin option `enforce_shares=true`: reserve refuses a share that would take a device's
-    /// reservations past 1000 milli (what MPS limits or a vNPU would enforce on real hardware).
+    /// Plugin option `enforce_shares=true`: every device says its shares are enforced
+    /// (`share_isolation` 1), reserve refuses a share that would take a device's reservations
+    /// past 1000 milli and gives a GPU share the MPS limit variables the NVIDIA plugin sets (what
+    /// MPS limits or a vNPU would enforce on real hardware).
     enforce_shares: bool,
     /// Plugin option `journal=PATH`: every reserve with a reservation id and every release is
     /// appended there as a JSON line (tests read it).
@@ -258,6 +260,7 @@ impl FakePlugin {
                     uuid: d.uuid.clone(),
                     index: d.index,
                     peer_group: d.peer_group,
+                    share_isolation: u32::from(self.enforce_shares),
                 }
             })
             .collect();
@@ -434,6 +437,20 @@ impl DevicePlugin for FakePlugin {
         if !req.device_ids.is_empty() {
             res.env.insert("SUANLI_FAKE_DEVICES".into(), req.device_ids.join(","));
         }
+        // With enforce_shares, a GPU share gets the limits the NVIDIA plugin's MPS daemon would
+        // enforce (nothing here enforces them: there is no GPU).
+        if self.enforce_shares {
+            let gpu_share = req.shares.iter().find(|s| {
+                s.milli > 0 && s.milli < 1000 && self.device(&s.device_id).is_ok_and(|d| d.kind == Kind::Gpu)
+            });
+            if let Some(s) = gpu_share {
+                res.env
+                    .insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), s.milli.div_ceil(10).clamp(1, 100).to_string());
+                if s.memory_mib > 0 {
+                    res.env.insert("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(), format!("0={}M", s.memory_mib));
+                }
+            }
+        }
         Ok(res)
     }
 
@@ -603,7 +620,9 @@ mod plugin_fake_tests {
             reservation_id: id.into(),
             shares: vec![pb::ReserveShare { device_id: "gpu0".into(), milli, memory_mib: 0 }],
         };
-        p.reserve(req("r1", 600)).unwrap();
+        assert!(p.fingerprint().unwrap().devices.iter().all(|d| d.share_isolation == 1));
+        let r = p.reserve(req("r1", 600)).unwrap();
+        assert_eq!(r.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "60");
         let e = p.reserve(req("r2", 500)).unwrap_err();
         assert_eq!(e.code, Code::FailedPrecondition);
         assert!(e.message.contains("600 milli already held") && e.message.contains("500 asked"), "{}", e.message);
@@ -618,6 +637,10 @@ mod plugin_fake_tests {
         assert_eq!(lines.lines().count(), 6, "{lines}");
         assert!(lines.lines().nth(1).unwrap().contains("\"repeat\":true"), "{lines}");
 
+        pc.options.insert("enforce_shares".into(), "false".into());
+        let p = FakePlugin::init(pc.clone()).unwrap();
+        assert!(p.fingerprint().unwrap().devices.iter().all(|d| d.share_isolation == 0));
+        assert!(!p.reserve(req("r9", 600)).unwrap().env.contains_key("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"));
         pc.options.insert("enforce_shares".into(), "maybe".into());
         let e = FakePlugin::init(pc).err().unwrap();
         assert!(e.message.contains("enforce_shares") && e.message.contains("true or false"), "{}", e.message);

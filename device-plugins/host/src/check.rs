@@ -1069,6 +1069,9 @@ pub fn validate_inventory(inv: &pb::Inventory) -> Vec<String> {
                 out.push(format!("{at}: partition_of {:?} is not in the inventory", d.partition_of));
             }
         }
+        if d.share_isolation > 1 {
+            out.push(format!("{at}: share_isolation is {}; expected 0 (advisory) or 1 (enforced)", d.share_isolation));
+        }
     }
     let mut numa = BTreeSet::new();
     for n in &inv.numa_nodes {
@@ -1222,6 +1225,7 @@ mod tests {
         inv.devices[0].links.push(pb::PeerLink { peer: "zz".into(), ..Default::default() });
         inv.devices[1].partition_of = "nope".into();
         inv.devices.push(dev("", "gpu"));
+        inv.devices[0].share_isolation = 2;
         inv.topology = Some(pb::NodeTopology { rack: "rack 1".into(), block: "b".repeat(254), ..Default::default() });
         let p = validate_inventory(&inv).join("\n");
         for want in [
@@ -1230,6 +1234,7 @@ mod tests {
             "\"zz\", which is not",
             "partition_of \"nope\"",
             "id is empty",
+            "share_isolation is 2; expected 0 (advisory) or 1 (enforced)",
             "topology.rack \"rack 1\" is not printable ASCII",
             "topology.block is longer than 253 bytes",
         ] {

@@ -30,6 +30,7 @@
 //! the next fingerprint says healthy. Without it `reset` is UNIMPLEMENTED and a GPU marked by an
 //! XID stays unhealthy until the plugin restarts.
 
+pub mod mps;
 pub mod topo;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -68,6 +69,8 @@ pub struct NvidiaPlugin {
     topology: Option<pb::NodeTopology>,
     /// The option `reset_command`, split (empty: reset is unimplemented).
     reset_command: Vec<String>,
+    /// MPS isolation of fractional shares (options `mps`, `mps_control`, `mps_dir`).
+    mps: Arc<mps::Setup>,
 }
 
 /// The most arguments and bytes of the `reset_command` option.
@@ -206,7 +209,8 @@ impl Live {
         self.health.lock().map_err(|_| PluginError::internal("nvidia health lock poisoned"))
     }
 
-    fn fingerprint(&self) -> Result<pb::Inventory, PluginError> {
+    /// `mps`: whether shares of whole GPUs outside MIG mode are limited (MPS).
+    fn fingerprint(&self, mps: bool) -> Result<pb::Inventory, PluginError> {
         let count = self.device_count()?;
         let bad = self.health()?.bad.clone();
         let mut devices = Vec::new();
@@ -265,6 +269,7 @@ impl Live {
                 (None, false) => (false, problems.join("; ")),
                 (None, true) => (true, String::new()),
             };
+            let mig_mode = dev.mig_mode().map(|m| m.current == 1).unwrap_or(false);
             devices.push(pb::PluginDevice {
                 id: id.clone(),
                 kind: "gpu".into(),
@@ -276,10 +281,13 @@ impl Live {
                 numa_node,
                 uuid,
                 index: i,
+                // MPS limits shares of a whole GPU; a GPU in MIG mode is shared through its MIG
+                // devices, whose own fractions are advisory.
+                share_isolation: u32::from(mps && !mig_mode),
                 ..Default::default()
             });
             // MIG devices, when MIG mode is on.
-            if dev.mig_mode().map(|m| m.current == 1).unwrap_or(false) {
+            if mig_mode {
                 let max = dev.mig_device_count().unwrap_or(0).min(MAX_GPUS);
                 for m in 0..max {
                     let mig = match dev.mig_device_by_index(m) {
@@ -375,8 +383,9 @@ impl Live {
         Ok((gi, ci))
     }
 
-    fn reserve(&self, req: &pb::ReserveRequest) -> Result<pb::Reservation, PluginError> {
+    fn reserve(&self, req: &pb::ReserveRequest, mps: Option<&mps::Mps>) -> Result<pb::Reservation, PluginError> {
         let bad = self.health()?.bad.clone();
+        let mut mps_shares = Vec::new();
         let mut uuids = Vec::new();
         let mut minors = std::collections::BTreeSet::new();
         let mut caps = Vec::new();
@@ -389,7 +398,15 @@ impl Live {
                     format!("device {id:?} is unhealthy: XID {code}"),
                 ));
             }
-            uuids.push(dev.uuid().map_err(|e| nvml_err(&format!("device {id:?} uuid"), &e))?);
+            let uuid = dev.uuid().map_err(|e| nvml_err(&format!("device {id:?} uuid"), &e))?;
+            let share = req.shares.iter().find(|s| &s.device_id == id).filter(|s| s.milli > 0 && s.milli < 1000);
+            if let Some(s) = share
+                && !is_mig
+                && !dev.mig_mode().map(|m| m.current == 1).unwrap_or(false)
+            {
+                mps_shares.push((id.clone(), uuid.clone(), s.milli, s.memory_mib));
+            }
+            uuids.push(uuid);
             let parent = self.nvml.device_by_index(index).map_err(|e| nvml_err(&format!("device {id:?}"), &e))?;
             let minor = parent.minor_number().unwrap_or(index);
             minors.insert(minor);
@@ -426,6 +443,20 @@ impl Live {
         }
         for c in caps {
             res.device_files.push(file(c));
+        }
+        if let Some(mps) = mps {
+            if mps_shares.len() > 1 {
+                return Err(PluginError::new(
+                    Code::FailedPrecondition,
+                    "a CUDA process talks to one MPS daemon, and each shared GPU has its own: a reservation may hold a share of one GPU only",
+                ));
+            }
+            if let Some((gpu, uuid, milli, memory_mib)) = mps_shares.first() {
+                let share = mps::Share { gpu, uuid, milli: *milli, memory_mib: *memory_mib };
+                let part = mps.reserve(&req.reservation_id, &share)?;
+                res.env.extend(part.env);
+                res.mounts.extend(part.mounts);
+            }
         }
         Ok(res)
     }
@@ -597,6 +628,7 @@ impl DevicePlugin for NvidiaPlugin {
     fn init(config: pb::PluginConfig) -> Result<Self, PluginError> {
         let topology = topology_options(&config.options)?;
         let reset_command = reset_command_option(&config.options)?;
+        let mps_setup = mps::setup(&config.options)?;
         let lib = config.options.get("nvml_lib").cloned();
         let loaded = match &lib {
             Some(path) => Nvml::builder().lib_path(std::ffi::OsStr::new(path)).init(),
@@ -608,7 +640,8 @@ impl DevicePlugin for NvidiaPlugin {
                 let what = lib.as_deref().unwrap_or("libnvidia-ml.so.1");
                 let message = format!("NVML not available: {what}: {}", topo::error_chain(&e));
                 eprintln!("suanli nvidia plugin: {message}");
-                return Ok(NvidiaPlugin { backend: Backend::Absent { message }, topology, reset_command });
+                let mps = Arc::new(mps_setup);
+                return Ok(NvidiaPlugin { backend: Backend::Absent { message }, topology, reset_command, mps });
             }
         };
         let driver_version = nvml.sys_driver_version().unwrap_or_default();
@@ -649,7 +682,7 @@ impl DevicePlugin for NvidiaPlugin {
                 }
             }
         }
-        Ok(NvidiaPlugin { backend: Backend::Live(live), topology, reset_command })
+        Ok(NvidiaPlugin { backend: Backend::Live(live), topology, reset_command, mps: Arc::new(mps_setup) })
     }
 
     fn fingerprint(&self) -> Result<pb::Inventory, PluginError> {
@@ -657,7 +690,15 @@ impl DevicePlugin for NvidiaPlugin {
             Backend::Absent { message } => {
                 pb::Inventory { vendor: "nvidia".into(), message: message.clone(), ..Default::default() }
             }
-            Backend::Live(l) => l.fingerprint()?,
+            Backend::Live(l) => {
+                let mut inv = l.fingerprint(matches!(*self.mps, mps::Setup::Enforced(_)))?;
+                inv.message.push_str("; ");
+                inv.message.push_str(&match &*self.mps {
+                    mps::Setup::Enforced(m) => m.describe(),
+                    mps::Setup::Advisory(why) => why.clone(),
+                });
+                inv
+            }
         };
         inv.topology.clone_from(&self.topology);
         Ok(inv)
@@ -669,7 +710,20 @@ impl DevicePlugin for NvidiaPlugin {
                 Self::absent_not_found(message, &req.device_ids)?;
                 Ok(pb::Reservation::default())
             }
-            Backend::Live(l) => l.reserve(&req),
+            Backend::Live(l) => {
+                let mps = match &*self.mps {
+                    mps::Setup::Enforced(m) => Some(m),
+                    mps::Setup::Advisory(_) => None,
+                };
+                l.reserve(&req, mps)
+            }
+        }
+    }
+
+    fn release(&self, req: pb::ReleaseRequest) -> Result<(), PluginError> {
+        match &*self.mps {
+            mps::Setup::Enforced(m) => m.release(&req.reservation_id),
+            mps::Setup::Advisory(_) => Ok(()),
         }
     }
 
@@ -877,8 +931,8 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
         }
     }
 
-    fn build_stub() -> Stub {
-        let dir = std::env::temp_dir().join(format!("suanli-nvml-stub-{}", std::process::id()));
+    fn build_stub(name: &str) -> Stub {
+        let dir = std::env::temp_dir().join(format!("suanli-nvml-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let c = dir.join("nvml_stub.c");
         std::fs::write(&c, NVML_STUB.replace("XID_FILE", &dir.join("xid").display().to_string())).unwrap();
@@ -913,8 +967,9 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
 
     #[test]
     fn with_a_stub_nvml_library() {
-        let stub = build_stub();
+        let stub = build_stub("stub");
         let mut cfg = pb::PluginConfig::default();
+        cfg.options.insert("mps".into(), "off".into());
         cfg.options.insert("nvml_lib".into(), stub.0.join("libnvidia-ml.so.1").display().to_string());
         let minors = stub.0.join("mig-minors");
         std::fs::write(&minors, "config 1\nmonitor 2\ngpu101/gi3/access 30\ngpu101/gi3/ci0/access 31\n").unwrap();
@@ -1030,5 +1085,136 @@ int nvmlEventSetWait_v2(void *s, event_t *e, unsigned timeout) {
         let t = std::time::Instant::now();
         p.shutdown();
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+
+    /// A stand-in for `nvidia-cuda-mps-control`: `-d` makes the pipe directory's `control`
+    /// file (as the daemon makes its pipe), a command on stdin fails without it (as the real
+    /// client does when no daemon runs), and `quit` removes it. Every run is logged with its
+    /// environment.
+    const MPS_STUB: &str = r#"#!/bin/sh
+log=LOG_FILE
+if [ "$1" = "-d" ]; then
+  echo "start pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY gpu=$CUDA_VISIBLE_DEVICES" >> "$log"
+  [ -d "$CUDA_MPS_LOG_DIRECTORY" ] || exit 3
+  : > "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0
+fi
+read -r cmd
+[ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || { echo "Cannot find MPS control daemon process" >&2; exit 1; }
+echo "$cmd pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$log"
+[ "$cmd" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+exit 0
+"#;
+
+    /// MPS isolation against the stub NVML and the stub control program: whole GPUs say their
+    /// shares are enforced (the MIG-mode GPU does not), a share starts its GPU's daemon once,
+    /// limits the task, and the last release stops it; without the program, shares are advisory.
+    #[test]
+    fn mps_daemon_per_shared_gpu() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let stub = build_stub("mps");
+        let control = stub.0.join("nvidia-cuda-mps-control");
+        let log = stub.0.join("mps.log");
+        std::fs::write(&control, MPS_STUB.replace("LOG_FILE", &log.display().to_string())).unwrap();
+        std::fs::set_permissions(&control, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = stub.0.join("mps");
+        let mut cfg = pb::PluginConfig::default();
+        cfg.options.insert("nvml_lib".into(), stub.0.join("libnvidia-ml.so.1").display().to_string());
+        cfg.options.insert("mps".into(), "on".into());
+        cfg.options.insert("mps_control".into(), control.display().to_string());
+        cfg.options.insert("mps_dir".into(), dir.display().to_string());
+        let p = NvidiaPlugin::init(cfg.clone()).unwrap();
+        let inv = p.fingerprint().unwrap();
+        let iso: Vec<(&str, u32)> = inv.devices.iter().map(|d| (d.id.as_str(), d.share_isolation)).collect();
+        assert_eq!(
+            iso,
+            [("gpu0", 1), ("gpu1", 0), ("gpu1-mig0", 0), ("gpu1-mig2", 0), ("gpu2", 1), ("gpu3", 1)],
+            "{}",
+            inv.message
+        );
+        assert!(inv.message.contains("enforced through MPS"), "{}", inv.message);
+        let share = |rid: &str, dev: &str, milli: u32, memory_mib: u64| pb::ReserveRequest {
+            device_ids: vec![dev.into()],
+            alloc_id: 1,
+            reservation_id: rid.into(),
+            shares: vec![pb::ReserveShare { device_id: dev.into(), milli, memory_mib }],
+        };
+        let log_lines =
+            || std::fs::read_to_string(&log).unwrap_or_default().lines().map(str::to_owned).collect::<Vec<_>>();
+        let pipe0 = dir.join("gpu0/pipe").display().to_string();
+
+        // The first share of gpu0 starts its daemon, on that GPU only, and limits the task.
+        let r = p.reserve(share("a-1", "gpu0", 300, 20480)).unwrap();
+        assert_eq!(r.env["CUDA_VISIBLE_DEVICES"], "GPU-stub-0");
+        assert_eq!(r.env["CUDA_MPS_PIPE_DIRECTORY"], pipe0);
+        assert_eq!(r.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "30");
+        assert_eq!(r.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=20480M");
+        assert_eq!(
+            r.mounts,
+            vec![pb::Mount { host_path: pipe0.clone(), container_path: pipe0.clone(), read_only: false }]
+        );
+        let started = |l: &Vec<String>| l.iter().filter(|l| l.starts_with("start")).count();
+        let l = log_lines();
+        assert_eq!(started(&l), 1, "{l:?}");
+        assert!(l[0].contains(&format!("pipe={pipe0}")) && l[0].ends_with("gpu=GPU-stub-0"), "{l:?}");
+        // A second share of the same GPU and a repeat of the first: no new daemon.
+        let r = p.reserve(share("b-1", "gpu0", 451, 0)).unwrap();
+        assert_eq!(r.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "46");
+        assert!(!r.env.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"));
+        p.reserve(share("a-1", "gpu0", 300, 20480)).unwrap();
+        assert_eq!(started(&log_lines()), 1);
+        let Some(m) = (match &*p.mps {
+            mps::Setup::Enforced(m) => Some(m),
+            mps::Setup::Advisory(_) => None,
+        }) else {
+            panic!("MPS is on")
+        };
+        assert_eq!(m.holders(), BTreeMap::from([("gpu0".to_owned(), 2)]));
+        // A whole GPU and a MIG device get no MPS; a share of another GPU gets its own daemon.
+        let r = p.reserve(share("c-1", "gpu3", 1000, 0)).unwrap();
+        assert!(!r.env.contains_key("CUDA_MPS_PIPE_DIRECTORY"), "{:?}", r.env);
+        p.reserve(share("d-1", "gpu2", 500, 0)).unwrap();
+        assert_eq!(started(&log_lines()), 2);
+        // Releasing one of gpu0's two holders keeps its daemon; the last stops it; an unknown id
+        // changes nothing.
+        p.release(pb::ReleaseRequest { reservation_id: "a-1".into(), ..Default::default() }).unwrap();
+        assert!(!log_lines().iter().any(|l| l.starts_with("quit")));
+        p.release(pb::ReleaseRequest { reservation_id: "b-1".into(), ..Default::default() }).unwrap();
+        p.release(pb::ReleaseRequest { reservation_id: "zz".into(), device_ids: vec!["gpu2".into()], alloc_id: 9 })
+            .unwrap();
+        let quits: Vec<String> = log_lines().into_iter().filter(|l| l.starts_with("quit")).collect();
+        assert_eq!(quits, [format!("quit pipe={pipe0}")]);
+        assert_eq!(m.holders(), BTreeMap::from([("gpu2".to_owned(), 1)]));
+        // A daemon that died is started again by the next share (a client finding no daemon
+        // would run unlimited).
+        std::fs::remove_file(dir.join("gpu2/pipe/control")).unwrap();
+        p.reserve(share("e-1", "gpu2", 200, 0)).unwrap();
+        assert_eq!(started(&log_lines()), 3, "gpu0 once, gpu2 twice: {:?}", log_lines());
+
+        // A plugin restart finds gpu2's daemon running and adopts it when the agent repeats the
+        // held reservations.
+        drop(p);
+        let p = NvidiaPlugin::init(cfg.clone()).unwrap();
+        p.reserve(share("d-1", "gpu2", 500, 0)).unwrap();
+        assert_eq!(started(&log_lines()), 3);
+
+        // mps = on without the program fails init; auto says why shares are advisory; bad values
+        // are named.
+        let mut bad = cfg.clone();
+        bad.options.insert("mps_control".into(), stub.0.join("missing").display().to_string());
+        let e = NvidiaPlugin::init(bad.clone()).err().unwrap();
+        assert!(e.message.contains("mps = on") && e.message.contains("not an executable file"), "{e}");
+        bad.options.insert("mps".into(), "auto".into());
+        let p = NvidiaPlugin::init(bad.clone()).unwrap();
+        let inv = p.fingerprint().unwrap();
+        assert!(inv.devices.iter().all(|d| d.share_isolation == 0));
+        assert!(inv.message.contains("GPU shares are advisory"), "{}", inv.message);
+        let r = p.reserve(share("f-1", "gpu0", 500, 0)).unwrap();
+        assert!(!r.env.contains_key("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"));
+        for (k, v, want) in [("mps", "yes", "expected auto, on or off"), ("mps_dir", "relative/dir", "absolute path")] {
+            let mut c = cfg.clone();
+            c.options.insert(k.into(), v.into());
+            let e = NvidiaPlugin::init(c).err().unwrap();
+            assert!(e.message.contains(&format!("option {k}")) && e.message.contains(want), "{e}");
+        }
     }
 }

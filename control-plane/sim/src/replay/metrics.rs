@@ -45,6 +45,7 @@ fn dev_req(a: &Allocation) -> Option<DevReq> {
         count: a.devices.len() as u32,
         milli: first.milli.min(1000) as u16,
         memory_mib: first.memory_mib,
+        isolated: false,
     })
 }
 
