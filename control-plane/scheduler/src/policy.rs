@@ -497,7 +497,8 @@ impl Policy for Fgd {
 /// suanli's default policy: FGD's integer score first, so the node chosen is always one FGD
 /// ranks first; inside that set ([`Ties`]) the exact fragmentation delta, bin-pack (for a
 /// CPU-only pod: the fewest free devices) and topology, or, when constrained work over-asks a
-/// device model, FGD's own device choice and order plus topology. Whole devices stay inside one
+/// device model, FGD's own device choice and order plus topology (the same for fractional pods
+/// alone when most typical device tasks are fractions above half a device). Whole devices stay inside one
 /// NVLink block where they fit (best fit); a fractional pod takes the device that fragments
 /// least, then the best fit (docs/sim.md, "How the default decides").
 #[derive(Debug)]
@@ -524,12 +525,27 @@ pub enum Ties {
     /// (the exact delta would pull unconstrained work onto the models few typical tasks can
     /// use — the ones the constrained work needs).
     FirstFit,
+    /// [`Ties::FirstFit`] for fractional tasks, [`Ties::Weighted`] for the rest: chosen when
+    /// most typical device tasks are fractions above half a device ([`Profile::large_share`]
+    /// at least [`LARGE_SHARE`]). Each such task takes a device of its own and the bin-pack
+    /// term, pulling it onto the fullest node, strands more than FGD's first fit does.
+    LargeShares,
 }
+
+/// The [`Profile::large_share`] from which fractional tasks break ties as FGD does
+/// ([`Ties::LargeShares`]; docs/sim.md, "How the default decides").
+pub const LARGE_SHARE: f64 = 0.45;
 
 impl Ties {
     /// The tie-break for a workload profile (see docs/sim.md, "How the default decides").
     pub fn of(profile: &Profile) -> Self {
-        if profile.model_pressure().iter().any(|&p| p >= 1.0) { Ties::FirstFit } else { Ties::Weighted }
+        if profile.model_pressure().iter().any(|&p| p >= 1.0) {
+            Ties::FirstFit
+        } else if profile.large_share() >= LARGE_SHARE {
+            Ties::LargeShares
+        } else {
+            Ties::Weighted
+        }
     }
 }
 
@@ -585,8 +601,14 @@ impl Policy for Suanli {
         let mut buf = [DevState::default(); MAX_NODE_DEVICES];
         let after_devs = &mut buf[..n.devs.len()];
         after_devs.copy_from_slice(n.devs);
+        // Fractional pods of a large-fraction workload break ties as FGD does.
+        let ties = match self.ties {
+            Ties::LargeShares if s.dev.is_some_and(|r| r.is_share()) => Ties::FirstFit,
+            Ties::LargeShares => Ties::Weighted,
+            t => t,
+        };
         let (delta, topo, mask, pick) = match s.dev {
-            Some(r) if r.is_share() && self.ties == Ties::FirstFit => {
+            Some(r) if r.is_share() && ties == Ties::FirstFit => {
                 // FGD's own choice.
                 let (_, delta, mask) = fgd_share(&self.profile, g, n, after_cpu, after_devs, elig, r.milli, before);
                 (delta?, 1.0, mask, Pick::Lowest(1))
@@ -649,7 +671,7 @@ impl Policy for Suanli {
         // when constrained work over-asks some model, only the topology term, leaving FGD's own
         // device choice and first-fit order to decide: then the default is FGD plus topology).
         let primary = if use_frag { sigmoid_score(delta) } else { 0 };
-        let secondary = match self.ties {
+        let secondary = match ties {
             Ties::Weighted => {
                 let cpu_left = (n.cpu_free - s.cpu_milli) as f64 / self.norms.max_cpu_milli as f64;
                 let dev_left =
@@ -660,7 +682,7 @@ impl Policy for Suanli {
                 let base = w.binpack * fill + w.spread * (1.0 - fill);
                 w.fragmentation * delta / 1000.0 + base + w.topology * topo
             }
-            Ties::FirstFit => w.topology * topo,
+            Ties::FirstFit | Ties::LargeShares => w.topology * topo,
         };
         let secondary = (secondary * SCALE).round().clamp(-(PRIMARY_STEP as f64) / 4.0, PRIMARY_STEP as f64 / 4.0);
         Some(Eval { score: primary * PRIMARY_STEP + secondary as i64, mask, pick })
