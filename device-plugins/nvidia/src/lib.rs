@@ -70,7 +70,7 @@ pub struct NvidiaPlugin {
     /// The option `reset_command`, split (empty: reset is unimplemented).
     reset_command: Vec<String>,
     /// MPS isolation of fractional shares (options `mps`, `mps_control`, `mps_dir`).
-    mps: Arc<mps::Setup>,
+    mps: mps::Setup,
 }
 
 /// The most arguments and bytes of the `reset_command` option.
@@ -92,28 +92,47 @@ fn reset_command_option(options: &BTreeMap<String, String>) -> Result<Vec<String
     Ok(args)
 }
 
-/// Runs `argv` for at most `timeout`; `Ok` on exit status 0, else why not.
-fn run_bounded(argv: &[String], timeout: Duration) -> Result<(), String> {
-    let (cmd, args) = argv.split_first().ok_or("an empty command")?;
-    let mut child = std::process::Command::new(cmd)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot run {cmd}: {e}"))?;
+/// Runs `cmd` (its stdio as the caller set it) for at most `timeout`, writing `input` to its
+/// stdin when given; `Ok` on exit status 0, else why not, named `what`, with the first 512
+/// bytes of its stderr when the caller piped it. Used for `reset_command` and the MPS control
+/// program.
+pub(crate) fn run_bounded(
+    cmd: &mut std::process::Command,
+    what: &str,
+    input: Option<&str>,
+    timeout: Duration,
+) -> Result<(), String> {
+    use std::io::{Read as _, Write as _};
+    if input.is_some() {
+        cmd.stdin(std::process::Stdio::piped());
+    }
+    let mut child = cmd.spawn().map_err(|e| format!("cannot run {}: {e}", cmd.get_program().to_string_lossy()))?;
+    if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
+        let _ = stdin.write_all(text.as_bytes());
+    }
     let deadline = std::time::Instant::now() + timeout;
     loop {
         match child.try_wait() {
             Ok(Some(st)) if st.success() => return Ok(()),
-            Ok(Some(st)) => return Err(format!("{} exited with {st}", argv.join(" "))),
+            Ok(Some(st)) => {
+                let mut err = String::new();
+                if let Some(e) = child.stderr.take() {
+                    let _ = e.take(512).read_to_string(&mut err);
+                }
+                let err = err.trim();
+                return Err(if err.is_empty() {
+                    format!("{what} exited with {st}")
+                } else {
+                    format!("{what} exited with {st}: {err}")
+                });
+            }
             Ok(None) if std::time::Instant::now() >= deadline => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!("{} ran past {timeout:?} and was killed", argv.join(" ")));
+                return Err(format!("{what} ran past {timeout:?} and was killed"));
             }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return Err(format!("waiting for {cmd}: {e}")),
+            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => return Err(format!("waiting for {what}: {e}")),
         }
     }
 }
@@ -640,8 +659,12 @@ impl DevicePlugin for NvidiaPlugin {
                 let what = lib.as_deref().unwrap_or("libnvidia-ml.so.1");
                 let message = format!("NVML not available: {what}: {}", topo::error_chain(&e));
                 eprintln!("suanli nvidia plugin: {message}");
-                let mps = Arc::new(mps_setup);
-                return Ok(NvidiaPlugin { backend: Backend::Absent { message }, topology, reset_command, mps });
+                return Ok(NvidiaPlugin {
+                    backend: Backend::Absent { message },
+                    topology,
+                    reset_command,
+                    mps: mps_setup,
+                });
             }
         };
         let driver_version = nvml.sys_driver_version().unwrap_or_default();
@@ -682,7 +705,7 @@ impl DevicePlugin for NvidiaPlugin {
                 }
             }
         }
-        Ok(NvidiaPlugin { backend: Backend::Live(live), topology, reset_command, mps: Arc::new(mps_setup) })
+        Ok(NvidiaPlugin { backend: Backend::Live(live), topology, reset_command, mps: mps_setup })
     }
 
     fn fingerprint(&self) -> Result<pb::Inventory, PluginError> {
@@ -691,12 +714,9 @@ impl DevicePlugin for NvidiaPlugin {
                 pb::Inventory { vendor: "nvidia".into(), message: message.clone(), ..Default::default() }
             }
             Backend::Live(l) => {
-                let mut inv = l.fingerprint(matches!(*self.mps, mps::Setup::Enforced(_)))?;
+                let mut inv = l.fingerprint(self.mps.enforcing().is_some())?;
                 inv.message.push_str("; ");
-                inv.message.push_str(&match &*self.mps {
-                    mps::Setup::Enforced(m) => m.describe(),
-                    mps::Setup::Advisory(why) => why.clone(),
-                });
+                inv.message.push_str(&self.mps.describe());
                 inv
             }
         };
@@ -710,21 +730,12 @@ impl DevicePlugin for NvidiaPlugin {
                 Self::absent_not_found(message, &req.device_ids)?;
                 Ok(pb::Reservation::default())
             }
-            Backend::Live(l) => {
-                let mps = match &*self.mps {
-                    mps::Setup::Enforced(m) => Some(m),
-                    mps::Setup::Advisory(_) => None,
-                };
-                l.reserve(&req, mps)
-            }
+            Backend::Live(l) => l.reserve(&req, self.mps.enforcing()),
         }
     }
 
     fn release(&self, req: pb::ReleaseRequest) -> Result<(), PluginError> {
-        match &*self.mps {
-            mps::Setup::Enforced(m) => m.release(&req.reservation_id),
-            mps::Setup::Advisory(_) => Ok(()),
-        }
+        self.mps.enforcing().map_or(Ok(()), |m| m.release(&req.reservation_id))
     }
 
     fn stats(&self, req: pb::StatsRequest) -> Result<pb::StatsResponse, PluginError> {
@@ -764,7 +775,13 @@ impl DevicePlugin for NvidiaPlugin {
             .iter()
             .map(|a| a.replace("{index}", &index.to_string()).replace("{uuid}", &uuid))
             .collect();
-        run_bounded(&argv, RESET_TIMEOUT)
+        let (program, args) = argv.split_first().ok_or_else(|| PluginError::internal("an empty reset_command"))?;
+        let mut cmd = std::process::Command::new(program);
+        cmd.args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        run_bounded(&mut cmd, &argv.join(" "), None, RESET_TIMEOUT)
             .map_err(|e| PluginError::new(Code::FailedPrecondition, format!("reset of {}: {e}", req.device_id)))?;
         l.health()?.bad.remove(&req.device_id);
         Ok(())
@@ -1162,12 +1179,7 @@ exit 0
         assert!(!r.env.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"));
         p.reserve(share("a-1", "gpu0", 300, 20480)).unwrap();
         assert_eq!(started(&log_lines()), 1);
-        let Some(m) = (match &*p.mps {
-            mps::Setup::Enforced(m) => Some(m),
-            mps::Setup::Advisory(_) => None,
-        }) else {
-            panic!("MPS is on")
-        };
+        let m = p.mps.enforcing().expect("MPS is on");
         assert_eq!(m.holders(), BTreeMap::from([("gpu0".to_owned(), 2)]));
         // A whole GPU and a MIG device get no MPS; a share of another GPU gets its own daemon.
         let r = p.reserve(share("c-1", "gpu3", 1000, 0)).unwrap();

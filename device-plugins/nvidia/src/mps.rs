@@ -18,7 +18,6 @@
 //! docs/services.md, "Isolation of shared GPUs".
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -55,6 +54,24 @@ pub enum Setup {
     Enforced(Mps),
     /// Shares are advisory, and why.
     Advisory(String),
+}
+
+impl Setup {
+    /// The daemons, when shares are enforced.
+    pub fn enforcing(&self) -> Option<&Mps> {
+        match self {
+            Setup::Enforced(m) => Some(m),
+            Setup::Advisory(_) => None,
+        }
+    }
+
+    /// What the inventory's message says of it.
+    pub fn describe(&self) -> String {
+        match self {
+            Setup::Enforced(m) => m.describe(),
+            Setup::Advisory(why) => why.clone(),
+        }
+    }
 }
 
 /// The per-GPU control daemons this plugin runs and the reservations that hold them.
@@ -156,42 +173,15 @@ impl Mps {
         let mut cmd = Command::new(&self.control);
         cmd.env("CUDA_MPS_PIPE_DIRECTORY", self.pipe_dir(gpu))
             .env("CUDA_MPS_LOG_DIRECTORY", self.log_dir(gpu))
+            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        match command {
-            None => {
-                cmd.arg("-d").env("CUDA_VISIBLE_DEVICES", uuid).stdin(Stdio::null());
-            }
-            Some(_) => {
-                cmd.stdin(Stdio::piped());
-            }
+        if command.is_none() {
+            cmd.arg("-d").env("CUDA_VISIBLE_DEVICES", uuid);
         }
         let what = command.map_or_else(|| format!("{} -d", self.control.display()), |c| format!("{c:?}"));
-        let mut child = cmd.spawn().map_err(|e| format!("cannot run {}: {e}", self.control.display()))?;
-        if let (Some(c), Some(mut stdin)) = (command, child.stdin.take()) {
-            let _ = stdin.write_all(format!("{c}\n").as_bytes());
-        }
-        let deadline = Instant::now() + CONTROL_TIMEOUT;
-        loop {
-            match child.try_wait() {
-                Ok(Some(st)) if st.success() => return Ok(()),
-                Ok(Some(st)) => {
-                    let mut err = String::new();
-                    if let Some(mut e) = child.stderr.take() {
-                        use std::io::Read as _;
-                        let _ = (&mut e).take(512).read_to_string(&mut err);
-                    }
-                    return Err(format!("{what} for {gpu} exited with {st}: {}", err.trim()));
-                }
-                Ok(None) if Instant::now() >= deadline => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Err(format!("{what} for {gpu} ran past {CONTROL_TIMEOUT:?} and was killed"));
-                }
-                Ok(None) => std::thread::sleep(Duration::from_millis(5)),
-                Err(e) => return Err(format!("waiting for {what}: {e}")),
-            }
-        }
+        let input = command.map(|c| format!("{c}\n"));
+        crate::run_bounded(&mut cmd, &format!("{what} for {gpu}"), input.as_deref(), CONTROL_TIMEOUT)
     }
 
     /// Whether a daemon answers on `gpu`'s pipe directory (its `control` pipe exists and a
