@@ -2,8 +2,9 @@
 //! from the view alone.
 //!
 //! ```text
-//!  ClusterView + Plan ─▶ capacity   (a) no node or device over-committed by the placements; no
-//!                                       unhealthy device, cordoned node or unmet constraint
+//!  ClusterView + Plan ─▶ capacity   (a) no node or device over-committed by the placements (a
+//!                                       victim holds its share until it stops); no unhealthy
+//!                                       device, cordoned node or unmet constraint
 //!                     ─▶ quota      (b) over nominal only through placements flagged borrowed,
 //!                                       within borrowing limits and parent caps
 //!                     ─▶ gangs      (c) gang all-or-nothing, elastic at least its minimum,
@@ -181,7 +182,9 @@ fn victims(plan: &Plan) -> BTreeSet<AllocId> {
 }
 
 /// (a) capacity, health, cordon, request and constraint conformance: on every node and device
-/// that receives placements, the placements fit in what the surviving running work leaves.
+/// that receives placements, the placements fit in what the running work leaves — including
+/// work this plan preempts, which keeps its devices until it has stopped (apply refuses a
+/// placement on them; the job the victims make room for is placed in a later pass).
 pub fn capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
     const P: Property = Property::Capacity;
     // What the plan adds, per node (cpu, memory) and per device (milli, memory).
@@ -316,11 +319,11 @@ pub fn capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
     if node_add.is_empty() {
         return Ok(());
     }
-    // What surviving running work already holds on the nodes that receive placements.
-    let victims = victims(plan);
+    // What running work (victims of this plan included) holds on the nodes that receive
+    // placements.
     let mut node_used: BTreeMap<&NodeId, (u64, u64)> = BTreeMap::new();
     let mut dev_used: BTreeMap<(&NodeId, &str), (u64, u64)> = BTreeMap::new();
-    for a in inp.surviving(&victims).filter(|a| node_add.contains_key(&a.node)) {
+    for a in inp.view.running.iter().filter(|a| node_add.contains_key(&a.node)) {
         let e = node_used.entry(&a.node).or_default();
         e.0 += a.cpu_milli;
         e.1 += a.memory_mib;

@@ -252,8 +252,8 @@ struct NodeRt {
     dev_ids: Vec<String>,
     /// Count of running tasks per GpuClustering tag bit.
     tag_counts: [u16; 16],
-    /// Held out of placement (reserved for a blocked head job).
-    held: bool,
+    /// Why it is held out of placement: a bit per [`Hold`] (0: it takes work).
+    held: u8,
     /// Whether the node is listed in its class's members.
     listed: bool,
     /// MIG links, for nodes that report partitions of their own devices.
@@ -314,6 +314,28 @@ impl MisfitTally {
     }
 }
 
+/// Why a node is held out of placement for the rest of a scheduling pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// Reserved for a blocked head job (backfill): work that may still run at the reserved
+    /// start stays off it.
+    Reserved,
+    /// Work on it was preempted in this pass and runs until it has stopped: what the victims
+    /// free belongs to the job they make room for, whose placement follows in a later pass. No
+    /// other job may be placed there now (apply would refuse it while the victims still run),
+    /// though a later preemption in the same pass may still hold capacity there.
+    Draining,
+}
+
+impl Hold {
+    fn bit(self) -> u8 {
+        match self {
+            Hold::Reserved => 1,
+            Hold::Draining => 2,
+        }
+    }
+}
+
 /// The indexed cluster.
 #[derive(Debug, Clone)]
 pub struct Cluster {
@@ -335,6 +357,8 @@ pub struct Cluster {
     /// Why nodes that take no new work take none, by node index (see
     /// [`crate::ClusterView::unschedulable`]); only for pending reasons.
     unschedulable: BTreeMap<u32, String>,
+    /// Nodes held only as [`Hold::Draining`] (for pending reasons).
+    draining_only: u64,
     scratch_key: Vec<u64>,
     scratch_devs: Vec<DevState>,
     /// Network topology units across nodes (see [`TopoLevel`]): per level, the unit names and
@@ -425,6 +449,7 @@ impl Cluster {
             rank: (0..nodes.len() as u32).collect(),
             total_gpu_milli: 0,
             unschedulable: BTreeMap::new(),
+            draining_only: 0,
             scratch_key: Vec::new(),
             scratch_devs: Vec::new(),
             topo: Default::default(),
@@ -567,7 +592,7 @@ impl Cluster {
                 slot_dev: slots.iter().map(|s| s.1).collect(),
                 dev_ids: n.devices.iter().map(|d| d.id.clone()).collect(),
                 tag_counts: [0; 16],
-                held: false,
+                held: 0,
                 listed: false,
                 mig,
             });
@@ -645,7 +670,7 @@ impl Cluster {
         let i = node as usize;
         let n = &self.nodes[i];
         let g = &self.groups[n.group as usize];
-        let takes_work = !n.held && g.schedulable;
+        let takes_work = n.held == 0 && g.schedulable;
         let free: u64 = g
             .devs
             .iter()
@@ -1015,12 +1040,12 @@ impl Cluster {
 
     fn relist(&mut self, node: u32, class: u32) {
         let n = &self.nodes[node as usize];
-        if n.class == class && n.listed != n.held {
+        if n.class == class && n.listed != (n.held != 0) {
             return;
         }
         self.unlist(node);
         self.nodes[node as usize].class = class;
-        if self.nodes[node as usize].held {
+        if self.nodes[node as usize].held != 0 {
             return;
         }
         let nc = &mut self.classes[class as usize];
@@ -1054,19 +1079,34 @@ impl Cluster {
         }
     }
 
-    /// Takes a node out of placement until [`Cluster::unhold`] (backfill reservations).
-    pub fn hold(&mut self, node: u32) {
+    /// Takes a node out of placement until [`Cluster::unhold`] with the same reason (holds
+    /// for different reasons add up: the node takes work again when none is left).
+    pub fn hold(&mut self, node: u32, why: Hold) {
         self.unlist(node);
-        self.nodes[node as usize].held = true;
+        let held = self.nodes[node as usize].held | why.bit();
+        self.set_held(node, held);
         self.refresh_free(node);
     }
 
-    /// Returns a held node to placement.
-    pub fn unhold(&mut self, node: u32) {
-        self.nodes[node as usize].held = false;
+    /// Lifts one reason a node was held for; it returns to placement when no reason is left.
+    pub fn unhold(&mut self, node: u32, why: Hold) {
+        let held = self.nodes[node as usize].held & !why.bit();
+        self.set_held(node, held);
         self.refresh_free(node);
         let class = self.nodes[node as usize].class;
         self.relist(node, class);
+    }
+
+    fn set_held(&mut self, node: u32, held: u8) {
+        let n = &mut self.nodes[node as usize];
+        let draining = Hold::Draining.bit();
+        if n.held == draining {
+            self.draining_only -= 1;
+        }
+        if held == draining {
+            self.draining_only += 1;
+        }
+        n.held = held;
     }
 
     /// Drops cached classes that hold no node (bounds memory in long simulations).
@@ -1178,7 +1218,7 @@ impl Cluster {
         let mut ties: Vec<u32> = Vec::new();
         for &node in list {
             let n = &self.nodes[node as usize];
-            if n.held || n.class == u32::MAX {
+            if n.held != 0 || n.class == u32::MAX {
                 continue;
             }
             let (class, group) = (n.class, n.group);
@@ -1449,7 +1489,8 @@ impl Cluster {
     pub fn choose_on(&mut self, node: u32, shape: ShapeId, policy: &dyn Policy, rng: &mut DetRng) -> Option<Choice> {
         let n = &self.nodes[node as usize];
         let s = &self.shapes[shape as usize];
-        if n.held || !s.allows_group(n.group) || !s.allows_node(node) || !self.groups[n.group as usize].schedulable {
+        if n.held != 0 || !s.allows_group(n.group) || !s.allows_node(node) || !self.groups[n.group as usize].schedulable
+        {
             return None;
         }
         let class = n.class;
@@ -1524,8 +1565,14 @@ impl Cluster {
             }
         }
         let held = t.nodes.saturating_sub(listed);
-        if held > 0 {
-            *t.reasons.entry("reserved for a blocked higher-priority job".to_owned()).or_default() += held;
+        let draining = self.draining_only.min(held);
+        if held > draining {
+            *t.reasons.entry("reserved for a blocked higher-priority job".to_owned()).or_default() += held - draining;
+        }
+        if draining > 0 {
+            *t.reasons
+                .entry("freed by preemption in this pass for another job (in use until its victims stop)".to_owned())
+                .or_default() += draining;
         }
         t
     }

@@ -11,7 +11,7 @@
 //! The pass works on a private copy of the cluster built from the view; nothing is mutated
 //! outside. Time (`now`) and randomness (`seed`) are arguments.
 
-use crate::cluster::{Choice, Cluster, ClusterError, DevReq, ShapeId, TopoLevel};
+use crate::cluster::{Choice, Cluster, ClusterError, DevReq, Hold, ShapeId, TopoLevel};
 use crate::policy::{self, Norms, Policy, UnknownPolicy, Weights};
 use crate::quota::QuotaBook;
 use crate::rng::DetRng;
@@ -261,6 +261,9 @@ struct Pass<'a> {
     running: &'a [Arc<Allocation>],
     /// Indices into `running` already chosen as victims.
     evicted: BTreeSet<usize>,
+    /// Nodes whose running work was preempted in this pass ([`Hold::Draining`]): held out of
+    /// placement, open only to later preemptions' holds.
+    draining: BTreeSet<u32>,
     plan: Plan,
     /// Blocked head job's reservation: (start time, nodes).
     reservation: Option<(u64, Vec<u32>)>,
@@ -326,6 +329,7 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
         kinds,
         running: &view.running,
         evicted: BTreeSet::new(),
+        draining: BTreeSet::new(),
         plan: Plan::default(),
         reservation: None,
         reserve_tried: false,
@@ -482,14 +486,25 @@ impl Pass<'_> {
         }
         let nodes = nodes.clone();
         for &n in &nodes {
-            self.cluster.hold(n);
+            self.cluster.hold(n, Hold::Reserved);
         }
         nodes
     }
 
     fn release_hold(&mut self, held: &[u32]) {
         for &n in held {
-            self.cluster.unhold(n);
+            self.cluster.unhold(n, Hold::Reserved);
+        }
+    }
+
+    /// Holds (`true`) or opens (`false`) the nodes whose work this pass preempted.
+    fn hold_draining(&mut self, on: bool) {
+        for &n in &self.draining {
+            if on {
+                self.cluster.hold(n, Hold::Draining);
+            } else {
+                self.cluster.unhold(n, Hold::Draining);
+            }
         }
     }
 
@@ -798,7 +813,19 @@ impl Pass<'_> {
     /// plan, the job's capacity is held for the rest of this pass, and the job waits (its
     /// placements follow once the victims have stopped). Returns false and changes nothing
     /// when no acceptable victim set exists.
+    ///
+    /// The victims keep running until they stop, so their nodes are held out of placement for
+    /// the rest of the pass ([`Hold::Draining`]): what they free beyond the job's own holds may
+    /// be held by a later preemption in this pass, never placed on (apply would refuse it).
     fn try_preempt(&mut self, job: &PendingJob, quota_blocked: bool) -> bool {
+        self.hold_draining(false);
+        let done = self.preempt_for(job, quota_blocked);
+        self.hold_draining(true);
+        done
+    }
+
+    /// [`Pass::try_preempt`] with this pass's draining nodes open to holds.
+    fn preempt_for(&mut self, job: &PendingJob, quota_blocked: bool) -> bool {
         let spec = &job.spec;
         let need = spec.min_total();
         let reclaim_allowed = self.quota.within_nominal(&spec.queue, need);
@@ -963,7 +990,9 @@ impl Pass<'_> {
                 self.evicted.remove(&u);
                 self.reoccupy(u);
             }
-            // Everything fit after all (capacity freed by earlier victims): place it.
+            // Everything fit after all: place it, but not on what earlier victims of this pass
+            // free (they still run).
+            self.hold_draining(true);
             if ok
                 && evicted_now.is_empty()
                 && let Ok(a) = self.quota.check(&spec.queue, need)
@@ -974,7 +1003,13 @@ impl Pass<'_> {
             }
             return false;
         }
-        // Commit: the job's capacity stays held for the rest of this pass.
+        // Commit: the job's capacity stays held for the rest of this pass, and the victims'
+        // nodes take no placement until they have stopped.
+        for &u in &evicted_now {
+            if let Some(n) = self.cluster.node_index(&self.running[u].node) {
+                self.draining.insert(n);
+            }
+        }
         for &u in &evicted_now {
             let a = &self.running[u];
             let reason = self.victim_ok(job, a, reclaim_allowed).unwrap_or(PreemptionReason::HigherPriority);
@@ -1184,6 +1219,49 @@ mod tests {
         let why = &plan.unplaced.first().expect("the job cannot be placed").reason;
         // n3 has no recorded reason: a plain cordon (as traces mark it).
         assert!(why.contains("0/5 nodes fit: 2 cordoned, 1 down, 1 draining, 1 insufficient cpu"), "{why}");
+    }
+
+    /// A victim keeps its devices until it stops: what it frees beyond the job it makes room for
+    /// is not placed on in the same pass (apply would refuse it), and the waiting job says why.
+    #[test]
+    fn what_a_victim_frees_is_not_placed_on_while_it_stops() {
+        let mut n = node();
+        n.devices =
+            vec![Device::simple("gpu0", DeviceKind::Gpu, "A100"), Device::simple("gpu1", DeviceKind::Gpu, "A100")];
+        let mut victim = running("a", 0, false);
+        victim.devices =
+            ["gpu0", "gpu1"].iter().map(|d| DeviceShare { device: (*d).into(), milli: 1000, memory_mib: 0 }).collect();
+        // The urgent job needs one GPU and preempts the two-GPU victim; the equal-priority job
+        // after it cannot preempt, and the other GPU still runs the victim.
+        let urgent = gpu_job(1, "a", 10);
+        let mut peer = gpu_job(2, "a", 0);
+        peer.submitted_at = 1;
+        let view = |pending: Vec<PendingJob>| ClusterView {
+            nodes: vec![n.clone()],
+            queues: vec![queue("a", None, None)],
+            pending,
+            running: vec![Arc::new(victim.clone())],
+            ..Default::default()
+        };
+        for seed in 0..10 {
+            let plan = schedule(&view(vec![urgent.clone(), peer.clone()]), 100, seed, &SchedulerConfig::default())
+                .expect("plan");
+            assert_eq!(plan.preemptions.len(), 1, "{plan:?}");
+            assert_eq!(plan.preemptions[0].for_job, JobId(1));
+            assert!(plan.placements.is_empty(), "placed on a GPU the victim still runs on: {plan:?}");
+            let why = &plan.unplaced.iter().find(|u| u.job == JobId(2)).expect("job 2 waits").reason;
+            assert!(why.contains("1 freed by preemption in this pass for another job"), "{why}");
+            // A second urgent job that the victim's other GPU would fit preempts nothing more:
+            // it waits for the victim to stop, as the peer does.
+            let mut second = gpu_job(3, "a", 10);
+            second.submitted_at = 2;
+            let plan =
+                schedule(&view(vec![urgent.clone(), second]), 100, seed, &SchedulerConfig::default()).expect("plan");
+            assert_eq!(plan.preemptions.len(), 1, "{plan:?}");
+            assert!(plan.placements.is_empty(), "{plan:?}");
+            let why = &plan.unplaced.iter().find(|u| u.job == JobId(3)).expect("job 3 waits").reason;
+            assert!(why.contains("1 freed by preemption in this pass for another job"), "{why}");
+        }
     }
 
     fn nodes(n: usize) -> Vec<Node> {

@@ -30,7 +30,7 @@ pub mod quota;
 pub mod rng;
 pub mod workload;
 
-pub use cluster::{Choice, Cluster, ClusterError, MisfitTally, Shape, ShapeId};
+pub use cluster::{Choice, Cluster, ClusterError, Hold, MisfitTally, Shape, ShapeId};
 pub use engine::{ClusterView, PendingJob, SchedulerConfig, VictimOrder, schedule};
 pub use policy::{POLICY_NAMES, Policy, UnknownPolicy, Weights};
 pub use quota::QuotaError;
