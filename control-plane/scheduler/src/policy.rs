@@ -693,3 +693,84 @@ impl Policy for Suanli {
 pub fn any_model() -> ModelSet {
     ALL_MODELS
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::Cluster;
+    use crate::workload::TypicalKey;
+    use std::collections::BTreeMap;
+    use suanli_model::{Constraints, Device, DeviceRequest, Limits, Node, NodeId, PoolId, TaskResources};
+
+    fn gpu_node(id: &str, gpus: usize) -> Node {
+        Node {
+            id: NodeId::new(id),
+            pool: PoolId::new("p"),
+            datacenter: String::new(),
+            region: String::new(),
+            labels: Default::default(),
+            cpu_milli: 16_000,
+            memory_mib: 65_536,
+            devices: (0..gpus).map(|i| Device::simple(format!("gpu{i}"), DeviceKind::Gpu, "A100")).collect(),
+            schedulable: true,
+            agent_addr: String::new(),
+        }
+    }
+
+    /// Typical tasks: `share` of 600-milli fractions, `whole` of whole GPUs (one core each).
+    fn profile(share: u64, whole: u64) -> Profile {
+        let key = |milli| TypicalKey { cpu_milli: 1000, milli, count: 1, kind: DeviceKind::Gpu, models: ALL_MODELS };
+        let counts: BTreeMap<TypicalKey, u64> = [(key(600), share), (key(1000), whole)].into_iter().collect();
+        Profile::from_counts(&counts, 1.0)
+    }
+
+    /// The large-fraction rule changes the default's choice, not only its label: a node of one
+    /// free GPU and a node of two, both free. A task of 600 or 1000 milli strands the same on
+    /// either (FGD scores them equally); the weighted tie-break prefers the fuller node after
+    /// the placement (the one-GPU node), FGD leaves the tie to its node order. In a workload
+    /// where most device tasks are fractions above half a device, fractional tasks leave it to
+    /// FGD (equal scores, FGD's device rule) and whole-GPU tasks keep the weighted tie-break;
+    /// below the threshold fractional tasks are weighted too.
+    #[test]
+    fn large_fraction_workloads_leave_fractional_ties_to_fgds_order() {
+        let nodes = [gpu_node("one", 1), gpu_node("two", 2)];
+        let mut c = Cluster::new(&nodes, &Limits::default(), false, TieBreak::FixedOrder).expect("cluster");
+        let task = |milli| TaskResources {
+            cpu_milli: 1000,
+            memory_mib: 1024,
+            devices: Some(DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli, memory_mib: 0 }),
+        };
+        let share = c.shape(&task(600), &Constraints::default());
+        let whole = c.shape(&task(1000), &Constraints::default());
+        let (share, whole) = (c.shape_of(share).clone(), c.shape_of(whole).clone());
+        let index = |id: &str| c.index_of(&NodeId::new(id)).expect("node");
+        let (one, two) = (index("one"), index("two"));
+        let eval = |policy: &str, p: &Profile, node: u32, s: &Shape| {
+            let policy = build(policy, Norms::of(c.groups()), p, Weights::default()).expect("policy");
+            let (g, n) = c.view(node);
+            policy.eval(g, &n, s).expect("the task fits")
+        };
+
+        let large = profile(50, 50);
+        let mixed = profile(40, 60);
+        assert_eq!(Ties::of(&large), Ties::LargeShares);
+        assert_eq!(Ties::of(&mixed), Ties::Weighted);
+        for p in [&large, &mixed] {
+            for s in [&share, &whole] {
+                assert_eq!(eval("fgd", p, one, s).score, eval("fgd", p, two, s).score, "FGD ranks both nodes first");
+            }
+        }
+
+        // Large fractions: a fractional task's tie is FGD's.
+        let (a, b) = (eval("suanli", &large, one, &share), eval("suanli", &large, two, &share));
+        assert_eq!(a.score, b.score, "{a:?} {b:?}");
+        assert_eq!((a.pick, b.pick), (Pick::Lowest(1), Pick::Lowest(1)));
+        // ... a whole-GPU task's is still weighted.
+        let (a, b) = (eval("suanli", &large, one, &whole), eval("suanli", &large, two, &whole));
+        assert!(a.score > b.score, "{a:?} {b:?}");
+        // Below the threshold a fractional task is weighted too.
+        let (a, b) = (eval("suanli", &mixed, one, &share), eval("suanli", &mixed, two, &share));
+        assert!(a.score > b.score, "{a:?} {b:?}");
+        assert_eq!(a.pick, Pick::Exact);
+    }
+}
