@@ -480,7 +480,12 @@ fn dev_agent_config(
     let mut plugin_config = std::collections::BTreeMap::new();
     plugin_config.insert(
         "libsuanli_plugin_fake".to_owned(),
-        suanli_agent::PluginSettings { config_path: Some(fake_path), ..Default::default() },
+        // The fake GPUs model MPS-limited shares, as the NVIDIA plugin's are where MPS runs, so
+        // a job may ask for `constraints.share_isolation = "enforced"` (docs/services.md).
+        suanli_agent::PluginSettings {
+            config_path: Some(fake_path),
+            options: [("enforce_shares".to_owned(), "true".to_owned())].into_iter().collect(),
+        },
     );
     suanli_agent::AgentConfig {
         servers: servers.to_vec(),
