@@ -379,6 +379,8 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
                     for l in &r.leases {
                         crate::tasks::renew_fed(&agent, l.alloc_id, l.until_ms);
                     }
+                    // Operators' quarantine clears (`suanli node clear-quarantine`).
+                    agent.plugins.apply_clears(&r.quarantine_clears);
                     for c in changes {
                         if c.healthy {
                             tracing::info!(device = %c.device, "device reported healthy");

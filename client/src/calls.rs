@@ -320,6 +320,18 @@ impl Connection {
         .map(drop)
     }
 
+    /// Ends the quarantine of a device (the agent resets and checks it first); returns how
+    /// many times that device's quarantine has been cleared.
+    pub async fn clear_quarantine(&self, node: &str, device: &str) -> Result<u64, ClientError> {
+        self.call(|ch| {
+            let req = pb::ClearQuarantineRequest { id: node.to_owned(), device: device.to_owned() };
+            let mut c = self.nodes(ch);
+            async move { c.clear_quarantine(req).await }
+        })
+        .await
+        .map(|r| r.clears)
+    }
+
     /// Registers a node (as an agent does).
     pub async fn register_node(&self, req: &pb::RegisterNodeRequest) -> Result<pb::RegisterNodeResponse, ClientError> {
         self.call(|ch| {

@@ -109,6 +109,7 @@ pub static RULES: &[Rule] = &[
     r("/suanli.v1.Nodes/List", Client, Roles(READERS), Scope::None, false),
     r("/suanli.v1.Nodes/Get", Client, Roles(READERS), Scope::None, false),
     r("/suanli.v1.Nodes/SetMode", Client, Roles(OPERATORS), Scope::None, true),
+    r("/suanli.v1.Nodes/ClearQuarantine", Client, Roles(OPERATORS), Scope::None, true),
     // Cluster
     r("/suanli.v1.Cluster/Members", Client, Roles(READERS), Scope::None, false),
     r("/suanli.v1.Cluster/Leader", Client, Roles(READERS), Scope::None, false),

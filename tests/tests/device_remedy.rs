@@ -11,7 +11,10 @@
 //! 3. fatal (XID 64) on an idle device: quarantined, in `quarantine.json`;
 //! 4. a recoverable error whose resets fail: quarantined after three resets;
 //! 5. the faults removed and the agent restarted: the quarantined devices stay out of service,
-//!    the recovered one stays in.
+//!    the recovered one stays in;
+//! 6. `suanli node clear-quarantine` on the fatal device: the agent resets and checks it, and it
+//!    is back in service (gone from `quarantine.json`); the other stays quarantined; an unknown
+//!    device is refused, naming it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -141,5 +144,24 @@ async fn each_device_error_class_ends_as_the_table_says() {
     for d in [&fatal_dev, &flaky_dev] {
         assert_eq!(health(&n, d).as_deref(), Some("unhealthy"), "{d} left its quarantine on restart: {n:#?}");
     }
-    eprintln!("remediation: application told, recoverable reset and back, fatal and failing-reset quarantined");
+
+    // 6. An operator clears the fatal device's quarantine: reset, checked, back in service.
+    let cli =
+        |args: &[&str]| support::cli().args(args).args(["--server", &addr]).env_remove("SUANLI_ADDR").output().unwrap();
+    let o = cli(&["node", "clear-quarantine", "n1", &fatal_dev]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("quarantine cleared"), "{o:?}");
+    let n = wait_nodes(&addr, Duration::from_secs(30), "the cleared device back in service", |n| {
+        health(n, &fatal_dev).as_deref() == Some("healthy")
+    })
+    .await;
+    assert_eq!(health(&n, &flaky_dev).as_deref(), Some("unhealthy"), "only the cleared device left quarantine");
+    let q = std::fs::read_to_string(data.join("quarantine.json")).unwrap();
+    assert!(!q.contains(&format!("\"{fatal_dev}\"")) && q.contains(&format!("\"{flaky_dev}\"")), "{q}");
+    let o = cli(&["node", "clear-quarantine", "n1", "gpu99"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("gpu99"), "{err}");
+    eprintln!(
+        "remediation: application told, recoverable reset and back, fatal and failing-reset quarantined, cleared by an operator"
+    );
 }

@@ -12,6 +12,10 @@
 //!  fatal (class 3)                        ─▶ quarantined: unhealthy until an operator clears it,
 //!        kept in <data_dir>/quarantine.json across agent restarts (a different UUID under the same
 //!        id, i.e. a replaced card, clears it), `suanli_agent_device_quarantined` = 1 (alert on it)
+//!  quarantined, and `suanli node clear-quarantine` raised the device's count of clears past the
+//!  one the agent knew when it quarantined it (heartbeat answers carry the counts)
+//!                                         ─▶ Recovering, from no attempts: reset, fingerprint,
+//!        back in service when healthy, quarantined again when the resets do not help
 //!  unspecified (class 0, a 1.2 plugin)    ─▶ as in 1.2: unhealthy until an event or a fingerprint
 //!        says healthy
 //! ```
@@ -66,6 +70,12 @@ pub(crate) struct Quarantine {
     pub uuid: String,
     /// When, in Unix seconds.
     pub since_unix_s: u64,
+    /// The control plane's count of operator clears for this device when it was quarantined
+    /// (`None`: no heartbeat answer had said it yet; the first one sets it). A higher count in
+    /// a heartbeat answer ends the quarantine; a lower one (a restored cluster) becomes the
+    /// new baseline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clears_seen: Option<u64>,
 }
 
 /// Remediation state of the node's devices.
@@ -83,6 +93,9 @@ pub(crate) struct Remedies {
     pub resets_ok: u64,
     /// Resets that failed or did not bring the device back.
     pub resets_failed: u64,
+    /// The control plane's counts of operator clears by device, as the last heartbeat answer
+    /// said (`None` before the first answer).
+    pub clears: Option<BTreeMap<String, u64>>,
 }
 
 /// What the metrics page shows of remediation.
@@ -254,8 +267,52 @@ impl Plugins {
         let reason: String = reason.chars().take(512).collect();
         tracing::error!(plugin = %p.stem, device = %device, reason = %reason,
             "DEVICE QUARANTINED: out of service until an operator clears it (see docs/agent.md, Device errors)");
-        r.quarantined.insert(device.to_owned(), Quarantine { reason, uuid, since_unix_s: unix_now() });
+        let clears_seen = r.clears.as_ref().map(|m| m.get(device).copied().unwrap_or(0));
+        r.quarantined.insert(device.to_owned(), Quarantine { reason, uuid, since_unix_s: unix_now(), clears_seen });
         save_quarantine(&self.quarantine_path, &r.quarantined);
+    }
+
+    /// Takes the control plane's counts of operator clears (a heartbeat answer): a quarantined
+    /// device whose count went past the one it was quarantined under leaves quarantine for a
+    /// recovery from the start (reset, fingerprint; quarantined again if that fails), and its
+    /// recent recoveries are forgotten (the operator vouched for it).
+    pub(crate) fn apply_clears(&self, clears: &BTreeMap<String, u64>) {
+        let mut r = self.lock_remedy();
+        let counts: BTreeMap<String, u64> = clears.iter().take(MAX_TRACKED).map(|(d, c)| (d.clone(), *c)).collect();
+        let mut cleared = Vec::new();
+        let mut dirty = false;
+        for (id, q) in r.quarantined.iter_mut() {
+            let now = counts.get(id).copied().unwrap_or(0);
+            match q.clears_seen {
+                Some(seen) if now > seen => cleared.push(id.clone()),
+                Some(seen) if now == seen => {}
+                // First heartbeat answer since it was quarantined, or a lower count.
+                _ => {
+                    q.clears_seen = Some(now);
+                    dirty = true;
+                }
+            }
+        }
+        for id in &cleared {
+            let Some(q) = r.quarantined.remove(id) else { continue };
+            r.recovered.remove(id);
+            tracing::warn!(device = %id, reason = %q.reason,
+                "an operator cleared the device's quarantine: it is reset and checked before it returns to service");
+            let reason = format!("quarantine cleared by an operator (was: {})", q.reason);
+            let reason: String = reason.chars().take(512).collect();
+            r.recovering.insert(
+                id.clone(),
+                Recovery { reason, attempts: 0, next_try: Instant::now(), last_error: String::new() },
+            );
+        }
+        r.clears = Some(counts);
+        if dirty || !cleared.is_empty() {
+            save_quarantine(&self.quarantine_path, &r.quarantined);
+        }
+        drop(r);
+        if !cleared.is_empty() {
+            self.changed.notify_one();
+        }
     }
 
     /// Appends an application-error line to the device-events file of every task holding

@@ -1,4 +1,5 @@
-//! `suanli node ...`: validate, list, get, cordon, drain (and wait), uncordon, register.
+//! `suanli node ...`: validate, list, get, cordon, drain (and wait), uncordon, clear-quarantine,
+//! register.
 
 use super::render::{age, dash, fields, mib, milli, now_s, print_indented_table, print_json, res, table, usage_cols};
 use super::{ConnArgs, Output, parse_duration_s};
@@ -75,6 +76,15 @@ pub enum NodeCmd {
         /// Node id.
         id: String,
     },
+    /// End an agent's quarantine of a device (after a fatal error or failed resets; see
+    /// docs/agent.md, "Device errors"). The agent resets and health-checks the device before
+    /// it returns to service; a device that fails the check is quarantined again.
+    ClearQuarantine {
+        /// Node id.
+        id: String,
+        /// Device id (as `suanli node get` lists it).
+        device: String,
+    },
     /// Register a node from a file as an agent would (for tests and dev clusters).
     Register {
         /// The node file (.toml or .json).
@@ -127,6 +137,18 @@ impl NodeArgs {
                 if wait { wait_drained(&conn, &id, timeout).await } else { Ok(()) }
             }
             NodeCmd::Uncordon { id } => set_mode(&conn, out, id, pb::NodeMode::Schedulable, 0, 0).await,
+            NodeCmd::ClearQuarantine { id, device } => {
+                let clears = conn.clear_quarantine(&id, &device).await?;
+                match out {
+                    Output::Json => print_json(&json!({"node": id, "device": device, "clears": clears})),
+                    Output::Table => {
+                        println!(
+                            "node {id} device {device}: quarantine cleared (the agent resets and checks it at its next heartbeat)"
+                        );
+                        Ok(())
+                    }
+                }
+            }
             NodeCmd::Register { file, keep_alive } => register(&conn, out, &file, keep_alive).await,
         }
     }

@@ -581,6 +581,10 @@ fn inspect(path: &str, msg: &[u8], strict: bool) -> Result<Target, Status> {
             };
             t.text = format!("node {} {mode}", r.id);
         }
+        ("suanli.v1.Nodes", "ClearQuarantine") => {
+            let r = pb::ClearQuarantineRequest::decode(msg).map_err(bad)?;
+            t.text = format!("node {} clear-quarantine {}", r.id, r.device);
+        }
         ("suanli.v1.Cluster", "AddServer") => {
             let r = pb::AddServerRequest::decode(msg).map_err(bad)?;
             t.text = format!("server {} at {}", r.id, r.addr);

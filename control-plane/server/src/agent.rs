@@ -89,11 +89,16 @@ impl Agent for AgentApi {
         }
         let r = req.into_inner();
         let id = NodeId(r.node_id.clone());
-        let known = self
-            .0
-            .state
-            .read(|s| s.nodes().get(&id).map(|n| (n.status == NodeStatus::Ready).then(|| n.pressure.clone())));
-        let Some(Some(pressure)) = known else {
+        let known = self.0.state.read(|s| {
+            s.nodes().get(&id).map(|n| {
+                (n.status == NodeStatus::Ready).then(|| {
+                    // Bounded by the node's devices (the state machine keeps no entry for
+                    // a device the node does not have).
+                    (n.pressure.clone(), n.quarantine_clears.clone())
+                })
+            })
+        });
+        let Some(Some((pressure, quarantine_clears))) = known else {
             // Unknown, or declared down: the agent registers again with its inventory.
             return ok(pb::HeartbeatResponse {
                 heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
@@ -101,6 +106,7 @@ impl Agent for AgentApi {
                 leases: Vec::new(),
                 members: self.0.member_addrs(),
                 cluster_id: self.cluster_id(),
+                quarantine_clears: Default::default(),
             });
         };
         // Only a leader a quorum still follows may renew the agent's lease.
@@ -132,6 +138,7 @@ impl Agent for AgentApi {
         ok(pb::HeartbeatResponse {
             heartbeat_ttl_ms: self.0.cfg.heartbeat_ttl_ms,
             known: true,
+            quarantine_clears,
             members: self.0.member_addrs(),
             cluster_id: self.cluster_id(),
             // The federation leases of this node's federated allocations: a renewal reaches

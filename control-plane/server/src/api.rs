@@ -22,8 +22,8 @@ use suanli_proto::v1::queues_server::Queues;
 use suanli_raft::ServerNode;
 use suanli_raft::membership::{self, check_addr};
 use suanli_state::{
-    CancelJob, Command, DeleteQueue, MigrateJob, Response, SetNodeMode, SubmitJob, UpdateConfig, UpdateService,
-    UpsertQueue,
+    CancelJob, ClearQuarantine, Command, DeleteQueue, MigrateJob, Response, SetNodeMode, SubmitJob, UpdateConfig,
+    UpdateService, UpsertQueue,
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status};
@@ -451,6 +451,27 @@ impl Nodes for Api {
         self.0.kick.notify_one();
         ok(pb::SetNodeModeResponse {})
     }
+
+    async fn clear_quarantine(&self, req: Request<pb::ClearQuarantineRequest>) -> Resp<pb::ClearQuarantineResponse> {
+        let r = req.into_inner();
+        let max = suanli_model::Limits::default().max_name_len;
+        if r.id.is_empty() || r.id.len() > max {
+            return Err(invalid("id", format!("a node id of 1..={max} bytes, got {}", r.id.len())));
+        }
+        if r.device.is_empty() || r.device.len() > max {
+            return Err(invalid("device", format!("a device id of 1..={max} bytes, got {}", r.device.len())));
+        }
+        let node = NodeId(r.id);
+        let cmd = Command::ClearQuarantine(ClearQuarantine {
+            node: node.clone(),
+            device: r.device.clone(),
+            now: self.0.now_s(),
+        });
+        self.0.propose(cmd).await?;
+        let clears =
+            self.0.state.read(|s| s.nodes().get(&node).and_then(|n| n.quarantine_clears.get(&r.device).copied()));
+        ok(pb::ClearQuarantineResponse { clears: clears.unwrap_or_default() })
+    }
 }
 
 /// Where a list resumes after the page token `after`: from the first item when it is empty.
@@ -858,6 +879,7 @@ fn forwardable(cmd: &Command) -> Result<(), Status> {
         | Command::SetNodeMode(_)
         | Command::DeviceHealth(_)
         | Command::NodeCondition(_)
+        | Command::ClearQuarantine(_)
         | Command::SubmitJob(_)
         | Command::CancelJob(_)
         | Command::AllocStatus(_)

@@ -128,6 +128,18 @@ pub struct NodeCondition {
     pub now: u64,
 }
 
+/// An operator ends the quarantine of one device: the node's agent resets and health-checks
+/// the device before it returns to service (docs/agent.md, "Device errors").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClearQuarantine {
+    /// The node.
+    pub node: NodeId,
+    /// The device id on that node.
+    pub device: String,
+    /// Leader's time, seconds.
+    pub now: u64,
+}
+
 /// A client submits a job. Retries with the same `client_request_id` return the first job.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SubmitJob {
@@ -424,6 +436,9 @@ commands! {
     /// A node's agent reported a condition (disk pressure) or its end. Not ignorable: it
     /// decides where plans may place work, which every replica re-checks at apply.
     NodeCondition(NodeCondition) = "node_condition", ignorable: false;
+    /// An operator cleared a device's quarantine. Not ignorable: the count it raises is what
+    /// the node's agent compares, so every replica must hold the same one.
+    ClearQuarantine(ClearQuarantine) = "clear_quarantine", ignorable: false;
     /// Submit a job. (The three large bodies are boxed: a batch of 1,024 commands is then a
     /// 112-byte-per-command vector, not 288, which a decode grows by doubling on every server.)
     SubmitJob(Box<SubmitJob>) = "submit_job", ignorable: false;
@@ -488,6 +503,7 @@ impl Command {
             Command::IssueToken(c) => c.now = now,
             Command::RevokeToken(c) => c.now = now,
             Command::NodeCondition(c) => c.now = now,
+            Command::ClearQuarantine(c) => c.now = now,
             Command::FedAdopt(c) => c.now = now,
             Command::FedRenew(c) => c.now = now,
             Command::FedRelease(c) => c.now = now,

@@ -32,10 +32,11 @@ mod state;
 mod usage;
 
 pub use command::{
-    AllocReady, AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, Command, CommandError, DeleteQueue,
-    DeviceHealth, DrainOptions, MAX_ENDPOINT_LEN, MAX_LATENCY_US, MAX_SUCCESS_PPM, MigrateJob, NodeCondition, NodeDown,
-    NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response, SetClusterId, SetNodeMode,
-    SkipEntry, SubmitJob, UpdateConfig, UpdateService, UpsertQueue, check_encoded_size, encode_command,
+    AllocReady, AllocStatus, ApplyPlan, Batch, COMMAND_VERSION, CancelJob, ClearQuarantine, Command, CommandError,
+    DeleteQueue, DeviceHealth, DrainOptions, MAX_ENDPOINT_LEN, MAX_LATENCY_US, MAX_SUCCESS_PPM, MigrateJob,
+    NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response,
+    SetClusterId, SetNodeMode, SkipEntry, SubmitJob, UpdateConfig, UpdateService, UpsertQueue, check_encoded_size,
+    encode_command,
 };
 pub use config::{CHECKPOINT_STORE_SCHEMES, ConfigError, RetryPolicy, StateConfig};
 pub use invariants::Violation;

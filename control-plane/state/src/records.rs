@@ -502,6 +502,11 @@ pub struct NodeRecord {
     /// The agent's fence as it last registered (absent: it reported none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fence: Option<AgentFence>,
+    /// By device id: how many times an operator cleared the device's quarantine
+    /// ([`ClearQuarantine`](crate::ClearQuarantine)); heartbeats carry it to the agent.
+    /// Survives re-registration; an entry goes with its device.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub quarantine_clears: BTreeMap<String, u64>,
 }
 
 /// A drain in progress on one node.

@@ -1,9 +1,9 @@
 //! The state machine: records, `apply`, snapshots and the scheduler's view.
 
 use crate::command::{
-    AllocReady, AllocStatus, ApplyPlan, CancelJob, Command, CommandError, DeleteQueue, DeviceHealth, MigrateJob,
-    NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus, Response,
-    SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
+    AllocReady, AllocStatus, ApplyPlan, CancelJob, ClearQuarantine, Command, CommandError, DeleteQueue, DeviceHealth,
+    MigrateJob, NodeCondition, NodeDown, NodeMode, PlanOutcome, RegisterNode, ReportCheckpoint, ReportedStatus,
+    Response, SetNodeMode, SubmitJob, UpdateConfig, UpsertQueue,
 };
 use crate::config::StateConfig;
 use crate::records::{
@@ -329,6 +329,7 @@ impl State {
             Command::NodeDown(c) => self.node_down(c, rev),
             Command::DeviceHealth(c) => self.device_health(c, rev),
             Command::NodeCondition(c) => self.node_condition(c),
+            Command::ClearQuarantine(c) => self.clear_quarantine(c),
             Command::SubmitJob(c) => self.submit_job(*c, rev),
             Command::CancelJob(c) => self.cancel_job(c, rev),
             Command::ApplyPlan(c) => self.apply_plan_and_follow(c, rev),
@@ -540,6 +541,9 @@ impl State {
         let mut node = c.node;
         node.schedulable = mode == NodeMode::Schedulable;
         let drain = self.nodes.get(&id).and_then(|r| r.drain.clone());
+        // Clears of devices the node still has: a gone device's count goes with it.
+        let mut quarantine_clears = self.nodes.get(&id).map(|r| r.quarantine_clears.clone()).unwrap_or_default();
+        quarantine_clears.retain(|d, _| node.devices.iter().any(|x| &x.id == d));
         self.nodes.insert(
             id.clone(),
             NodeRecord {
@@ -551,6 +555,7 @@ impl State {
                 fence: c.fence,
                 pressure,
                 drain,
+                quarantine_clears,
             },
         );
         let kinds_changed = self.nodes.get(&id).is_some_and(|r| {
@@ -770,6 +775,20 @@ impl State {
         let pressure = cut(&c.pressure, self.config.max_message_len);
         if let Some(r) = self.nodes.get_mut(&c.node) {
             r.pressure = pressure;
+            r.updated_at = now;
+        }
+        Ok((Response::Done, Effect::Changed))
+    }
+
+    fn clear_quarantine(&mut self, c: ClearQuarantine) -> Applied {
+        let rec = self.node_rec(&c.node)?;
+        if !rec.node.devices.iter().any(|d| d.id == c.device) {
+            return Err(CommandError::UnknownDevice { node: c.node.to_string(), device: c.device });
+        }
+        let now = self.tick(c.now);
+        if let Some(r) = self.nodes.get_mut(&c.node) {
+            let n = r.quarantine_clears.entry(c.device).or_default();
+            *n = n.saturating_add(1);
             r.updated_at = now;
         }
         Ok((Response::Done, Effect::Changed))

@@ -5,9 +5,9 @@ mod common;
 use common::*;
 use suanli_model::{AllocId, DeviceShare, Health, JobId, NodeId, Placement, Plan, Preemption, PreemptionReason};
 use suanli_state::{
-    AllocState, ApplyPlan, CancelJob, Command, CommandError, Desired, DeviceHealth, DrainOptions, JobState,
-    MAX_ATTEMPT_HISTORY, NodeCondition, NodeDown, NodeMode, RefusalReason, ReportedStatus, Response, RetryPolicy,
-    SetNodeMode, State, StateConfig, StopReason, SubmitJob, UpdateConfig,
+    AllocState, ApplyPlan, CancelJob, ClearQuarantine, Command, CommandError, Desired, DeviceHealth, DrainOptions,
+    JobState, MAX_ATTEMPT_HISTORY, NodeCondition, NodeDown, NodeMode, RefusalReason, ReportedStatus, Response,
+    RetryPolicy, SetNodeMode, State, StateConfig, StopReason, SubmitJob, UpdateConfig,
 };
 
 fn job_state(s: &State, id: u64) -> JobState {
@@ -222,6 +222,34 @@ fn disk_pressure_keeps_new_work_off_a_node_until_it_clears() {
     // An unknown node is refused.
     let r = s.apply(Command::NodeCondition(NodeCondition { node: NodeId::from("nope"), pressure: why, now: 7 }));
     assert!(matches!(r, Response::Rejected(CommandError::UnknownNode { .. })), "{r:?}");
+}
+
+#[test]
+fn quarantine_clears_count_per_device_and_survive_re_registration() {
+    let mut s = cluster(1);
+    let n0 = NodeId::from("n0");
+    let dev = s.nodes()[&n0].node.devices[0].id.clone();
+    let clear = |device: &str, now| {
+        Command::ClearQuarantine(ClearQuarantine { node: n0.clone(), device: device.to_owned(), now })
+    };
+    apply_ok(&mut s, clear(&dev, 2));
+    apply_ok(&mut s, clear(&dev, 3));
+    assert_eq!(s.nodes()[&n0].quarantine_clears.get(&dev), Some(&2));
+    // An agent restart keeps the count (the agent compares against it).
+    apply_ok(&mut s, register(node("n0", 4), 4));
+    assert_eq!(s.nodes()[&n0].quarantine_clears.get(&dev), Some(&2));
+    // An unknown device or node is refused, naming it; nothing changes.
+    let r = s.apply(clear("gpu99", 5));
+    assert!(matches!(&r, Response::Rejected(CommandError::UnknownDevice { device, .. }) if device == "gpu99"), "{r:?}");
+    let r =
+        s.apply(Command::ClearQuarantine(ClearQuarantine { node: NodeId::from("nope"), device: dev.clone(), now: 6 }));
+    assert!(matches!(r, Response::Rejected(CommandError::UnknownNode { .. })), "{r:?}");
+    assert_eq!(s.nodes()[&n0].quarantine_clears.len(), 1);
+    // The command's JSON form round-trips (it travels in the log).
+    let c = clear(&dev, 7);
+    let text = serde_json::to_string(&c).expect("encode");
+    assert!(text.contains("\"clear_quarantine\""), "{text}");
+    assert_eq!(serde_json::from_str::<Command>(&text).expect("decode"), c);
 }
 
 #[test]
