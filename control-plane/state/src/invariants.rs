@@ -43,10 +43,19 @@ impl State {
     ///   fresh count over every live allocation.
     /// - `audit`: audit sequence numbers increase and are below the next one to assign; the
     ///   log holds at most `audit_retention` records.
+    /// - `quarantine-clears`: a node counts quarantine clears only of devices it has.
     /// - `tokens`: at most `max_tokens` token records, each filed under its own id; a token
     ///   signing key, when set, decodes to 32 bytes.
     pub fn invariants(&self) -> Result<(), Violation> {
         self.security_invariants()?;
+        for (id, rec) in &self.nodes {
+            if let Some(d) = rec.quarantine_clears.keys().find(|d| !rec.node.devices.iter().any(|x| &x.id == *d)) {
+                return fail(
+                    "quarantine-clears",
+                    format!("node {id} counts clears of device {d}, which it does not have"),
+                );
+            }
+        }
         if let Err(detail) = self.cost_invariants() {
             return fail("cost-conservation", detail);
         }

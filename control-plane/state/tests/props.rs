@@ -11,8 +11,8 @@ use suanli_model::{
 };
 use suanli_scheduler::{SchedulerConfig, schedule};
 use suanli_state::{
-    AllocStatus, ApplyPlan, CancelJob, Command, DeviceHealth, EndClass, MigrateJob, NodeDown, NodeMode,
-    ReportCheckpoint, ReportedStatus, RetryPolicy, SetNodeMode, State, SubmitJob,
+    AllocStatus, ApplyPlan, CancelJob, ClearQuarantine, Command, DeviceHealth, EndClass, MigrateJob, NodeDown,
+    NodeMode, ReportCheckpoint, ReportedStatus, RetryPolicy, SetNodeMode, State, SubmitJob,
 };
 
 #[derive(Debug, Clone)]
@@ -26,6 +26,7 @@ enum Op {
     NodeDown { node: u8 },
     Register { node: u8, gpus: u32, cpu_k: u64, npu: bool },
     Health { node: u8, dev: u8, healthy: bool },
+    ClearQuarantine { node: u8, dev: u8 },
     Mode { node: u8, mode: u8 },
     Cancel { job: u8 },
     Quota { queue: u8, gpus: u64, cohort: bool },
@@ -48,6 +49,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..4).prop_map(|node| Op::NodeDown { node }),
         1 => (0u8..4, 0u32..6, 1u64..64, any::<bool>()).prop_map(|(node, gpus, cpu_k, npu)| Op::Register { node, gpus, cpu_k, npu }),
         1 => (0u8..4, 0u8..5, any::<bool>()).prop_map(|(node, dev, healthy)| Op::Health { node, dev, healthy }),
+        1 => (0u8..4, 0u8..5).prop_map(|(node, dev)| Op::ClearQuarantine { node, dev }),
         1 => (0u8..4, 0u8..3).prop_map(|(node, mode)| Op::Mode { node, mode }),
         1 => (0u8..24).prop_map(|job| Op::Cancel { job }),
         1 => (0u8..3, 0u64..10, any::<bool>()).prop_map(|(queue, gpus, cohort)| Op::Quota { queue, gpus, cohort }),
@@ -174,6 +176,9 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
             health: if *healthy { Health::Healthy } else { Health::Unhealthy },
             now: *now,
         }),
+        Op::ClearQuarantine { node, dev } => {
+            Command::ClearQuarantine(ClearQuarantine { node: nid(*node), device: format!("gpu{dev}"), now: *now })
+        }
         Op::Mode { node, mode } => Command::SetNodeMode(SetNodeMode {
             node: nid(*node),
             mode: [NodeMode::Schedulable, NodeMode::Cordoned, NodeMode::Draining][*mode as usize % 3],
