@@ -6,7 +6,8 @@
 //!                                       victim holds its share until it stops); no unhealthy
 //!                                       device, cordoned node or unmet constraint
 //!                     ─▶ quota      (b) over nominal only through placements flagged borrowed,
-//!                                       within borrowing limits and parent caps
+//!                                       within borrowing limits and parent caps (a victim
+//!                                       counts until it stops)
 //!                     ─▶ gangs      (c) gang all-or-nothing, elastic at least its minimum,
 //!                                       every considered job decided exactly once
 //!                     ─▶ preemptions(d) only preemptible, outranked or reclaimable work, whole
@@ -376,15 +377,16 @@ pub fn capacity(inp: &Inputs<'_>, plan: &Plan) -> Check {
 }
 
 /// (b) quota: over nominal only through placements flagged borrowed, within borrowing limits;
-/// no cohort, no borrowing; parent caps hold for every subtree that receives placements.
+/// no cohort, no borrowing; parent caps hold for every subtree that receives placements. Work
+/// this plan preempts still counts against its queues until it has stopped (apply counts it):
+/// the quota it frees goes to a later pass, as its devices do.
 pub fn quota(inp: &Inputs<'_>, plan: &Plan) -> Check {
     const P: Property = Property::Quota;
     if plan.placements.is_empty() {
         return Ok(());
     }
-    let victims = victims(plan);
     let mut kept: BTreeMap<&QueueId, ResVec> = BTreeMap::new();
-    for a in inp.surviving(&victims) {
+    for a in inp.view.running.iter() {
         let e = kept.entry(&a.queue).or_insert(ResVec::ZERO);
         *e = e.saturating_add(&inp.alloc_usage(a));
     }
@@ -450,7 +452,7 @@ pub fn quota(inp: &Inputs<'_>, plan: &Plan) -> Check {
             continue;
         }
         let mut used = ResVec::ZERO;
-        for a in inp.surviving(&victims).filter(|a| in_subtree(&a.queue)) {
+        for a in inp.view.running.iter().filter(|a| in_subtree(&a.queue)) {
             used = used.saturating_add(&inp.alloc_usage(a));
         }
         for (q, u) in &all {

@@ -264,6 +264,12 @@ struct Pass<'a> {
     /// Nodes whose running work was preempted in this pass ([`Hold::Draining`]): held out of
     /// placement, open only to later preemptions' holds.
     draining: BTreeSet<u32>,
+    /// What this pass's victims hold of their queues' quota: refunded while a preemption
+    /// chooses victims, charged again for placements (a victim counts until it stops, at apply
+    /// as here).
+    stopping: Vec<(QueueId, ResVec)>,
+    /// Whether `stopping` is charged now.
+    stopping_charged: bool,
     plan: Plan,
     /// Blocked head job's reservation: (start time, nodes).
     reservation: Option<(u64, Vec<u32>)>,
@@ -330,6 +336,8 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
         running: &view.running,
         evicted: BTreeSet::new(),
         draining: BTreeSet::new(),
+        stopping: Vec::new(),
+        stopping_charged: true,
         plan: Plan::default(),
         reservation: None,
         reserve_tried: false,
@@ -438,7 +446,14 @@ impl Pass<'_> {
         let may_preempt = self.cfg.preemption && !job.grow;
         let outcome = match self.quota.check(&spec.queue, need) {
             // A queue within its nominal quota may reclaim what others borrowed.
-            Err(reason) => Err((reason.to_string(), may_preempt && self.try_preempt(job, true), false)),
+            Err(reason) => {
+                let mut reason = reason.to_string();
+                if self.stopping_blocks(&spec.queue, need) {
+                    reason
+                        .push_str(" (counting the work preempted in this pass, which holds its quota until it stops)");
+                }
+                Err((reason, may_preempt && self.try_preempt(job, true), false))
+            }
             Ok(admission) => match self.place_all(job, admission.borrowed) {
                 Ok(list) => {
                     self.emit(job, list);
@@ -506,6 +521,33 @@ impl Pass<'_> {
                 self.cluster.unhold(n, Hold::Draining);
             }
         }
+    }
+
+    /// Charges (`true`) or refunds (`false`) what this pass's victims hold of their queues'
+    /// quota; a no-op when it already is so.
+    fn charge_stopping(&mut self, on: bool) {
+        if self.stopping_charged == on {
+            return;
+        }
+        for (q, r) in &self.stopping {
+            if on {
+                self.quota.charge(q, *r);
+            } else {
+                self.quota.refund(q, *r);
+            }
+        }
+        self.stopping_charged = on;
+    }
+
+    /// Whether only this pass's victims (still running) keep `need` out of `queue`'s quota.
+    fn stopping_blocks(&mut self, queue: &QueueId, need: ResVec) -> bool {
+        if self.stopping.is_empty() {
+            return false;
+        }
+        self.charge_stopping(false);
+        let ok = self.quota.check(queue, need).is_ok();
+        self.charge_stopping(true);
+        ok
     }
 
     /// One replica's node and devices under the configured scan.
@@ -815,16 +857,20 @@ impl Pass<'_> {
     /// when no acceptable victim set exists.
     ///
     /// The victims keep running until they stop, so their nodes are held out of placement for
-    /// the rest of the pass ([`Hold::Draining`]): what they free beyond the job's own holds may
-    /// be held by a later preemption in this pass, never placed on (apply would refuse it).
+    /// the rest of the pass ([`Hold::Draining`]) and their usage counts against their queues'
+    /// quota for placements: what they free beyond the job's own holds may be held by a later
+    /// preemption in this pass, never placed on (apply would refuse it).
     fn try_preempt(&mut self, job: &PendingJob, quota_blocked: bool) -> bool {
         self.hold_draining(false);
+        self.charge_stopping(false);
         let done = self.preempt_for(job, quota_blocked);
+        self.charge_stopping(true);
         self.hold_draining(true);
         done
     }
 
-    /// [`Pass::try_preempt`] with this pass's draining nodes open to holds.
+    /// [`Pass::try_preempt`] with this pass's draining nodes open to holds and its victims'
+    /// quota refunded.
     fn preempt_for(&mut self, job: &PendingJob, quota_blocked: bool) -> bool {
         let spec = &job.spec;
         let need = spec.min_total();
@@ -991,8 +1037,9 @@ impl Pass<'_> {
                 self.reoccupy(u);
             }
             // Everything fit after all: place it, but not on what earlier victims of this pass
-            // free (they still run).
+            // free, nor in the quota they hold (they still run).
             self.hold_draining(true);
+            self.charge_stopping(true);
             if ok
                 && evicted_now.is_empty()
                 && let Ok(a) = self.quota.check(&spec.queue, need)
@@ -1004,7 +1051,8 @@ impl Pass<'_> {
             return false;
         }
         // Commit: the job's capacity stays held for the rest of this pass, and the victims'
-        // nodes take no placement until they have stopped.
+        // nodes and quota take no placement until they have stopped.
+        self.stopping.extend(refunds);
         for &u in &evicted_now {
             if let Some(n) = self.cluster.node_index(&self.running[u].node) {
                 self.draining.insert(n);
@@ -1261,6 +1309,39 @@ mod tests {
             assert!(plan.placements.is_empty(), "{plan:?}");
             let why = &plan.unplaced.iter().find(|u| u.job == JobId(3)).expect("job 3 waits").reason;
             assert!(why.contains("1 freed by preemption in this pass for another job"), "{why}");
+        }
+    }
+
+    #[test]
+    fn the_quota_a_victim_frees_is_not_placed_in_while_it_stops() {
+        // Queue "a" may use two GPUs and runs a two-GPU victim on n0. The urgent job (one
+        // GPU) is blocked by the quota, not by capacity (n1 is free), and preempts the victim;
+        // the quota it frees beyond the urgent job's GPU is not given to the peer in this pass:
+        // the victim counts against the queue until it stops (apply would refuse the peer).
+        let mut n0 = node();
+        n0.devices =
+            vec![Device::simple("gpu0", DeviceKind::Gpu, "A100"), Device::simple("gpu1", DeviceKind::Gpu, "A100")];
+        let n1 = Node { id: NodeId::new("n1"), ..n0.clone() };
+        let mut victim = running("a", 0, false);
+        victim.devices =
+            ["gpu0", "gpu1"].iter().map(|d| DeviceShare { device: (*d).into(), milli: 1000, memory_mib: 0 }).collect();
+        let urgent = gpu_job(1, "a", 10);
+        let mut peer = gpu_job(2, "a", 0);
+        peer.submitted_at = 1;
+        let view = ClusterView {
+            nodes: vec![n0, n1],
+            queues: vec![queue("a", Some(2), None)],
+            pending: vec![urgent, peer],
+            running: vec![Arc::new(victim)],
+            ..Default::default()
+        };
+        for seed in 0..10 {
+            let plan = schedule(&view, 100, seed, &SchedulerConfig::default()).expect("plan");
+            assert_eq!(plan.preemptions.len(), 1, "{plan:?}");
+            assert_eq!(plan.preemptions[0].for_job, JobId(1));
+            assert!(plan.placements.is_empty(), "placed in the quota the victim still holds: {plan:?}");
+            let why = &plan.unplaced.iter().find(|u| u.job == JobId(2)).expect("job 2 waits").reason;
+            assert!(why.contains("counting the work preempted in this pass"), "{why}");
         }
     }
 
