@@ -1,7 +1,7 @@
 //! No input stops a server from applying (issue 15): arbitrary bytes, arbitrary JSON and
 //! structurally valid envelopes with arbitrary bodies, for every command kind, through every
 //! RPC that ends in a proposal (`Internal.Propose` on the peer port; Jobs.Submit, SubmitMany,
-//! Cancel; Queues.Upsert, Delete; Nodes.SetMode; Agent.Register, Heartbeat, ReportStatus,
+//! Cancel; Queues.Upsert, Delete; Nodes.SetMode, ClearQuarantine; Agent.Register, Heartbeat, ReportStatus,
 //! ReportCheckpoint), to random servers of one 3-server cluster. Any answer is fine; after
 //! every case every server still answers and reports no halt, and after every batch of cases
 //! and at the end the servers converge (same state hash at the same applied index) and a valid
@@ -39,6 +39,7 @@ enum Rpc {
     Upsert,
     DeleteQueue,
     SetMode,
+    ClearQuarantine,
     Register,
     Heartbeat,
     ReportStatus,
@@ -54,6 +55,7 @@ const RPCS: &[Rpc] = &[
     Rpc::Upsert,
     Rpc::DeleteQueue,
     Rpc::SetMode,
+    Rpc::ClearQuarantine,
     Rpc::Register,
     Rpc::Heartbeat,
     Rpc::ReportStatus,
@@ -356,6 +358,11 @@ async fn send(c: &ProcessCluster, k: &Case) -> Code {
                 .set_mode(pb::SetNodeModeRequest { id, mode: k.small, ..Default::default() })
                 .await
                 .map(drop)
+        }
+        Rpc::ClearQuarantine => {
+            let id = if k.flag { "fz-node".to_owned() } else { k.text.clone() };
+            let device = if k.small % 2 == 0 { "gpu0".to_owned() } else { k.text.clone() };
+            NodesClient::new(ch).clear_quarantine(pb::ClearQuarantineRequest { id, device }).await.map(drop)
         }
         Rpc::Register => {
             let req = pb::RegisterNodeRequest { node_json: text, agent_version: k.text.clone(), ..Default::default() };

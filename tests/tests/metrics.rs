@@ -90,7 +90,7 @@ fn promtool_checks_the_rules_and_a_rendered_config() {
     let out = Command::new("promtool").arg("check").arg("rules").arg(&rules).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("6 rules found"), "{text}");
+    assert!(text.contains("8 rules found"), "{text}");
     // The shipped config, its certificate paths pointed at a real PKI.
     let dir = tempfile::tempdir().unwrap();
     let pki = LocalPki::get();

@@ -547,13 +547,17 @@ impl State {
 }
 
 /// One service's recent recommendations, kept by the leader's autoscaler (not replicated:
-/// a new leader starts without them, so it scales down only after a whole window).
+/// a new leader starts without them, so it scales down only once its own history covers a
+/// whole scale-down window).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AutoscaleHistory {
     /// (time, recommended replicas), oldest first.
     recs: std::collections::VecDeque<(u64, u32)>,
     /// When the last decision was taken.
     last: Option<u64>,
+    /// When the first decision was taken: a scale-down waits until the history covers the
+    /// whole scale-down window (the recommendations before it are unknown, not low).
+    since: Option<u64>,
 }
 
 impl AutoscaleHistory {
@@ -561,12 +565,14 @@ impl AutoscaleHistory {
     /// (within `period_s` of the last) or no replica reported a load. As the Kubernetes HPA:
     /// the recommendation `ceil(current × average / target)` (within the tolerance: no
     /// change), then up to the lowest recommendation of the scale-up window and down to the
-    /// highest of the scale-down window, by at most the step in each direction.
+    /// highest of the scale-down window, by at most the step in each direction. No scale-down
+    /// before the history spans `scale_down_window_s` (a fresh leader, or a new service).
     pub fn decide(&mut self, a: &suanli_model::Autoscale, current: u32, loads: &[u64], now: u64) -> Option<u32> {
         if self.last.is_some_and(|t| now < t.saturating_add(a.period_s)) || loads.is_empty() {
             return None;
         }
         self.last = Some(now);
+        let since = *self.since.get_or_insert(now);
         let avg = loads.iter().map(|l| u128::from(*l)).sum::<u128>() / loads.len() as u128;
         let rec = a.recommend(current, u64::try_from(avg).unwrap_or(u64::MAX));
         self.recs.push_back((now, rec));
@@ -580,7 +586,7 @@ impl AutoscaleHistory {
         let step = |s: u32| if s == 0 { u32::MAX } else { s };
         let wanted = if up > current {
             up.min(current.saturating_add(step(a.scale_up_step)))
-        } else if down < current {
+        } else if down < current && now.saturating_sub(since) >= a.scale_down_window_s {
             down.max(current.saturating_sub(step(a.scale_down_step)))
         } else {
             current
@@ -626,5 +632,16 @@ mod tests {
         assert_eq!(h.decide(&a(), 10, &[1_000; 10], 30), Some(1));
         // No load reported: no decision.
         assert_eq!(h.decide(&a(), 1, &[], 40), None);
+    }
+
+    #[test]
+    fn a_fresh_history_scales_up_at_once_and_down_only_after_a_whole_window() {
+        // A new leader: the recommendations of the last window are unknown, not low.
+        let mut h = AutoscaleHistory::default();
+        assert_eq!(h.decide(&a(), 8, &[1_000; 8], 100), Some(8));
+        assert_eq!(h.decide(&a(), 8, &[1_000; 8], 110), Some(8));
+        assert_eq!(h.decide(&a(), 8, &[1_000; 8], 120), Some(1), "the window (20 s) is covered");
+        let mut h = AutoscaleHistory::default();
+        assert_eq!(h.decide(&a(), 2, &[50_000, 50_000], 100), Some(6), "scale-up does not wait");
     }
 }
