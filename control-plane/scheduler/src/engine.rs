@@ -1269,21 +1269,27 @@ mod tests {
         assert!(why.contains("0/5 nodes fit: 2 cordoned, 1 down, 1 draining, 1 insufficient cpu"), "{why}");
     }
 
-    /// A victim keeps its devices until it stops: what it frees beyond the job it makes room for
-    /// is not placed on in the same pass (apply would refuse it), and the waiting job says why.
-    #[test]
-    fn what_a_victim_frees_is_not_placed_on_while_it_stops() {
+    /// A two-GPU node n0 running a two-GPU victim of queue "a" at priority 0; an urgent job
+    /// (1, priority 10) and a peer (2, priority 0, submitted after it), one GPU each.
+    fn victim_urgent_and_peer() -> (Node, Allocation, PendingJob, PendingJob) {
         let mut n = node();
         n.devices =
             vec![Device::simple("gpu0", DeviceKind::Gpu, "A100"), Device::simple("gpu1", DeviceKind::Gpu, "A100")];
         let mut victim = running("a", 0, false);
         victim.devices =
             ["gpu0", "gpu1"].iter().map(|d| DeviceShare { device: (*d).into(), milli: 1000, memory_mib: 0 }).collect();
-        // The urgent job needs one GPU and preempts the two-GPU victim; the equal-priority job
-        // after it cannot preempt, and the other GPU still runs the victim.
-        let urgent = gpu_job(1, "a", 10);
         let mut peer = gpu_job(2, "a", 0);
         peer.submitted_at = 1;
+        (n, victim, gpu_job(1, "a", 10), peer)
+    }
+
+    /// A victim keeps its devices until it stops: what it frees beyond the job it makes room for
+    /// is not placed on in the same pass (apply would refuse it), and the waiting job says why.
+    #[test]
+    fn what_a_victim_frees_is_not_placed_on_while_it_stops() {
+        // The urgent job needs one GPU and preempts the two-GPU victim; the equal-priority job
+        // after it cannot preempt, and the other GPU still runs the victim.
+        let (n, victim, urgent, peer) = victim_urgent_and_peer();
         let view = |pending: Vec<PendingJob>| ClusterView {
             nodes: vec![n.clone()],
             queues: vec![queue("a", None, None)],
@@ -1318,16 +1324,8 @@ mod tests {
         // GPU) is blocked by the quota, not by capacity (n1 is free), and preempts the victim;
         // the quota it frees beyond the urgent job's GPU is not given to the peer in this pass:
         // the victim counts against the queue until it stops (apply would refuse the peer).
-        let mut n0 = node();
-        n0.devices =
-            vec![Device::simple("gpu0", DeviceKind::Gpu, "A100"), Device::simple("gpu1", DeviceKind::Gpu, "A100")];
+        let (n0, victim, urgent, peer) = victim_urgent_and_peer();
         let n1 = Node { id: NodeId::new("n1"), ..n0.clone() };
-        let mut victim = running("a", 0, false);
-        victim.devices =
-            ["gpu0", "gpu1"].iter().map(|d| DeviceShare { device: (*d).into(), milli: 1000, memory_mib: 0 }).collect();
-        let urgent = gpu_job(1, "a", 10);
-        let mut peer = gpu_job(2, "a", 0);
-        peer.submitted_at = 1;
         let view = ClusterView {
             nodes: vec![n0, n1],
             queues: vec![queue("a", Some(2), None)],
