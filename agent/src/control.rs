@@ -52,6 +52,14 @@ const MAX_LEARNED: usize = 16;
 /// The file the learned member addresses are kept in, under the agent's data directory.
 pub(crate) const LEARNED_FILE: &str = "servers.json";
 
+/// The kind of a device's health reason: the text before its first `:` (`quarantined`,
+/// `recovering`, a plugin's message head), so that a reason whose details change (a counter, a
+/// temperature) is not sent again at every heartbeat, while a device that moves from recovery
+/// to quarantine is.
+fn reason_kind(reason: &str) -> String {
+    reason.split(':').next().unwrap_or_default().trim().chars().take(64).collect()
+}
+
 /// Whether a failed call may succeed at another server (or later).
 fn retriable(c: Code) -> bool {
     matches!(
@@ -305,9 +313,14 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
         let interval = Duration::from_millis(resp.heartbeat_interval_ms.clamp(10, 600_000));
         let mut ttl_ms = resp.heartbeat_ttl_ms;
         agent.plugins.stats_every_ms.store(resp.heartbeat_interval_ms.clamp(10, 600_000), Ordering::Relaxed);
-        let mut reported: BTreeMap<String, bool> =
-            node.devices.iter().map(|d| (d.id.clone(), d.health == suanli_model::Health::Healthy)).collect();
-        let unhealthy = reported.values().filter(|h| !**h).count();
+        // What the control plane was told of each device: healthy, and for an unhealthy one the
+        // kind of its reason (registration carries no reason, so the first heartbeat says it).
+        let mut reported: BTreeMap<String, (bool, String)> = node
+            .devices
+            .iter()
+            .map(|d| (d.id.clone(), (d.health == suanli_model::Health::Healthy, String::new())))
+            .collect();
+        let unhealthy = reported.values().filter(|(h, _)| !*h).count();
         tracing::info!(node = %node.id, pool = %node.pool, devices = node.devices.len(), unhealthy,
             cpu_milli = node.cpu_milli, memory_mib = node.memory_mib, agent_addr = %node.agent_addr, "node registered");
         agent.registered.send_modify(|g| *g += 1);
@@ -332,7 +345,10 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
             let changes: Vec<pb::DeviceHealthReport> = devices
                 .iter()
                 .filter(|d| {
-                    reported.get(&d.device.id).is_some_and(|h| *h != (d.device.health == suanli_model::Health::Healthy))
+                    let healthy = d.device.health == suanli_model::Health::Healthy;
+                    reported
+                        .get(&d.device.id)
+                        .is_some_and(|(h, kind)| *h != healthy || (!healthy && *kind != reason_kind(&d.reason)))
                 })
                 .map(|d| pb::DeviceHealthReport {
                     device: d.device.id.clone(),
@@ -387,7 +403,8 @@ pub(crate) async fn liveness(agent: Arc<Agent>) {
                         } else {
                             tracing::warn!(device = %c.device, reason = %c.reason, "device reported unhealthy");
                         }
-                        reported.insert(c.device, c.healthy);
+                        let kind = if c.healthy { String::new() } else { reason_kind(&c.reason) };
+                        reported.insert(c.device, (c.healthy, kind));
                     }
                 }
                 Err(s) if s.code() == Code::NotFound => {

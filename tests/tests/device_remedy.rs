@@ -11,7 +11,7 @@
 //! 3. fatal (XID 64) on an idle device: quarantined, in `quarantine.json`;
 //! 4. a recoverable error whose resets fail: quarantined after three resets;
 //! 5. the faults removed and the agent restarted: the quarantined devices stay out of service,
-//!    the recovered one stays in;
+//!    the recovered one stays in, and the control plane lists why (`quarantined: …`);
 //! 6. `suanli node clear-quarantine` on the fatal device: the agent resets and checks it, and it
 //!    is back in service (gone from `quarantine.json`); the other stays quarantined; an unknown
 //!    device is refused, naming it.
@@ -145,6 +145,16 @@ async fn each_device_error_class_ends_as_the_table_says() {
         assert_eq!(health(&n, d).as_deref(), Some("unhealthy"), "{d} left its quarantine on restart: {n:#?}");
     }
 
+    // The control plane knows why (the restarted agent's first heartbeat says it again).
+    let reason = |n: &[pb::NodeInfo], device: &str| {
+        n.iter().find(|x| x.id == "n1")?.devices.iter().find(|d| d.id == device).map(|d| d.health_reason.clone())
+    };
+    wait_nodes(&addr, Duration::from_secs(20), "the quarantine's reason in the node's devices", |n| {
+        reason(n, &fatal_dev).is_some_and(|r| r.starts_with("quarantined:"))
+            && reason(n, &flaky_dev).is_some_and(|r| r.starts_with("quarantined:"))
+    })
+    .await;
+
     // 6. An operator clears the fatal device's quarantine: reset, checked, back in service.
     let cli =
         |args: &[&str]| support::cli().args(args).args(["--server", &addr]).env_remove("SUANLI_ADDR").output().unwrap();
@@ -156,6 +166,7 @@ async fn each_device_error_class_ends_as_the_table_says() {
     })
     .await;
     assert_eq!(health(&n, &flaky_dev).as_deref(), Some("unhealthy"), "only the cleared device left quarantine");
+    assert_eq!(reason(&n, &fatal_dev).as_deref(), Some(""), "a healthy device has no reason");
     let q = std::fs::read_to_string(data.join("quarantine.json")).unwrap();
     assert!(!q.contains(&format!("\"{fatal_dev}\"")) && q.contains(&format!("\"{flaky_dev}\"")), "{q}");
     let o = cli(&["node", "clear-quarantine", "n1", "gpu99"]);

@@ -240,6 +240,13 @@ fn print_node(n: &pb::NodeInfo) {
         "TEMP",
     ];
     print_indented_table(&h, &rows);
+    let reasons: Vec<&pb::DeviceInfo> = n.devices.iter().filter(|d| !d.health_reason.is_empty()).collect();
+    if !reasons.is_empty() {
+        println!("unhealthy devices:");
+        for d in reasons {
+            println!("  {}: {}", d.id, d.health_reason);
+        }
+    }
 }
 
 /// Drain progress as one line: allocations left, jobs away, time to the deadline.

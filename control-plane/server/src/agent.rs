@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Status};
 
-/// Longest node condition message recorded (characters).
+/// Longest node condition or device health reason recorded (characters).
 const MAX_PRESSURE_CHARS: usize = 200;
 
 type Resp<T> = Result<tonic::Response<T>, Status>;
@@ -130,8 +130,16 @@ impl Agent for AgentApi {
         }
         for d in r.devices {
             let health = if d.healthy { Health::Healthy } else { Health::Unhealthy };
-            let cmd =
-                Command::DeviceHealth(DeviceHealth { node: id.clone(), device: d.device, health, now: self.0.now_s() });
+            // Bounded like the pressure message; the state machine cuts it again.
+            let reason: String =
+                if d.healthy { String::new() } else { d.reason.chars().take(MAX_PRESSURE_CHARS).collect() };
+            let cmd = Command::DeviceHealth(DeviceHealth {
+                node: id.clone(),
+                device: d.device,
+                health,
+                reason,
+                now: self.0.now_s(),
+            });
             self.0.propose(cmd).await?;
             self.0.kick.notify_one();
         }

@@ -296,6 +296,7 @@ pub fn node(s: &State, r: &NodeRecord) -> pb::NodeInfo {
                 partition_of: d.partition_of.clone().unwrap_or_default(),
                 used_milli: per_device.get(d.id.as_str()).copied().unwrap_or(0),
                 share_isolation: d.share_isolation.as_str().into(),
+                health_reason: r.device_reasons.get(&d.id).cloned().unwrap_or_default(),
             })
             .collect(),
         labels: r.node.labels.clone().into_iter().collect(),

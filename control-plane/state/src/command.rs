@@ -111,6 +111,10 @@ pub struct DeviceHealth {
     pub device: String,
     /// New health.
     pub health: Health,
+    /// Why it is unhealthy, as its agent said (`quarantined: …`, `recovering: …`, a plugin's
+    /// reason); empty for a healthy device and in entries written before it existed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
     /// Leader's time, seconds.
     pub now: u64,
 }

@@ -5,7 +5,7 @@ use crate::records::{Desired, JobState, NodeStatus, StopReason};
 use crate::state::State;
 use crate::usage::queue_usage;
 use std::collections::{BTreeMap, BTreeSet};
-use suanli_model::{JobId, WHOLE_DEVICE_MILLI};
+use suanli_model::{Health, JobId, WHOLE_DEVICE_MILLI};
 use thiserror::Error;
 
 /// A broken invariant: which rule, and the evidence.
@@ -44,6 +44,7 @@ impl State {
     /// - `audit`: audit sequence numbers increase and are below the next one to assign; the
     ///   log holds at most `audit_retention` records.
     /// - `quarantine-clears`: a node counts quarantine clears only of devices it has.
+    /// - `device-reasons`: a node keeps reasons only for its unhealthy devices.
     /// - `tokens`: at most `max_tokens` token records, each filed under its own id; a token
     ///   signing key, when set, decodes to 32 bytes.
     pub fn invariants(&self) -> Result<(), Violation> {
@@ -53,6 +54,13 @@ impl State {
                 return fail(
                     "quarantine-clears",
                     format!("node {id} counts clears of device {d}, which it does not have"),
+                );
+            }
+            let unhealthy = |d: &str| rec.node.devices.iter().any(|x| x.id == d && x.health == Health::Unhealthy);
+            if let Some(d) = rec.device_reasons.keys().find(|d| !unhealthy(d)) {
+                return fail(
+                    "device-reasons",
+                    format!("node {id} has a reason for device {d}, which is not unhealthy there"),
                 );
             }
         }

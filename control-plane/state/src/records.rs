@@ -507,6 +507,10 @@ pub struct NodeRecord {
     /// Survives re-registration; an entry goes with its device.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub quarantine_clears: BTreeMap<String, u64>,
+    /// By device id: why an unhealthy device is unhealthy, as its agent last said (cut to
+    /// `max_message_len`). Only unhealthy devices the node has are listed.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub device_reasons: BTreeMap<String, String>,
 }
 
 /// A drain in progress on one node.

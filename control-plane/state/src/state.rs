@@ -544,6 +544,9 @@ impl State {
         // Clears of devices the node still has: a gone device's count goes with it.
         let mut quarantine_clears = self.nodes.get(&id).map(|r| r.quarantine_clears.clone()).unwrap_or_default();
         quarantine_clears.retain(|d, _| node.devices.iter().any(|x| &x.id == d));
+        // Reasons of devices still unhealthy in the new inventory (the agent repeats them).
+        let mut device_reasons = self.nodes.get(&id).map(|r| r.device_reasons.clone()).unwrap_or_default();
+        device_reasons.retain(|d, _| node.devices.iter().any(|x| &x.id == d && x.health == Health::Unhealthy));
         self.nodes.insert(
             id.clone(),
             NodeRecord {
@@ -556,6 +559,7 @@ impl State {
                 pressure,
                 drain,
                 quarantine_clears,
+                device_reasons,
             },
         );
         let kinds_changed = self.nodes.get(&id).is_some_and(|r| {
@@ -800,9 +804,15 @@ impl State {
             return Err(CommandError::UnknownDevice { node: c.node.to_string(), device: c.device });
         }
         let now = self.tick(c.now);
+        let reason = cut(&c.reason, self.config.max_message_len);
         if let Some(r) = self.nodes.get_mut(&c.node) {
             for d in r.node.devices.iter_mut().filter(|d| d.id == c.device) {
                 d.health = c.health;
+            }
+            if c.health == Health::Unhealthy && !reason.is_empty() {
+                r.device_reasons.insert(c.device.clone(), reason);
+            } else {
+                r.device_reasons.remove(&c.device);
             }
             r.updated_at = now;
         }

@@ -225,7 +225,7 @@ fn disk_pressure_keeps_new_work_off_a_node_until_it_clears() {
 }
 
 #[test]
-fn quarantine_clears_count_per_device_and_survive_re_registration() {
+fn quarantine_clears_and_health_reasons_survive_re_registration() {
     let mut s = cluster(1);
     let n0 = NodeId::from("n0");
     let dev = s.nodes()[&n0].node.devices[0].id.clone();
@@ -245,8 +245,30 @@ fn quarantine_clears_count_per_device_and_survive_re_registration() {
         s.apply(Command::ClearQuarantine(ClearQuarantine { node: NodeId::from("nope"), device: dev.clone(), now: 6 }));
     assert!(matches!(r, Response::Rejected(CommandError::UnknownNode { .. })), "{r:?}");
     assert_eq!(s.nodes()[&n0].quarantine_clears.len(), 1);
+    // A device's reason is kept while it is unhealthy, across re-registration as long as the
+    // inventory still says unhealthy, and dropped when it is healthy again.
+    let health = |healthy: bool, reason: &str, now| {
+        Command::DeviceHealth(DeviceHealth {
+            node: n0.clone(),
+            device: dev.clone(),
+            health: if healthy { Health::Healthy } else { Health::Unhealthy },
+            reason: reason.to_owned(),
+            now,
+        })
+    };
+    apply_ok(&mut s, health(false, "quarantined: XID 64 (fatal)", 8));
+    assert_eq!(s.nodes()[&n0].device_reasons.get(&dev).map(String::as_str), Some("quarantined: XID 64 (fatal)"));
+    let mut sick = node("n0", 4);
+    sick.devices.iter_mut().filter(|d| d.id == dev).for_each(|d| d.health = Health::Unhealthy);
+    apply_ok(&mut s, register(sick, 9));
+    assert!(s.nodes()[&n0].device_reasons.contains_key(&dev), "kept while the inventory says unhealthy");
+    apply_ok(&mut s, health(true, "ignored", 10));
+    assert!(s.nodes()[&n0].device_reasons.is_empty(), "a healthy device has no reason");
+    apply_ok(&mut s, health(false, "recovering: XID 79", 11));
+    apply_ok(&mut s, register(node("n0", 4), 12));
+    assert!(s.nodes()[&n0].device_reasons.is_empty(), "the new inventory says healthy");
     // The command's JSON form round-trips (it travels in the log).
-    let c = clear(&dev, 7);
+    let c = clear(&dev, 13);
     let text = serde_json::to_string(&c).expect("encode");
     assert!(text.contains("\"clear_quarantine\""), "{text}");
     assert_eq!(serde_json::from_str::<Command>(&text).expect("decode"), c);
@@ -264,7 +286,13 @@ fn a_plan_is_rechecked_against_health_cordons_and_job_state() {
     let mut t = s.clone();
     apply_ok(
         &mut t,
-        Command::DeviceHealth(DeviceHealth { node: n0.clone(), device: dev, health: Health::Unhealthy, now: 2 }),
+        Command::DeviceHealth(DeviceHealth {
+            node: n0.clone(),
+            device: dev,
+            health: Health::Unhealthy,
+            reason: String::new(),
+            now: 2,
+        }),
     );
     let Response::PlanApplied(o) = apply_ok(&mut t, Command::ApplyPlan(ApplyPlan { plan: plan.clone(), now: 2 }))
     else {
@@ -497,7 +525,13 @@ fn drain_and_unhealthy_devices_move_work() {
     apply_ok(&mut s, report(a, e, ReportedStatus::Running, 3));
     apply_ok(
         &mut s,
-        Command::DeviceHealth(DeviceHealth { node: node.clone(), device: dev, health: Health::Unhealthy, now: 4 }),
+        Command::DeviceHealth(DeviceHealth {
+            node: node.clone(),
+            device: dev,
+            health: Health::Unhealthy,
+            reason: String::new(),
+            now: 4,
+        }),
     );
     assert_eq!(job_state(&s, 1), JobState::Requeuing);
     assert!(matches!(&s.allocs()[&a].desired, Desired::Stop { reason: StopReason::DeviceUnhealthy, .. }));

@@ -174,6 +174,7 @@ fn command(s: &State, op: &Op, now: &mut u64) -> Option<Command> {
             node: nid(*node),
             device: format!("gpu{dev}"),
             health: if *healthy { Health::Healthy } else { Health::Unhealthy },
+            reason: if *healthy { String::new() } else { format!("recovering: fault on gpu{dev}") },
             now: *now,
         }),
         Op::ClearQuarantine { node, dev } => {
