@@ -68,6 +68,15 @@ pub(crate) const TOPOLOGY_LABELS: [&str; 3] =
 // plugin check` holds plugins to it).
 use suanli_device_host::check::MAX_TOPOLOGY_VALUE;
 
+/// The longest reason string (characters) the agent keeps for a plugin that is down or a
+/// device that is quarantined or recovering.
+const MAX_REASON_CHARS: usize = 512;
+
+/// `reason` cut to [`MAX_REASON_CHARS`].
+fn cut_reason(reason: &str) -> String {
+    reason.chars().take(MAX_REASON_CHARS).collect()
+}
+
 /// Adds `t`'s values to `labels` under [`TOPOLOGY_LABELS`], keeping a value already there (an
 /// earlier plugin's); an empty value is unknown and adds nothing. A value that is not 1 to
 /// [`MAX_TOPOLOGY_VALUE`] bytes of printable ASCII without spaces (what every label check
@@ -745,7 +754,7 @@ impl Plugins {
         let mut v = p.view();
         let first = v.up || v.down_reason.is_empty();
         v.up = false;
-        v.down_reason = reason.chars().take(512).collect();
+        v.down_reason = cut_reason(reason);
         v.stats.clear();
         drop(v);
         if first {

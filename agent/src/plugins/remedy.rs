@@ -20,7 +20,7 @@
 //!        says healthy
 //! ```
 
-use super::{Plugin, Plugins, fingerprint};
+use super::{Plugin, Plugins, cut_reason, fingerprint};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -264,7 +264,7 @@ impl Plugins {
             .as_ref()
             .and_then(|i| i.devices.iter().find(|d| d.id == device).map(|d| d.uuid.clone()))
             .unwrap_or_default();
-        let reason: String = reason.chars().take(512).collect();
+        let reason = cut_reason(reason);
         tracing::error!(plugin = %p.stem, device = %device, reason = %reason,
             "DEVICE QUARANTINED: out of service until an operator clears it (see docs/agent.md, Device errors)");
         let clears_seen = r.clears.as_ref().map(|m| m.get(device).copied().unwrap_or(0));
@@ -298,8 +298,7 @@ impl Plugins {
             r.recovered.remove(id);
             tracing::warn!(device = %id, reason = %q.reason,
                 "an operator cleared the device's quarantine: it is reset and checked before it returns to service");
-            let reason = format!("quarantine cleared by an operator (was: {})", q.reason);
-            let reason: String = reason.chars().take(512).collect();
+            let reason = cut_reason(&format!("quarantine cleared by an operator (was: {})", q.reason));
             r.recovering.insert(
                 id.clone(),
                 Recovery { reason, attempts: 0, next_try: Instant::now(), last_error: String::new() },

@@ -495,12 +495,12 @@ impl Policy for Fgd {
 // suanli's default
 
 /// suanli's default policy: FGD's integer score first, so the node chosen is always one FGD
-/// ranks first; inside that set ([`Ties`]) the exact fragmentation delta, bin-pack (for a
-/// CPU-only pod: the fewest free devices) and topology, or, when constrained work over-asks a
-/// device model, FGD's own device choice and order plus topology (the same for fractional pods
-/// alone when most typical device tasks are fractions above half a device). Whole devices stay inside one
-/// NVLink block where they fit (best fit); a fractional pod takes the device that fragments
-/// least, then the best fit (docs/sim.md, "How the default decides").
+/// ranks first; inside that set ([`Ties`]) a CPU-only or multi-device pod goes by the exact
+/// fragmentation delta, bin-pack (for a CPU-only pod: the fewest free devices) and topology,
+/// and a pod of one device by topology, then FGD's own device choice and order; when
+/// constrained work over-asks a device model, every pod as FGD plus topology. Whole devices
+/// stay inside one NVLink block where they fit (best fit); without a workload profile a
+/// fractional pod takes the best-fitting device (docs/sim.md, "How the default decides").
 #[derive(Debug)]
 pub struct Suanli {
     norms: Norms,
@@ -517,34 +517,31 @@ const PRIMARY_STEP: i64 = 1_000_000_000;
 /// How the default breaks ties between nodes FGD scores equally.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ties {
-    /// By the weighted sum: exact fragmentation delta, bin-pack, spread, topology.
-    Weighted,
-    /// By topology, then FGD's own device choice (best integer score, lowest index) and node
-    /// order, so that without topology labels the default places exactly as FGD: chosen when
-    /// work limited to some device models asks more of a model than its share of the cluster
-    /// (the exact delta would pull unconstrained work onto the models few typical tasks can
-    /// use — the ones the constrained work needs).
+    /// By the kind of pod: a pod of one device (a fraction or one whole device) by topology,
+    /// then FGD's own device choice and node order; a CPU-only or multi-device pod by the
+    /// weighted sum (exact fragmentation delta, bin-pack, spread, topology). For one-device
+    /// pods the weighted sum chose worse than FGD's first fit on most mixes; for the other
+    /// kinds it chose better (docs/sim.md, "How the default decides").
+    ByKind,
+    /// Every pod by topology, then FGD's own device choice (best integer score, lowest index)
+    /// and node order, so that without topology labels the default places exactly as FGD:
+    /// chosen when work limited to some device models asks more of a model than its share of
+    /// the cluster (the exact delta would pull unconstrained work onto the models few typical
+    /// tasks can use — the ones the constrained work needs).
     FirstFit,
-    /// [`Ties::FirstFit`] for fractional tasks, [`Ties::Weighted`] for the rest: chosen when
-    /// most typical device tasks are fractions above half a device ([`Profile::large_share`]
-    /// at least [`LARGE_SHARE`]). Each such task takes a device of its own and the bin-pack
-    /// term, pulling it onto the fullest node, strands more than FGD's first fit does.
-    LargeShares,
 }
-
-/// The [`Profile::large_share`] from which fractional tasks break ties as FGD does
-/// ([`Ties::LargeShares`]; docs/sim.md, "How the default decides").
-pub const LARGE_SHARE: f64 = 0.45;
 
 impl Ties {
     /// The tie-break for a workload profile (see docs/sim.md, "How the default decides").
     pub fn of(profile: &Profile) -> Self {
-        if profile.model_pressure().iter().any(|&p| p >= 1.0) {
-            Ties::FirstFit
-        } else if profile.large_share() >= LARGE_SHARE {
-            Ties::LargeShares
-        } else {
-            Ties::Weighted
+        if profile.model_pressure().iter().any(|&p| p >= 1.0) { Ties::FirstFit } else { Ties::ByKind }
+    }
+
+    /// Whether a pod of this shape breaks ties as FGD does (else by the weighted sum).
+    fn fgd_for(self, s: &Shape) -> bool {
+        match self {
+            Ties::FirstFit => true,
+            Ties::ByKind => s.dev.is_some_and(|r| r.count == 1),
         }
     }
 }
@@ -601,14 +598,12 @@ impl Policy for Suanli {
         let mut buf = [DevState::default(); MAX_NODE_DEVICES];
         let after_devs = &mut buf[..n.devs.len()];
         after_devs.copy_from_slice(n.devs);
-        // Fractional pods of a large-fraction workload break ties as FGD does.
-        let ties = match self.ties {
-            Ties::LargeShares if s.dev.is_some_and(|r| r.is_share()) => Ties::FirstFit,
-            Ties::LargeShares => Ties::Weighted,
-            t => t,
-        };
+        // One-device pods break ties as FGD does; CPU-only and multi-device pods by the
+        // weighted sum (unless constrained work over-asks a model: then every pod as FGD).
+        // Without a profile there is no FGD score to follow: the weighted sum (best fit).
+        let fgd_ties = use_frag && self.ties.fgd_for(s);
         let (delta, topo, mask, pick) = match s.dev {
-            Some(r) if r.is_share() && ties == Ties::FirstFit => {
+            Some(r) if r.is_share() && fgd_ties => {
                 // FGD's own choice.
                 let (_, delta, mask) = fgd_share(&self.profile, g, n, after_cpu, after_devs, elig, r.milli, before);
                 (delta?, 1.0, mask, Pick::Lowest(1))
@@ -671,8 +666,9 @@ impl Policy for Suanli {
         // when constrained work over-asks some model, only the topology term, leaving FGD's own
         // device choice and first-fit order to decide: then the default is FGD plus topology).
         let primary = if use_frag { sigmoid_score(delta) } else { 0 };
-        let secondary = match ties {
-            Ties::Weighted => {
+        let secondary = if fgd_ties {
+            w.topology * topo
+        } else {
                 let cpu_left = (n.cpu_free - s.cpu_milli) as f64 / self.norms.max_cpu_milli as f64;
                 let dev_left =
                     free_total(g, n, kind).saturating_sub(dev_total(s)) as f64 / self.norms.max_dev_milli as f64;
@@ -681,8 +677,6 @@ impl Policy for Suanli {
                 let fill = if s.dev.is_none() { 1.0 - dev_left } else { 1.0 - 0.5 * (cpu_left + dev_left) };
                 let base = w.binpack * fill + w.spread * (1.0 - fill);
                 w.fragmentation * delta / 1000.0 + base + w.topology * topo
-            }
-            Ties::FirstFit | Ties::LargeShares => w.topology * topo,
         };
         let secondary = (secondary * SCALE).round().clamp(-(PRIMARY_STEP as f64) / 4.0, PRIMARY_STEP as f64 / 4.0);
         Some(Eval { score: primary * PRIMARY_STEP + secondary as i64, mask, pick })
@@ -724,25 +718,25 @@ mod tests {
         Profile::from_counts(&counts, 1.0)
     }
 
-    /// The large-fraction rule changes the default's choice, not only its label: a node of one
-    /// free GPU and a node of two, both free. A task of 600 or 1000 milli strands the same on
-    /// either (FGD scores them equally); the weighted tie-break prefers the fuller node after
-    /// the placement (the one-GPU node), FGD leaves the tie to its node order. In a workload
-    /// where most device tasks are fractions above half a device, fractional tasks leave it to
-    /// FGD (equal scores, FGD's device rule) and whole-GPU tasks keep the weighted tie-break;
-    /// below the threshold fractional tasks are weighted too.
+    /// The tie-break depends on the kind of pod: a node of one free GPU and a node of two, both
+    /// free. A task of 600 or 1000 milli, or a CPU-only task, strands the same on either (FGD
+    /// scores them equally). A one-device task leaves the tie to FGD's node order (equal scores,
+    /// FGD's device rule); a CPU-only task packs where the fewest devices are free (the one-GPU
+    /// node). Without a workload profile there is no FGD score to follow: the weighted sum
+    /// (bin-pack) decides for every kind.
     #[test]
-    fn large_fraction_workloads_leave_fractional_ties_to_fgds_order() {
+    fn one_device_pods_leave_ties_to_fgds_order_and_cpu_only_pods_pack() {
         let nodes = [gpu_node("one", 1), gpu_node("two", 2)];
         let mut c = Cluster::new(&nodes, &Limits::default(), false, TieBreak::FixedOrder).expect("cluster");
-        let task = |milli| TaskResources {
+        let task = |milli: Option<u32>| TaskResources {
             cpu_milli: 1000,
             memory_mib: 1024,
-            devices: Some(DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli, memory_mib: 0 }),
+            devices: milli.map(|milli| DeviceRequest { kind: DeviceKind::Gpu, count: 1, milli, memory_mib: 0 }),
         };
-        let share = c.shape(&task(600), &Constraints::default());
-        let whole = c.shape(&task(1000), &Constraints::default());
-        let (share, whole) = (c.shape_of(share).clone(), c.shape_of(whole).clone());
+        let share = c.shape(&task(Some(600)), &Constraints::default());
+        let whole = c.shape(&task(Some(1000)), &Constraints::default());
+        let cpu = c.shape(&task(None), &Constraints::default());
+        let (share, whole, cpu) = (c.shape_of(share).clone(), c.shape_of(whole).clone(), c.shape_of(cpu).clone());
         let index = |id: &str| c.index_of(&NodeId::new(id)).expect("node");
         let (one, two) = (index("one"), index("two"));
         let eval = |policy: &str, p: &Profile, node: u32, s: &Shape| {
@@ -751,26 +745,26 @@ mod tests {
             policy.eval(g, &n, s).expect("the task fits")
         };
 
-        let large = profile(50, 50);
-        let mixed = profile(40, 60);
-        assert_eq!(Ties::of(&large), Ties::LargeShares);
-        assert_eq!(Ties::of(&mixed), Ties::Weighted);
-        for p in [&large, &mixed] {
-            for s in [&share, &whole] {
-                assert_eq!(eval("fgd", p, one, s).score, eval("fgd", p, two, s).score, "FGD ranks both nodes first");
-            }
+        let p = profile(40, 60);
+        assert_eq!(Ties::of(&p), Ties::ByKind);
+        for s in [&share, &whole, &cpu] {
+            assert_eq!(eval("fgd", &p, one, s).score, eval("fgd", &p, two, s).score, "FGD ranks both nodes first");
         }
-
-        // Large fractions: a fractional task's tie is FGD's.
-        let (a, b) = (eval("suanli", &large, one, &share), eval("suanli", &large, two, &share));
-        assert_eq!(a.score, b.score, "{a:?} {b:?}");
-        assert_eq!((a.pick, b.pick), (Pick::Lowest(1), Pick::Lowest(1)));
-        // ... a whole-GPU task's is still weighted.
-        let (a, b) = (eval("suanli", &large, one, &whole), eval("suanli", &large, two, &whole));
+        // One-device tasks: FGD's tie (and FGD's device rule for the fraction).
+        for s in [&share, &whole] {
+            let (a, b) = (eval("suanli", &p, one, s), eval("suanli", &p, two, s));
+            assert_eq!(a.score, b.score, "{a:?} {b:?}");
+        }
+        assert_eq!(eval("suanli", &p, two, &share).pick, Pick::Lowest(1));
+        // A CPU-only task: the weighted tie-break, onto the node with the fewest free devices.
+        let (a, b) = (eval("suanli", &p, one, &cpu), eval("suanli", &p, two, &cpu));
         assert!(a.score > b.score, "{a:?} {b:?}");
-        // Below the threshold a fractional task is weighted too.
-        let (a, b) = (eval("suanli", &mixed, one, &share), eval("suanli", &mixed, two, &share));
-        assert!(a.score > b.score, "{a:?} {b:?}");
-        assert_eq!(a.pick, Pick::Exact);
+        // No profile: bin-pack for every kind, the fraction on the best-fitting device.
+        let none = Profile::default();
+        for s in [&share, &whole, &cpu] {
+            let (a, b) = (eval("suanli", &none, one, s), eval("suanli", &none, two, s));
+            assert!(a.score > b.score, "{a:?} {b:?}");
+        }
+        assert_eq!(eval("suanli", &none, two, &share).pick, Pick::Exact);
     }
 }

@@ -145,25 +145,6 @@ impl Profile {
         p
     }
 
-    /// Of the typical tasks that ask for devices, the share (by frequency) that ask for one
-    /// fraction of a device above half of it. Two such never share a device, so each takes a
-    /// device of its own and strands what it leaves; when most device tasks are like that, the
-    /// default breaks ties for fractional tasks as FGD does (docs/sim.md, "How the default
-    /// decides").
-    pub fn large_share(&self) -> f64 {
-        let (mut dev, mut large) = (0.0, 0.0);
-        for (k, f) in &self.shapes {
-            if k.count == 0 || k.milli == 0 {
-                continue;
-            }
-            dev += f;
-            if k.count == 1 && k.milli > 500 && k.milli < 1000 {
-                large += f;
-            }
-        }
-        if dev > 0.0 { large / dev } else { 0.0 }
-    }
-
     /// The kept shapes and their frequencies.
     pub fn shapes(&self) -> &[(TypicalKey, f64)] {
         &self.shapes
@@ -277,42 +258,4 @@ fn summary<'a>(
         }
         s
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cluster::ALL_MODELS;
-    use crate::policy::Ties;
-
-    fn profile(shapes: &[(u16, u32, u64)]) -> Profile {
-        let counts: BTreeMap<TypicalKey, u64> = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, &(milli, count, n))| {
-                let key = TypicalKey {
-                    cpu_milli: 1000 * (i as u64 + 1),
-                    milli,
-                    count,
-                    kind: DeviceKind::Gpu,
-                    models: ALL_MODELS,
-                };
-                (key, n)
-            })
-            .collect();
-        Profile::from_counts(&counts, 1.0)
-    }
-
-    #[test]
-    fn large_share_counts_fractions_above_half_a_device_among_device_tasks() {
-        // CPU-only 50, 600-milli 30, 400-milli 10, one whole GPU 10: 30 of 50 device tasks.
-        let p = profile(&[(0, 0, 50), (600, 1, 30), (400, 1, 10), (1000, 1, 10)]);
-        assert!((p.large_share() - 0.6).abs() < 1e-9, "{}", p.large_share());
-        assert_eq!(Ties::of(&p), Ties::LargeShares);
-        // Half a device exactly can share: not large. Nor is a multi-device task.
-        let p = profile(&[(500, 1, 30), (600, 1, 20), (1000, 2, 50)]);
-        assert!((p.large_share() - 0.2).abs() < 1e-9, "{}", p.large_share());
-        assert_eq!(Ties::of(&p), Ties::Weighted);
-        assert!(Profile::default().large_share().abs() < 1e-12);
-    }
 }
