@@ -669,14 +669,13 @@ impl Policy for Suanli {
         let secondary = if fgd_ties {
             w.topology * topo
         } else {
-                let cpu_left = (n.cpu_free - s.cpu_milli) as f64 / self.norms.max_cpu_milli as f64;
-                let dev_left =
-                    free_total(g, n, kind).saturating_sub(dev_total(s)) as f64 / self.norms.max_dev_milli as f64;
-                // A CPU-only pod packs onto the nodes with the fewest free devices: its cores
-                // there strand no GPU (measured: docs/sim.md, "How the default decides").
-                let fill = if s.dev.is_none() { 1.0 - dev_left } else { 1.0 - 0.5 * (cpu_left + dev_left) };
-                let base = w.binpack * fill + w.spread * (1.0 - fill);
-                w.fragmentation * delta / 1000.0 + base + w.topology * topo
+            let cpu_left = (n.cpu_free - s.cpu_milli) as f64 / self.norms.max_cpu_milli as f64;
+            let dev_left = free_total(g, n, kind).saturating_sub(dev_total(s)) as f64 / self.norms.max_dev_milli as f64;
+            // A CPU-only pod packs onto the nodes with the fewest free devices: its cores
+            // there strand no GPU (measured: docs/sim.md, "How the default decides").
+            let fill = if s.dev.is_none() { 1.0 - dev_left } else { 1.0 - 0.5 * (cpu_left + dev_left) };
+            let base = w.binpack * fill + w.spread * (1.0 - fill);
+            w.fragmentation * delta / 1000.0 + base + w.topology * topo
         };
         let secondary = (secondary * SCALE).round().clamp(-(PRIMARY_STEP as f64) / 4.0, PRIMARY_STEP as f64 / 4.0);
         Some(Eval { score: primary * PRIMARY_STEP + secondary as i64, mask, pick })
