@@ -42,7 +42,13 @@ pub enum SuiteSet {
     Tuning,
     /// Both.
     All,
+    /// Fresh draws over the same parameter space from the seeds of `--draws` (twelve mixes
+    /// each, named `d<seed>-h..`): more evidence than one held-out draw, never tuned on.
+    Draws,
 }
+
+/// At most this many draws for `--synthetic-suite draws` (twelve mixes each).
+const MAX_DRAWS: usize = 100;
 
 #[derive(Args, Debug)]
 pub struct FillArgs {
@@ -58,10 +64,15 @@ pub struct FillArgs {
     pub synthetic: Option<usize>,
     /// Instead of trace files: the synthetic workload mixes on a cluster shaped like the public
     /// one (docs/sim.md, "The synthetic suite"): `held-out` (the mixes no tuning has seen),
-    /// `tuning` or `all`. One row per mix: each policy's allocation at 130% arrived, the first
-    /// policy's lead over `fgd`, the unallocated shares' ratio and the offline bound.
+    /// `tuning`, `all`, or `draws` (fresh draws from the seeds of `--draws`). One row per
+    /// mix: each policy's allocation at 130% arrived, the first policy's lead over `fgd`, the
+    /// unallocated shares' ratio and the offline bound.
     #[arg(long, value_enum, conflicts_with_all = ["nodes", "pods"])]
     pub synthetic_suite: Option<SuiteSet>,
+    /// With `--synthetic-suite draws`: the seeds of the draws, as `--seeds` takes them (at most
+    /// 100 draws, 1,200 mixes).
+    #[arg(long)]
+    pub draws: Option<String>,
     /// Comma-separated policies, or `all`.
     #[arg(long, default_value = "suanli,fgd,bestfit")]
     pub policy: String,
@@ -90,21 +101,29 @@ pub struct FillArgs {
 
 /// Parses `42`, `1,2,3` or `42-51` (at most 10,000 seeds).
 pub fn parse_seeds(s: &str) -> Result<Vec<u64>> {
+    parse_seed_list("--seeds", s, 10_000)
+}
+
+/// Parses `42`, `1,2,3` or `42-51` for option `flag`: between 1 and `max` seeds.
+fn parse_seed_list(flag: &str, s: &str, max: usize) -> Result<Vec<u64>> {
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         if let Some((a, b)) = part.split_once('-') {
-            let a: u64 = a.trim().parse().with_context(|| format!("--seeds: {a:?} is not a number"))?;
-            let b: u64 = b.trim().parse().with_context(|| format!("--seeds: {b:?} is not a number"))?;
-            if b < a || b - a >= 10_000 {
-                bail!("--seeds: range {a}-{b} must be ascending and hold at most 10000 seeds");
+            let a: u64 = a.trim().parse().with_context(|| format!("{flag}: {a:?} is not a number"))?;
+            let b: u64 = b.trim().parse().with_context(|| format!("{flag}: {b:?} is not a number"))?;
+            if b < a || b - a >= max as u64 {
+                bail!("{flag}: range {a}-{b} must be ascending and hold at most {max} seeds");
             }
             out.extend(a..=b);
         } else {
-            out.push(part.parse().with_context(|| format!("--seeds: {part:?} is not a number"))?);
+            out.push(part.parse().with_context(|| format!("{flag}: {part:?} is not a number"))?);
+        }
+        if out.len() > max {
+            break;
         }
     }
-    if out.is_empty() || out.len() > 10_000 {
-        bail!("--seeds: give between 1 and 10000 seeds");
+    if out.is_empty() || out.len() > max {
+        bail!("{flag}: give between 1 and {max} seeds");
     }
     Ok(out)
 }
@@ -309,7 +328,19 @@ fn run_suite(a: &FillArgs, set: SuiteSet, policies: &[String], seeds: &[u64]) ->
         SuiteSet::HeldOut => mix::held_out_set(),
         SuiteSet::Tuning => mix::tuning_set(),
         SuiteSet::All => mix::tuning_set().into_iter().chain(mix::held_out_set()).collect(),
+        SuiteSet::Draws => {
+            let Some(spec) = &a.draws else {
+                bail!("--synthetic-suite draws needs --draws SEEDS (for example --draws 1301-1310)");
+            };
+            parse_seed_list("--draws", spec, MAX_DRAWS)?
+                .into_iter()
+                .flat_map(|seed| mix::draw(seed, &format!("d{seed}-")))
+                .collect()
+        }
     };
+    if set != SuiteSet::Draws && a.draws.is_some() {
+        bail!("--draws is for --synthetic-suite draws");
+    }
     let nodes = mix::hetero_nodes(mix::SUITE_NODES);
     let total_gpu: u64 = nodes.iter().map(|n| n.devices.len() as u64 * 1000).sum();
     let mut rows = Vec::new();

@@ -95,6 +95,13 @@ fn bad_input_is_named_not_panicked() {
     let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &p, "--inflate", "0"]);
     assert_clean_failure(&o, "inflate");
 
+    let o = suanli(&["sim", "fill", "--synthetic-suite", "draws"]);
+    assert_clean_failure(&o, "--synthetic-suite draws needs --draws SEEDS");
+    let o = suanli(&["sim", "fill", "--synthetic-suite", "draws", "--draws", "1-101"]);
+    assert_clean_failure(&o, "--draws: range 1-101 must be ascending and hold at most 100 seeds");
+    let o = suanli(&["sim", "fill", "--synthetic-suite", "held-out", "--draws", "7"]);
+    assert_clean_failure(&o, "--draws is for --synthetic-suite draws");
+
     let o = suanli(&["bench", "engine", "--nodes", "0"]);
     assert_clean_failure(&o, "--nodes");
 }

@@ -208,8 +208,10 @@ pub fn held_out_set() -> Vec<Mix> {
     draw(HELD_OUT_SEED, "")
 }
 
-/// Twelve mixes drawn from `seed`, named `<prefix>h<i>-c<cpu%>f<frac%>w<whole%>m<multi%>s<spec%>`.
-fn draw(seed: u64, prefix: &str) -> Vec<Mix> {
+/// Twelve mixes drawn from `seed`, named `<prefix>h<i>-c<cpu%>f<frac%>w<whole%>m<multi%>s<spec%>`
+/// (every third with 10-50% of GPU pods limited to some models): the held-out and retired sets,
+/// and `--synthetic-suite draws`.
+pub fn draw(seed: u64, prefix: &str) -> Vec<Mix> {
     let mut rng = DetRng::new(seed);
     let mut u = |lo: f64, hi: f64| lo + (hi - lo) * rng.below(10_001) as f64 / 10_000.0;
     (0..12)
