@@ -324,6 +324,9 @@ struct SuiteRow {
 
 fn run_suite(a: &FillArgs, set: SuiteSet, policies: &[String], seeds: &[u64]) -> Result<()> {
     use suanli_sim::mix;
+    if set != SuiteSet::Draws && a.draws.is_some() {
+        bail!("--draws is for --synthetic-suite draws");
+    }
     let mixes = match set {
         SuiteSet::HeldOut => mix::held_out_set(),
         SuiteSet::Tuning => mix::tuning_set(),
@@ -338,9 +341,6 @@ fn run_suite(a: &FillArgs, set: SuiteSet, policies: &[String], seeds: &[u64]) ->
                 .collect()
         }
     };
-    if set != SuiteSet::Draws && a.draws.is_some() {
-        bail!("--draws is for --synthetic-suite draws");
-    }
     let nodes = mix::hetero_nodes(mix::SUITE_NODES);
     let total_gpu: u64 = nodes.iter().map(|n| n.devices.len() as u64 * 1000).sum();
     let mut rows = Vec::new();

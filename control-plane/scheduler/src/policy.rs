@@ -662,9 +662,9 @@ impl Policy for Suanli {
             }
         };
         // Primary: FGD's own integer score of the exact delta (device milli), so the node chosen
-        // is always one FGD would rank first. Secondary, inside that set: the weighted sum (or,
-        // when constrained work over-asks some model, only the topology term, leaving FGD's own
-        // device choice and first-fit order to decide: then the default is FGD plus topology).
+        // is always one FGD would rank first. Secondary, inside that set: for a pod that breaks
+        // ties as FGD does (`fgd_ties`), only the topology term, leaving FGD's own device choice
+        // and first-fit order to decide; for the others the weighted sum.
         let primary = if use_frag { sigmoid_score(delta) } else { 0 };
         let secondary = if fgd_ties {
             w.topology * topo
