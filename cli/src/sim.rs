@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use suanli_scheduler::POLICY_NAMES;
 use suanli_scheduler::policy::Weights;
+use suanli_scheduler::rehearsal::{MAX_RUNS, RehearsalConfig};
 use suanli_sim::fill::{FillOptions, FillRun, fill};
 use suanli_sim::report::{self, PolicySummary};
 use suanli_sim::trace;
@@ -97,6 +98,10 @@ pub struct FillArgs {
     /// Weight of the bin-pack scorer (`suanli` policy).
     #[arg(long, default_value_t = Weights::default().binpack)]
     pub w_binpack: f64,
+    /// Paired rehearsal fills per tie rule with which the `suanli` policy chooses its tie rule
+    /// for the workload (docs/sim.md, "How the default decides"); 0: the profile's rule alone.
+    #[arg(long, default_value_t = RehearsalConfig::default().runs)]
+    pub rehearsal_runs: u32,
 }
 
 /// Parses `42`, `1,2,3` or `42-51` (at most 10,000 seeds).
@@ -155,6 +160,9 @@ pub fn run(cmd: SimCmd) -> Result<()> {
 fn run_fill(a: FillArgs) -> Result<()> {
     let policies = parse_policies(&a.policy)?;
     let seeds = parse_seeds(&a.seeds)?;
+    if a.rehearsal_runs > MAX_RUNS {
+        bail!("--rehearsal-runs: {} is over the limit of {MAX_RUNS}", a.rehearsal_runs);
+    }
     if let Some(set) = a.synthetic_suite {
         return run_suite(&a, set, &policies, &seeds);
     }
@@ -277,6 +285,7 @@ fn run_many(
                         inflate: a.inflate,
                         weights,
                         bound_given_placed: true,
+                        rehearsal: Some(RehearsalConfig { runs: a.rehearsal_runs, ..RehearsalConfig::default() }),
                         ..FillOptions::default()
                     };
                     match fill(nodes, pods[si], &opts) {
@@ -404,6 +413,10 @@ fn run_suite(a: &FillArgs, set: SuiteSet, policies: &[String], seeds: &[u64]) ->
     for p in policies {
         head.push_str(&format!(" {:>9}", format!("b|{p}")));
     }
+    let rehearsed = policies.iter().any(|p| p == "suanli");
+    if rehearsed {
+        head.push_str(&format!(" {:>14}", "suanli by-kind"));
+    }
     println!("{head}");
     let (mut wins, mut worst, mut clear_losses) = (0usize, f64::INFINITY, 0usize);
     for r in &rows {
@@ -426,6 +439,14 @@ fn run_suite(a: &FillArgs, set: SuiteSet, policies: &[String], seeds: &[u64]) ->
         line.push_str(&format!(" {:>7.2}", r.bound_alloc));
         for s in &r.summaries {
             line.push_str(&format!(" {:>9.2}", s.bound_given_placed.unwrap_or(f64::NAN)));
+        }
+        if rehearsed {
+            // Of the seeds, how many rehearsals chose the by-kind ties (the rest: first-fit).
+            let chosen = r.summaries.iter().find(|s| s.policy == "suanli").and_then(|s| s.rehearsed_by_kind);
+            line.push_str(&match chosen {
+                Some((k, n)) => format!(" {:>14}", format!("{k}/{n}")),
+                None => format!(" {:>14}", "-"),
+            });
         }
         println!("{line}");
     }

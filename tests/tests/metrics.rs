@@ -212,6 +212,7 @@ async fn prometheus_scrapes_servers_and_agent_and_node_lost_fires() {
         ("inference", "suanli_inference_replicas_wanted{queue=\"default\"} > 0"),
         ("raft", "sum(suanli_raft_is_leader) == 1"),
         ("leader stats", "suanli_device_utilization_ratio"),
+        ("tie rule", "suanli_scheduler_tie_rule == 1"),
         ("agent", "suanli_agent_device_healthy{node=\"node-m\"} == 1"),
     ];
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -72,8 +72,8 @@ pub struct ClusterView {
     pub pending: Vec<PendingJob>,
     /// Running allocations (shared with the state they come from: a view is cheap to take).
     pub running: Vec<Arc<Allocation>>,
-    /// Recent workload for fragmentation-aware placement. Empty: derived from pending and
-    /// running work.
+    /// Recent workload for fragmentation-aware placement. Empty: derived from the pending
+    /// jobs ([`workload_samples`]).
     pub workload: Vec<WorkloadSample>,
     /// Why each node with `schedulable = false` takes no new work, as pending reasons name it:
     /// `down`, `draining`, `cordoned`, or `not schedulable: <why>`. A node missing here is
@@ -112,6 +112,10 @@ pub struct SchedulerConfig {
     /// Keep a multi-node gang in the fewest network units (nodes' `topology.suanli.io/block`
     /// and `nvlink-domain` labels). Off only to measure what topology awareness buys.
     pub topology_aware: bool,
+    /// The `suanli` policy's tie rule, as a rehearsal on the workload chose it
+    /// ([`crate::rehearsal::rehearse`]; the server rehearses in the background). `None`: the
+    /// rule the workload profile alone gives ([`policy::Ties::of`]).
+    pub ties: Option<policy::Ties>,
 }
 
 /// How preemption chooses among acceptable victims (lower priority or reclaimable borrowed
@@ -170,6 +174,7 @@ impl Default for SchedulerConfig {
             naive_scan: false,
             victim_order: VictimOrder::CheckpointAware,
             topology_aware: true,
+            ties: None,
         }
     }
 }
@@ -250,6 +255,25 @@ pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f6
     p
 }
 
+/// The workload a pass measures fragmentation against: the view's recent workload, or, when it
+/// has none, the pending jobs' replicas.
+pub fn workload_samples(view: &ClusterView) -> Vec<WorkloadSample> {
+    if view.workload.is_empty() {
+        view.pending
+            .iter()
+            .flat_map(|p| {
+                p.spec.groups.iter().map(|g| WorkloadSample {
+                    resources: g.resources.clone(),
+                    device_models: p.spec.constraints.device_models.clone(),
+                    count: u64::from(g.replicas),
+                })
+            })
+            .collect()
+    } else {
+        view.workload.clone()
+    }
+}
+
 struct Pass<'a> {
     cfg: &'a SchedulerConfig,
     now: u64,
@@ -297,8 +321,13 @@ impl Tentative {
 /// Runs one scheduling pass. Deterministic: the same view, `now`, `seed` and config give the
 /// same plan.
 pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) -> Result<Plan, ScheduleError> {
-    let probe =
-        policy::build(&cfg.policy, Norms { max_cpu_milli: 1, max_dev_milli: 1000 }, &Profile::default(), cfg.weights)?;
+    let probe = policy::build(
+        &cfg.policy,
+        Norms { max_cpu_milli: 1, max_dev_milli: 1000 },
+        &Profile::default(),
+        cfg.weights,
+        None,
+    )?;
     let mut cluster = Cluster::new(&view.nodes, &cfg.limits, probe.needs_tags(), probe.tie_break())?;
     cluster.set_unschedulable_reasons(&view.unschedulable);
     let kinds = Kinds::new(&view.nodes, &view.running);
@@ -309,22 +338,8 @@ pub fn schedule(view: &ClusterView, now: u64, seed: u64, cfg: &SchedulerConfig) 
     for a in &view.running {
         quota.charge(&a.queue, alloc_resvec(a, &kinds));
     }
-    let samples: Vec<WorkloadSample> = if view.workload.is_empty() {
-        view.pending
-            .iter()
-            .flat_map(|p| {
-                p.spec.groups.iter().map(|g| WorkloadSample {
-                    resources: g.resources.clone(),
-                    device_models: p.spec.constraints.device_models.clone(),
-                    count: u64::from(g.replicas),
-                })
-            })
-            .collect()
-    } else {
-        view.workload.clone()
-    };
-    let profile = build_profile(&cluster, &samples, cfg.typical_coverage);
-    let policy = policy::build(&cfg.policy, Norms::of(cluster.groups()), &profile, cfg.weights)?;
+    let profile = build_profile(&cluster, &workload_samples(view), cfg.typical_coverage);
+    let policy = policy::build(&cfg.policy, Norms::of(cluster.groups()), &profile, cfg.weights, cfg.ties)?;
     let mut pass = Pass {
         cfg,
         now,

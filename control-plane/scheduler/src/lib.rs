@@ -27,6 +27,7 @@ pub mod cluster;
 pub mod engine;
 pub mod policy;
 pub mod quota;
+pub mod rehearsal;
 pub mod rng;
 pub mod workload;
 

@@ -120,10 +120,22 @@ impl Norms {
     }
 }
 
-/// Builds a policy by name.
-pub fn build(name: &str, norms: Norms, profile: &Profile, weights: Weights) -> Result<Box<dyn Policy>, UnknownPolicy> {
+/// Builds a policy by name. `ties` is the default's tie rule as a rehearsal chose it
+/// ([`crate::rehearsal`]); `None`: the rule the profile alone gives ([`Ties::of`]).
+pub fn build(
+    name: &str,
+    norms: Norms,
+    profile: &Profile,
+    weights: Weights,
+    ties: Option<Ties>,
+) -> Result<Box<dyn Policy>, UnknownPolicy> {
     Ok(match name {
-        "suanli" => Box::new(Suanli { norms, ties: Ties::of(profile), profile: profile.clone(), weights }),
+        "suanli" => Box::new(Suanli {
+            norms,
+            ties: ties.unwrap_or_else(|| Ties::of(profile)),
+            profile: profile.clone(),
+            weights,
+        }),
         "fgd" => Box::new(Fgd { profile: profile.clone() }),
         "bestfit" => Box::new(BestFit { norms }),
         "dotprod" => Box::new(DotProd { norms }),
@@ -515,7 +527,8 @@ const SCALE: f64 = 1e6;
 const PRIMARY_STEP: i64 = 1_000_000_000;
 
 /// How the default breaks ties between nodes FGD scores equally.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Ties {
     /// By the kind of pod: a pod of one device (a fraction or one whole device) by topology,
     /// then FGD's own device choice and node order; a CPU-only or multi-device pod by the
@@ -535,6 +548,14 @@ impl Ties {
     /// The tie-break for a workload profile (see docs/sim.md, "How the default decides").
     pub fn of(profile: &Profile) -> Self {
         if profile.model_pressure().iter().any(|&p| p >= 1.0) { Ties::FirstFit } else { Ties::ByKind }
+    }
+
+    /// Its name (`by-kind`, `first-fit`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ties::ByKind => "by-kind",
+            Ties::FirstFit => "first-fit",
+        }
     }
 
     /// Whether a pod of this shape breaks ties as FGD does (else by the weighted sum).
@@ -739,7 +760,7 @@ mod tests {
         let index = |id: &str| c.index_of(&NodeId::new(id)).expect("node");
         let (one, two) = (index("one"), index("two"));
         let eval = |policy: &str, p: &Profile, node: u32, s: &Shape| {
-            let policy = build(policy, Norms::of(c.groups()), p, Weights::default()).expect("policy");
+            let policy = build(policy, Norms::of(c.groups()), p, Weights::default(), None).expect("policy");
             let (g, n) = c.view(node);
             policy.eval(g, &n, s).expect("the task fits")
         };

@@ -54,6 +54,8 @@ pub struct Core {
     pub kick: Notify,
     /// Last heartbeat per node; meaningful on the leader only (never replicated).
     pub heartbeats: Mutex<HashMap<NodeId, Instant>>,
+    /// The default's tie rule as the scheduling loop last rehearsed it; leader memory only.
+    pub tie_rule: Mutex<Option<suanli_scheduler::rehearsal::Rehearsal>>,
     /// Latest device statistics per node from heartbeats; leader memory only, like `heartbeats`.
     pub device_stats: Mutex<HashMap<NodeId, Vec<suanli_proto::v1::DeviceStats>>>,
     /// Bounds open watch streams: agents' and clients' pools, clients per connection.
@@ -95,6 +97,7 @@ impl Core {
             kick: Notify::new(),
             heartbeats: Mutex::new(HashMap::new()),
             device_stats: Mutex::new(HashMap::new()),
+            tie_rule: Mutex::new(None),
             channels: Mutex::new(HashMap::new()),
             log,
             confirmed: tokio::sync::Mutex::new(None),

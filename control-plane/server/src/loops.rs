@@ -14,6 +14,7 @@ use crate::decide::{self, Liveness, PlanChoice, REASONS_EVERY};
 use std::sync::Arc;
 use std::time::Duration;
 use suanli_model::NodeId;
+use suanli_scheduler::rehearsal::{Rehearsal, RehearsalConfig, rehearse};
 use suanli_scheduler::{SchedulerConfig, schedule};
 use suanli_state::{ApplyPlan, Command, NodeDown, NodeStatus, Response, SetNodeMode, State};
 use tokio::sync::watch;
@@ -55,6 +56,9 @@ pub async fn identity(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
     }
 }
 
+/// How often the leader rehearses the default's tie rule on the pending work (at most).
+const REHEARSE_EVERY: Duration = Duration::from_secs(300);
+
 /// The scheduling loop.
 pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
     let interval = Duration::from_millis(core.cfg.schedule_interval_ms);
@@ -66,6 +70,11 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
     let mut last_reasons = Instant::now().checked_sub(REASONS_EVERY).unwrap_or_else(Instant::now);
     let min_gap = Duration::from_millis(core.cfg.schedule_min_gap_ms);
     let mut last_pass = Instant::now().checked_sub(min_gap).unwrap_or_else(Instant::now);
+    // The default's tie rule is rehearsed on the pending work in the background, at most
+    // every REHEARSE_EVERY, and used by the passes after it ends (suanli_scheduler::rehearsal).
+    let mut rehearsing: Option<tokio::task::JoinHandle<Result<Rehearsal, String>>> = None;
+    let mut last_rehearsal: Option<Instant> = None;
+    let mut cfg = cfg;
     loop {
         if *stop.borrow() {
             return;
@@ -103,6 +112,42 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         };
         if view.pending.is_empty() && held.is_empty() {
             continue;
+        }
+        if rehearsing.as_ref().is_some_and(tokio::task::JoinHandle::is_finished)
+            && let Some(h) = rehearsing.take()
+        {
+            match h.await {
+                Ok(Ok(r)) => {
+                    if cfg.ties != Some(r.ties) {
+                        tracing::info!(
+                            rule = r.ties.as_str(),
+                            why = r.why,
+                            runs = r.runs,
+                            nodes = r.nodes,
+                            gain = r.gain(),
+                            se = r.se,
+                            "the default's tie rule, rehearsed on the pending work"
+                        );
+                    }
+                    cfg.ties = Some(r.ties);
+                    *core.tie_rule.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(r);
+                }
+                Ok(Err(e)) => tracing::warn!(error = %e, "rehearsing the default's tie rule failed"),
+                Err(e) => tracing::error!(error = %e, "rehearsing the default's tie rule panicked"),
+            }
+        }
+        if cfg.policy == "suanli"
+            && rehearsing.is_none()
+            && !view.pending.is_empty()
+            && last_rehearsal.is_none_or(|t| t.elapsed() >= REHEARSE_EVERY)
+        {
+            last_rehearsal = Some(Instant::now());
+            let (nodes, samples) = (view.nodes.clone(), suanli_scheduler::engine::workload_samples(&view));
+            let (coverage, weights) = (cfg.typical_coverage, cfg.weights);
+            let rc = RehearsalConfig { seed: core.cfg.scheduler_seed, ..RehearsalConfig::default() };
+            rehearsing = Some(tokio::task::spawn_blocking(move || {
+                rehearse(&nodes, &samples, coverage, weights, &rc).map_err(|e| e.to_string())
+            }));
         }
         let seed = core.cfg.scheduler_seed ^ core.state.applied_index();
         let c = cfg.clone();

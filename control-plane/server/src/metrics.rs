@@ -478,8 +478,20 @@ fn leader_only(reg: &mut Reg, core: &crate::core::Core, leader: bool) {
         "Mean device utilization by pool and model from the plugins' last stats (leader only).",
     );
     let hb = reg.gauge("suanli_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat (leader only).");
+    let tie_rule = reg.gauge(
+        "suanli_scheduler_tie_rule",
+        "1 for the tie rule the default policy uses, as the last rehearsal on the pending work chose it: by-kind or first-fit (leader only).",
+    );
+    let tie_gain = reg.gauge(
+        "suanli_scheduler_rehearsed_gain_points",
+        "GPU allocation points by-kind ties gained over first-fit in the last rehearsal (leader only).",
+    );
     if !leader {
         return;
+    }
+    if let Some(r) = core.tie_rule.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref() {
+        set(&tie_rule, l([("rule", r.ties.as_str()), ("why", r.why)]), 1.0);
+        set(&tie_gain, l([]), r.gain());
     }
     let beats: Vec<(NodeId, f64)> = {
         let m = core.heartbeats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -16,6 +16,7 @@ use suanli_model::{Limits, Node};
 use suanli_scheduler::cluster::{Cluster, ClusterError};
 use suanli_scheduler::engine::{WorkloadSample, build_profile};
 use suanli_scheduler::policy::{self, Norms, Weights};
+use suanli_scheduler::rehearsal::{Rehearsal, RehearsalConfig, RehearsalError, rehearse};
 use suanli_scheduler::{DetRng, Profile, UnknownPolicy};
 use thiserror::Error;
 
@@ -31,6 +32,9 @@ pub enum FillError {
     /// Bad policy name.
     #[error(transparent)]
     Policy(#[from] UnknownPolicy),
+    /// The default's rehearsal could not run.
+    #[error(transparent)]
+    Rehearsal(#[from] RehearsalError),
     /// Bad parameter.
     #[error("{field}: {message}")]
     Param {
@@ -59,6 +63,9 @@ pub struct FillOptions {
     /// Also compute the offline bound given the CPU-only pods this run placed
     /// ([`crate::bound::upper_bound_given`]): [`FillRun::bound_given_placed`].
     pub bound_given_placed: bool,
+    /// How the `suanli` policy chooses its tie rule: a rehearsal on the pod list's typical
+    /// workload (the default, as the server does), or `None` for the profile's rule alone.
+    pub rehearsal: Option<RehearsalConfig>,
 }
 
 impl Default for FillOptions {
@@ -71,6 +78,7 @@ impl Default for FillOptions {
             coverage: 0.95,
             naive: false,
             bound_given_placed: false,
+            rehearsal: Some(RehearsalConfig::default()),
         }
     }
 }
@@ -105,15 +113,20 @@ pub struct FillRun {
     /// Upper bound on the final allocation (%) of any packing that admits the CPU-only pods
     /// this run placed (with [`FillOptions::bound_given_placed`]).
     pub bound_given_placed: Option<f64>,
+    /// How the `suanli` policy chose its tie rule ([`FillOptions::rehearsal`]).
+    pub rehearsal: Option<Rehearsal>,
+}
+
+/// A pod list as workload samples.
+pub fn samples_of(pods: &[TracePod]) -> Vec<WorkloadSample> {
+    pods.iter()
+        .map(|p| WorkloadSample { resources: p.resources(), device_models: p.gpu_spec.clone(), count: 1 })
+        .collect()
 }
 
 /// The typical workload of a pod list, as FGD defines it.
 pub fn profile_of(cluster: &Cluster, pods: &[TracePod], coverage: f64) -> Profile {
-    let samples: Vec<WorkloadSample> = pods
-        .iter()
-        .map(|p| WorkloadSample { resources: p.resources(), device_models: p.gpu_spec.clone(), count: 1 })
-        .collect();
-    build_profile(cluster, &samples, coverage)
+    build_profile(cluster, &samples_of(pods), coverage)
 }
 
 /// The arrival sequence for a seed: shuffled list, then sampled clones (indices into `pods`);
@@ -158,6 +171,7 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
         Norms { max_cpu_milli: 1, max_dev_milli: 1000 },
         &Profile::default(),
         opts.weights,
+        None,
     )?;
     let mut cluster = Cluster::new(nodes, &Limits::default(), probe.needs_tags(), probe.tie_break())?;
     let total = cluster.total_gpu_milli();
@@ -165,7 +179,17 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
         return Err(FillError::Param { field: "nodes", message: "the cluster has no GPUs to fill".into() });
     }
     let profile = profile_of(&cluster, pods, opts.coverage);
-    let policy = policy::build(&opts.policy, Norms::of(cluster.groups()), &profile, opts.weights)?;
+    let rehearsal = match &opts.rehearsal {
+        Some(r) if opts.policy == "suanli" => Some(rehearse(nodes, &samples_of(pods), opts.coverage, opts.weights, r)?),
+        _ => None,
+    };
+    let policy = policy::build(
+        &opts.policy,
+        Norms::of(cluster.groups()),
+        &profile,
+        opts.weights,
+        rehearsal.as_ref().map(|r| r.ties),
+    )?;
     let (seq, order) = arrival_sequence(pods, cluster.len(), total, opts.inflate, opts.seed);
     cluster.set_order(&order);
     let mut rng = DetRng::new(opts.seed ^ 0x9E37_79B9_7F4A_7C15);
@@ -255,6 +279,7 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
         place_seconds,
         placements,
         bound_given_placed,
+        rehearsal,
     })
 }
 

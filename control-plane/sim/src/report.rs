@@ -3,6 +3,7 @@
 use crate::fill::{CURVE_POINTS, FillRun, curve_at};
 use serde::Serialize;
 use std::fmt::Write as _;
+use suanli_scheduler::policy::Ties;
 
 /// One policy's results over all seeds.
 #[derive(Debug, Clone, Serialize)]
@@ -34,6 +35,10 @@ pub struct PolicySummary {
     pub seconds_per_run: f64,
     /// Mean placements per second.
     pub placements_per_s: f64,
+    /// Runs whose rehearsal chose `by-kind` ties, of the runs that rehearsed (`suanli` only).
+    pub rehearsed_by_kind: Option<(usize, usize)>,
+    /// Mean rehearsed gain of `by-kind` over `first-fit` ties, points (`suanli` only).
+    pub rehearsed_gain: Option<f64>,
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -70,6 +75,15 @@ pub fn summarize(policy: &str, runs: &[FillRun]) -> PolicySummary {
         placements_per_s: mean(
             &runs.iter().map(|r| r.placements as f64 / r.place_seconds.max(1e-9)).collect::<Vec<_>>(),
         ),
+        rehearsed_by_kind: {
+            let r: Vec<_> = runs.iter().filter_map(|r| r.rehearsal.as_ref()).filter(|r| r.runs > 0).collect();
+            (!r.is_empty()).then(|| (r.iter().filter(|r| r.ties == Ties::ByKind).count(), r.len()))
+        },
+        rehearsed_gain: {
+            let g: Vec<f64> =
+                runs.iter().filter_map(|r| r.rehearsal.as_ref()).filter(|r| r.runs > 0).map(|r| r.gain()).collect();
+            (!g.is_empty()).then(|| mean(&g))
+        },
     }
 }
 
@@ -95,6 +109,15 @@ pub fn table(sums: &[PolicySummary]) -> String {
             p.frag_of_free,
             p.seconds_per_run
         );
+    }
+    for p in sums {
+        if let (Some((k, n)), Some(g)) = (p.rehearsed_by_kind, p.rehearsed_gain) {
+            let _ = writeln!(
+                s,
+                "{}: by-kind ties on {k} of {n} runs, first-fit (FGD's) on the others (rehearsed gain of by-kind {g:+.2} points)",
+                p.policy
+            );
+        }
     }
     s
 }
