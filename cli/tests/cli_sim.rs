@@ -58,6 +58,14 @@ fn fill_runs_every_policy_and_prints_json() {
         assert_eq!(s["seeds"].as_array().map(Vec::len), Some(3));
         let at130 = s["alloc_at_130"].as_f64().expect("alloc_at_130");
         assert!((0.0..=100.0).contains(&at130));
+        // Only the default rehearses its tie rule, once per run.
+        let rehearsed = &s["rehearsed_by_kind"];
+        if s["policy"] == "suanli" {
+            let (k, n) = (rehearsed[0].as_u64().expect("by-kind runs"), rehearsed[1].as_u64().expect("runs"));
+            assert!(n == 3 && k <= n, "{s}");
+        } else {
+            assert!(rehearsed.is_null(), "{s}");
+        }
     }
     let chart = std::fs::read_to_string(&svg).expect("svg written");
     assert!(chart.starts_with("<svg") && chart.contains("polyline"));
@@ -94,6 +102,9 @@ fn bad_input_is_named_not_panicked() {
 
     let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &p, "--inflate", "0"]);
     assert_clean_failure(&o, "inflate");
+
+    let o = suanli(&["sim", "fill", "--nodes", &n, "--pods", &p, "--rehearsal-runs", "65"]);
+    assert_clean_failure(&o, "--rehearsal-runs: 65 is over the limit of 64");
 
     let o = suanli(&["sim", "fill", "--synthetic-suite", "draws"]);
     assert_clean_failure(&o, "--synthetic-suite draws needs --draws SEEDS");

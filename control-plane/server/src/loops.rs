@@ -96,23 +96,6 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
         if !core.is_leader() || core.halted().is_some() {
             continue;
         }
-        let now = core.now_s();
-        let mut view = core.state.read(|s| s.cluster_view(now));
-        // A federated job whose lease is about to run out waits for its renewal.
-        let held = if core.cfg.federation.is_some() {
-            let margin = crate::federation_link::placement_margin_ms();
-            let drift = crate::federation_link::drift_ms();
-            core.state.read(|s| {
-                let mut held = crate::federation_link::hold_short_leases(s, &mut view, wall_ms(), margin);
-                held.extend(crate::federation_link::hold_for_quota_leases(s, &mut view, wall_ms(), drift));
-                held
-            })
-        } else {
-            Vec::new()
-        };
-        if view.pending.is_empty() && held.is_empty() {
-            continue;
-        }
         if rehearsing.as_ref().is_some_and(tokio::task::JoinHandle::is_finished)
             && let Some(h) = rehearsing.take()
         {
@@ -135,6 +118,23 @@ pub async fn scheduling(core: Arc<Core>, mut stop: watch::Receiver<bool>) {
                 Ok(Err(e)) => tracing::warn!(error = %e, "rehearsing the default's tie rule failed"),
                 Err(e) => tracing::error!(error = %e, "rehearsing the default's tie rule panicked"),
             }
+        }
+        let now = core.now_s();
+        let mut view = core.state.read(|s| s.cluster_view(now));
+        // A federated job whose lease is about to run out waits for its renewal.
+        let held = if core.cfg.federation.is_some() {
+            let margin = crate::federation_link::placement_margin_ms();
+            let drift = crate::federation_link::drift_ms();
+            core.state.read(|s| {
+                let mut held = crate::federation_link::hold_short_leases(s, &mut view, wall_ms(), margin);
+                held.extend(crate::federation_link::hold_for_quota_leases(s, &mut view, wall_ms(), drift));
+                held
+            })
+        } else {
+            Vec::new()
+        };
+        if view.pending.is_empty() && held.is_empty() {
+            continue;
         }
         if cfg.policy == "suanli"
             && rehearsing.is_none()
