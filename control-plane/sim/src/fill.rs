@@ -124,11 +124,6 @@ pub fn samples_of(pods: &[TracePod]) -> Vec<WorkloadSample> {
         .collect()
 }
 
-/// The typical workload of a pod list, as FGD defines it.
-pub fn profile_of(cluster: &Cluster, pods: &[TracePod], coverage: f64) -> Profile {
-    build_profile(cluster, &samples_of(pods), coverage)
-}
-
 /// The arrival sequence for a seed: shuffled list, then sampled clones (indices into `pods`);
 /// and the fixed node order used to break ties (a permutation of `0..nodes`).
 pub fn arrival_sequence(
@@ -178,9 +173,11 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
     if total == 0 {
         return Err(FillError::Param { field: "nodes", message: "the cluster has no GPUs to fill".into() });
     }
-    let profile = profile_of(&cluster, pods, opts.coverage);
+    // The typical workload, as FGD defines it, from the same samples the rehearsal draws on.
+    let samples = samples_of(pods);
+    let profile = build_profile(&cluster, &samples, opts.coverage);
     let rehearsal = match &opts.rehearsal {
-        Some(r) if opts.policy == "suanli" => Some(rehearse(nodes, &samples_of(pods), opts.coverage, opts.weights, r)?),
+        Some(r) if opts.policy == "suanli" => Some(rehearse(nodes, &samples, opts.coverage, opts.weights, r)?),
         _ => None,
     };
     let policy = policy::build(
