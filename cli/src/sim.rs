@@ -270,6 +270,17 @@ fn run_many(
         ProgressStyle::with_template("{bar:40} {pos}/{len} runs {elapsed_precise} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    let rehearsal = Some(RehearsalConfig { runs: a.rehearsal_runs, ..RehearsalConfig::default() });
+    // One pod list under every seed (a trace): its rehearsal is the same for every run, so it is
+    // made once.
+    let same_pods = pods.windows(2).all(|w| std::ptr::eq(w[0], w[1]));
+    let rehearsed = match pods.first() {
+        Some(first) if same_pods && policies.iter().any(|p| p == "suanli") => {
+            let opts = FillOptions { weights, rehearsal, ..FillOptions::default() };
+            suanli_sim::fill::rehearse_pods(nodes, first, &opts)?
+        }
+        _ => None,
+    };
     let results: Mutex<Vec<Option<FillRun>>> = Mutex::new(vec![None; jobs.len()]);
     let next = std::sync::atomic::AtomicUsize::new(0);
     let first_err: Mutex<Option<anyhow::Error>> = Mutex::new(None);
@@ -285,7 +296,8 @@ fn run_many(
                         inflate: a.inflate,
                         weights,
                         bound_given_placed: true,
-                        rehearsal: Some(RehearsalConfig { runs: a.rehearsal_runs, ..RehearsalConfig::default() }),
+                        rehearsal,
+                        rehearsed: rehearsed.clone(),
                         ..FillOptions::default()
                     };
                     match fill(nodes, pods[si], &opts) {

@@ -229,20 +229,24 @@ fn alloc_resvec(a: &Allocation, kinds: &Kinds<'_>) -> ResVec {
     v
 }
 
+/// The typical shape a workload sample counts towards in [`build_profile`].
+pub fn typical_key(cluster: &Cluster, s: &WorkloadSample) -> TypicalKey {
+    let dev = s.resources.devices.as_ref().map(|d| DevReq {
+        kind: d.kind,
+        count: d.count,
+        milli: d.milli.min(1000) as u16,
+        memory_mib: d.memory_mib,
+        isolated: false,
+    });
+    TypicalKey::new(s.resources.cpu_milli, dev, cluster.model_set(&s.device_models))
+}
+
 /// Builds the fragmentation profile from samples. Like the published FGD it ignores memory: a
 /// memory-aware profile was measured and gained nothing (docs/sim.md, "How the default decides").
 pub fn build_profile(cluster: &Cluster, samples: &[WorkloadSample], coverage: f64) -> Profile {
     let mut counts: BTreeMap<TypicalKey, u64> = BTreeMap::new();
     for s in samples {
-        let dev = s.resources.devices.as_ref().map(|d| DevReq {
-            kind: d.kind,
-            count: d.count,
-            milli: d.milli.min(1000) as u16,
-            memory_mib: d.memory_mib,
-            isolated: false,
-        });
-        let key = TypicalKey::new(s.resources.cpu_milli, dev, cluster.model_set(&s.device_models));
-        *counts.entry(key).or_default() += s.count;
+        *counts.entry(typical_key(cluster, s)).or_default() += s.count;
     }
     let mut supply = vec![0.0; 128];
     cluster.for_each_node(|g, _| {

@@ -16,11 +16,12 @@
 //! (measured: docs/sim.md), and with no GPU work or no GPUs there is nothing to rehearse.
 
 use crate::cluster::{Cluster, ClusterError, DevReq, Shape, ShapeId};
-use crate::engine::{WorkloadSample, build_profile};
+use crate::engine::{WorkloadSample, build_profile, typical_key};
 use crate::policy::{self, Norms, Ties, Weights};
 use crate::rng::DetRng;
-use crate::workload::Profile;
+use crate::workload::{Profile, TypicalKey};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use suanli_model::{DeviceKind, Limits, Node};
 use thiserror::Error;
 
@@ -28,6 +29,8 @@ use thiserror::Error;
 pub const MAX_RUNS: u32 = 64;
 /// Most nodes a rehearsal may fill.
 pub const MAX_NODES: usize = 100_000;
+/// Most distinct memory requests a rehearsal draws for one typical shape.
+pub const MAX_MEMORY_REQUESTS: usize = 64;
 
 /// How a rehearsal runs.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -41,11 +44,15 @@ pub struct RehearsalConfig {
     pub inflate: f64,
     /// Seed of the draws and node orders.
     pub seed: u64,
+    /// Draw each pod's memory request as the workload's samples of its typical shape ask it
+    /// (the most common [`MAX_MEMORY_REQUESTS`] of them); `false`: pods ask no memory, as the
+    /// fragmentation profile ignores it.
+    pub memory: bool,
 }
 
 impl Default for RehearsalConfig {
     fn default() -> Self {
-        Self { runs: 3, max_nodes: 2048, inflate: 1.3, seed: 0x005E_ED0F_7135 }
+        Self { runs: 12, max_nodes: 2048, inflate: 1.3, seed: 0x005E_ED0F_7135, memory: true }
     }
 }
 
@@ -117,6 +124,18 @@ impl Rehearsal {
     }
 }
 
+/// A typical shape as a rehearsal draws it.
+struct Typical {
+    /// Cumulative frequency up to and including this shape.
+    cum: f64,
+    /// The shape once per memory request it is asked with, with cumulative sample counts.
+    ids: Vec<(ShapeId, u64)>,
+    /// GPU milli per device (0 for CPU-only or other kinds).
+    gpu_per: u64,
+    /// GPU milli in all.
+    gpu: u64,
+}
+
 /// Chooses the default's tie rule for `samples` (the typical workload, as the engine and
 /// `sim fill` build it with `coverage`) on `nodes`. Deterministic.
 pub fn rehearse(
@@ -149,8 +168,15 @@ pub fn rehearse(
     if total == 0 {
         return Ok(Rehearsal::without(static_rule, "no GPUs", n));
     }
-    // The typical shapes, interned once, with their cumulative frequencies and GPU milli.
-    let mut shapes: Vec<(ShapeId, f64, u64, u64)> = Vec::new();
+    // Memory the typical shapes ask: per typical key, each memory request and how many
+    // samples ask it (the profile itself ignores memory, as FGD does).
+    let mut mems: BTreeMap<TypicalKey, BTreeMap<u64, u64>> = BTreeMap::new();
+    for s in samples.iter().filter(|_| cfg.memory) {
+        *mems.entry(typical_key(&empty, s)).or_default().entry(s.resources.memory_mib).or_default() += s.count;
+    }
+    // The typical shapes, interned once (one per memory request the shape is asked with), with
+    // their cumulative frequencies and GPU milli.
+    let mut shapes: Vec<Typical> = Vec::new();
     let mut cum = 0.0;
     for (k, f) in profile.shapes() {
         let dev = (k.count > 0).then_some(DevReq {
@@ -161,19 +187,40 @@ pub fn rehearse(
             isolated: false,
         });
         let gpu = |per: u64| if k.count > 0 && k.kind == DeviceKind::Gpu { per } else { 0 };
-        let id = empty.intern(Shape {
-            cpu_milli: k.cpu_milli,
-            memory_mib: 0,
-            dev,
-            models: k.models,
-            model_names: None,
-            groups: None,
-            nodes: None,
-        });
+        let asked: Vec<(u64, u64)> = match mems.get(k) {
+            Some(m) if cfg.memory => {
+                let mut v: Vec<(u64, u64)> = m.iter().map(|(mib, n)| (*mib, *n)).collect();
+                v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+                v.truncate(MAX_MEMORY_REQUESTS);
+                v.sort_unstable();
+                v
+            }
+            _ => vec![(0, 1)],
+        };
+        let mut ids = Vec::with_capacity(asked.len());
+        let mut acc = 0u64;
+        for (memory_mib, count) in asked {
+            acc += count;
+            let id = empty.intern(Shape {
+                cpu_milli: k.cpu_milli,
+                memory_mib,
+                dev,
+                models: k.models,
+                model_names: None,
+                groups: None,
+                nodes: None,
+            });
+            ids.push((id, acc));
+        }
         cum += f;
-        shapes.push((id, cum, gpu(u64::from(k.milli)), gpu(u64::from(k.milli) * u64::from(k.count))));
+        shapes.push(Typical {
+            cum,
+            ids,
+            gpu_per: gpu(u64::from(k.milli)),
+            gpu: gpu(u64::from(k.milli) * u64::from(k.count)),
+        });
     }
-    if shapes.iter().all(|s| s.3 == 0) {
+    if shapes.iter().all(|s| s.gpu == 0) {
         return Ok(Rehearsal::without(static_rule, "no GPU work", n));
     }
     let norms = Norms::of(empty.groups());
@@ -196,12 +243,19 @@ pub fn rehearse(
         let mut asked = 0u64;
         while seq.len() < max_pods {
             let u = rng.unit() * cum;
-            let i = shapes.partition_point(|s| s.1 <= u).min(shapes.len() - 1);
-            if (asked + shapes[i].2) as f64 > target {
+            let t = &shapes[shapes.partition_point(|s| s.cum <= u).min(shapes.len() - 1)];
+            if (asked + t.gpu_per) as f64 > target {
                 break;
             }
-            asked += shapes[i].3;
-            seq.push(i);
+            asked += t.gpu;
+            let id = match t.ids.as_slice() {
+                [(id, _)] => *id,
+                ids => {
+                    let x = rng.below(ids[ids.len() - 1].1);
+                    ids[ids.partition_point(|m| m.1 <= x).min(ids.len() - 1)].0
+                }
+            };
+            seq.push((id, t.gpu));
         }
         let mut order: Vec<u32> = (0..n as u32).collect();
         rng.shuffle(&mut order);
@@ -212,8 +266,7 @@ pub fn rehearse(
             c.set_order(&order);
             let mut ties = DetRng::new(tie_seed);
             let mut used = 0u64;
-            for &i in &seq {
-                let (id, _, _, gpu) = shapes[i];
+            for &(id, gpu) in &seq {
                 if let Some(choice) = c.choose(id, p.as_ref(), &mut ties) {
                     c.commit(id, &choice);
                     used += gpu;
@@ -306,6 +359,29 @@ mod tests {
         // A large cluster is sampled evenly.
         let s = rehearse(&n, &w, 0.95, Weights::default(), &RehearsalConfig { max_nodes: 16, ..cfg }).expect("sampled");
         assert_eq!(s.nodes, 16);
+    }
+
+    #[test]
+    fn the_pods_memory_is_rehearsed() {
+        // CPU-only pods that ask half a node's memory each: with their memory a node holds two,
+        // without it four; the GPU pods beside them then pack differently.
+        let n = nodes(16);
+        let mut w = mix();
+        w[0].resources.memory_mib = 131_072;
+        let cfg = RehearsalConfig::default();
+        let with = rehearse(&n, &w, 0.95, Weights::default(), &cfg).expect("with memory");
+        let without =
+            rehearse(&n, &w, 0.95, Weights::default(), &RehearsalConfig { memory: false, ..cfg }).expect("without");
+        assert_eq!((with.why, without.why), ("rehearsed", "rehearsed"));
+        assert_ne!((with.by_kind, with.first_fit), (without.by_kind, without.first_fit));
+        // Memory requests of one typical shape are drawn as the samples ask them.
+        let mut two = mix();
+        two.push(WorkloadSample {
+            resources: TaskResources { memory_mib: 200_000, ..two[0].resources.clone() },
+            ..two[0].clone()
+        });
+        let r = rehearse(&n, &two, 0.95, Weights::default(), &cfg).expect("two memory requests");
+        assert_ne!((r.by_kind, r.first_fit), (with.by_kind, with.first_fit));
     }
 
     #[test]

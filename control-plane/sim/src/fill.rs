@@ -66,6 +66,10 @@ pub struct FillOptions {
     /// How the `suanli` policy chooses its tie rule: a rehearsal on the pod list's typical
     /// workload (the default, as the server does), or `None` for the profile's rule alone.
     pub rehearsal: Option<RehearsalConfig>,
+    /// A rehearsal already made for these nodes and pods with these options
+    /// ([`rehearse_pods`]), used instead of rehearsing again: runs of one pod list under many
+    /// seeds rehearse alike, since the rehearsal's draws have a seed of their own.
+    pub rehearsed: Option<Rehearsal>,
 }
 
 impl Default for FillOptions {
@@ -79,6 +83,7 @@ impl Default for FillOptions {
             naive: false,
             bound_given_placed: false,
             rehearsal: Some(RehearsalConfig::default()),
+            rehearsed: None,
         }
     }
 }
@@ -115,6 +120,18 @@ pub struct FillRun {
     pub bound_given_placed: Option<f64>,
     /// How the `suanli` policy chose its tie rule ([`FillOptions::rehearsal`]).
     pub rehearsal: Option<Rehearsal>,
+}
+
+/// The rehearsal a `suanli` run of `pods` on `nodes` with `opts` makes (`None` for other
+/// policies or without [`FillOptions::rehearsal`]): make it once and pass it as
+/// [`FillOptions::rehearsed`] to runs of the same pods under other seeds.
+pub fn rehearse_pods(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Option<Rehearsal>, FillError> {
+    match &opts.rehearsal {
+        Some(r) if opts.policy == "suanli" => {
+            Ok(Some(rehearse(nodes, &samples_of(pods), opts.coverage, opts.weights, r)?))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// A pod list as workload samples.
@@ -176,8 +193,9 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
     // The typical workload, as FGD defines it, from the same samples the rehearsal draws on.
     let samples = samples_of(pods);
     let profile = build_profile(&cluster, &samples, opts.coverage);
-    let rehearsal = match &opts.rehearsal {
-        Some(r) if opts.policy == "suanli" => Some(rehearse(nodes, &samples, opts.coverage, opts.weights, r)?),
+    let rehearsal = match (&opts.rehearsed, &opts.rehearsal) {
+        (Some(r), _) if opts.policy == "suanli" => Some(r.clone()),
+        (None, Some(r)) if opts.policy == "suanli" => Some(rehearse(nodes, &samples, opts.coverage, opts.weights, r)?),
         _ => None,
     };
     let policy = policy::build(

@@ -6,7 +6,7 @@
 //! where a missing trace is a failure: CI must exercise this.
 
 use std::path::PathBuf;
-use suanli_sim::fill::{FillOptions, fill};
+use suanli_sim::fill::{FillOptions, fill, rehearse_pods};
 use suanli_sim::report::summarize;
 use suanli_sim::trace;
 
@@ -28,19 +28,22 @@ fn trace_dir() -> Option<PathBuf> {
 fn mean_at_130(dir: &std::path::Path, variant: &str, policy: &str) -> f64 {
     let nodes = trace::read_alibaba_nodes(&dir.join("openb_node_list_gpu_node.csv")).expect("node list");
     let pods = trace::read_pods(&dir.join(format!("openb_pod_list_{variant}.csv"))).expect("pod list");
+    // A rehearsal does not depend on the seed: made once for the pod list.
+    let base = FillOptions { policy: policy.into(), ..Default::default() };
+    let rehearsed = rehearse_pods(&nodes, &pods, &base).expect("rehearsal");
     let runs: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = (42..=51u64)
             .collect::<Vec<_>>()
             .chunks(5)
             .map(|seeds| {
-                let (nodes, pods) = (&nodes, &pods);
+                let (nodes, pods, base, rehearsed) = (&nodes, &pods, &base, &rehearsed);
                 let seeds = seeds.to_vec();
                 s.spawn(move || {
                     seeds
                         .into_iter()
                         .map(|seed| {
-                            fill(nodes, pods, &FillOptions { policy: policy.into(), seed, ..Default::default() })
-                                .expect("fill")
+                            let opts = FillOptions { seed, rehearsed: rehearsed.clone(), ..base.clone() };
+                            fill(nodes, pods, &opts).expect("fill")
                         })
                         .collect::<Vec<_>>()
                 })
