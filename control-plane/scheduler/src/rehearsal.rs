@@ -171,7 +171,7 @@ pub fn rehearse(
     // Memory the typical shapes ask: per typical key, each memory request and how many
     // samples ask it (the profile itself ignores memory, as FGD does).
     let mut mems: BTreeMap<TypicalKey, BTreeMap<u64, u64>> = BTreeMap::new();
-    for s in samples.iter().filter(|_| cfg.memory) {
+    for s in samples.iter().filter(|s| cfg.memory && s.count > 0) {
         *mems.entry(typical_key(&empty, s)).or_default().entry(s.resources.memory_mib).or_default() += s.count;
     }
     // The typical shapes, interned once (one per memory request the shape is asked with), with
@@ -188,7 +188,7 @@ pub fn rehearse(
         });
         let gpu = |per: u64| if k.count > 0 && k.kind == DeviceKind::Gpu { per } else { 0 };
         let asked: Vec<(u64, u64)> = match mems.get(k) {
-            Some(m) if cfg.memory => {
+            Some(m) if !m.is_empty() => {
                 let mut v: Vec<(u64, u64)> = m.iter().map(|(mib, n)| (*mib, *n)).collect();
                 v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
                 v.truncate(MAX_MEMORY_REQUESTS);
