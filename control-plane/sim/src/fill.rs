@@ -126,10 +126,17 @@ pub struct FillRun {
 /// policies or without [`FillOptions::rehearsal`]): make it once and pass it as
 /// [`FillOptions::rehearsed`] to runs of the same pods under other seeds.
 pub fn rehearse_pods(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Option<Rehearsal>, FillError> {
+    rehearse_samples(nodes, &samples_of(pods), opts)
+}
+
+/// [`rehearse_pods`] on the pod list's samples.
+fn rehearse_samples(
+    nodes: &[Node],
+    samples: &[WorkloadSample],
+    opts: &FillOptions,
+) -> Result<Option<Rehearsal>, FillError> {
     match &opts.rehearsal {
-        Some(r) if opts.policy == "suanli" => {
-            Ok(Some(rehearse(nodes, &samples_of(pods), opts.coverage, opts.weights, r)?))
-        }
+        Some(r) if opts.policy == "suanli" => Ok(Some(rehearse(nodes, samples, opts.coverage, opts.weights, r)?)),
         _ => Ok(None),
     }
 }
@@ -193,10 +200,9 @@ pub fn fill(nodes: &[Node], pods: &[TracePod], opts: &FillOptions) -> Result<Fil
     // The typical workload, as FGD defines it, from the same samples the rehearsal draws on.
     let samples = samples_of(pods);
     let profile = build_profile(&cluster, &samples, opts.coverage);
-    let rehearsal = match (&opts.rehearsed, &opts.rehearsal) {
-        (Some(r), _) if opts.policy == "suanli" => Some(r.clone()),
-        (None, Some(r)) if opts.policy == "suanli" => Some(rehearse(nodes, &samples, opts.coverage, opts.weights, r)?),
-        _ => None,
+    let rehearsal = match &opts.rehearsed {
+        Some(r) if opts.policy == "suanli" => Some(r.clone()),
+        _ => rehearse_samples(nodes, &samples, opts)?,
     };
     let policy = policy::build(
         &opts.policy,
