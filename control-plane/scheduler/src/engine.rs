@@ -230,7 +230,7 @@ fn alloc_resvec(a: &Allocation, kinds: &Kinds<'_>) -> ResVec {
 }
 
 /// The typical shape a workload sample counts towards in [`build_profile`].
-pub fn typical_key(cluster: &Cluster, s: &WorkloadSample) -> TypicalKey {
+fn typical_key(cluster: &Cluster, s: &WorkloadSample) -> TypicalKey {
     let dev = s.resources.devices.as_ref().map(|d| DevReq {
         kind: d.kind,
         count: d.count,

@@ -6,31 +6,29 @@
 //! and loses a few tenths on others, and no feature of the mix measured so far tells the two
 //! apart (docs/sim.md, "How the default decides"). So instead of guessing from the mix, the
 //! default asks the workload: it fills an empty copy of the cluster (or an even sample of at
-//! most [`RehearsalConfig::max_nodes`] of its nodes) with pods drawn from the typical workload,
-//! once with each rule, on the same draws and node order, `runs` times, and keeps `by-kind`
-//! only when its mean allocation is higher; otherwise `first-fit`, which without topology
-//! labels places exactly as FGD does.
+//! most [`RehearsalConfig::max_nodes`] of its nodes) with pods drawn from the workload's own
+//! samples (a bootstrap of the recent workload, each pod as it was asked, rare shapes
+//! included), once with each rule, on the same draws and node order, `runs` times, and keeps
+//! `by-kind` only when its mean allocation is higher; otherwise `first-fit`, which without
+//! topology labels places exactly as FGD does.
 //!
 //! Pure and deterministic: the draws come from [`RehearsalConfig::seed`], never a clock.
 //! When constrained work over-asks a device model the rule is `first-fit` without a rehearsal
 //! (measured: docs/sim.md), and with no GPU work or no GPUs there is nothing to rehearse.
 
-use crate::cluster::{Cluster, ClusterError, DevReq, Shape, ShapeId};
-use crate::engine::{WorkloadSample, build_profile, typical_key};
+use crate::cluster::{Cluster, ClusterError, ShapeId};
+use crate::engine::{WorkloadSample, build_profile};
 use crate::policy::{self, Norms, Ties, Weights};
 use crate::rng::DetRng;
-use crate::workload::{Profile, TypicalKey};
+use crate::workload::Profile;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
-use suanli_model::{DeviceKind, Limits, Node};
+use suanli_model::{Constraints, DeviceKind, Limits, Node};
 use thiserror::Error;
 
 /// Most rehearsal runs.
 pub const MAX_RUNS: u32 = 64;
 /// Most nodes a rehearsal may fill.
 pub const MAX_NODES: usize = 100_000;
-/// Most distinct memory requests a rehearsal draws for one typical shape.
-pub const MAX_MEMORY_REQUESTS: usize = 64;
 
 /// How a rehearsal runs.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -44,15 +42,11 @@ pub struct RehearsalConfig {
     pub inflate: f64,
     /// Seed of the draws and node orders.
     pub seed: u64,
-    /// Draw each pod's memory request as the workload's samples of its typical shape ask it
-    /// (the most common [`MAX_MEMORY_REQUESTS`] of them); `false`: pods ask no memory, as the
-    /// fragmentation profile ignores it.
-    pub memory: bool,
 }
 
 impl Default for RehearsalConfig {
     fn default() -> Self {
-        Self { runs: 12, max_nodes: 2048, inflate: 1.3, seed: 0x005E_ED0F_7135, memory: true }
+        Self { runs: 12, max_nodes: 2048, inflate: 1.3, seed: 0x005E_ED0F_7135 }
     }
 }
 
@@ -124,20 +118,21 @@ impl Rehearsal {
     }
 }
 
-/// A typical shape as a rehearsal draws it.
-struct Typical {
-    /// Cumulative frequency up to and including this shape.
-    cum: f64,
-    /// The shape once per memory request it is asked with, with cumulative sample counts.
-    ids: Vec<(ShapeId, u64)>,
+/// One sample as a rehearsal draws it.
+struct Draw {
+    /// Cumulative sample count up to and including this one.
+    cum: u64,
+    /// Its shape.
+    id: ShapeId,
     /// GPU milli per device (0 for CPU-only or other kinds).
     gpu_per: u64,
     /// GPU milli in all.
     gpu: u64,
 }
 
-/// Chooses the default's tie rule for `samples` (the typical workload, as the engine and
-/// `sim fill` build it with `coverage`) on `nodes`. Deterministic.
+/// Chooses the default's tie rule for `samples` (the recent workload; the profile both rules
+/// rank by is built from them with `coverage`, as the engine and `sim fill` build it) on
+/// `nodes`. Deterministic.
 pub fn rehearse(
     nodes: &[Node],
     samples: &[WorkloadSample],
@@ -168,59 +163,20 @@ pub fn rehearse(
     if total == 0 {
         return Ok(Rehearsal::without(static_rule, "no GPUs", n));
     }
-    // Memory the typical shapes ask: per typical key, each memory request and how many
-    // samples ask it (the profile itself ignores memory, as FGD does).
-    let mut mems: BTreeMap<TypicalKey, BTreeMap<u64, u64>> = BTreeMap::new();
-    for s in samples.iter().filter(|s| cfg.memory && s.count > 0) {
-        *mems.entry(typical_key(&empty, s)).or_default().entry(s.resources.memory_mib).or_default() += s.count;
-    }
-    // The typical shapes, interned once (one per memory request the shape is asked with), with
-    // their cumulative frequencies and GPU milli.
-    let mut shapes: Vec<Typical> = Vec::new();
-    let mut cum = 0.0;
-    for (k, f) in profile.shapes() {
-        let dev = (k.count > 0).then_some(DevReq {
-            kind: k.kind,
-            count: k.count,
-            milli: k.milli,
-            memory_mib: 0,
-            isolated: false,
-        });
-        let gpu = |per: u64| if k.count > 0 && k.kind == DeviceKind::Gpu { per } else { 0 };
-        let asked: Vec<(u64, u64)> = match mems.get(k) {
-            Some(m) if !m.is_empty() => {
-                let mut v: Vec<(u64, u64)> = m.iter().map(|(mib, n)| (*mib, *n)).collect();
-                v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-                v.truncate(MAX_MEMORY_REQUESTS);
-                v.sort_unstable();
-                v
-            }
-            _ => vec![(0, 1)],
+    // The samples, interned once, with their cumulative counts and GPU milli.
+    let mut draws: Vec<Draw> = Vec::with_capacity(samples.len());
+    let mut cum = 0u64;
+    for s in samples.iter().filter(|s| s.count > 0) {
+        let constraints = Constraints { device_models: s.device_models.clone(), ..Constraints::default() };
+        let id = empty.shape(&s.resources, &constraints);
+        let (gpu_per, count) = match &s.resources.devices {
+            Some(d) if d.kind == DeviceKind::Gpu && d.count > 0 => (u64::from(d.milli.min(1000)), u64::from(d.count)),
+            _ => (0, 0),
         };
-        let mut ids = Vec::with_capacity(asked.len());
-        let mut acc = 0u64;
-        for (memory_mib, count) in asked {
-            acc += count;
-            let id = empty.intern(Shape {
-                cpu_milli: k.cpu_milli,
-                memory_mib,
-                dev,
-                models: k.models,
-                model_names: None,
-                groups: None,
-                nodes: None,
-            });
-            ids.push((id, acc));
-        }
-        cum += f;
-        shapes.push(Typical {
-            cum,
-            ids,
-            gpu_per: gpu(u64::from(k.milli)),
-            gpu: gpu(u64::from(k.milli) * u64::from(k.count)),
-        });
+        cum = cum.saturating_add(s.count);
+        draws.push(Draw { cum, id, gpu_per, gpu: gpu_per * count });
     }
-    if shapes.iter().all(|s| s.gpu == 0) {
+    if draws.iter().all(|d| d.gpu == 0) {
         return Ok(Rehearsal::without(static_rule, "no GPU work", n));
     }
     let norms = Norms::of(empty.groups());
@@ -233,6 +189,7 @@ pub fn rehearse(
         );
     }
     let target = cfg.inflate * total as f64;
+    let total_count = cum as f64;
     // Bounded whatever the workload: at most 64 pods a node's worth of draws.
     let max_pods = n.saturating_mul(64).max(1);
     let mut diffs = Vec::with_capacity(cfg.runs as usize);
@@ -242,20 +199,13 @@ pub fn rehearse(
         let mut seq = Vec::new();
         let mut asked = 0u64;
         while seq.len() < max_pods {
-            let u = rng.unit() * cum;
-            let t = &shapes[shapes.partition_point(|s| s.cum <= u).min(shapes.len() - 1)];
-            if (asked + t.gpu_per) as f64 > target {
+            let u = rng.unit() * total_count;
+            let d = &draws[draws.partition_point(|d| d.cum as f64 <= u).min(draws.len() - 1)];
+            if (asked + d.gpu_per) as f64 > target {
                 break;
             }
-            asked += t.gpu;
-            let id = match t.ids.as_slice() {
-                [(id, _)] => *id,
-                ids => {
-                    let x = rng.below(ids[ids.len() - 1].1);
-                    ids[ids.partition_point(|m| m.1 <= x).min(ids.len() - 1)].0
-                }
-            };
-            seq.push((id, t.gpu));
+            asked += d.gpu;
+            seq.push((d.id, d.gpu));
         }
         let mut order: Vec<u32> = (0..n as u32).collect();
         rng.shuffle(&mut order);
@@ -362,26 +312,23 @@ mod tests {
     }
 
     #[test]
-    fn the_pods_memory_is_rehearsed() {
+    fn each_pod_is_drawn_as_the_workload_asked_it() {
         // CPU-only pods that ask half a node's memory each: with their memory a node holds two,
         // without it four; the GPU pods beside them then pack differently.
         let n = nodes(16);
+        let cfg = RehearsalConfig::default();
+        let light = rehearse(&n, &mix(), 0.95, Weights::default(), &cfg).expect("light");
         let mut w = mix();
         w[0].resources.memory_mib = 131_072;
-        let cfg = RehearsalConfig::default();
-        let with = rehearse(&n, &w, 0.95, Weights::default(), &cfg).expect("with memory");
-        let without =
-            rehearse(&n, &w, 0.95, Weights::default(), &RehearsalConfig { memory: false, ..cfg }).expect("without");
-        assert_eq!((with.why, without.why), ("rehearsed", "rehearsed"));
-        assert_ne!((with.by_kind, with.first_fit), (without.by_kind, without.first_fit));
-        // Memory requests of one typical shape are drawn as the samples ask them.
-        let mut two = mix();
-        two.push(WorkloadSample {
-            resources: TaskResources { memory_mib: 200_000, ..two[0].resources.clone() },
-            ..two[0].clone()
-        });
-        let r = rehearse(&n, &two, 0.95, Weights::default(), &cfg).expect("two memory requests");
-        assert_ne!((r.by_kind, r.first_fit), (with.by_kind, with.first_fit));
+        let heavy = rehearse(&n, &w, 0.95, Weights::default(), &cfg).expect("heavy");
+        assert_eq!((light.why, heavy.why), ("rehearsed", "rehearsed"));
+        assert_ne!((light.by_kind, light.first_fit), (heavy.by_kind, heavy.first_fit));
+        // The tail the profile's coverage leaves out is drawn too: here the only GPU work is
+        // 1% of the pods, below the profile's 95%, and the rehearsal still fills with it.
+        let tail = vec![sample(4_000, None, &[], 99), sample(8_000, Some((1, 1000)), &[], 1)];
+        let r = rehearse(&n, &tail, 0.95, Weights::default(), &cfg).expect("tail");
+        assert_eq!((r.why, r.runs), ("rehearsed", cfg.runs), "{r:?}");
+        assert!(r.by_kind > 0.0 && r.first_fit > 0.0, "{r:?}");
     }
 
     #[test]
