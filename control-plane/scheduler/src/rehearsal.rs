@@ -169,12 +169,13 @@ pub fn rehearse(
     for s in samples.iter().filter(|s| s.count > 0) {
         let constraints = Constraints { device_models: s.device_models.clone(), ..Constraints::default() };
         let id = empty.shape(&s.resources, &constraints);
-        let (gpu_per, count) = match &s.resources.devices {
-            Some(d) if d.kind == DeviceKind::Gpu && d.count > 0 => (u64::from(d.milli.min(1000)), u64::from(d.count)),
+        // GPU milli as the interned shape asks it (a device's milli capped at a whole device).
+        let (gpu_per, gpu) = match empty.shape_of(id).dev {
+            Some(d) if d.kind == DeviceKind::Gpu && d.count > 0 => (u64::from(d.milli), d.total_milli()),
             _ => (0, 0),
         };
         cum = cum.saturating_add(s.count);
-        draws.push(Draw { cum, id, gpu_per, gpu: gpu_per * count });
+        draws.push(Draw { cum, id, gpu_per, gpu });
     }
     if draws.iter().all(|d| d.gpu == 0) {
         return Ok(Rehearsal::without(static_rule, "no GPU work", n));
