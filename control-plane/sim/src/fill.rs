@@ -63,8 +63,9 @@ pub struct FillOptions {
     /// Also compute the offline bound given the CPU-only pods this run placed
     /// ([`crate::bound::upper_bound_given`]): [`FillRun::bound_given_placed`].
     pub bound_given_placed: bool,
-    /// How the `suanli` policy chooses its tie rule: a rehearsal on the pod list's typical
-    /// workload (the default, as the server does), or `None` for the profile's rule alone.
+    /// How the `suanli` policy chooses its tie rule: a rehearsal that draws the pod list's own
+    /// pods (the default, as the server does with its workload), or `None` for the profile's
+    /// rule alone.
     pub rehearsal: Option<RehearsalConfig>,
     /// A rehearsal already made for these nodes and pods with these options
     /// ([`rehearse_pods`]), used instead of rehearsing again: runs of one pod list under many
